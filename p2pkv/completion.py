@@ -1,0 +1,86 @@
+"""Completion polling for posted transfers: with backoff while busy, not at all when idle.
+
+Theory of operation
+-------------------
+The data plane reports completion only when asked (``poll``), and some paths also need
+the *target* of a write to drive progress. One task per node polls every pending handle
+and calls ``progress()``; it sleeps with exponential backoff (1 ms up to 10 ms) while
+anything is pending or a consumer is waiting for incoming writes (``demand``), and parks
+on an event when nothing is: an idle node never wakes up for the data plane.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from .transport.base import DataTransport, TransferHandle, TransferState
+
+log = logging.getLogger("p2pkv.completion")
+
+MIN_DELAY = 0.001
+MAX_DELAY = 0.010
+
+
+class CompletionPoller:
+    def __init__(self, transport: DataTransport) -> None:
+        self.transport = transport
+        self._pending: dict[TransferHandle, trio.Event] = {}
+        self._states: dict[TransferHandle, TransferState] = {}
+        self._demand = 0
+        self._wakeup = trio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    def add_demand(self) -> None:
+        """A consumer waits for incoming writes: keep driving progress."""
+        self._demand += 1
+        self._wake()
+
+    def drop_demand(self) -> None:
+        self._demand -= 1
+
+    async def wait(self, handle: TransferHandle) -> TransferState:
+        """Until the handle is not PROC. Cancellable; the handle stays the caller's."""
+        state = self.transport.poll(handle)
+        if state is not TransferState.PROC:
+            return state
+        event = trio.Event()
+        self._pending[handle] = event
+        self._wake()
+        try:
+            await event.wait()
+        except BaseException:
+            self._pending.pop(handle, None)
+            self._states.pop(handle, None)
+            raise
+        return self._states.pop(handle)
+
+    async def run(self) -> None:
+        delay = MIN_DELAY
+        while True:
+            if not self._pending and self._demand <= 0:
+                self._wakeup = trio.Event()
+                await self._wakeup.wait()
+                delay = MIN_DELAY
+                continue
+            try:
+                self.transport.progress()
+            except Exception:
+                log.exception("data-plane progress failed")
+            finished = False
+            for handle, event in list(self._pending.items()):
+                state = self.transport.poll(handle)
+                if state is not TransferState.PROC:
+                    self._states[handle] = state
+                    del self._pending[handle]
+                    event.set()
+                    finished = True
+            delay = MIN_DELAY if finished else min(delay * 2, MAX_DELAY)
+            await trio.sleep(delay)

@@ -1,0 +1,85 @@
+"""Node configuration: identity, region layout, deadlines and per-peer caps."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+import attrs
+
+from .errors import P2PKVError
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+
+
+def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"{attr.name} must be > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class NodeConfig:
+    """Everything a node needs. Immutable; every deadline is in seconds on the Trio clock.
+
+    Two nodes only talk when their protocol major version, ``block_len``, ``fingerprint``
+    and ``hash_algo``/``hash_seed`` agree: blocks are addressed by hash, so peers that
+    hash differently or lay out blocks differently must never exchange them.
+    """
+
+    peer_id: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    num_blocks: int = attrs.field(default=1024, validator=_positive)
+    block_len: int = attrs.field(default=64 * 1024, validator=_positive)
+    transport: Literal["local", "nixl"] = "local"
+
+    # Compatibility: peers must agree on these (checked at handshake).
+    fingerprint: str = ""  # e.g. model + dtype + layout; opaque to p2pkv
+    hash_algo: str = "sha256"
+    hash_seed: bytes = b""
+    # Optional HMAC authentication of peers: both sides must hold the same secret.
+    secret: bytes | None = attrs.field(default=None, repr=False)
+    # Producer sends a crc32 per block in transfer_done; consumer verifies before loading.
+    verify_checksums: bool = False
+
+    # Deadlines (seconds).
+    connect_timeout: float = attrs.field(default=10.0, validator=_positive)
+    handshake_timeout: float = attrs.field(default=10.0, validator=_positive)
+    lookup_timeout: float = attrs.field(default=5.0, validator=_positive)
+    fetch_timeout: float = attrs.field(default=30.0, validator=_positive)
+    abort_timeout: float = attrs.field(default=2.0, validator=_positive)
+    idle_timeout: float = attrs.field(default=30.0, validator=_positive)
+    heartbeat_interval: float = attrs.field(default=5.0, validator=_positive)
+    lease: float = attrs.field(default=10.0, validator=_positive)  # pins held for a lookup
+    quarantine: float = attrs.field(default=2.0, validator=_positive)  # after an unsettled write
+    registration_timeout: float = attrs.field(default=30.0, validator=_positive)
+    close_timeout: float = attrs.field(default=5.0, validator=_positive)
+
+    # Caps (per peer unless said otherwise).
+    max_peers: int = attrs.field(default=64, validator=_positive)  # per node
+    max_open_requests: int = attrs.field(default=64, validator=_positive)
+    max_keys_per_request: int = attrs.field(default=65536, validator=_positive)
+    max_pinned_blocks: int = attrs.field(default=1 << 20, validator=_positive)
+    max_inflight_bytes: int = attrs.field(default=8 << 30, validator=_positive)
+    max_frame_size: int = attrs.field(default=16 << 20, validator=_positive)
+    max_key_len: int = attrs.field(default=128, validator=_positive)
+    # Large fetches are posted as several handles of at most this many bytes, so one
+    # request never holds the data plane for long and failures stay per chunk.
+    transfer_chunk_bytes: int = attrs.field(default=256 << 20, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.peer_id or len(self.peer_id) > 128:
+            raise P2PKVError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
+        if self.transport not in ("local", "nixl"):
+            raise P2PKVError(f"unknown transport {self.transport!r} (use 'local' or 'nixl')")
+        if self.max_key_len > 1024:
+            raise P2PKVError("max_key_len must be <= 1024")
+
+    def compat_digest(self) -> str:
+        """What must match between peers, as one short digest (for logs)."""
+        h = hashlib.sha256()
+        for part in (str(PROTOCOL_MAJOR), str(self.block_len), self.fingerprint,
+                     self.hash_algo, self.hash_seed.hex()):
+            h.update(part.encode() + b"\0")
+        return h.hexdigest()[:16]

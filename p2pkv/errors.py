@@ -1,0 +1,109 @@
+"""The p2pkv error tree.
+
+Every error p2pkv raises derives from :class:`P2PKVError`, so a host can catch one
+class. Errors say whose fault it was (ours, the peer's, the data plane's, the clock's)
+and carry the peer and what was being done when it happened.
+"""
+
+from __future__ import annotations
+
+
+class P2PKVError(Exception):
+    """Base class of every error p2pkv raises."""
+
+    def __init__(self, message: str, *, peer: str | None = None, op: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.peer = peer
+        self.op = op
+
+    def __str__(self) -> str:
+        where = []
+        if self.peer is not None:
+            where.append(f"peer={self.peer}")
+        if self.op is not None:
+            where.append(f"op={self.op}")
+        return f"{self.message} ({', '.join(where)})" if where else self.message
+
+
+class ProtocolError(P2PKVError):
+    """The wire protocol was violated. See the two subclasses for whose fault it was."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We tried to do something the protocol does not allow in this state.
+
+    Raised by the sans-IO state machine before it changes anything: the call had no
+    effect and the session is still usable.
+    """
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent something malformed or illegal. The session closes with a reason."""
+
+
+class HandshakeRejected(P2PKVError):
+    """The handshake failed: incompatible peer, failed authentication, or a failed
+    registration of the peer's memory. ``reason`` is what was (or would be) sent in the bye.
+    """
+
+    def __init__(self, reason: str, *, peer: str | None = None, remote: bool = False):
+        super().__init__(
+            f"handshake rejected by {'peer' if remote else 'us'}: {reason}", peer=peer,
+            op="handshake",
+        )
+        self.reason = reason
+        self.remote = remote
+
+
+class PeerUnavailable(P2PKVError):
+    """The peer is not (or no longer) connected: refused, closed, dead or reaped."""
+
+
+class SessionClosed(PeerUnavailable):
+    """The session was closed while the operation was pending. ``reason`` says why."""
+
+    def __init__(self, reason: str, *, peer: str | None = None, op: str | None = None):
+        super().__init__(f"session closed: {reason}", peer=peer, op=op)
+        self.reason = reason
+
+
+class P2PKVTimeout(P2PKVError):
+    """A deadline passed (handshake, lookup, fetch, abort acknowledgement, portal call)."""
+
+
+class TransportError(P2PKVError):
+    """The data plane (NIXL or the in-process transport) failed. ``__cause__`` holds why."""
+
+
+class RegistrationFailed(TransportError):
+    """Registering a peer's memory with the data plane failed."""
+
+
+class StoreFull(P2PKVError):
+    """No slot could be freed: every slot is pinned, reserved or quarantined."""
+
+
+class CapacityExceeded(P2PKVError):
+    """A per-peer or per-node cap (peers, open requests, pins, in-flight bytes) was hit."""
+
+
+class PortalClosed(P2PKVError):
+    """The engine behind a sync facade has stopped (``__cause__`` says why if it died)."""
+
+
+__all__ = [
+    "CapacityExceeded",
+    "HandshakeRejected",
+    "LocalProtocolError",
+    "P2PKVError",
+    "P2PKVTimeout",
+    "PeerUnavailable",
+    "PortalClosed",
+    "ProtocolError",
+    "RegistrationFailed",
+    "RemoteProtocolError",
+    "SessionClosed",
+    "StoreFull",
+    "TransportError",
+]

@@ -1,0 +1,361 @@
+"""The node: listener, dialer, supervisor of peer sessions, and the public async API.
+
+Theory of operation
+-------------------
+Everything a node runs lives in one nursery opened by :func:`open_node`: the TCP
+listener, one supervised task per peer session, the registration executor, the
+completion poller and the quarantine timer. The supervisor catches ``Exception`` around
+each session's task (outside the session's own cancel scope), so one peer's failure or
+hostile input never cancels a sibling; ``BaseException`` passes through.
+
+At most one live session per peer id. A hello from a peer id that already has a live
+session either means the peer restarted (a new epoch: the old session is closed and
+fully torn down *before* the new registration starts) or that both sides dialed each
+other at once (same epoch: the connection dialed by the smaller peer id wins, on both
+sides, so they agree without talking).
+
+Closing is idempotent: sessions say bye and drain, the nursery is cancelled, every
+registration still published is released, and the transport is closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .completion import CompletionPoller
+from .config import NodeConfig
+from .errors import (
+    HandshakeRejected,
+    P2PKVError,
+    P2PKVTimeout,
+    PeerUnavailable,
+)
+from .registrar import Offload, Registrar, RegistrarStatistics, to_thread
+from .session.protocol import LocalInfo
+from .session.session import FetchResult, PeerSession
+from .store import BlockStore, StoreStatistics
+from .transport.base import DataTransport, TransportStatistics
+from .wire import Hello
+
+log = logging.getLogger("p2pkv.node")
+
+TransportFactory = Callable[[NodeConfig, BlockStore], DataTransport]
+
+
+@attrs.frozen
+class Peer:
+    """A connected peer, as the public API names it."""
+
+    peer_id: str
+    address: tuple[str, int] | None = None
+
+
+@attrs.frozen
+class NodeStatistics:
+    peer_id: str
+    peers: int  # sessions that finished their handshake
+    sessions: int  # including those still handshaking
+    pinned_slots: int
+    reserved_slots: int
+    quarantined_slots: int
+    inflight_transfers: int
+    inflight_bytes: int
+    registrations: RegistrarStatistics
+    store: StoreStatistics
+    transport: TransportStatistics
+
+
+def make_transport(cfg: NodeConfig, store: BlockStore) -> DataTransport:
+    if cfg.transport == "nixl":
+        from .transport.nixl import NixlTransport
+
+        return NixlTransport.create(agent_name=cfg.peer_id, region=store.array,
+                                    layout=store.layout)
+    from .transport.local import LocalTransport
+
+    return LocalTransport.create(agent_name=cfg.peer_id, region=store.array,
+                                 layout=store.layout)
+
+
+class Node:
+    """A running node. Get one from :func:`open_node`."""
+
+    def __init__(self, config: NodeConfig, store: BlockStore, transport: DataTransport,
+                 offload: Offload) -> None:
+        self.config = config
+        self.store = store
+        self.transport = transport
+        self.offload = offload
+        self.epoch = secrets.randbits(63)
+        self.registrar = Registrar(transport, offload)
+        self.poller = CompletionPoller(transport)
+        self.data_limiter = trio.CapacityLimiter(1)
+        self.cpu_limiter = trio.CapacityLimiter(1)
+        self.address: tuple[str, int] = (config.host, config.port)
+        self._nursery: trio.Nursery | None = None
+        self._sessions: set[PeerSession] = set()
+        self._by_peer: dict[str, PeerSession] = {}
+        self._dialed: set[PeerSession] = set()
+        self._closing = False
+        self._closed = trio.Event()
+        self._wake_quarantine = trio.Event()
+
+    # --- what sessions need -------------------------------------------------------------
+
+    def local_info(self) -> LocalInfo:
+        cfg, layout = self.config, self.store.layout
+        return LocalInfo(
+            peer_id=cfg.peer_id, epoch=self.epoch, agent_name=self.transport.agent_name,
+            agent_metadata=self.transport.metadata(), base_addr=layout.base_addr,
+            num_blocks=layout.num_blocks, block_len=layout.block_len,
+            fingerprint=cfg.fingerprint, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed,
+            nonce=secrets.token_bytes(16), secret=cfg.secret,
+            max_open_requests=cfg.max_open_requests,
+            max_keys_per_request=cfg.max_keys_per_request, max_key_len=cfg.max_key_len,
+            max_frame_size=cfg.max_frame_size,
+        )
+
+    async def admit(self, session: PeerSession, hello: Hello) -> None:
+        """Make ``session`` the one live session of its peer id, or reject it."""
+        if self._closing:
+            raise HandshakeRejected("node is shutting down", peer=hello.peer_id)
+        old = self._by_peer.get(hello.peer_id)
+        if old is not None and old is not session and old.alive:
+            old_hello = old.proto.peer
+            if old_hello is not None and old_hello.epoch == hello.epoch:
+                # Both sides dialed: keep the connection the smaller peer id dialed.
+                dialer_small = min(self.config.peer_id, hello.peer_id) == self.config.peer_id
+                if (session in self._dialed) != dialer_small:
+                    raise HandshakeRejected("duplicate connection", peer=hello.peer_id)
+                reason = "duplicate connection"
+            else:
+                reason = "superseded: the peer restarted"
+            old.close(reason, "superseded")
+            with trio.move_on_after(self.config.close_timeout):
+                await old.finished.wait()
+        elif old is None and len(self._by_peer) >= self.config.max_peers:
+            raise HandshakeRejected(f"node is at its cap of {self.config.max_peers} peers",
+                                    peer=hello.peer_id)
+        if self._closing:
+            raise HandshakeRejected("node is shutting down", peer=hello.peer_id)
+        self._by_peer[hello.peer_id] = session
+
+    def session_gone(self, session: PeerSession) -> None:
+        self._sessions.discard(session)
+        self._dialed.discard(session)
+        pid = session.peer_id
+        if pid is not None and self._by_peer.get(pid) is session:
+            del self._by_peer[pid]
+
+    def defer(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
+        """Call ``fn(*args)`` after ``delay`` seconds (or at shutdown, whichever first)."""
+        async def later() -> None:
+            try:
+                await trio.sleep(delay)
+            finally:
+                fn(*args)
+
+        assert self._nursery is not None
+        self._nursery.start_soon(later)
+
+    def wake_quarantine(self) -> None:
+        self._wake_quarantine.set()
+
+    # --- background tasks -----------------------------------------------------------------
+
+    async def _supervise(self, session: PeerSession) -> None:
+        self._sessions.add(session)
+        try:
+            await session.run()
+        except Exception:  # outside the session's cancel scope; see the module docstring
+            log.exception("session with %s crashed", session.peer_id)
+        finally:
+            self.session_gone(session)
+
+    async def _accept(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = stream.socket.getpeername()
+        except OSError:
+            peer = None
+        await self._supervise(PeerSession(self, stream, address=peer))
+
+    async def _quarantine_timer(self) -> None:
+        while True:
+            self.store.release_quarantined(trio.current_time())
+            deadline = self.store.next_quarantine_deadline()
+            self._wake_quarantine = trio.Event()
+            with trio.move_on_at(math.inf if deadline is None else deadline):
+                await self._wake_quarantine.wait()
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+        sockname = listeners[0].socket.getsockname()
+        self.address = (str(sockname[0]), int(sockname[1]))
+        await nursery.start(trio.serve_listeners, self._accept, listeners)
+        nursery.start_soon(self.registrar.run)
+        nursery.start_soon(self.poller.run)
+        nursery.start_soon(self._quarantine_timer)
+
+    # --- public API -------------------------------------------------------------------------
+
+    def _session(self, peer: Peer | str, op: str) -> PeerSession:
+        pid = peer if isinstance(peer, str) else peer.peer_id
+        session = self._by_peer.get(pid)
+        if session is None or not session.alive:
+            raise PeerUnavailable("not connected", peer=pid, op=op)
+        return session
+
+    async def connect(self, address: tuple[str, int]) -> Peer:
+        """Dial a peer; returns once both sides have registered each other (both acks)."""
+        if self._closing or self._nursery is None:
+            raise PeerUnavailable("node is closed", op="connect")
+        host, port = address
+        try:
+            with trio.fail_after(self.config.connect_timeout):
+                stream = await trio.open_tcp_stream(host, port)
+        except (OSError, trio.TooSlowError) as exc:
+            raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}",
+                                  op="connect") from exc
+        session = PeerSession(self, stream, address=(host, port))
+        self._dialed.add(session)
+        self._nursery.start_soon(self._supervise, session)
+        await _wait_either(session.ready, session.finished)
+        if session.ready.is_set() and session.alive:
+            assert session.peer_id is not None
+            return Peer(session.peer_id, (host, port))
+        winner = self._by_peer.get(session.peer_id or "")
+        if winner is not None and session.close_reason == "duplicate connection":
+            await _wait_either(winner.ready, winner.finished)
+            if winner.ready.is_set() and winner.alive:
+                return Peer(winner.peer_id or "", winner.address)
+        err = session.error
+        if isinstance(err, HandshakeRejected):
+            raise err
+        if isinstance(err, P2PKVTimeout):
+            raise P2PKVTimeout(f"connecting to {host}:{port}: {err.message}",
+                               peer=session.peer_id, op="connect") from err
+        raise PeerUnavailable(f"connecting to {host}:{port} failed: "
+                              f"{session.close_reason or 'session ended'}",
+                              peer=session.peer_id, op="connect") from err
+
+    async def lookup(self, peer: Peer | str, keys: Sequence[bytes]) -> list[bool]:
+        """Which ``keys`` the peer holds. Hits stay pinned there for the lease, so a
+        :meth:`fetch` of them soon after reuses this round."""
+        _req, hits = await self._session(peer, "lookup").lookup(keys)
+        return hits
+
+    async def fetch(self, peer: Peer | str, keys: Sequence[bytes]) -> FetchResult:
+        """Pull ``keys`` into :attr:`store`. Per-key failures (misses, timeouts, a peer that
+        died) are in ``result.failed``; raises only if the peer is not connected."""
+        return await self._session(peer, "fetch").fetch(keys)
+
+    async def disconnect(self, peer: Peer | str) -> None:
+        session = self._session(peer, "disconnect")
+        await session.aclose("disconnected")
+
+    def peers(self) -> list[Peer]:
+        return [Peer(pid, s.address) for pid, s in self._by_peer.items()
+                if s.ready.is_set() and s.alive]
+
+    def statistics(self) -> NodeStatistics:
+        st = self.store.statistics()
+        return NodeStatistics(
+            peer_id=self.config.peer_id,
+            peers=sum(1 for s in self._by_peer.values() if s.ready.is_set() and s.alive),
+            sessions=len(self._sessions), pinned_slots=st.pinned,
+            reserved_slots=st.reserved, quarantined_slots=st.quarantined,
+            inflight_transfers=self.poller.in_flight,
+            inflight_bytes=sum(s.inflight_bytes for s in self._sessions),
+            registrations=self.registrar.statistics(), store=st,
+            transport=self.transport.statistics(),
+        )
+
+    async def aclose(self) -> None:
+        """Close every session (bye), stop the node. Idempotent."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        for session in list(self._sessions):
+            session.close("node shutting down")
+        with trio.move_on_after(self.config.close_timeout):
+            for session in list(self._sessions):
+                await session.finished.wait()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    async def _final_cleanup(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self.registrar.aclose()
+            await self.registrar.drain()
+            try:
+                self.transport.close()
+            finally:
+                self._closed.set()
+
+
+async def _wait_either(a: trio.Event, b: trio.Event) -> None:
+    async with trio.open_nursery() as nursery:
+        async def wait(ev: trio.Event) -> None:
+            await ev.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(wait, a)
+        nursery.start_soon(wait, b)
+
+
+@asynccontextmanager
+async def open_node(
+    config: NodeConfig,
+    *,
+    region: object | None = None,
+    transport: TransportFactory | None = None,
+    offload: Offload | None = None,
+) -> AsyncIterator[Node]:
+    """Run a node for the duration of the ``async with`` block; listening when entered.
+
+    ``region``: memory the host hands in for the block store (NumPy array, torch CPU
+    tensor, writable buffer); allocated if omitted. ``transport`` and ``offload`` are for
+    tests (a fault-injecting transport; a Trio-native offload on the autojump clock).
+    """
+    store = BlockStore(config.num_blocks, config.block_len, region)
+    dp = (transport or make_transport)(config, store)
+    node = Node(config, store, dp, offload or to_thread)
+    try:
+        async with trio.open_nursery() as nursery:
+            await node._start(nursery)
+            try:
+                yield node
+            finally:
+                await node.aclose()
+    except BaseExceptionGroup as group:
+        raise _unwrap(group) from None
+    finally:
+        await node._final_cleanup()
+
+
+def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """One error out of the nursery is raised as itself, not as a one-element group."""
+    leaves: list[BaseException] = []
+
+    def walk(g: BaseExceptionGroup[BaseException]) -> None:
+        for e in g.exceptions:
+            if isinstance(e, BaseExceptionGroup):
+                walk(e)
+            elif not isinstance(e, trio.Cancelled):
+                leaves.append(e)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group
+
+
+__all__ = ["FetchResult", "Node", "NodeStatistics", "P2PKVError", "Peer", "open_node"]

@@ -1,0 +1,196 @@
+"""Peer registration off the Trio thread, with a generation guard.
+
+Theory of operation
+-------------------
+Registering a peer's memory with the data plane (``add_remote_peer``: NIXL's
+``add_remote_agent`` plus preparing a descriptor list over every remote block) blocks and
+can be slow. It must never run on the Trio thread, and it must never leak: a peer can be
+reaped (its session closed) or come back with a new epoch while its registration is still
+running in a worker thread.
+
+One executor task, owned by the node's nursery, takes jobs ``(agent name, generation)``
+from a channel and runs them one at a time in ``trio.to_thread.run_sync`` on a dedicated
+``CapacityLimiter(1)``. The thread is *not* abandonable: when the executor is cancelled it
+still gets the registration's result back, and Trio raises ``Cancelled`` only at the next
+checkpoint. Between getting the result and that checkpoint the executor decides, with no
+checkpoint in between, whether to **publish** (the job's generation is still the agent
+name's current generation) or **release** (the peer was retired or re-registered
+meanwhile: ``remove_remote_peer`` runs in a shielded thread call). Sessions only *wait*
+for a job's outcome, so a reaped session goes away at once and the executor cleans up.
+
+Every registration therefore ends exactly one way: published and later retired, released
+as stale, or failed with nothing left registered (invariant 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+import attrs
+import trio
+
+from .errors import RegistrationFailed, SessionClosed
+from .transport.base import DataTransport, RegionLayout, RemotePeer
+
+log = logging.getLogger("p2pkv.registrar")
+T = TypeVar("T")
+
+
+class Offload(Protocol):
+    """How blocking data-plane calls leave the Trio thread (``trio.to_thread.run_sync``).
+
+    Tests on Trio's autojump clock inject a Trio-native fake instead (labelled as such),
+    because virtual time jumps past real threads.
+    """
+
+    def __call__(
+        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter
+    ) -> Awaitable[T]: ...
+
+
+async def to_thread(fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
+    """The real offload: a worker thread on ``limiter``, never abandoned on cancel."""
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+@attrs.define(eq=False)
+class RegistrationJob:
+    agent_name: str
+    generation: int
+    metadata: bytes
+    layout: RegionLayout
+    done: trio.Event = attrs.field(factory=trio.Event)
+    peer: RemotePeer | None = None
+    error: BaseException | None = None
+
+    async def wait(self) -> RemotePeer:
+        """Wait for the outcome. Cancelling the waiter never cancels the registration."""
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.peer is not None
+        return self.peer
+
+
+@attrs.frozen
+class RegistrarStatistics:
+    live: int  # published registrations not yet retired
+    started: int
+    published: int
+    failed: int
+    released_stale: int  # finished after their peer was retired or re-registered
+    retired: int
+    running: bool  # a registration thread is running now
+
+
+class Registrar:
+    def __init__(self, transport: DataTransport, offload: Offload = to_thread) -> None:
+        self.transport = transport
+        self.limiter = trio.CapacityLimiter(1)
+        self._offload = offload
+        self._send, self._recv = trio.open_memory_channel[RegistrationJob](math.inf)
+        self._generation: dict[str, int] = {}
+        self._live: dict[str, tuple[int, RemotePeer]] = {}
+        self._started = self._published = self._failed = 0
+        self._released_stale = self._retired = 0
+        self._running = False
+
+    def statistics(self) -> RegistrarStatistics:
+        return RegistrarStatistics(
+            live=len(self._live), started=self._started, published=self._published,
+            failed=self._failed, released_stale=self._released_stale,
+            retired=self._retired, running=self._running,
+        )
+
+    def current(self, agent_name: str) -> RemotePeer | None:
+        entry = self._live.get(agent_name)
+        return None if entry is None else entry[1]
+
+    def submit(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RegistrationJob:
+        """Start a new generation for ``agent_name``; any older one becomes stale."""
+        gen = self._generation.get(agent_name, 0) + 1
+        self._generation[agent_name] = gen
+        job = RegistrationJob(agent_name, gen, metadata, layout)
+        self._send.send_nowait(job)
+        return job
+
+    def retire(self, job: RegistrationJob) -> RemotePeer | None:
+        """The job's session is gone. Invalidate its generation (so a registration still
+        running will release itself) and hand back its published registration, if any,
+        for the caller to :meth:`release`."""
+        if self._generation.get(job.agent_name) == job.generation:
+            self._generation[job.agent_name] = job.generation + 1
+        if not job.done.is_set():
+            job.error = SessionClosed("registration retired", peer=job.agent_name)
+            job.done.set()
+        entry = self._live.get(job.agent_name)
+        if entry is not None and entry[0] == job.generation:
+            del self._live[job.agent_name]
+            self._retired += 1
+            return entry[1]
+        return None
+
+    async def release(self, peer: RemotePeer | None) -> None:
+        """Release a registration off the Trio thread; shielded, so it always happens."""
+        if peer is None:
+            return
+        with trio.CancelScope(shield=True):
+            try:
+                await self._offload(self.transport.remove_remote_peer, peer,
+                                    limiter=self.limiter)
+            except Exception:
+                log.exception("releasing the registration of %s failed", peer.agent_name)
+
+    async def drain(self) -> None:
+        """Wait until no registration thread runs (shutdown, tests)."""
+        async with self.limiter:
+            pass
+
+    async def run(self) -> None:
+        """The executor task. Runs until cancelled."""
+        async for job in self._recv:
+            if job.done.is_set() or self._generation.get(job.agent_name) != job.generation:
+                continue  # retired or superseded before it started
+            self._started += 1
+            self._running = True
+            try:
+                peer = await self._offload(
+                    self.transport.add_remote_peer, job.agent_name, job.metadata,
+                    job.layout, limiter=self.limiter,
+                )
+            except Exception as exc:
+                self._running = False
+                self._failed += 1
+                if not job.done.is_set():
+                    if isinstance(exc, RegistrationFailed):
+                        job.error = exc
+                    else:
+                        job.error = RegistrationFailed(str(exc), peer=job.agent_name)
+                        job.error.__cause__ = exc
+                    job.done.set()
+                continue
+            self._running = False
+            # No checkpoint between here and the decision: publish or release.
+            if self._generation.get(job.agent_name) == job.generation and not job.done.is_set():
+                old = self._live.pop(job.agent_name, None)
+                self._live[job.agent_name] = (job.generation, peer)
+                self._published += 1
+                job.peer = peer
+                job.done.set()
+                if old is not None:  # superseded without a retire: already stale in the
+                    await self.release(old[1])  # transport (re-add drops it); free its state
+            else:
+                self._released_stale += 1
+                log.info("registration of %s (generation %d) finished stale; released",
+                         job.agent_name, job.generation)
+                await self.release(peer)
+
+    async def aclose(self) -> None:
+        """Release every published registration (shutdown)."""
+        while self._live:
+            _name, (_gen, peer) = self._live.popitem()
+            self._retired += 1
+            await self.release(peer)

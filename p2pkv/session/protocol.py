@@ -1,0 +1,694 @@
+"""The session protocol as a pure state machine (sans-IO, in the style of h11).
+
+Theory of operation
+-------------------
+Everything that affects a session's protocol state lives here. This module knows nothing
+of Trio, sockets, NIXL or clocks: bytes and calls come in, events and bytes go out, and
+time is an argument. The Trio driver (:mod:`p2pkv.session.session`) does the I/O, the
+registration and the data plane, and tells this machine what happened.
+
+Both sides of a session are symmetric: each may be a consumer (it sends ``lookup`` and
+``fetch`` and receives blocks) and a producer (it answers and writes).
+
+The handshake and the ack barrier
+    Each side sends ``hello`` first. When the peer's hello passes the compatibility checks
+    the machine emits :class:`HelloReceived`; the driver registers the peer's memory with
+    the data plane and then calls :meth:`SessionProtocol.registration_succeeded`, which
+    queues our ``hello_ack``. The ack therefore means "I can write into you now". Nothing
+    but ``hello``/``hello_ack``/``bye`` is put on the wire before the *peer's* ack has
+    arrived (it is queued), and any request from the peer that arrives before *our* ack
+    was sent is a protocol error: so no write ever targets a peer this side has not
+    finished registering (invariant 3).
+
+Requests
+    Request ids are per direction and strictly increasing, so a reused id is detected in
+    O(1). A consumer request goes ``LOOKUP_SENT -> OPEN -> FETCH_SENT -> done``, or to
+    ``ABORT_SENT -> done`` from any of them. A producer round goes
+    ``ANSWERING -> PINNED (lease) [-> EXPIRED] -> WRITING -> done``; ``abort`` ends it once
+    the driver has drained its writes and calls :meth:`send_abort_ack`. Every request ends
+    in exactly one terminal outcome, and every round's pins are released exactly once: by
+    ``send_transfer_done``, ``send_abort_ack``, an empty fetch, lease expiry, or close —
+    each of which tells the driver which round's pins to release.
+
+Errors
+    Calling a method in the wrong state raises :class:`LocalProtocolError` and changes
+    nothing. Bad input from the peer raises :class:`RemoteProtocolError` from
+    :meth:`next_event`; the machine is then in the ``ERROR`` state with a ``bye`` queued
+    that carries the reason. A failed compatibility check raises
+    :class:`HandshakeRejected` the same way.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+
+from ..config import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from ..errors import (
+    CapacityExceeded,
+    HandshakeRejected,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
+from ..wire import (
+    Abort,
+    AbortAck,
+    Bye,
+    Fetch,
+    FrameDecoder,
+    Hello,
+    HelloAck,
+    Lookup,
+    LookupResp,
+    Message,
+    Ping,
+    Pong,
+    TransferDone,
+    encode,
+)
+
+# --- what we are --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class LocalInfo:
+    """Everything our hello says, plus the limits we enforce on the peer."""
+
+    peer_id: str
+    epoch: int
+    agent_name: str
+    agent_metadata: bytes
+    base_addr: int
+    num_blocks: int
+    block_len: int
+    fingerprint: str = ""
+    hash_algo: str = "sha256"
+    hash_seed: bytes = b""
+    nonce: bytes = b"\0" * 16
+    secret: bytes | None = attrs.field(default=None, repr=False)
+    max_open_requests: int = 64
+    max_keys_per_request: int = 65536
+    max_key_len: int = 128
+    max_frame_size: int = 16 << 20
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"  # until both hello_acks are through
+    READY = "ready"
+    CLOSED = "closed"  # bye sent or received
+    ERROR = "error"  # the peer broke the protocol (a bye with the reason is queued)
+
+
+class OutState(enum.Enum):
+    LOOKUP_SENT = "lookup_sent"
+    OPEN = "open"  # lookup answered; the producer holds pins for its hits
+    FETCH_SENT = "fetch_sent"
+    ABORT_SENT = "abort_sent"
+
+
+class InState(enum.Enum):
+    ANSWERING = "answering"  # lookup received, our answer not sent yet
+    PINNED = "pinned"
+    EXPIRED = "expired"  # lease ran out, pins released; a fetch gets LEASE_EXPIRED
+    WRITING = "writing"
+    ABORTING = "aborting"  # abort received, the driver is draining writes
+
+
+@attrs.define
+class _OutReq:
+    state: OutState
+    nkeys: int
+    nfetch: int = 0
+
+
+@attrs.define
+class _InReq:
+    state: InState
+    keys: list[bytes]
+    pins: int = 0
+    deadline: float = 0.0
+
+
+# --- events -------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class HelloReceived:
+    """The peer's hello passed the checks: register its memory, then call
+    ``registration_succeeded`` (or ``registration_failed``). If ``restarted``, the peer came
+    back with a new epoch: the driver must first tear down the old registration, cancel
+    ``dropped_rounds`` (releasing their pins) and fail ``failed_requests``."""
+
+    hello: Hello
+    restarted: bool = False
+    dropped_rounds: tuple[int, ...] = ()
+    failed_requests: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class Ready:
+    """Both acks are through: requests may flow both ways."""
+
+
+@attrs.frozen
+class LookupRequested:
+    req_id: int
+    keys: list[bytes]
+
+
+@attrs.frozen
+class LookupAnswered:
+    req_id: int
+    hits: list[bool]
+
+
+@attrs.frozen
+class FetchRequested:
+    """Write ``keys`` into the peer's ``slots``. If ``expired``, the lease ran out and every
+    key must be reported ``LEASE_EXPIRED`` (no pins are held)."""
+
+    req_id: int
+    keys: list[bytes]
+    slots: list[int]
+    expired: bool
+
+
+@attrs.frozen
+class RoundClosed:
+    """An empty fetch closed a lookup round: release its pins. Nothing is sent back."""
+
+    req_id: int
+
+
+@attrs.frozen
+class TransferCompleted:
+    req_id: int
+    outcomes: list[int]
+    checksums: list[int] | None
+
+
+@attrs.frozen
+class AbortRequested:
+    """Cancel or drain this round's writes, release its pins, then ``send_abort_ack``."""
+
+    req_id: int
+
+
+@attrs.frozen
+class AbortAcknowledged:
+    req_id: int
+
+
+@attrs.frozen
+class PongReceived:
+    nonce: int
+
+
+@attrs.frozen
+class ByeReceived:
+    code: str
+    reason: str
+
+
+Event = (
+    HelloReceived | Ready | LookupRequested | LookupAnswered | FetchRequested | RoundClosed
+    | TransferCompleted | AbortRequested | AbortAcknowledged | PongReceived | ByeReceived
+)
+
+_HANDSHAKE_MSGS: Final = (Hello, HelloAck, Bye)
+
+
+def hello_proof(secret: bytes, hello: Hello) -> bytes:
+    """HMAC over the hello's identity fields: binds peer id, epoch, agent and nonce."""
+    msg = b"\0".join([
+        b"p2pkv-hello-v1", hello.peer_id.encode(), str(hello.epoch).encode(),
+        hello.agent_name.encode(), hello.nonce, str(hello.block_len).encode(),
+        hello.fingerprint.encode(),
+    ])
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def ack_proof(secret: bytes, acker: str, nonce: bytes) -> bytes:
+    """HMAC over the *receiver's* nonce: proves the acker holds the secret now (no replay)."""
+    msg = b"\0".join([b"p2pkv-ack-v1", acker.encode(), nonce])
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+class SessionProtocol:
+    """One side of one session. See the module docstring."""
+
+    def __init__(self, local: LocalInfo) -> None:
+        self.local = local
+        self.state = State.HANDSHAKE
+        self.peer: Hello | None = None
+        self.close_reason: tuple[str, str] | None = None  # (code, reason) once closed
+        self._decoder = FrameDecoder(local.max_frame_size)
+        self._outbox: list[bytes] = []  # may go on the wire now
+        self._held: list[Message] = []  # waiting for the peer's hello_ack
+        self._hello_sent = False
+        self._ack_sent = False
+        self._peer_acked = False
+        self._registering = False
+        self._ready_emitted = False
+        self._next_req_id = 1
+        self._peer_last_req_id = 0
+        self._out: dict[int, _OutReq] = {}
+        self._in: dict[int, _InReq] = {}
+        self._ping_nonce = 0
+
+    # --- introspection ----------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY
+
+    @property
+    def peer_id(self) -> str | None:
+        return None if self.peer is None else self.peer.peer_id
+
+    def pins_held(self) -> int:
+        return sum(r.pins for r in self._in.values())
+
+    def open_rounds(self) -> list[int]:
+        """Producer rounds that still hold state (and maybe pins)."""
+        return list(self._in)
+
+    def open_requests(self) -> list[int]:
+        """Consumer requests without a terminal outcome yet."""
+        return list(self._out)
+
+    def out_state(self, req_id: int) -> OutState | None:
+        r = self._out.get(req_id)
+        return None if r is None else r.state
+
+    def in_state(self, req_id: int) -> InState | None:
+        r = self._in.get(req_id)
+        return None if r is None else r.state
+
+    def next_deadline(self) -> float | None:
+        """Earliest lease deadline of a pinned round (for the driver's timer)."""
+        ds = [r.deadline for r in self._in.values() if r.state is InState.PINNED]
+        return min(ds) if ds else None
+
+    # --- output -------------------------------------------------------------------------
+
+    def data_to_send(self) -> bytes:
+        """Every frame that may go on the wire now, coalesced; clears the outbox."""
+        data = b"".join(self._outbox)
+        self._outbox.clear()
+        return data
+
+    def _emit(self, msg: Message) -> None:
+        if isinstance(msg, _HANDSHAKE_MSGS) or self._peer_acked:
+            self._outbox.append(encode(msg))
+        else:
+            self._held.append(msg)
+
+    def _require(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise LocalProtocolError(f"{what} not allowed in state {self.state.value}",
+                                     peer=self.peer_id)
+
+    def _require_open(self, what: str) -> None:
+        self._require(self.state in (State.HANDSHAKE, State.READY), what)
+
+    # --- handshake ----------------------------------------------------------------------
+
+    def _hello(self) -> Hello:
+        li = self.local
+        h = Hello(
+            version_major=PROTOCOL_MAJOR, version_minor=PROTOCOL_MINOR, peer_id=li.peer_id,
+            epoch=li.epoch, agent_name=li.agent_name, agent_metadata=li.agent_metadata,
+            base_addr=li.base_addr, num_blocks=li.num_blocks, block_len=li.block_len,
+            fingerprint=li.fingerprint, hash_algo=li.hash_algo, hash_seed=li.hash_seed,
+            nonce=li.nonce,
+        )
+        if li.secret is not None:
+            h = attrs.evolve(h, auth=hello_proof(li.secret, h))
+        return h
+
+    def start(self) -> None:
+        """Queue our hello. Must be called once, before anything else is sent."""
+        self._require(not self._hello_sent and self.state is State.HANDSHAKE, "start")
+        self._hello_sent = True
+        self._emit(self._hello())
+
+    def registration_succeeded(self) -> Ready | None:
+        """The peer's memory is registered with the data plane: send our hello_ack.
+
+        Returns :class:`Ready` if the peer's ack was already in."""
+        self._require_open("registration_succeeded")
+        self._require(self._registering, "registration_succeeded without a pending hello")
+        assert self.peer is not None
+        self._registering = False
+        self._ack_sent = True
+        auth = None
+        if self.local.secret is not None:
+            auth = ack_proof(self.local.secret, self.local.peer_id, self.peer.nonce)
+        self._emit(HelloAck(peer_id=self.local.peer_id, epoch=self.peer.epoch, auth=auth))
+        return self._maybe_ready()
+
+    def registration_failed(self, reason: str) -> None:
+        """Registering the peer failed: reject the handshake (bye, no ack)."""
+        self._require_open("registration_failed")
+        self._require(self._registering, "registration_failed without a pending hello")
+        self._registering = False
+        self._close("handshake", f"registration failed: {reason}"[:1000])
+
+    def _check_hello(self, h: Hello) -> str | None:
+        li = self.local
+        if h.version_major != PROTOCOL_MAJOR:
+            return f"protocol version {h.version_major} != {PROTOCOL_MAJOR}"
+        if h.peer_id == li.peer_id:
+            return f"peer id {h.peer_id!r} is our own"
+        if h.block_len != li.block_len:
+            return f"block length {h.block_len} != {li.block_len}"
+        if h.fingerprint != li.fingerprint:
+            return f"config fingerprint {h.fingerprint!r} != {li.fingerprint!r}"
+        if h.hash_algo != li.hash_algo or h.hash_seed != li.hash_seed:
+            return "hash algorithm or seed differs"
+        if h.num_blocks == 0 or h.num_blocks > (1 << 32):
+            return f"invalid region of {h.num_blocks} blocks"
+        if li.secret is not None:
+            if h.auth is None:
+                return "authentication required"
+            if not hmac.compare_digest(h.auth, hello_proof(li.secret, h)):
+                return "authentication failed"
+        elif h.auth is not None:
+            return "peer requires authentication; no secret configured here"
+        return None
+
+    def _on_hello(self, h: Hello) -> Event | None:
+        if self.peer is not None:
+            if h.epoch == self.peer.epoch:
+                raise RemoteProtocolError("second hello with the same epoch")
+            if h.peer_id != self.peer.peer_id:
+                raise RemoteProtocolError("a restarted peer changed its peer id")
+        reason = self._check_hello(h)
+        if reason is not None:
+            self._close("handshake", reason)
+            raise HandshakeRejected(reason, peer=h.peer_id)
+        restarted = self.peer is not None
+        dropped = tuple(self._in)
+        failed = tuple(self._out)
+        if restarted:
+            # A new incarnation knows nothing of the old one's requests or acks.
+            self._in.clear()
+            self._out.clear()
+            self._held.clear()
+            self._ack_sent = self._peer_acked = self._ready_emitted = False
+            self._peer_last_req_id = 0
+            self.state = State.HANDSHAKE
+            self._outbox.append(encode(self._hello()))
+        self.peer = h
+        self._registering = True
+        return HelloReceived(h, restarted, dropped, failed)
+
+    def _on_ack(self, a: HelloAck) -> Event | None:
+        if self.peer is None or not self._hello_sent:
+            raise RemoteProtocolError("hello_ack before hello")
+        if self._peer_acked:
+            raise RemoteProtocolError("duplicate hello_ack")
+        if a.epoch != self.local.epoch or a.peer_id != self.peer.peer_id:
+            raise RemoteProtocolError("hello_ack for another epoch or peer")
+        if self.local.secret is not None and (
+            a.auth is None
+            or not hmac.compare_digest(a.auth, ack_proof(self.local.secret, a.peer_id,
+                                                         self.local.nonce))
+        ):
+            self._close("handshake", "authentication failed")
+            raise HandshakeRejected("authentication failed", peer=a.peer_id)
+        self._peer_acked = True
+        for msg in self._held:
+            self._outbox.append(encode(msg))
+        self._held.clear()
+        return self._maybe_ready()
+
+    def _maybe_ready(self) -> Ready | None:
+        if self._ack_sent and self._peer_acked and not self._ready_emitted:
+            self._ready_emitted = True
+            self.state = State.READY
+            return Ready()
+        return None
+
+    # --- input --------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        if self.state in (State.CLOSED, State.ERROR):
+            return  # after a bye, further bytes are ignored
+        self._decoder.feed(data)
+
+    def next_event(self) -> Event | None:
+        """The next event from the peer, ``None`` when more bytes are needed.
+
+        Raises :class:`RemoteProtocolError` / :class:`HandshakeRejected` on bad input; the
+        machine is then closed with a ``bye`` queued.
+        """
+        while self.state in (State.HANDSHAKE, State.READY):
+            try:
+                msg = self._decoder.next_message()
+                if msg is None:
+                    return None
+                event = self._dispatch(msg)
+            except RemoteProtocolError as exc:
+                exc.peer = exc.peer or self.peer_id
+                self._fail(str(exc))
+                raise
+            if event is not None:
+                return event
+        return None
+
+    def _fail(self, reason: str) -> None:
+        self._outbox.append(encode(Bye(code="protocol", reason=reason[:1000])))
+        self.close_reason = ("protocol", reason)
+        self.state = State.ERROR
+        self._in.clear()
+        self._out.clear()
+
+    def _dispatch(self, msg: Message) -> Event | None:
+        if isinstance(msg, Hello):
+            return self._on_hello(msg)
+        if isinstance(msg, HelloAck):
+            return self._on_ack(msg)
+        if isinstance(msg, Bye):
+            self.state = State.CLOSED
+            self.close_reason = (msg.code, msg.reason)
+            self._in.clear()
+            self._out.clear()
+            return ByeReceived(msg.code, msg.reason)
+        if not self._ack_sent:
+            raise RemoteProtocolError(f"{msg.TAG} before our hello_ack")
+        if isinstance(msg, Lookup):
+            return self._on_lookup(msg)
+        if isinstance(msg, Fetch):
+            return self._on_fetch(msg)
+        if isinstance(msg, Abort):
+            return self._on_abort(msg)
+        if isinstance(msg, Ping):
+            self._outbox.append(encode(Pong(nonce=msg.nonce)))
+            return None
+        if isinstance(msg, Pong):
+            return PongReceived(msg.nonce)
+        if not self._peer_acked:
+            raise RemoteProtocolError(f"{msg.TAG} before the peer's hello_ack")
+        if isinstance(msg, LookupResp):
+            return self._on_lookup_resp(msg)
+        if isinstance(msg, TransferDone):
+            return self._on_transfer_done(msg)
+        if isinstance(msg, AbortAck):
+            return self._on_abort_ack(msg)
+        raise RemoteProtocolError(f"unexpected {msg.TAG}")  # pragma: no cover
+
+    def _check_keys(self, keys: list[bytes]) -> None:
+        if len(keys) > self.local.max_keys_per_request:
+            raise RemoteProtocolError(
+                f"{len(keys)} keys in one request (cap {self.local.max_keys_per_request})")
+        limit = self.local.max_key_len
+        if any(len(k) > limit for k in keys):
+            raise RemoteProtocolError(f"key longer than {limit} bytes")
+
+    def _on_lookup(self, m: Lookup) -> Event:
+        if m.req_id <= self._peer_last_req_id:
+            raise RemoteProtocolError(f"request id {m.req_id} reused")
+        if len(self._in) >= self.local.max_open_requests:
+            raise RemoteProtocolError(
+                f"more than {self.local.max_open_requests} open requests")
+        self._check_keys(m.keys)
+        self._peer_last_req_id = m.req_id
+        self._in[m.req_id] = _InReq(InState.ANSWERING, m.keys)
+        return LookupRequested(m.req_id, m.keys)
+
+    def _on_fetch(self, m: Fetch) -> Event:
+        r = self._in.get(m.req_id)
+        if r is None or r.state not in (InState.PINNED, InState.EXPIRED):
+            raise RemoteProtocolError(f"fetch for request {m.req_id} with no open lookup")
+        self._check_keys(m.keys)
+        assert self.peer is not None
+        n = self.peer.num_blocks
+        if any(s >= n for s in m.slots):
+            raise RemoteProtocolError(f"destination slot outside the peer's {n} blocks")
+        if len(set(m.slots)) != len(m.slots):
+            raise RemoteProtocolError("duplicate destination slot in one fetch")
+        if not m.keys:
+            del self._in[m.req_id]
+            return RoundClosed(m.req_id)
+        expired = r.state is InState.EXPIRED
+        r.state = InState.WRITING
+        return FetchRequested(m.req_id, m.keys, m.slots, expired)
+
+    def _on_abort(self, m: Abort) -> Event | None:
+        r = self._in.get(m.req_id)
+        if r is None:
+            if m.req_id > self._peer_last_req_id:
+                raise RemoteProtocolError(f"abort for unknown request {m.req_id}")
+            self._emit(AbortAck(req_id=m.req_id))  # already finished: ack at once
+            return None
+        if r.state is InState.ABORTING:
+            return None
+        r.state = InState.ABORTING
+        return AbortRequested(m.req_id)
+
+    def _on_lookup_resp(self, m: LookupResp) -> Event | None:
+        r = self._out.get(m.req_id)
+        if r is None or r.state not in (OutState.LOOKUP_SENT, OutState.ABORT_SENT):
+            raise RemoteProtocolError(f"lookup_resp for request {m.req_id} not awaiting one")
+        if len(m.hits) != r.nkeys:
+            raise RemoteProtocolError("lookup_resp: hit count differs from key count")
+        if r.state is OutState.ABORT_SENT:
+            return None  # crossed our abort; the abort_ack ends it
+        r.state = OutState.OPEN
+        return LookupAnswered(m.req_id, m.hits)
+
+    def _on_transfer_done(self, m: TransferDone) -> Event | None:
+        r = self._out.get(m.req_id)
+        if r is None or r.state not in (OutState.FETCH_SENT, OutState.ABORT_SENT):
+            raise RemoteProtocolError(f"transfer_done for request {m.req_id} not fetching")
+        if len(m.outcomes) != r.nfetch:
+            raise RemoteProtocolError("transfer_done: outcome count differs from fetch")
+        if r.state is OutState.ABORT_SENT:
+            return None
+        del self._out[m.req_id]
+        return TransferCompleted(m.req_id, m.outcomes, m.checksums)
+
+    def _on_abort_ack(self, m: AbortAck) -> Event:
+        r = self._out.get(m.req_id)
+        if r is None or r.state is not OutState.ABORT_SENT:
+            raise RemoteProtocolError(f"abort_ack for request {m.req_id} not aborting")
+        del self._out[m.req_id]
+        return AbortAcknowledged(m.req_id)
+
+    # --- consumer calls -------------------------------------------------------------------
+
+    def send_lookup(self, keys: Sequence[bytes]) -> int:
+        """Start a lookup round; returns its request id."""
+        self._require_open("send_lookup")
+        if len(self._out) >= self.local.max_open_requests:
+            raise CapacityExceeded("too many open requests", peer=self.peer_id, op="lookup")
+        msg = Lookup(req_id=self._next_req_id, keys=list(keys))  # validates
+        self._next_req_id += 1
+        self._out[msg.req_id] = _OutReq(OutState.LOOKUP_SENT, len(msg.keys))
+        self._emit(msg)
+        return msg.req_id
+
+    def send_fetch(self, req_id: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+        """Fetch ``keys`` of an answered lookup into our ``slots``. An empty fetch closes the
+        round (the producer releases its pins) and is the request's terminal outcome."""
+        self._require_open("send_fetch")
+        r = self._out.get(req_id)
+        self._require(r is not None and r.state is OutState.OPEN,
+                      f"send_fetch for request {req_id}")
+        assert r is not None
+        if any(not 0 <= s < self.local.num_blocks for s in slots):
+            raise LocalProtocolError("fetch slot outside our region")
+        msg = Fetch(req_id=req_id, keys=list(keys), slots=list(slots))
+        self._emit(msg)
+        if not msg.keys:
+            del self._out[req_id]
+        else:
+            r.state = OutState.FETCH_SENT
+            r.nfetch = len(msg.keys)
+
+    def send_abort(self, req_id: int) -> None:
+        """Give up on a request; its terminal outcome is the peer's abort_ack."""
+        self._require_open("send_abort")
+        r = self._out.get(req_id)
+        self._require(r is not None and r.state is not OutState.ABORT_SENT,
+                      f"send_abort for request {req_id}")
+        assert r is not None
+        r.state = OutState.ABORT_SENT
+        self._emit(Abort(req_id=req_id))
+
+    def send_ping(self) -> int:
+        self._require_open("send_ping")
+        self._ping_nonce += 1
+        self._emit(Ping(nonce=self._ping_nonce))
+        return self._ping_nonce
+
+    # --- producer calls -------------------------------------------------------------------
+
+    def send_lookup_resp(self, req_id: int, hits: Sequence[bool], now: float,
+                         lease: float) -> None:
+        """Answer a lookup; the hits are pinned by the driver until the round ends."""
+        self._require_open("send_lookup_resp")
+        r = self._in.get(req_id)
+        self._require(r is not None and r.state is InState.ANSWERING,
+                      f"send_lookup_resp for request {req_id}")
+        assert r is not None
+        if len(hits) != len(r.keys):
+            raise LocalProtocolError("hit count differs from key count")
+        msg = LookupResp(req_id=req_id, hits=list(hits))
+        r.state = InState.PINNED
+        r.pins = sum(msg.hits)
+        r.deadline = now + lease
+        self._emit(msg)
+
+    def expire(self, now: float) -> list[int]:
+        """Rounds whose lease ran out: the driver releases their pins."""
+        done = [i for i, r in self._in.items()
+                if r.state is InState.PINNED and r.deadline <= now]
+        for i in done:
+            self._in[i].state = InState.EXPIRED
+            self._in[i].pins = 0
+        return done
+
+    def send_transfer_done(self, req_id: int, outcomes: Sequence[int],
+                           checksums: Sequence[int] | None = None) -> None:
+        """Report a fetch's per-key outcomes: only once every write has settled."""
+        self._require_open("send_transfer_done")
+        r = self._in.get(req_id)
+        self._require(r is not None and r.state is InState.WRITING,
+                      f"send_transfer_done for request {req_id}")
+        msg = TransferDone(req_id=req_id, outcomes=list(outcomes),
+                           checksums=None if checksums is None else list(checksums))
+        del self._in[req_id]
+        self._emit(msg)
+
+    def send_abort_ack(self, req_id: int) -> None:
+        """The round's writes are drained and its pins released."""
+        self._require_open("send_abort_ack")
+        r = self._in.get(req_id)
+        self._require(r is not None and r.state is InState.ABORTING,
+                      f"send_abort_ack for request {req_id}")
+        del self._in[req_id]
+        self._emit(AbortAck(req_id=req_id))
+
+    # --- closing --------------------------------------------------------------------------
+
+    def send_bye(self, code: str, reason: str) -> None:
+        """Close gracefully. Idempotent once closed (a second bye is not sent)."""
+        if self.state in (State.CLOSED, State.ERROR):
+            return
+        self._close(code, reason)
+
+    def _close(self, code: str, reason: str) -> None:
+        self._outbox.append(encode(Bye(code=code[:64], reason=reason[:1000])))
+        self.close_reason = (code, reason)
+        self.state = State.CLOSED
+        self._in.clear()
+        self._out.clear()
+        self._held.clear()

@@ -1,0 +1,171 @@
+"""In-process data plane: plain memory copies between regions of nodes in one process.
+
+It implements the same contract as the NIXL transport (registration by agent name and
+metadata, posted writes, completion observed by polling, releases), so the whole engine
+runs and is tested where NIXL is absent. Completion is asynchronous in the contract's
+sense: ``post_write`` does the copy (off the Trio thread, as NIXL's cma path does inside
+``transfer()``), and the engine learns of it only by polling the handle.
+
+A process-wide directory maps agent names to live regions; the metadata carries this
+process's id and a token, so metadata from another process (or a stale incarnation) is
+refused at registration instead of copying into the wrong memory.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections.abc import Collection, Sequence
+
+import numpy as np
+
+from ..errors import RegistrationFailed, TransportError
+from .base import (
+    DataTransport,
+    RegionLayout,
+    RemotePeer,
+    TransferHandle,
+    TransferState,
+    TransportStatistics,
+)
+
+_directory_lock = threading.Lock()
+_directory: dict[str, tuple[bytes, np.ndarray]] = {}  # agent name -> (token, region array)
+
+
+def _as_array(region: object, nbytes: int) -> np.ndarray:
+    if hasattr(region, "data_ptr") and hasattr(region, "numpy"):  # a torch CPU tensor
+        region = region.numpy()
+    arr = np.asarray(region) if not isinstance(region, np.ndarray) else region
+    flat = arr.reshape(-1).view(np.uint8)
+    if flat.nbytes < nbytes:
+        raise ValueError(f"region of {flat.nbytes} bytes is smaller than {nbytes}")
+    return flat[:nbytes]
+
+
+class LocalTransport(DataTransport):
+    kind = "local"
+
+    def __init__(self, *, agent_name: str, region: object, layout: RegionLayout) -> None:
+        self._name = agent_name
+        self._layout = layout
+        self._array = _as_array(region, layout.nbytes)
+        self._token = secrets.token_bytes(8)
+        self._lock = threading.Lock()
+        self._peers: dict[str, RemotePeer] = {}
+        self._handles: set[int] = set()
+        self._closed = False
+        with _directory_lock:
+            _directory[agent_name] = (self._token, self._array)
+
+    @classmethod
+    def create(cls, *, agent_name: str, region: object, layout: RegionLayout) -> LocalTransport:
+        return cls(agent_name=agent_name, region=region, layout=layout)
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    @property
+    def layout(self) -> RegionLayout:
+        return self._layout
+
+    def metadata(self) -> bytes:
+        return f"local:{os.getpid()}:".encode() + self._token.hex().encode()
+
+    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
+        self._check_open()
+        try:
+            kind, pid, token_hex = metadata.decode().split(":")
+            token = bytes.fromhex(token_hex)
+        except ValueError as exc:
+            raise RegistrationFailed("malformed local-transport metadata",
+                                     peer=agent_name) from exc
+        if kind != "local" or int(pid) != os.getpid():
+            raise RegistrationFailed("peer is not in this process (use transport='nixl')",
+                                     peer=agent_name)
+        with _directory_lock:
+            entry = _directory.get(agent_name)
+        if entry is None or entry[0] != token:
+            raise RegistrationFailed("no such live region in this process", peer=agent_name)
+        if layout.block_len != self._layout.block_len or entry[1].nbytes < layout.nbytes:
+            raise RegistrationFailed("peer region layout does not match", peer=agent_name)
+        peer = RemotePeer(agent_name, layout, native=entry[1])
+        with self._lock:
+            old = self._peers.get(agent_name)
+            if old is not None:
+                old.released = True  # re-add drops the old registration
+            self._peers[agent_name] = peer
+        return peer
+
+    def remove_remote_peer(self, peer: RemotePeer) -> None:
+        with self._lock:
+            if self._peers.get(peer.agent_name) is peer:
+                del self._peers[peer.agent_name]
+            peer.released = True
+
+    def post_write(self, peer: RemotePeer, local_slots: Sequence[int],
+                   remote_slots: Sequence[int]) -> TransferHandle:
+        self._check_open()
+        if peer.released:
+            raise TransportError("write to a released registration", peer=peer.agent_name)
+        if len(local_slots) != len(remote_slots):
+            raise TransportError("slot lists differ in length", peer=peer.agent_name)
+        bl = self._layout.block_len
+        dst: np.ndarray = peer.native
+        for s, d in zip(local_slots, remote_slots, strict=True):
+            if not (0 <= s < self._layout.num_blocks and 0 <= d < peer.layout.num_blocks):
+                raise TransportError("slot outside the region", peer=peer.agent_name)
+            dst[d * bl:(d + 1) * bl] = self._array[s * bl:(s + 1) * bl]
+        handle = TransferHandle(peer, tuple(local_slots), tuple(remote_slots),
+                                native=TransferState.DONE)
+        with self._lock:
+            self._handles.add(id(handle))
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        if handle.released:
+            return TransferState.ERR
+        state: TransferState = handle.native
+        return state
+
+    def release(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._handles.discard(id(handle))
+            handle.released = True
+
+    def release_departed_peers(self, current_members: Collection[str]) -> list[str]:
+        with self._lock:
+            gone = [name for name in self._peers if name not in current_members]
+            for name in gone:
+                self._peers.pop(name).released = True
+        return gone
+
+    def statistics(self) -> TransportStatistics:
+        with _directory_lock:
+            regions = len(_directory)
+        with self._lock:
+            return TransportStatistics(
+                kind=self.kind, agent_name=self._name, live_agents=regions,
+                registered_regions=regions, remote_peers=len(self._peers),
+                live_handles=len(self._handles),
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for peer in self._peers.values():
+                peer.released = True
+            self._peers.clear()
+            self._handles.clear()
+        with _directory_lock:
+            entry = _directory.get(self._name)
+            if entry is not None and entry[0] == self._token:
+                del _directory[self._name]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("transport is closed", peer=self._name)

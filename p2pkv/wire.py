@@ -1,0 +1,359 @@
+"""The wire codec: typed control messages, msgpack bodies, length-prefixed frames.
+
+Theory of operation
+-------------------
+A frame is a 4-byte big-endian length followed by that many bytes of msgpack: a map with
+a type tag ``"t"`` and the message's fields. Decoding never trusts the peer: the length is
+checked against the frame limit *before* the body is buffered, msgpack is unpacked with
+its own size limits and no extension types, and the map is structured by cattrs into an
+attrs message class with **exact** type hooks (a bool is not an int, a str is not bytes,
+an int out of range is an error) and bounded lists. Anything else is a
+:class:`~p2pkv.errors.RemoteProtocolError`; no handler ever sees an unvalidated value.
+
+Bounds here are the protocol's hard limits. Per-node limits (the configured key length,
+keys per request, the peer's region for slot indexes) are checked one layer up, in the
+session protocol, which knows the peer's hello.
+
+Unknown fields are ignored so that a peer with a newer *minor* version can add fields;
+a missing field is an error. No code-executing codec (pickle) is ever used.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Callable, Iterable
+from typing import Any, Final, TypeVar
+
+import attrs
+import cattrs
+import msgpack
+
+from .errors import LocalProtocolError, RemoteProtocolError
+
+U64_MAX: Final = (1 << 64) - 1
+HEADER = struct.Struct(">I")
+#: Hard protocol limits (the configuration may only tighten them).
+MAX_FRAME_SIZE: Final = 64 << 20
+MAX_KEYS: Final = 1 << 16
+MAX_KEY_LEN: Final = 1024
+MAX_TEXT: Final = 1024
+MAX_METADATA: Final = 4 << 20
+
+
+class Outcome(enum.IntEnum):
+    """Per-key outcome in ``transfer_done``."""
+
+    OK = 0
+    NOT_PINNED = 1  # the key was not a hit of this request's lookup
+    LEASE_EXPIRED = 2  # the producer's pin lease ran out before the fetch arrived
+    TRANSFER_FAILED = 3  # the data plane reported an error for this block
+    ABORTED = 4  # the producer cancelled the write (shutdown or abort)
+    OVER_CAP = 5  # the request would exceed the producer's per-peer caps
+
+
+# --- validators ------------------------------------------------------------------------
+
+
+def _u64(_inst: object, attr: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or not 0 <= value <= U64_MAX:
+        raise ValueError(f"{attr.name}: expected an unsigned 64-bit int, got {value!r}")
+
+
+def _text(limit: int) -> Callable[[object, attrs.Attribute[str], str], None]:
+    def check(_inst: object, attr: attrs.Attribute[str], value: str) -> None:
+        if type(value) is not str or len(value) > limit:
+            raise ValueError(f"{attr.name}: expected a str of at most {limit} characters")
+
+    return check
+
+
+def _blob(limit: int) -> Callable[[object, attrs.Attribute[bytes], bytes], None]:
+    def check(_inst: object, attr: attrs.Attribute[bytes], value: bytes) -> None:
+        if type(value) is not bytes or len(value) > limit:
+            raise ValueError(f"{attr.name}: expected bytes of at most {limit} bytes")
+
+    return check
+
+
+def _opt_blob(limit: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
+    inner = _blob(limit)
+
+    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+        if value is not None:
+            inner(inst, attr, value)
+
+    return check
+
+
+def _keys(_inst: object, attr: attrs.Attribute[list[bytes]], value: list[bytes]) -> None:
+    if type(value) is not list or len(value) > MAX_KEYS:
+        raise ValueError(f"{attr.name}: expected a list of at most {MAX_KEYS} keys")
+    for k in value:
+        if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_LEN:
+            raise ValueError(f"{attr.name}: every key must be 1..{MAX_KEY_LEN} bytes")
+
+
+def _bools(_inst: object, attr: attrs.Attribute[list[bool]], value: list[bool]) -> None:
+    if type(value) is not list or len(value) > MAX_KEYS:
+        raise ValueError(f"{attr.name}: expected a list of at most {MAX_KEYS} bools")
+    for b in value:
+        if type(b) is not bool:
+            raise ValueError(f"{attr.name}: expected bools, got {type(b).__name__}")
+
+
+def _u64s(_inst: object, attr: attrs.Attribute[list[int]], value: list[int]) -> None:
+    if type(value) is not list or len(value) > MAX_KEYS:
+        raise ValueError(f"{attr.name}: expected a list of at most {MAX_KEYS} ints")
+    for i in value:
+        if type(i) is not int or not 0 <= i <= U64_MAX:
+            raise ValueError(f"{attr.name}: expected unsigned ints")
+
+
+def _opt_u64s(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _u64s(inst, attr, value)
+
+
+# --- messages ----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Hello:
+    TAG = "hello"
+    version_major: int = attrs.field(validator=_u64)
+    version_minor: int = attrs.field(validator=_u64)
+    peer_id: str = attrs.field(validator=_text(128))
+    epoch: int = attrs.field(validator=_u64)
+    agent_name: str = attrs.field(validator=_text(256))
+    agent_metadata: bytes = attrs.field(validator=_blob(MAX_METADATA))
+    base_addr: int = attrs.field(validator=_u64)
+    num_blocks: int = attrs.field(validator=_u64)
+    block_len: int = attrs.field(validator=_u64)
+    fingerprint: str = attrs.field(validator=_text(MAX_TEXT))
+    hash_algo: str = attrs.field(validator=_text(64))
+    hash_seed: bytes = attrs.field(validator=_blob(256))
+    nonce: bytes = attrs.field(validator=_blob(64))
+    auth: bytes | None = attrs.field(default=None, validator=_opt_blob(64))
+
+
+@attrs.frozen(kw_only=True)
+class HelloAck:
+    TAG = "hello_ack"
+    peer_id: str = attrs.field(validator=_text(128))
+    epoch: int = attrs.field(validator=_u64)  # the epoch being acknowledged (the peer's)
+    auth: bytes | None = attrs.field(default=None, validator=_opt_blob(64))
+
+
+@attrs.frozen(kw_only=True)
+class Lookup:
+    TAG = "lookup"
+    req_id: int = attrs.field(validator=_u64)
+    keys: list[bytes] = attrs.field(validator=_keys)
+
+
+@attrs.frozen(kw_only=True)
+class LookupResp:
+    TAG = "lookup_resp"
+    req_id: int = attrs.field(validator=_u64)
+    hits: list[bool] = attrs.field(validator=_bools)
+
+
+@attrs.frozen(kw_only=True)
+class Fetch:
+    TAG = "fetch"
+    req_id: int = attrs.field(validator=_u64)
+    keys: list[bytes] = attrs.field(validator=_keys)
+    slots: list[int] = attrs.field(validator=_u64s)
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.keys) != len(self.slots):
+            raise ValueError("fetch: keys and slots differ in length")
+
+
+@attrs.frozen(kw_only=True)
+class TransferDone:
+    TAG = "transfer_done"
+    req_id: int = attrs.field(validator=_u64)
+    outcomes: list[int] = attrs.field(validator=_u64s)
+    checksums: list[int] | None = attrs.field(default=None, validator=_opt_u64s)
+
+    def __attrs_post_init__(self) -> None:
+        if any(o not in _OUTCOMES for o in self.outcomes):
+            raise ValueError("transfer_done: unknown outcome code")
+        if self.checksums is not None and len(self.checksums) != len(self.outcomes):
+            raise ValueError("transfer_done: checksums and outcomes differ in length")
+
+
+_OUTCOMES = frozenset(int(o) for o in Outcome)
+
+
+@attrs.frozen(kw_only=True)
+class Abort:
+    TAG = "abort"
+    req_id: int = attrs.field(validator=_u64)
+
+
+@attrs.frozen(kw_only=True)
+class AbortAck:
+    TAG = "abort_ack"
+    req_id: int = attrs.field(validator=_u64)
+
+
+@attrs.frozen(kw_only=True)
+class Ping:
+    TAG = "ping"
+    nonce: int = attrs.field(validator=_u64)
+
+
+@attrs.frozen(kw_only=True)
+class Pong:
+    TAG = "pong"
+    nonce: int = attrs.field(validator=_u64)
+
+
+@attrs.frozen(kw_only=True)
+class Bye:
+    TAG = "bye"
+    code: str = attrs.field(validator=_text(64))  # "shutdown", "handshake", "protocol", ...
+    reason: str = attrs.field(validator=_text(MAX_TEXT))
+
+
+Message = (
+    Hello | HelloAck | Lookup | LookupResp | Fetch | TransferDone | Abort | AbortAck | Ping
+    | Pong | Bye
+)
+MESSAGE_TYPES: Final[dict[str, type[Any]]] = {
+    cls.TAG: cls
+    for cls in (Hello, HelloAck, Lookup, LookupResp, Fetch, TransferDone, Abort, AbortAck,
+                Ping, Pong, Bye)
+}
+
+# --- cattrs with exact types --------------------------------------------------------------
+
+_T = TypeVar("_T")
+
+
+def _exact(tp: type[_T]) -> Callable[[object, type[Any]], _T]:
+    def hook(value: object, _t: type[Any]) -> _T:
+        if type(value) is not tp:
+            raise TypeError(f"expected {tp.__name__}, got {type(value).__name__}")
+        return value  # type: ignore[return-value]
+
+    return hook
+
+
+def _exact_list(value: object, _t: type[Any]) -> list[Any]:
+    # Element types and bounds are checked by the message's validators (one pass).
+    if type(value) is not list:
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    return value
+
+
+_converter = cattrs.Converter(detailed_validation=False, forbid_extra_keys=False)
+for _tp in (int, bool, str, bytes):
+    _converter.register_structure_hook(_tp, _exact(_tp))
+_converter.register_structure_hook_func(
+    lambda t: t in (list[bytes], list[bool], list[int]), _exact_list
+)
+
+
+def to_wire(msg: Message) -> dict[str, Any]:
+    body: dict[str, Any] = _converter.unstructure(msg)
+    body["t"] = msg.TAG
+    return body
+
+
+def from_wire(obj: object) -> Message:
+    """Structure one unpacked msgpack object into a validated message."""
+    if type(obj) is not dict:
+        raise RemoteProtocolError(f"frame is not a map but {type(obj).__name__}")
+    tag = obj.get("t")
+    cls = MESSAGE_TYPES.get(tag) if type(tag) is str else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {tag!r}")
+    try:
+        msg: Message = _converter.structure(obj, cls)
+    except (TypeError, ValueError, KeyError, cattrs.BaseValidationError) as exc:
+        raise RemoteProtocolError(f"invalid {tag}: {_describe(exc)}") from exc
+    return msg
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):
+        return f"missing field {exc.args[0]!r}"
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    return str(exc)
+
+
+def encode(msg: Message) -> bytes:
+    """One message as one frame (header + body)."""
+    body: bytes = msgpack.packb(to_wire(msg), use_bin_type=True)
+    if len(body) > MAX_FRAME_SIZE:
+        raise LocalProtocolError(f"{msg.TAG} frame of {len(body)} bytes is over the limit")
+    return HEADER.pack(len(body)) + body
+
+
+def encode_all(msgs: Iterable[Message]) -> bytes:
+    """Several messages coalesced into one buffer (one ``send_all``)."""
+    return b"".join(encode(m) for m in msgs)
+
+
+def _reject_ext(code: int, data: bytes) -> object:
+    raise RemoteProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+class FrameDecoder:
+    """Incremental frame decoder. Feed bytes, pull messages. After an error it is poisoned."""
+
+    def __init__(self, max_frame_size: int = MAX_FRAME_SIZE) -> None:
+        self.max_frame_size = min(max_frame_size, MAX_FRAME_SIZE)
+        self._buf = bytearray()
+        self._error: RemoteProtocolError | None = None
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        if self._error is not None:
+            raise self._error
+        self._buf += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def next_message(self) -> Message | None:
+        """The next complete message, ``None`` if more bytes are needed."""
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next()
+        except RemoteProtocolError as exc:
+            self._error = exc
+            raise
+
+    def _next(self) -> Message | None:
+        if len(self._buf) < HEADER.size:
+            return None
+        (length,) = HEADER.unpack_from(self._buf)
+        if length > self.max_frame_size:
+            raise RemoteProtocolError(
+                f"frame of {length} bytes is over the limit of {self.max_frame_size}"
+            )
+        if length == 0:
+            raise RemoteProtocolError("empty frame")
+        end = HEADER.size + length
+        if len(self._buf) < end:
+            return None
+        body = bytes(self._buf[HEADER.size:end])
+        del self._buf[:end]
+        try:
+            obj = msgpack.unpackb(
+                body, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext,
+                max_str_len=MAX_METADATA, max_bin_len=MAX_METADATA, max_array_len=MAX_KEYS,
+                max_map_len=64, max_ext_len=0,
+            )
+        except RemoteProtocolError:
+            raise
+        except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
+            raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+        return from_wire(obj)
