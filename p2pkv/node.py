@@ -232,12 +232,17 @@ class Node:
         if session.ready.is_set() and session.alive:
             assert session.peer_id is not None
             return Peer(session.peer_id, (host, port))
-        winner = self._by_peer.get(session.peer_id or "")
-        if winner is not None and session.close_reason == "duplicate connection":
-            await _wait_either(winner.ready, winner.finished)
-            if winner.ready.is_set() and winner.alive:
-                return Peer(winner.peer_id or "", winner.address)
         err = session.error
+        if session.peer_id is not None and "duplicate connection" in str(
+                session.close_reason) + str(err):
+            # Both sides dialed at once and this connection lost the tie-break: the
+            # other one is (or is about to be) the session with this peer.
+            with trio.move_on_after(self.config.handshake_timeout):
+                while True:
+                    winner = self._by_peer.get(session.peer_id)
+                    if winner is not None and winner.alive and winner.ready.is_set():
+                        return Peer(session.peer_id, winner.address)
+                    await trio.sleep(0.005)
         if isinstance(err, HandshakeRejected):
             raise err
         if isinstance(err, P2PKVTimeout):

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("p2pkv.session")
 RECEIVE_SIZE = 1 << 16
+LINGER = 0.25  # seconds we wait for the peer to see our bye before closing
 
 
 @attrs.define(eq=False)
@@ -203,7 +204,8 @@ class PeerSession:
                 self._remote = None
             if not self._send_broken:
                 with trio.move_on_after(min(1.0, self.cfg.close_timeout)):
-                    await self._flush()
+                    await self._flush(final=True)
+                    await self._linger()
             with trio.move_on_after(min(1.0, self.cfg.close_timeout)) as cs:
                 await self.stream.aclose()
             if cs.cancelled_caught:
@@ -213,10 +215,28 @@ class PeerSession:
 
     # --- I/O ----------------------------------------------------------------------------
 
-    async def _flush(self) -> None:
+    async def _linger(self) -> None:
+        """Half-close and discard what the peer still sends, briefly: closing a socket
+        with unread bytes resets the connection, which can destroy our bye in flight."""
+        if not isinstance(self.stream, trio.abc.HalfCloseableStream):
+            return
+        try:
+            await self.stream.send_eof()
+            with trio.move_on_after(LINGER):
+                while await self.stream.receive_some(RECEIVE_SIZE):
+                    pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
+            pass
+
+    async def _flush(self, *, final: bool = False) -> None:
+        """Send what the protocol has queued. Once closing, only the shielded final flush
+        sends: a send cut by cancellation would leave the stream undefined (and lose the
+        bye), so nothing is taken from the protocol that might not go out whole."""
         async with self._send_lock:
+            if self._send_broken or (self._cancel.cancel_called and not final):
+                return
             data = self.proto.data_to_send()
-            if not data or self._send_broken:
+            if not data:
                 return
             try:
                 await self.stream.send_all(data)
@@ -466,7 +486,7 @@ class PeerSession:
                     if self.proto.in_state(ev.req_id) is InState.ABORTING:
                         self.proto.send_abort_ack(ev.req_id)
                 elif self.proto.in_state(ev.req_id) is InState.WRITING and not scope.cancel_called:
-                    self.proto.send_transfer_done(ev.req_id, outcomes, sums)
+                    self.proto.send_transfer_done(ev.req_id, [int(o) for o in outcomes], sums)
                 if self.alive:
                     await self._flush()
 

@@ -1,0 +1,249 @@
+"""Test doubles for the engine, each labelled for what it fakes.
+
+* :class:`FaultTransport` — FAKE data plane for fault injection: the in-process transport
+  with scripted failures of the kinds notes/nixl.md lists (slow or failing registration,
+  refused posts, writes that never settle, late completion, corrupted bytes) and counters
+  that prove what happened (registrations added and released, posts, releases).
+* :func:`inline_offload` / :class:`VirtualOffload` — FAKE offload for Trio's autojump
+  clock: blocking work runs inline, and its "slowness" is ``trio.sleep`` on virtual time
+  (real threads and autojump do not mix: virtual time jumps past them).
+* :class:`RawPeer` — a hand-driven peer: real TCP and our own sans-IO protocol, so tests
+  can send what a real node never would.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import trio
+
+from p2pkv import NodeConfig
+from p2pkv.errors import RegistrationFailed, TransportError
+from p2pkv.session.protocol import ByeReceived, Event, LocalInfo, SessionProtocol
+from p2pkv.store import BlockStore
+from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
+from p2pkv.transport.local import LocalTransport
+from p2pkv.wire import Hello
+
+T = TypeVar("T")
+_ids = itertools.count()
+
+
+def config(peer_id: str, **kw: Any) -> NodeConfig:
+    kw.setdefault("num_blocks", 64)
+    kw.setdefault("block_len", 4096)
+    return NodeConfig(peer_id=peer_id, **kw)
+
+
+def fill(store: BlockStore, n: int, block_len: int) -> list[bytes]:
+    """Put ``n`` random blocks; returns their keys."""
+    keys = [os.urandom(32) for _ in range(n)]
+    for k in keys:
+        store.put(k, os.urandom(block_len))
+    return keys
+
+
+class FaultTransport(LocalTransport):
+    """FAKE (fault injection) over :class:`LocalTransport`. See the module docstring."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.registration_gate: threading.Event | None = None
+        self.registration_entered = threading.Event()
+        self.registration_error: Exception | None = None
+        self.post_error: Exception | None = None
+        self.hang = False  # posted writes stay PROC until released
+        self.late_polls = 0  # report PROC for this many polls, then the real state
+        self.corrupt = False  # write wrong bytes but report DONE
+        self.adds = 0
+        self.removes = 0
+        self.posts = 0
+        self.releases = 0
+        self.live: set[int] = set()  # ids of RemotePeers added and not removed
+        self._polls: dict[int, int] = {}
+
+    def add_remote_peer(self, agent_name: str, metadata: bytes,
+                        layout: RegionLayout) -> RemotePeer:
+        self.registration_entered.set()
+        if self.registration_gate is not None:
+            assert self.registration_gate.wait(30), "registration gate never opened"
+        if self.registration_error is not None:
+            raise self.registration_error
+        peer = super().add_remote_peer(agent_name, metadata, layout)
+        self.adds += 1
+        self.live.add(id(peer))
+        return peer
+
+    def remove_remote_peer(self, peer: RemotePeer) -> None:
+        if id(peer) in self.live:
+            self.live.discard(id(peer))
+            self.removes += 1
+        super().remove_remote_peer(peer)
+
+    def post_write(self, peer: RemotePeer, local_slots: Sequence[int],
+                   remote_slots: Sequence[int]) -> TransferHandle:
+        self.posts += 1
+        if self.post_error is not None:
+            raise self.post_error
+        if self.corrupt:
+            bl = self.layout.block_len
+            dst: np.ndarray = peer.native
+            for d in remote_slots:
+                dst[d * bl:(d + 1) * bl] = 0xAB
+            return TransferHandle(peer, tuple(local_slots), tuple(remote_slots),
+                                  native=TransferState.DONE)
+        h = super().post_write(peer, local_slots, remote_slots)
+        if self.hang:
+            h.native = TransferState.PROC
+        return h
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        n = self._polls.get(id(handle), 0)
+        if n < self.late_polls:
+            self._polls[id(handle)] = n + 1
+            return TransferState.PROC
+        return super().poll(handle)
+
+    def release(self, handle: TransferHandle) -> None:
+        if not handle.released:
+            self.releases += 1
+        super().release(handle)
+
+
+class FaultFactory:
+    """A transport factory for ``open_node(transport=...)`` that keeps what it built."""
+
+    def __init__(self, configure: Callable[[FaultTransport], None] | None = None) -> None:
+        self.configure = configure
+        self.built: list[FaultTransport] = []
+
+    def __call__(self, cfg: NodeConfig, store: BlockStore) -> FaultTransport:
+        t = FaultTransport(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
+        if self.configure is not None:
+            self.configure(t)
+        self.built.append(t)
+        return t
+
+    @property
+    def transport(self) -> FaultTransport:
+        return self.built[-1]
+
+
+async def inline_offload(fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
+    """FAKE offload (deterministic timing): runs blocking work inline on the Trio thread."""
+    async with limiter:
+        await trio.sleep(0)
+        return fn(*args)
+
+
+class VirtualOffload:
+    """FAKE offload for the autojump clock: inline, after a virtual-time delay per call name
+    (e.g. ``{"add_remote_peer": 60.0}`` makes registration slow)."""
+
+    def __init__(self, delays: dict[str, float] | None = None) -> None:
+        self.delays = delays or {}
+
+    async def __call__(self, fn: Callable[..., T], *args: Any,
+                       limiter: trio.CapacityLimiter) -> T:
+        async with limiter:
+            # Not cancellable, like a real worker thread: a cancel lands after it returns.
+            with trio.CancelScope(shield=True):
+                await trio.sleep(self.delays.get(getattr(fn, "__name__", ""), 0.0))
+            return fn(*args)
+
+
+class RawPeer:
+    """A hand-driven peer over real TCP (see the module docstring). Its region is a real
+    :class:`LocalTransport` region, so a node in this process can register it."""
+
+    def __init__(self, peer_id: str | None = None, *, num_blocks: int = 64,
+                 block_len: int = 4096, epoch: int = 7, **info: Any) -> None:
+        self.peer_id = peer_id or f"raw{next(_ids)}"
+        self.array = np.zeros(num_blocks * block_len, np.uint8)
+        layout = RegionLayout(self.array.ctypes.data, num_blocks, block_len)
+        self.transport = LocalTransport(agent_name=self.peer_id, region=self.array,
+                                        layout=layout)
+        self.proto = SessionProtocol(LocalInfo(
+            peer_id=self.peer_id, epoch=epoch, agent_name=self.peer_id,
+            agent_metadata=self.transport.metadata(), base_addr=layout.base_addr,
+            num_blocks=num_blocks, block_len=block_len, **info))
+        self.stream: trio.SocketStream | None = None
+        self.peer_hello: Hello | None = None
+
+    async def connect(self, address: tuple[str, int]) -> None:
+        self.stream = await trio.open_tcp_stream(*address)
+
+    async def send_raw(self, data: bytes) -> None:
+        assert self.stream is not None
+        await self.stream.send_all(data)
+
+    async def flush(self) -> None:
+        data = self.proto.data_to_send()
+        if data:
+            await self.send_raw(data)
+
+    async def next_event(self) -> Event | None:
+        """The next protocol event; ``None`` on EOF."""
+        assert self.stream is not None
+        while True:
+            ev = self.proto.next_event()
+            if ev is not None:
+                await self.flush()  # e.g. automatic pongs
+                return ev
+            try:
+                data = await self.stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                return None
+            if not data:
+                return None
+            self.proto.receive_data(data)
+
+    async def handshake(self) -> None:
+        """Full handshake: we "register" the node at once and ack."""
+        from p2pkv.session.protocol import HelloReceived, Ready
+
+        self.proto.start()
+        await self.flush()
+        while True:
+            ev = await self.next_event()
+            if isinstance(ev, HelloReceived):
+                self.peer_hello = ev.hello
+                if self.proto.registration_succeeded() is not None:
+                    await self.flush()
+                    return
+                await self.flush()
+            elif isinstance(ev, Ready):
+                return
+            else:
+                raise AssertionError(f"unexpected event during handshake: {ev!r}")
+
+    async def expect_close(self) -> ByeReceived | None:
+        """Read until the node says bye (returned) or the connection ends (``None``)."""
+        while True:
+            try:
+                ev = await self.next_event()
+            except Exception as exc:
+                print("expect_close:", repr(exc))
+                return None
+            if ev is None:
+                return None
+            if isinstance(ev, ByeReceived):
+                return ev
+
+    async def aclose(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+        self.transport.close()
+
+
+def rejected_registration() -> Exception:
+    return RegistrationFailed("refused by the fault script")
+
+
+def post_failure() -> Exception:
+    return TransportError("post refused by the fault script")

@@ -1,0 +1,245 @@
+"""Two nodes in one process over the in-process transport: the public API end to end."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import trio
+
+import p2pkv
+from p2pkv import HandshakeRejected, PeerUnavailable, open_node
+
+from .helpers import FaultFactory, config, fill
+
+
+
+async def test_fetched_bytes_equal_source_and_misses_never_load() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src, open_node(config("dst")) as dst:
+            present = fill(src.store, 40, 4096)
+            absent = [os.urandom(32) for _ in range(10)]
+            keys = present + absent
+            random.shuffle(keys)
+            peer = await dst.connect(src.address)
+            assert peer.peer_id == "src"
+            hits = await dst.lookup(peer, keys)
+            assert hits == [k in set(present) for k in keys]
+            result = await dst.fetch(peer, keys)
+            assert sorted(result.loaded) == sorted(present)
+            assert set(result.failed) == set(absent)
+            assert set(result.failed.values()) == {"miss"}
+            for k in present:
+                got, want = dst.store.get(k), src.store.get(k)
+                assert got is not None and want is not None
+                assert bytes(got) == bytes(want)
+            for k in absent:
+                assert k not in dst.store
+
+
+async def test_lookup_pins_hits_until_the_fetch_closes_the_round() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src, open_node(config("dst")) as dst:
+            keys = fill(src.store, 8, 4096)
+            peer = await dst.connect(src.address)
+            await dst.lookup(peer, keys[:5])
+            assert src.statistics().pinned_slots == 5
+            # An evicting put pressure cannot take a pinned slot.
+            assert all(src.store.evict(k) is False for k in keys[:5])
+            result = await dst.fetch(peer, keys[:3])  # reuses the open round, closes it
+            assert sorted(result.loaded) == sorted(keys[:3])
+            assert src.statistics().pinned_slots == 0
+            assert dst.statistics().reserved_slots == 0
+
+
+async def test_fetch_scattered_destination_slots_large_batch() -> None:
+    with trio.fail_after(30):
+        cfg_s = config("src", num_blocks=512, block_len=8192)
+        cfg_d = config("dst", num_blocks=512, block_len=8192, transfer_chunk_bytes=64 * 8192)
+        async with open_node(cfg_s) as src, open_node(cfg_d) as dst:
+            # Occupy destination slots in a scattered pattern first.
+            filler = fill(dst.store, 200, 8192)
+            for k in filler[::2]:
+                dst.store.evict(k)
+            keys = fill(src.store, 300, 8192)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert not result.failed
+            slots = [dst.store.slot_of(k) for k in keys]
+            assert slots != sorted(slots)  # really scattered
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
+
+
+async def test_checksums_reject_bytes_that_differ_from_the_producer() -> None:
+    """Invariant 1: a data plane that reports DONE but wrote other bytes loads nothing."""
+    corrupting = FaultFactory(lambda t: setattr(t, "corrupt", True))
+    with trio.fail_after(20):
+        async with open_node(config("src", verify_checksums=True),
+                             transport=corrupting) as src, \
+                open_node(config("dst", verify_checksums=True)) as dst:
+            keys = fill(src.store, 6, 4096)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == []
+            assert set(result.failed.values()) == {"checksum mismatch"}
+            assert all(k not in dst.store for k in keys)
+            assert dst.statistics().store.free == dst.config.num_blocks
+
+
+async def test_checksums_accept_correct_bytes() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("src", verify_checksums=True)) as src, \
+                open_node(config("dst", verify_checksums=True)) as dst:
+            keys = fill(src.store, 6, 4096)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert sorted(result.loaded) == sorted(keys)
+
+
+async def test_failed_posts_are_per_key_failures_and_slots_are_freed() -> None:
+    failing = FaultFactory()
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=failing) as src, \
+                open_node(config("dst")) as dst:
+            keys = fill(src.store, 4, 4096)
+            peer = await dst.connect(src.address)
+            failing.transport.post_error = p2pkv.TransportError("refused")
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == []
+            assert set(result.failed.values()) == {"transfer_failed"}
+            assert dst.statistics().reserved_slots == 0
+            assert dst.statistics().quarantined_slots == 0
+            assert src.statistics().pinned_slots == 0
+
+
+async def test_connect_refused_is_peer_unavailable() -> None:
+    with trio.fail_after(10):
+        async with open_node(config("a")) as a:
+            listener = trio.socket.socket()
+            await listener.bind(("127.0.0.1", 0))
+            port = listener.getsockname()[1]
+            listener.close()  # nothing listens there now
+            with pytest.raises(PeerUnavailable):
+                await a.connect(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [("fingerprint", "other-model", "fingerprint"), ("hash_seed", b"x", "hash"),
+     ("block_len", 8192, "block length")],
+)
+async def test_incompatible_peers_are_rejected_with_the_reason(
+    field: str, value: object, reason: str
+) -> None:
+    with trio.fail_after(10):
+        async with open_node(config("a")) as a, open_node(config("b", **{field: value})) as b:
+            with pytest.raises(HandshakeRejected) as info:
+                await b.connect(a.address)
+            assert reason in info.value.reason
+            assert a.statistics().peers == 0 and b.statistics().peers == 0
+            assert a.statistics().registrations.live == 0
+
+
+async def test_authentication_with_a_shared_secret() -> None:
+    with trio.fail_after(10):
+        async with open_node(config("a", secret=b"s3cret")) as a, \
+                open_node(config("b", secret=b"s3cret")) as b, \
+                open_node(config("c", secret=b"wrong")) as c, \
+                open_node(config("d")) as d:
+            keys = fill(a.store, 2, 4096)
+            peer = await b.connect(a.address)
+            assert (await b.fetch(peer, keys)).loaded
+            with pytest.raises(HandshakeRejected, match="authentication"):
+                await c.connect(a.address)
+            with pytest.raises(HandshakeRejected, match="authentication"):
+                await d.connect(a.address)
+            assert a.statistics().peers == 1
+
+
+async def test_close_is_idempotent_and_leaves_nothing_behind() -> None:
+    factory = FaultFactory()
+    with trio.fail_after(20):
+        async with open_node(config("b")) as b:
+            async with open_node(config("a"), transport=factory) as a:
+                keys = fill(a.store, 4, 4096)
+                peer = await b.connect(a.address)
+                await b.lookup(peer, keys)  # leaves pins at a
+                assert a.statistics().pinned_slots == 4
+                await a.aclose()
+                await a.aclose()
+                st = a.statistics()
+                assert st.sessions == 0 and st.pinned_slots == 0
+            t = factory.transport
+            assert t.adds == t.removes == 1 and not t.live
+            assert t.statistics().remote_peers == 0 and t.statistics().live_handles == 0
+            with trio.fail_after(5):
+                while b.statistics().peers:
+                    await trio.sleep(0.01)
+            with pytest.raises(PeerUnavailable):
+                await b.lookup(peer, keys)
+
+
+async def test_restarted_peer_with_the_same_id_is_served_again() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("b")) as b:
+            async with open_node(config("a")) as a1:
+                peer = await b.connect(a1.address)
+                keys = fill(a1.store, 3, 4096)
+                assert len((await b.fetch(peer, keys)).loaded) == 3
+            async with open_node(config("a")) as a2:
+                keys2 = fill(a2.store, 3, 4096)
+                peer2 = await b.connect(a2.address)
+                assert peer2.peer_id == "a"
+                assert sorted((await b.fetch(peer2, keys2)).loaded) == sorted(keys2)
+                assert b.statistics().peers == 1
+                assert b.statistics().registrations.live == 1
+
+
+async def test_a_restarted_peer_supersedes_its_old_session() -> None:
+    """A new epoch from a known peer id replaces the old session (torn down first)."""
+    with trio.fail_after(20):
+        async with open_node(config("a")) as a, open_node(config("b")) as b1:
+            await b1.connect(a.address)
+            # b restarts without a's noticing the old connection die: same id, new epoch.
+            async with open_node(config("b", port=0)) as b2:
+                keys = fill(a.store, 2, 4096)
+                peer = await b2.connect(a.address)
+                assert sorted((await b2.fetch(peer, keys)).loaded) == sorted(keys)
+                assert a.statistics().peers == 1
+                assert a.statistics().registrations.live == 1
+
+
+async def test_simultaneous_dials_settle_on_one_session() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("a")) as a, open_node(config("b")) as b:
+            peers: dict[str, p2pkv.Peer] = {}
+
+            async def dial(x: p2pkv.Node, y: p2pkv.Node) -> None:
+                peers[x.config.peer_id] = await x.connect(y.address)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dial, a, b)
+                nursery.start_soon(dial, b, a)
+            await trio.sleep(0.2)
+            assert a.statistics().peers == 1 and b.statistics().peers == 1
+            keys = fill(a.store, 2, 4096)
+            assert len((await b.fetch(peers["b"], keys)).loaded) == 2
+
+
+async def test_region_handed_in_by_the_host_is_used_in_place() -> None:
+    import numpy as np
+
+    region = np.zeros(64 * 4096, np.uint8)
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src, \
+                open_node(config("dst"), region=region) as dst:
+            keys = fill(src.store, 3, 4096)
+            peer = await dst.connect(src.address)
+            await dst.fetch(peer, keys)
+            for k in keys:
+                slot = dst.store.slot_of(k)
+                assert slot is not None
+                got = bytes(region[slot * 4096:(slot + 1) * 4096])
+                assert got == bytes(src.store.get(k) or b"")

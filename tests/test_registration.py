@@ -1,0 +1,162 @@
+"""Registration off the Trio thread: the ack barrier and the generation guard.
+
+These use real worker threads and the real clock; blocking registrations are gated with
+``threading.Event``s, never timed with sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import attrs
+import pytest
+import trio
+
+from p2pkv import HandshakeRejected, open_node
+from p2pkv.session.protocol import ByeReceived, SessionProtocol
+from p2pkv.wire import Fetch, Lookup, encode
+
+from .helpers import FaultFactory, RawPeer, config, fill, rejected_registration
+
+
+async def wait_until(predicate: object, timeout: float = 5.0) -> None:
+    assert callable(predicate)
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.005)
+
+
+async def test_ack_waits_for_registration() -> None:
+    """connect() cannot return, and nothing is written, until the producer has
+    registered the consumer: the producer's hello_ack is the barrier."""
+    gate = threading.Event()
+    factory = FaultFactory(lambda t: setattr(t, "registration_gate", gate))
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=factory) as src, \
+                open_node(config("dst")) as dst:
+            keys = fill(src.store, 4, 4096)
+            connected = trio.Event()
+
+            async def connect() -> None:
+                await dst.connect(src.address)
+                connected.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(connect)
+                await trio.to_thread.run_sync(factory.transport.registration_entered.wait, 5)
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                assert not connected.is_set()
+                assert src.statistics().registrations.running
+                assert dst.statistics().peers == 0
+                gate.set()
+            assert connected.is_set()
+            result = await dst.fetch("src", keys)
+            assert sorted(result.loaded) == sorted(keys)
+
+
+async def test_requests_before_our_ack_are_a_protocol_error_and_write_nothing() -> None:
+    """A peer that skips the barrier (lookup and fetch right after its hello) is cut off
+    with a reason; no write is ever posted towards it."""
+    gate = threading.Event()
+    factory = FaultFactory(lambda t: setattr(t, "registration_gate", gate))
+    raw = RawPeer()
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=factory) as src:
+            keys = fill(src.store, 2, 4096)
+            await raw.connect(src.address)
+            raw.proto.start()
+            await raw.flush()
+            await raw.send_raw(encode(Lookup(req_id=1, keys=keys))
+                               + encode(Fetch(req_id=1, keys=keys, slots=[0, 1])))
+            bye = await raw.expect_close()
+            assert isinstance(bye, ByeReceived)
+            assert bye.code == "protocol" and "before our hello_ack" in bye.reason
+            gate.set()
+            await wait_until(lambda: src.statistics().sessions == 0)
+            await src.registrar.drain()
+            t = factory.transport
+            assert t.posts == 0
+            assert t.adds == t.removes and not t.live  # the late registration was released
+        await raw.aclose()
+
+
+async def test_registration_of_a_reaped_peer_is_released_not_published() -> None:
+    """The generation guard: the peer goes away while its registration runs in a thread;
+    when the thread finishes, the registration is released (counted: zero leaks)."""
+    gate = threading.Event()
+    factory = FaultFactory(lambda t: setattr(t, "registration_gate", gate))
+    raw = RawPeer()  # its region stays registered-able after its connection is gone
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=factory) as src:
+            await raw.connect(src.address)
+            raw.proto.start()
+            await raw.flush()
+            await trio.to_thread.run_sync(factory.transport.registration_entered.wait, 5)
+            assert raw.stream is not None
+            await raw.stream.aclose()
+            # The session is reaped while its registration still blocks in the thread.
+            await wait_until(lambda: src.statistics().sessions == 0)
+            assert src.statistics().registrations.running
+            gate.set()
+            await src.registrar.drain()
+            await wait_until(lambda: src.statistics().registrations.released_stale == 1)
+            st = src.statistics().registrations
+            assert st.live == 0 and st.published == 0
+            t = factory.transport
+            assert t.adds == 1 and t.removes == 1 and not t.live
+        raw.transport.close()
+
+
+async def test_a_failed_registration_rejects_the_handshake_and_leaves_nothing() -> None:
+    factory = FaultFactory(lambda t: setattr(t, "registration_error", rejected_registration()))
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=factory) as src, \
+                open_node(config("dst")) as dst:
+            with pytest.raises(HandshakeRejected, match="registration failed"):
+                await dst.connect(src.address)
+            await wait_until(lambda: src.statistics().sessions == 0)
+            st = src.statistics().registrations
+            assert st.failed == 1 and st.live == 0
+            assert not factory.transport.live
+
+
+async def test_shutdown_waits_for_a_running_registration_and_releases_it() -> None:
+    """Closing the node mid-registration neither abandons the thread nor leaks it."""
+    gate = threading.Event()
+    factory = FaultFactory(lambda t: setattr(t, "registration_gate", gate))
+    with trio.fail_after(20):
+        async with open_node(config("dst")) as dst:
+            async with open_node(config("src"), transport=factory) as src:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(dst.connect, src.address)
+                    await trio.to_thread.run_sync(factory.transport.registration_entered.wait, 5)
+                    # Open the gate only after the node has begun closing.
+                    threading.Timer(0.2, gate.set).start()
+                    await src.aclose()
+                    nursery.cancel_scope.cancel()
+            t = factory.transport
+            assert gate.is_set()
+            assert t.adds == t.removes and not t.live
+            assert t.statistics().remote_peers == 0
+
+
+async def test_peer_restart_on_the_same_connection_reregisters() -> None:
+    """A hello with a new epoch on a live session: the old registration is torn down
+    before the new one is made; the peer is served again."""
+    factory = FaultFactory()
+    raw = RawPeer("phoenix")
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=factory) as src:
+            await raw.connect(src.address)
+            await raw.handshake()
+            await wait_until(lambda: factory.transport.adds == 1)
+            # Re-hello with a new epoch, as a restarted engine would.
+            raw.proto = SessionProtocol(attrs.evolve(raw.proto.local,
+                                                     epoch=raw.proto.local.epoch + 1))
+            await raw.handshake()
+            await wait_until(lambda: factory.transport.adds == 2)
+            t = factory.transport
+            assert t.removes == 1 and len(t.live) == 1
+            assert src.statistics().registrations.live == 1
+            assert src.statistics().peers == 1
+        await raw.aclose()
