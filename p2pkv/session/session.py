@@ -424,7 +424,9 @@ class PeerSession:
 
     async def _serve_fetch(self, ev: FetchRequested, scope: trio.CancelScope) -> None:
         node, bl = self.node, self.cfg.block_len
-        outcomes = [int(Outcome.OK)] * len(ev.keys)
+        # Pessimistic: a key is OK only once the data plane reported its write DONE, so no
+        # exit path (error, cancellation, a bug) can report bytes that never landed.
+        outcomes = [int(Outcome.TRANSFER_FAILED)] * len(ev.keys)
         pinned = self._pinned.get(ev.req_id, {})
         budget = max(0, (self.cfg.max_inflight_bytes - self.inflight_bytes) // bl)
         plan: list[tuple[int, int, int]] = []  # (index, local slot, remote slot)
@@ -462,9 +464,9 @@ class PeerSession:
                 for chunk, h in posted:
                     state = await node.poller.wait(h)
                     settled.add(id(h))
-                    if state is not TransferState.DONE:
+                    if state is TransferState.DONE:
                         for c in chunk:
-                            outcomes[c[0]] = Outcome.TRANSFER_FAILED
+                            outcomes[c[0]] = Outcome.OK
                 if self.cfg.verify_checksums:  # sources are still pinned: bytes as sent
                     sums = [0] * len(ev.keys)
                     got = await node.offload(checksums, memoryview(node.store.array), bl,
@@ -499,7 +501,7 @@ class PeerSession:
                 with trio.move_on_after(self.cfg.abort_timeout):
                     await node.poller.wait(h)
                     settled.add(id(h))
-                for c in chunk:
+                for c in chunk:  # cut short: whatever landed is not reported as loaded
                     outcomes[c[0]] = Outcome.ABORTED
             if id(h) in settled:
                 node.transport.release(h)

@@ -1,0 +1,156 @@
+"""A peer that is hostile, broken or crashing costs the others nothing.
+
+Each malformed frame closes only its own session, with a typed reason in the bye, while
+the node keeps serving a sibling peer whose transfer is in flight at that very moment.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+
+import msgpack
+import pytest
+import trio
+
+from p2pkv import Node, open_node
+from p2pkv.session.protocol import LookupAnswered
+from p2pkv.transport.base import RemotePeer, TransferHandle
+
+from .helpers import FaultFactory, FaultTransport, RawPeer, config, fill
+
+
+def frame(obj: object) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+K = os.urandom(32)
+CORPUS: dict[str, bytes] = {
+    "oversized": struct.pack(">I", 0xFFFFFFF0),
+    "zero length": struct.pack(">I", 0),
+    "not msgpack": struct.pack(">I", 1) + b"\xc1",
+    "not a map": frame([1, 2, 3]),
+    "unknown type": frame({"t": "teleport", "req_id": 1}),
+    "missing field": frame({"t": "lookup", "req_id": 1}),
+    "str for int": frame({"t": "lookup", "req_id": "1", "keys": [K]}),
+    "bool for int": frame({"t": "lookup", "req_id": True, "keys": [K]}),
+    "int for bool": frame({"t": "lookup_resp", "req_id": 1, "hits": [1]}),
+    "str key": frame({"t": "lookup", "req_id": 1, "keys": ["text"]}),
+    "negative id": frame({"t": "lookup", "req_id": -5, "keys": [K]}),
+    "too many keys": frame({"t": "lookup", "req_id": 1, "keys": [K] * 70000}),
+    "key too long": frame({"t": "lookup", "req_id": 1, "keys": [b"k" * 2000]}),
+    "length mismatch": frame({"t": "fetch", "req_id": 1, "keys": [K, K], "slots": [1]}),
+    "extension type": struct.pack(">I", 3) + b"\xd4\x05\x00",
+    "answer to nothing": frame({"t": "lookup_resp", "req_id": 99, "hits": [True]}),
+    "fetch without lookup": frame({"t": "fetch", "req_id": 1, "keys": [K], "slots": [0]}),
+}
+
+
+class SlowTransport(FaultTransport):
+    """FAKE: completions are reported late, so a transfer stays in flight for a while."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.late_polls = 8
+
+
+def slow_factory() -> FaultFactory:
+    return FaultFactory(lambda t: setattr(t, "late_polls", 8))
+
+
+async def sibling_fetch(node: Node, src: Node, keys: Sequence[bytes]) -> None:
+    result = await node.fetch("src", keys)
+    assert sorted(result.loaded) == sorted(keys), result.failed
+    for k in keys:
+        assert bytes(node.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+async def test_malformed_frame_closes_only_its_session(name: str) -> None:
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=slow_factory()) as src, \
+                open_node(config("dst")) as dst:
+            keys = fill(src.store, 16, 4096)
+            await dst.connect(src.address)
+            raw = RawPeer()
+            await raw.connect(src.address)
+            await raw.handshake()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sibling_fetch, dst, src, keys)
+                await raw.send_raw(CORPUS[name])
+                bye = await raw.expect_close()
+            assert bye is not None and bye.code == "protocol", bye
+            assert bye.reason  # says why
+            await raw.aclose()
+            # The node keeps serving: the sibling again, and a new peer.
+            more = fill(src.store, 4, 4096)
+            await sibling_fetch(dst, src, more)
+            assert src.statistics().peers == 1
+
+
+async def test_fetch_into_slots_outside_the_region_is_refused() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src:
+            keys = fill(src.store, 2, 4096)
+            raw = RawPeer(num_blocks=8)
+            await raw.connect(src.address)
+            await raw.handshake()
+            req = raw.proto.send_lookup(keys)
+            await raw.flush()
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.hits == [True, True]
+            await raw.send_raw(frame({"t": "fetch", "req_id": req, "keys": keys,
+                                      "slots": [1, 8]}))  # 8 is past the 8-block region
+            bye = await raw.expect_close()
+            assert bye is not None and bye.code == "protocol" and "slot" in bye.reason
+            await raw.aclose()
+            assert src.statistics().pinned_slots == 0  # the round's pins went with it
+
+
+async def test_truncated_frame_then_disconnect_is_harmless() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src, open_node(config("dst")) as dst:
+            raw = RawPeer()
+            await raw.connect(src.address)
+            await raw.handshake()
+            await raw.send_raw(struct.pack(">I", 100) + b"\x81" * 10)
+            await raw.aclose()
+            keys = fill(src.store, 2, 4096)
+            await dst.connect(src.address)
+            await sibling_fetch(dst, src, keys)
+
+
+class CrashingTransport(FaultTransport):
+    """FAKE: a bug of ours (not a transport error) while serving one particular peer."""
+
+    def post_write(self, peer: RemotePeer, local_slots: Sequence[int],
+                   remote_slots: Sequence[int]) -> TransferHandle:
+        if peer.agent_name == "victim":
+            raise RuntimeError("simulated bug while serving victim")
+        return super().post_write(peer, local_slots, remote_slots)
+
+
+async def test_a_crashing_session_does_not_cancel_its_siblings() -> None:
+    def factory(cfg: object, store: object) -> CrashingTransport:
+        from p2pkv.store import BlockStore
+
+        assert isinstance(store, BlockStore)
+        t = CrashingTransport(agent_name="src", region=store.array, layout=store.layout)
+        t.late_polls = 8
+        return t
+
+    with trio.fail_after(20):
+        async with open_node(config("src"), transport=factory) as src, \
+                open_node(config("dst")) as dst, open_node(config("victim")) as victim:
+            keys = fill(src.store, 16, 4096)
+            await dst.connect(src.address)
+            await victim.connect(src.address)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sibling_fetch, dst, src, keys)
+                result = await victim.fetch("src", keys[:2])
+            assert result.loaded == []  # the victim's session died with the bug
+            assert all(r for r in result.failed.values())
+            assert src.statistics().peers == 1  # dst only
+            await sibling_fetch(dst, src, fill(src.store, 2, 4096))
