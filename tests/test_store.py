@@ -1,0 +1,818 @@
+"""BlockStore: slots, LRU, pins, reservations, quarantine, adopted regions, threads."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from p2pkv.errors import P2PKVError, StoreFull
+from p2pkv.store import BlockStore, StoreStatistics
+from p2pkv.transport.base import RegionLayout
+
+L = 16  # block_len of the small stores
+
+
+def blk(tag: int, length: int = L) -> bytes:
+    return bytes([tag % 256]) * length
+
+
+def snapshot(store: BlockStore) -> tuple[StoreStatistics, dict[bytes, int | None], bytes]:
+    """Everything a caller can observe; equal snapshots mean nothing changed."""
+    return (
+        store.statistics(),
+        {k: store.slot_of(k) for k in list(store.keys())},
+        store.array.tobytes(),
+    )
+
+
+def filled(n: int, keys: int | None = None) -> BlockStore:
+    """A store of n blocks holding keys b"k0".. b"k{keys-1}" (put in that order)."""
+    store = BlockStore(n, L)
+    for i in range(n if keys is None else keys):
+        store.put(b"k%d" % i, blk(i))
+    return store
+
+
+# ------------------------------------------------------------------ put / get
+
+
+def test_put_then_get_returns_the_bytes_put() -> None:
+    store = BlockStore(4, L)
+    slot = store.put(b"key", b"0123456789abcdef")
+    view = store.get(b"key")
+    assert view is not None and bytes(view) == b"0123456789abcdef"
+    assert store.slot_of(b"key") == slot
+    assert b"key" in store and b"other" not in store and "key" not in store
+    assert len(store) == 1 and store.keys() == [b"key"]
+    assert store.get(b"other") is None and store.slot_of(b"other") is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        bytearray(blk(7)),
+        memoryview(blk(7)),
+        np.full(L, 7, dtype=np.uint8),
+        np.full(L // 4, 0x07070707, dtype=np.uint32),  # multi-byte items, same bytes
+        np.full(2 * L, 7, dtype=np.uint8)[::2],  # non-contiguous
+    ],
+    ids=["bytearray", "memoryview", "uint8", "uint32", "strided"],
+)
+def test_put_accepts_any_buffer_of_block_len_bytes(data: object) -> None:
+    store = BlockStore(2, L)
+    store.put(b"k", data)
+    assert bytes(store.get(b"k") or b"") == blk(7)
+
+
+def test_get_is_a_read_only_view_into_the_region() -> None:
+    store = BlockStore(2, L)
+    slot = store.put(b"k", blk(1))
+    view = store.get(b"k")
+    assert view is not None and view.readonly
+    with pytest.raises(TypeError):
+        view[0] = 9
+    store.array[slot * L] = 42  # no copy: a write to the region shows through the view
+    assert view[0] == 42
+    assert bytes(store.view(slot)) == bytes(view)
+
+
+@pytest.mark.parametrize("length", [0, L - 1, L + 1])
+def test_put_of_the_wrong_length_raises_and_stores_nothing(length: int) -> None:
+    store = BlockStore(2, L)
+    with pytest.raises(ValueError, match="block_len"):
+        store.put(b"k", bytes(length))
+    assert b"k" not in store and store.statistics().free == 2
+
+
+def test_put_rejects_keys_that_are_not_non_empty_bytes() -> None:
+    store = BlockStore(2, L)
+    with pytest.raises(TypeError):
+        store.put("k", blk(1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        store.put(bytearray(b"k"), blk(1))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        store.put(b"", blk(1))
+    with pytest.raises(TypeError):
+        store.put(b"k", 12345)
+    assert len(store) == 0 and store.statistics().free == 2
+
+
+def test_put_over_an_unpinned_key_overwrites_its_slot_in_place() -> None:
+    store = filled(3)
+    slot = store.slot_of(b"k1")
+    assert store.put(b"k1", blk(99)) == slot
+    assert bytes(store.get(b"k1") or b"") == blk(99)
+    assert store.statistics().used == 3 and store.statistics().evictions == 0
+
+
+def test_view_rejects_slots_outside_the_region() -> None:
+    store = BlockStore(2, L)
+    for bad in (-1, 2):
+        with pytest.raises(ValueError):
+            store.view(bad)
+
+
+def test_evict_drops_unpinned_keys_only() -> None:
+    store = filled(3)
+    store.pin("o", [b"k0"])
+    assert store.evict(b"k0") is False and b"k0" in store
+    assert store.evict(b"k1") is True and b"k1" not in store
+    assert store.evict(b"k1") is False
+    assert store.statistics().free == 1
+
+
+# ------------------------------------------------------------------ LRU eviction
+
+
+def test_eviction_takes_the_least_recently_used_block() -> None:
+    store = filled(3)  # LRU order: k0, k1, k2
+    store.get(b"k0")  # now k1, k2, k0
+    store.put(b"new1", blk(10))
+    assert b"k1" not in store and {b"k0", b"k2", b"new1"} == set(store.keys())
+    store.put(b"k2", blk(11))  # a re-put touches too: k0, new1, k2
+    store.put(b"new2", blk(12))
+    assert b"k0" not in store
+    assert store.statistics().evictions == 2
+
+
+def test_eviction_skips_pinned_blocks() -> None:
+    store = filled(3)
+    assert store.pin("o", [b"k0", b"k1"]) == [0, 1]
+    slot = store.put(b"new", blk(9))
+    assert slot == 2 and b"k2" not in store
+    assert bytes(store.get(b"k0") or b"") == blk(0)
+    assert bytes(store.get(b"k1") or b"") == blk(1)
+
+
+def test_an_unpinned_block_becomes_most_recently_used() -> None:
+    store = filled(3)
+    store.pin("o", [b"k0"])
+    store.unpin("o")  # k0 is evictable again, behind k1 and k2
+    store.put(b"a", blk(10))
+    store.put(b"b", blk(11))
+    assert set(store.keys()) == {b"k0", b"a", b"b"}
+
+
+def test_store_full_when_every_slot_is_pinned_reserved_or_quarantined() -> None:
+    store = filled(4, keys=2)
+    store.pin("p", [b"k0", b"k1"])
+    reserved = store.reserve("r", 2)
+    store.quarantine("r", reserved[:1], until=5.0)
+    before = snapshot(store)
+    with pytest.raises(StoreFull) as info:
+        store.put(b"new", blk(9))
+    assert isinstance(info.value, P2PKVError)
+    with pytest.raises(StoreFull):
+        store.put(b"k0", blk(9))  # pinned: needs a new slot too
+    with pytest.raises(StoreFull):
+        store.reserve("r2", 1)
+    assert snapshot(store) == before
+    assert store.release_quarantined(5.0) == 1
+    assert store.put(b"new", blk(9)) == reserved[0]
+
+
+# ------------------------------------------------------------------ pins
+
+
+def test_put_over_a_pinned_key_moves_it_and_the_old_slot_waits_for_unpin() -> None:
+    store = filled(4, keys=2)
+    (old,) = store.pin("o", [b"k0"])
+    assert old is not None
+    new = store.put(b"k0", blk(50))
+    assert new != old and store.slot_of(b"k0") == new
+    assert bytes(store.get(b"k0") or b"") == blk(50)
+    assert bytes(store.view(old)) == blk(0)  # the pinned reader's bytes are untouched
+    stats = store.statistics()
+    assert (stats.used, stats.free, stats.pinned, len(store)) == (3, 1, 1, 2)
+    assert store.reserve("r", 1) != [old]  # the orphan is not handed out either
+    store.pin("o2", [b"k0", b"k1"])
+    with pytest.raises(StoreFull):
+        store.reserve("r", 1)
+    assert store.unpin("o") == 1
+    stats = store.statistics()
+    assert (stats.used, stats.free, stats.pinned) == (2, 1, 2)
+    assert store.reserve("r", 1) == [old]
+
+
+def test_put_over_a_pinned_key_with_no_room_raises_and_changes_nothing() -> None:
+    store = filled(2)
+    store.pin("o", [b"k0", b"k1"])
+    before = snapshot(store)
+    with pytest.raises(StoreFull):
+        store.put(b"k0", blk(9))
+    assert snapshot(store) == before
+
+
+def test_pin_returns_slots_or_none_and_counts_duplicates() -> None:
+    store = filled(3)
+    assert store.pin("o", [b"k1", b"missing", b"k1", b"k2"]) == [1, None, 1, 2]
+    assert store.pins_of("o") == 3 and store.statistics().pinned == 2
+    assert store.pin("o", [b"missing"]) == [None] and store.pins_of("o") == 3
+    assert store.unpin("o") == 3
+    assert store.pins_of("o") == 0 and store.statistics().pinned == 0
+    assert store.unpin("o") == 0
+
+
+def test_unpin_keys_releases_one_pin_per_listed_slot() -> None:
+    store = filled(3)
+    store.pin("o", [b"k0", b"k0", b"k1"])
+    assert store.unpin_keys("o", [0, 2, 7]) == 1  # slot 2 and 7: not pinned by "o"
+    assert store.pins_of("o") == 2 and store.evict(b"k0") is False
+    assert store.unpin_keys("o", [0, 0, 1]) == 2
+    assert store.pins_of("o") == 0 and store.evict(b"k0") is True
+    assert store.unpin_keys("nobody", [1]) == 0
+
+
+def test_pins_are_counted_per_owner() -> None:
+    store = filled(2)
+    store.pin(("session", 1), [b"k0"])
+    store.pin(("session", 2), [b"k0"])
+    assert store.unpin(("session", 1)) == 1
+    assert store.evict(b"k0") is False  # still pinned by the other owner
+    assert store.pins_of(("session", 2)) == 1
+    store.unpin(("session", 2))
+    assert store.evict(b"k0") is True
+
+
+def test_pin_of_1024_keys_takes_well_under_a_millisecond() -> None:
+    store = BlockStore(2048, 64)
+    keys = [i.to_bytes(32, "big") for i in range(1024)]
+    for key in keys:
+        store.put(key, bytes(64))
+    best = float("inf")
+    for _ in range(10):
+        t0 = time.perf_counter()
+        slots = store.pin("o", keys)
+        best = min(best, time.perf_counter() - t0)
+        store.unpin("o")
+    assert None not in slots
+    assert best < 1e-3, f"pin of 1024 keys took {best * 1e6:.0f} us"
+
+
+# ------------------------------------------------------------------ reserve / commit
+
+
+def test_reserve_is_all_or_nothing() -> None:
+    store = filled(4, keys=3)  # 1 free, 3 evictable
+    store.pin("p", [b"k0"])  # 1 free + 2 evictable = 3 available
+    before = snapshot(store)
+    with pytest.raises(StoreFull):
+        store.reserve("r", 4)
+    assert snapshot(store) == before  # in particular: nothing was evicted
+    slots = store.reserve("r", 3)
+    assert sorted(slots) == [1, 2, 3] and set(store.keys()) == {b"k0"}
+    assert store.statistics().evictions == 2 and store.statistics().reserved == 3
+    assert store.reserve("r", 0) == []
+    with pytest.raises(ValueError):
+        store.reserve("r", -1)
+
+
+def test_reserve_takes_free_slots_before_evicting() -> None:
+    store = filled(4, keys=2)
+    assert sorted(store.reserve("r", 2)) == [2, 3]
+    assert len(store) == 2 and store.statistics().evictions == 0
+
+
+def test_a_reserved_slot_is_invisible_until_committed() -> None:
+    store = BlockStore(2, L)
+    (slot,) = store.reserve("r", 1)
+    store.array[slot * L : (slot + 1) * L] = 5  # the data plane writes the block
+    assert b"k" not in store and store.pin("x", [b"k"]) == [None]
+    assert store.commit("r", slot, b"k") is True
+    assert store.slot_of(b"k") == slot and bytes(store.get(b"k") or b"") == blk(5)
+    assert store.statistics().reserved == 0 and store.statistics().used == 1
+
+
+def test_commit_of_a_present_key_keeps_the_existing_block_and_frees_the_slot() -> None:
+    store = filled(3, keys=1)
+    (slot,) = store.reserve("r", 1)
+    store.array[slot * L : (slot + 1) * L] = 77
+    assert store.commit("r", slot, b"k0") is False
+    assert store.slot_of(b"k0") == 0 and bytes(store.get(b"k0") or b"") == blk(0)
+    stats = store.statistics()
+    assert (stats.free, stats.reserved, stats.used) == (2, 0, 1)
+
+
+def test_commit_requires_a_slot_reserved_by_that_owner() -> None:
+    store = filled(3, keys=1)
+    (slot,) = store.reserve(("s", 1), 1)
+    before = snapshot(store)
+    for owner, bad_slot in [(("s", 2), slot), (("s", 1), 0), (("s", 1), 2)]:
+        with pytest.raises(ValueError):
+            store.commit(owner, bad_slot, b"x")
+    assert snapshot(store) == before
+    assert store.commit(("s", 1), slot, b"x") is True
+    with pytest.raises(ValueError):
+        store.commit(("s", 1), slot, b"y")  # a slot commits once
+
+
+def test_release_reserved_frees_slots_all_or_nothing() -> None:
+    store = BlockStore(4, L)
+    mine = store.reserve("a", 2)
+    theirs = store.reserve("b", 1)
+    with pytest.raises(ValueError):
+        store.release_reserved("a", [*mine, *theirs])
+    assert store.statistics().reserved == 3
+    store.release_reserved("a", [mine[0], mine[0], mine[1]])  # duplicates are harmless
+    stats = store.statistics()
+    assert (stats.free, stats.reserved) == (3, 1)
+
+
+# ------------------------------------------------------------------ quarantine
+
+
+def test_quarantined_slots_are_not_reused_until_their_deadline() -> None:
+    store = BlockStore(2, L)
+    slots = store.reserve("r", 2)
+    store.quarantine("r", slots[:1], until=10.0)
+    store.quarantine("r", slots[1:], until=20.0)
+    assert store.next_quarantine_deadline() == 10.0
+    with pytest.raises(StoreFull):
+        store.put(b"k", blk(1))
+    assert store.release_quarantined(9.999) == 0
+    with pytest.raises(StoreFull):
+        store.reserve("r", 1)
+    assert store.release_quarantined(10.0) == 1
+    assert store.next_quarantine_deadline() == 20.0
+    assert store.put(b"k", blk(1)) == slots[0]
+    assert store.release_quarantined(100.0) == 1
+    assert store.next_quarantine_deadline() is None
+    assert store.statistics().quarantined == 0 and store.statistics().free == 1
+
+
+def test_quarantine_requires_a_slot_reserved_by_that_owner() -> None:
+    store = filled(3, keys=1)
+    (slot,) = store.reserve("r", 1)
+    for owner, bad in [("other", slot), ("r", 0), ("r", 2)]:
+        with pytest.raises(ValueError):
+            store.quarantine(owner, [bad], until=1.0)
+    with pytest.raises(ValueError):
+        store.quarantine("r", [slot], until=float("nan"))
+    assert store.statistics().quarantined == 0 and store.statistics().reserved == 1
+
+
+def test_unquarantine_frees_at_once_and_ignores_late_confirmations() -> None:
+    store = BlockStore(1, L)
+    (slot,) = store.reserve("a", 1)
+    store.quarantine("a", [slot], until=10.0)
+    store.unquarantine([slot])
+    assert store.statistics().free == 1 and store.next_quarantine_deadline() is None
+    assert store.release_quarantined(10.0) == 0  # the stale deadline frees nothing
+    store.reserve("b", 1)
+    store.quarantine("b", [slot], until=10.0)
+    store.unquarantine([slot], owner="a")  # late, for a's quarantine: b's stays
+    assert store.statistics().quarantined == 1
+    assert store.next_quarantine_deadline() == 10.0
+    store.unquarantine([slot], owner="b")
+    assert store.statistics().free == 1
+    store.unquarantine([slot])  # already free: ignored, not freed twice
+    assert store.statistics().free == 1 and store.reserve("c", 1) == [slot]
+
+
+def test_release_owner_drops_pins_and_frees_its_reservations() -> None:
+    store = filled(4, keys=2)
+    store.pin("s", [b"k0", b"k1", b"k1"])
+    store.pin("other", [b"k1"])
+    store.reserve("s", 1)
+    store.reserve("other", 1)
+    store.release_owner("s", quarantine_until=None)
+    stats = store.statistics()
+    assert store.pins_of("s") == 0 and store.pins_of("other") == 1
+    assert (stats.pinned, stats.reserved, stats.free, stats.quarantined) == (1, 1, 1, 0)
+
+
+def test_release_owner_can_quarantine_its_reservations() -> None:
+    store = BlockStore(3, L)
+    slots = store.reserve("s", 2)
+    store.release_owner("s", quarantine_until=3.0)
+    stats = store.statistics()
+    assert (stats.reserved, stats.quarantined, stats.free) == (0, 2, 1)
+    with pytest.raises(StoreFull):
+        store.reserve("t", 2)
+    assert store.release_quarantined(3.0) == 2
+    assert sorted(store.reserve("t", 3)) == sorted([*slots, 2])
+
+
+# ------------------------------------------------------------------ regions
+
+
+def test_default_region_is_page_aligned_and_described_by_layout() -> None:
+    store = BlockStore(8, 4096)
+    assert store.base_addr % mmap.PAGESIZE == 0
+    assert store.layout == RegionLayout(store.base_addr, 8, 4096)
+    assert store.array.dtype == np.uint8 and store.array.shape == (8 * 4096,)
+    assert store.array.ctypes.data == store.base_addr
+    assert not store.array.any()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: np.zeros(n // 4, dtype=np.float32).reshape(2, -1),
+        lambda n: np.zeros(n + 100, dtype=np.uint8),  # larger than needed
+        lambda n: bytearray(n),
+        lambda n: memoryview(bytearray(n)),
+        lambda n: mmap.mmap(-1, n),
+    ],
+    ids=["numpy-float32-2d", "numpy-larger", "bytearray", "memoryview", "mmap"],
+)
+def test_handed_in_region_is_used_without_a_copy(make: Callable[[int], object]) -> None:
+    region = make(4 * L)
+    store = BlockStore(4, L, region)
+    assert store.region is region and store.array.nbytes == 4 * L
+    slot = store.put(b"k", blk(0xAB))
+    assert bytes(memoryview(region).cast("B")[slot * L : (slot + 1) * L]) == blk(0xAB)  # type: ignore[arg-type]
+    memoryview(region).cast("B")[slot * L] = 1  # type: ignore[arg-type]
+    assert (store.get(b"k") or b"")[0] == 1
+
+
+def test_torch_cpu_tensor_region_is_used_without_a_copy() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.zeros((4, L // 2), dtype=torch.bfloat16)
+    store = BlockStore(4, L, tensor)
+    assert store.base_addr == tensor.data_ptr()
+    slot = store.put(b"k", torch.full((L,), 0x3F, dtype=torch.uint8))  # tensor data too
+    assert bool((tensor[slot].view(torch.uint8) == 0x3F).all())
+    tensor[slot].view(torch.uint8)[0] = 7
+    assert (store.get(b"k") or b"")[0] == 7
+    assert store.region is tensor
+
+
+def test_torch_region_must_be_contiguous_and_on_the_cpu() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError):
+        BlockStore(2, L, torch.zeros((L, 2), dtype=torch.uint8).t())
+    with pytest.raises(ValueError):
+        BlockStore(2, L, torch.zeros(L, dtype=torch.uint8))  # too small
+    with pytest.raises(ValueError):
+        BlockStore(2, L, torch.zeros(2 * L, dtype=torch.uint8, device="meta"))
+
+
+@pytest.mark.parametrize(
+    "region",
+    [
+        bytes(4 * L),  # read-only
+        bytearray(4 * L - 1),  # too small
+        np.zeros((4 * L, 2), dtype=np.uint8)[:, 0],  # not contiguous
+        np.frombuffer(bytes(4 * L), dtype=np.uint8),  # read-only
+        np.empty(4 * L, dtype=object),
+    ],
+    ids=["bytes", "small", "strided", "readonly-numpy", "object-numpy"],
+)
+def test_unusable_region_is_rejected(region: object) -> None:
+    with pytest.raises(ValueError):
+        BlockStore(4, L, region)
+
+
+def test_region_that_is_not_a_buffer_is_rejected() -> None:
+    with pytest.raises(TypeError):
+        BlockStore(4, L, [0] * (4 * L))
+
+
+@pytest.mark.parametrize("args", [(0, L), (4, 0), (-1, L), (True, L), (2.0, L)])
+def test_sizes_must_be_positive_ints(args: tuple[object, object]) -> None:
+    with pytest.raises(ValueError):
+        BlockStore(*args)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ model-based
+
+N_SM = 6
+KEYS = [b"key%d" % i for i in range(8)]
+OWNERS: list[Hashable] = ["a", ("s", 1), ("s", 2)]
+owners = st.sampled_from(OWNERS)
+some_keys = st.lists(st.sampled_from(KEYS), max_size=4)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random operations against a model of what must hold, whatever LRU picks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = BlockStore(N_SM, L)
+        self.content: dict[bytes, bytes] = {}  # the last bytes put or committed per key
+        self.mapped: dict[bytes, int] = {}  # where the key was put or committed
+        self.pins: dict[Hashable, Counter[int]] = {}
+        self.pinned_bytes: dict[int, bytes] = {}  # slot -> its bytes when first pinned
+        self.reserved: dict[Hashable, set[int]] = {}
+        self.quarantined: dict[int, tuple[float, Hashable]] = {}
+        self.now = 0.0
+        self.version = 0
+
+    # -- model helpers
+    def fresh(self) -> bytes:
+        self.version += 1
+        return self.version.to_bytes(L, "big")
+
+    def pinned_slots(self) -> set[int]:
+        return {s for c in self.pins.values() for s, n in c.items() if n > 0}
+
+    def reserved_slots(self) -> set[int]:
+        return {s for ss in self.reserved.values() for s in ss}
+
+    def untouchable(self) -> set[int]:
+        return self.pinned_slots() | self.reserved_slots() | set(self.quarantined)
+
+    def available(self) -> int:  # free + evictable
+        return N_SM - len(self.untouchable())
+
+    def forget_unpinned(self) -> None:
+        pinned = self.pinned_slots()
+        self.pinned_bytes = {s: b for s, b in self.pinned_bytes.items() if s in pinned}
+        self.pins = {o: c for o, c in self.pins.items() if +c}
+
+    def write_slot(self, slot: int, data: bytes) -> None:
+        self.store.array[slot * L : (slot + 1) * L] = np.frombuffer(data, dtype=np.uint8)
+
+    # -- rules
+    @rule(key=st.sampled_from(KEYS))
+    def put(self, key: bytes) -> None:
+        data = self.fresh()
+        existing = self.store.slot_of(key)
+        in_place = existing is not None and existing not in self.pinned_slots()
+        if not in_place and self.available() == 0:
+            before = snapshot(self.store)
+            with pytest.raises(StoreFull):
+                self.store.put(key, data)
+            assert snapshot(self.store) == before
+            return
+        forbidden = self.untouchable()
+        slot = self.store.put(key, data)
+        assert slot not in forbidden
+        if in_place:
+            assert slot == existing
+        self.content[key] = data
+        self.mapped[key] = slot
+
+    @rule(key=st.sampled_from(KEYS))
+    def get(self, key: bytes) -> None:
+        view = self.store.get(key)
+        if view is None:
+            assert key not in self.store
+        else:
+            assert bytes(view) == self.content[key]
+
+    @rule(key=st.sampled_from(KEYS))
+    def evict(self, key: bytes) -> None:
+        slot = self.store.slot_of(key)
+        assert self.store.evict(key) == (slot is not None and slot not in self.pinned_slots())
+
+    @rule(owner=owners, keys=some_keys)
+    def pin(self, owner: Hashable, keys: list[bytes]) -> None:
+        expected = [self.store.slot_of(k) for k in keys]
+        assert self.store.pin(owner, keys) == expected
+        for key, slot in zip(keys, expected, strict=True):
+            if slot is not None:
+                self.pins.setdefault(owner, Counter())[slot] += 1
+                self.pinned_bytes.setdefault(slot, self.content[key])
+
+    @rule(owner=owners)
+    def unpin(self, owner: Hashable) -> None:
+        assert self.store.unpin(owner) == self.pins.pop(owner, Counter()).total()
+        self.forget_unpinned()
+
+    @rule(owner=owners, slots=st.lists(st.integers(0, N_SM - 1), max_size=4))
+    def unpin_keys(self, owner: Hashable, slots: list[int]) -> None:
+        held = self.pins.get(owner, Counter())
+        expected = 0
+        for slot in slots:
+            if held[slot] > 0:
+                held[slot] -= 1
+                expected += 1
+        assert self.store.unpin_keys(owner, slots) == expected
+        self.forget_unpinned()
+
+    @rule(owner=owners, n=st.integers(0, 4))
+    def reserve(self, owner: Hashable, n: int) -> None:
+        forbidden = self.untouchable()
+        if n > self.available():
+            before = snapshot(self.store)
+            with pytest.raises(StoreFull):
+                self.store.reserve(owner, n)
+            assert snapshot(self.store) == before
+            return
+        slots = self.store.reserve(owner, n)
+        assert len(set(slots)) == n and not set(slots) & forbidden
+        self.reserved.setdefault(owner, set()).update(slots)
+
+    @precondition(lambda self: self.reserved_slots())
+    @rule(data=st.data(), key=st.sampled_from(KEYS))
+    def commit(self, data: st.DataObject, key: bytes) -> None:
+        owner = data.draw(st.sampled_from([o for o, s in self.reserved.items() if s]))
+        slot = data.draw(st.sampled_from(sorted(self.reserved[owner])))
+        block = self.fresh()
+        self.write_slot(slot, block)
+        present = key in self.store
+        assert self.store.commit(owner, slot, key) is (not present)
+        self.reserved[owner].discard(slot)
+        if not present:
+            self.content[key] = block
+            self.mapped[key] = slot
+
+    @rule(owner=owners, slot=st.integers(0, N_SM - 1), key=st.sampled_from(KEYS))
+    def commit_unowned(self, owner: Hashable, slot: int, key: bytes) -> None:
+        if slot in self.reserved.get(owner, set()):
+            return
+        before = snapshot(self.store)
+        with pytest.raises(ValueError):
+            self.store.commit(owner, slot, key)
+        assert snapshot(self.store) == before
+
+    @precondition(lambda self: self.reserved_slots())
+    @rule(data=st.data(), dt=st.floats(0, 3), settle=st.booleans())
+    def settle_reserved(self, data: st.DataObject, dt: float, settle: bool) -> None:
+        owner = data.draw(st.sampled_from([o for o, s in self.reserved.items() if s]))
+        slots = data.draw(st.lists(st.sampled_from(sorted(self.reserved[owner])), min_size=1))
+        if settle:
+            self.store.release_reserved(owner, slots)
+        else:
+            self.store.quarantine(owner, slots, until=self.now + dt)
+            self.quarantined.update((s, (self.now + dt, owner)) for s in slots)
+        self.reserved[owner].difference_update(slots)
+
+    @rule(dt=st.floats(0, 2))
+    def advance_clock(self, dt: float) -> None:
+        self.now += dt
+        due = [s for s, (until, _) in self.quarantined.items() if until <= self.now]
+        assert self.store.release_quarantined(self.now) == len(due)
+        for slot in due:
+            del self.quarantined[slot]
+
+    @rule(slots=st.lists(st.integers(0, N_SM - 1), max_size=3), owner=st.none() | owners)
+    def unquarantine(self, slots: list[int], owner: Hashable | None) -> None:
+        if owner is None:
+            self.store.unquarantine(slots)
+        else:
+            self.store.unquarantine(slots, owner=owner)
+        for slot in slots:
+            entry = self.quarantined.get(slot)
+            if entry is not None and (owner is None or entry[1] == owner):
+                del self.quarantined[slot]
+
+    @rule(owner=owners, quarantine=st.booleans())
+    def release_owner(self, owner: Hashable, quarantine: bool) -> None:
+        until = self.now + 1.0 if quarantine else None
+        self.store.release_owner(owner, quarantine_until=until)
+        self.pins.pop(owner, None)
+        self.forget_unpinned()
+        for slot in self.reserved.pop(owner, set()):
+            if until is not None:
+                self.quarantined[slot] = (until, owner)
+
+    # -- invariants
+    @invariant()
+    def internal_structures_agree(self) -> None:
+        self.store._check_invariants()
+
+    @invariant()
+    def slot_accounting_adds_up(self) -> None:
+        stats = self.store.statistics()
+        assert stats.free + stats.used + stats.reserved + stats.quarantined == N_SM
+        assert stats.reserved == len(self.reserved_slots())
+        assert stats.quarantined == len(self.quarantined)
+        pinned = self.pinned_slots()
+        assert stats.pinned == len(pinned)
+        keys = self.store.keys()
+        mapped_now = {self.store.slot_of(k) for k in keys}
+        assert stats.used == len(self.store) + len(pinned - mapped_now)  # orphans
+        for owner in OWNERS:
+            assert self.store.pins_of(owner) == self.pins.get(owner, Counter()).total()
+        deadlines = [until for until, _ in self.quarantined.values()]
+        assert self.store.next_quarantine_deadline() == (min(deadlines) if deadlines else None)
+
+    @invariant()
+    def pinned_blocks_never_change_or_vanish(self) -> None:
+        for slot, data in self.pinned_bytes.items():
+            assert bytes(self.store.view(slot)) == data
+        pinned = self.pinned_slots()
+        for key, slot in list(self.mapped.items()):
+            now = self.store.slot_of(key)
+            if slot in pinned:
+                assert now == slot  # never evicted while pinned
+            else:
+                assert now in (slot, None)  # a key never moves by itself
+            if now is None:
+                del self.mapped[key]
+
+    @invariant()
+    def every_key_reads_its_last_bytes(self) -> None:
+        untouchable = self.reserved_slots() | set(self.quarantined)
+        keys = self.store.keys()
+        for key in keys:
+            slot = self.store.slot_of(key)
+            assert slot is not None and slot not in untouchable
+            assert bytes(self.store.view(slot)) == self.content[key]
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+# ------------------------------------------------------------------ threads
+
+
+def test_pinned_blocks_never_change_while_the_host_thread_puts() -> None:
+    n, length = 32, 256
+    store = BlockStore(n, length)
+    shared = [b"shared%d" % i for i in range(8)]  # the host re-puts these; the engine pins them
+    host_keys = [b"host%d" % i for i in range(16)]
+
+    def block(tag: int, version: int) -> bytes:
+        return (tag.to_bytes(2, "big") + version.to_bytes(6, "big")) * (length // 8)
+
+    def tag_of(data: bytes) -> int:
+        assert data == data[:8] * (length // 8), "torn block"
+        return int.from_bytes(data[:2], "big")
+
+    for i, key in enumerate(shared):
+        store.put(key, block(i, 0))
+
+    barrier = threading.Barrier(2, timeout=10)
+    stop = threading.Event()
+    pass_wanted = threading.Event()  # engine: "do a full pass of puts while I hold pins"
+    pass_done = threading.Event()
+    errors: list[BaseException] = []
+
+    def host() -> None:
+        barrier.wait()
+        version = 0
+        while not stop.is_set():
+            wanted = pass_wanted.is_set()
+            pass_wanted.clear()
+            version += 1
+            for i, key in enumerate(shared):
+                store.put(key, block(i, version))
+            for j, key in enumerate(host_keys):
+                store.put(key, block(100 + j, version))
+                store.get(host_keys[(j * 7) % len(host_keys)])
+            if wanted:
+                pass_done.set()
+
+    def engine() -> None:
+        barrier.wait()
+        for rnd in range(200):
+            owner = ("session", rnd)
+            keys = shared[rnd % 3 :: 2]
+            slots = store.pin(owner, keys)
+            held = {s: bytes(store.view(s)) for s in slots if s is not None}
+            for key, slot in zip(keys, slots, strict=True):
+                if slot is not None:
+                    assert tag_of(held[slot]) == shared.index(key)
+            incoming = store.reserve(owner, 3)
+            assert not set(incoming) & set(held)
+            for k, slot in enumerate(incoming):
+                store.array[slot * length : (slot + 1) * length] = np.frombuffer(
+                    block(200 + k, rnd), dtype=np.uint8
+                )
+            store.commit(owner, incoming[0], b"engine%d" % (rnd % 5))
+            store.release_reserved(owner, incoming[1:2])
+            store.quarantine(owner, incoming[2:], until=float(rnd))
+            store.release_quarantined(float(rnd))
+            pass_wanted.set()
+            assert pass_done.wait(timeout=10), "host thread stalled"
+            pass_done.clear()
+            for slot, data in held.items():
+                assert bytes(store.view(slot)) == data, "a pinned block changed"
+            assert store.unpin(owner) == len(held)
+        stop.set()
+
+    def run(target: Callable[[], None]) -> threading.Thread:
+        def guarded() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                errors.append(exc)
+                stop.set()
+                barrier.abort()
+
+        thread = threading.Thread(target=guarded)
+        thread.start()
+        return thread
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave the two threads as finely as possible
+    try:
+        threads = [run(host), run(engine)]
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    store._check_invariants()
+    stats = store.statistics()
+    assert stats.pinned == 0 and stats.reserved == 0 and stats.quarantined == 0
+    assert stats.free + stats.used == n
+    for i, key in enumerate(shared):
+        assert tag_of(bytes(store.get(key) or b"")) == i
