@@ -1,0 +1,547 @@
+"""The engine thread, its portal and the ticket board, driven from a foreign thread.
+
+These tests are synchronous on purpose: pytest's main thread plays the host (vLLM's
+scheduler), the engine runs ``trio.run`` on its own thread. Ordering is gated by
+``threading.Event``s and queues, never by sleeps; the only real timeouts (0.2 s) are where
+the behaviour under test *is* a timeout, and every wait has a generous bound so that a
+broken portal fails the test instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from p2pkv.errors import P2PKVError, P2PKVTimeout, PortalClosed
+from p2pkv.portal import EngineContext, EngineThread, TicketBoard
+
+BOUND = 10.0  # seconds: "this did not hang", never an expected duration
+SHORT = 0.2  # seconds: a timeout that is the behaviour under test
+
+
+class EngineBroke(P2PKVError):
+    """A typed failure the tests make the engine raise."""
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    extra = [t for t in threading.enumerate() if t not in before]
+    for t in extra:  # a failing test may leave one: end it, then fail loudly
+        t.join(BOUND)
+    assert extra == [], f"threads left behind: {extra}"
+    assert threading.active_count() == len(before)
+
+
+async def serve(ctx: EngineContext[None]) -> None:
+    ctx.started()
+    await ctx.wait_closing()
+
+
+def start(main: Callable[[EngineContext[Any]], Awaitable[object]] = serve) -> EngineThread[Any]:
+    return EngineThread.start(main, name="test-engine", start_timeout=BOUND)
+
+
+def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, queue.Queue[object]]:
+    """Run fn on a helper thread; its return value or exception lands in the queue."""
+    out: queue.Queue[object] = queue.Queue()
+
+    def body() -> None:
+        try:
+            out.put(fn())
+        except BaseException as exc:
+            out.put(exc)
+
+    t = threading.Thread(target=body, name="test-caller")
+    t.start()
+    return t, out
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    """Spin (yielding the GIL) until condition holds: a gate on state no event exposes."""
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0)
+
+
+async def block_until_cancelled(entered: threading.Event, cancelled: threading.Event) -> None:
+    entered.set()
+    try:
+        await trio.sleep_forever()
+    finally:
+        cancelled.set()
+
+
+# ---------------------------------------------------------------- call()
+
+
+def test_call_returns_the_value_and_start_publishes_main_value() -> None:
+    async def main(ctx: EngineContext[str]) -> None:
+        ctx.started("ready")
+        await ctx.wait_closing()
+
+    async def add(a: int, b: int) -> int:
+        await trio.lowlevel.checkpoint()
+        return a + b
+
+    with EngineThread.start(main, name="test-engine", start_timeout=BOUND) as engine:
+        assert engine.value == "ready"
+        assert engine.alive
+        assert engine.call(add, 2, 3, timeout=BOUND) == 5
+        # The work really ran on the engine thread.
+        assert engine.call(_engine_ident, timeout=BOUND) == engine._thread.ident
+    assert not engine.alive
+    assert engine.failure is None
+
+
+async def _engine_ident() -> int:
+    return threading.get_ident()
+
+
+def test_call_reraises_the_engine_task_exception_as_is() -> None:
+    raised = EngineBroke("no such peer", peer="b", op="lookup")
+
+    async def fail() -> None:
+        await trio.lowlevel.checkpoint()
+        raise raised
+
+    async def fail_builtin_timeout() -> None:
+        raise TimeoutError("a TimeoutError from afn is not the portal's timeout")
+
+    with start() as engine:
+        with pytest.raises(EngineBroke) as info:
+            engine.call(fail, timeout=BOUND)
+        assert info.value is raised
+        with pytest.raises(TimeoutError) as info2:
+            engine.call(fail_builtin_timeout, timeout=BOUND)
+        assert type(info2.value) is TimeoutError
+        assert engine.alive  # a failed call is the caller's problem, not the engine's
+
+
+def test_caller_side_timeout_fires_while_engine_is_wedged_then_close_cleans_up() -> None:
+    wedged, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    async def wedge() -> None:
+        wedged.set()
+        release.wait(BOUND)  # a blocking, non-Trio call: the loop cannot run at all
+
+    async def work() -> None:
+        ran.append("work")
+
+    engine = start()
+    try:
+        engine.spawn_soon(wedge)
+        assert wedged.wait(BOUND)
+        t0 = time.monotonic()
+        with pytest.raises(P2PKVTimeout):
+            engine.call(work, timeout=SHORT)
+        assert time.monotonic() - t0 < BOUND / 2
+        caller, out = in_thread(lambda: engine.call(work, timeout=BOUND))
+        wait_for(lambda: len(engine._pending) == 1)  # the call is in flight, not refused
+        # close() while still wedged: it gives up, saying so, instead of hanging...
+        with pytest.raises(P2PKVTimeout):
+            engine.close(timeout=SHORT)
+        assert engine._thread.is_alive()
+        # ...and a call pending meanwhile is released by close() itself, wedge or not.
+        assert type(out.get(timeout=BOUND)) is PortalClosed
+        caller.join(BOUND)
+    finally:
+        release.set()
+    engine.close(timeout=BOUND)
+    assert not engine._thread.is_alive()
+    assert ran == []  # the timed-out call was cancelled before it ever began
+    assert engine.failure is None
+
+
+def test_timeout_cancels_the_running_call() -> None:
+    entered, cancelled = threading.Event(), threading.Event()
+    with start() as engine:
+        with pytest.raises(P2PKVTimeout):
+            engine.call(block_until_cancelled, entered, cancelled, timeout=SHORT)
+        assert entered.is_set()
+        assert cancelled.wait(BOUND)
+        assert engine.alive
+
+
+def test_reentrant_call_and_close_from_the_engine_thread_raise() -> None:
+    async def noop() -> None:
+        pass
+
+    with start() as engine:
+
+        async def reenter() -> list[BaseException]:
+            errors: list[BaseException] = []
+            try:
+                engine.call(noop, timeout=BOUND)
+            except P2PKVError as exc:
+                errors.append(exc)
+            try:
+                engine.close()
+            except P2PKVError as exc:
+                errors.append(exc)
+            return errors
+
+        errors = engine.call(reenter, timeout=BOUND)
+        assert [type(e) for e in errors] == [P2PKVError, P2PKVError]
+        assert all("re-entrant" in str(e) for e in errors)
+        assert engine.alive
+
+
+# ---------------------------------------------------------------- death and close
+
+
+def test_engine_death_gives_portal_closed_with_the_cause() -> None:
+    async def main(ctx: EngineContext[trio.Event]) -> None:
+        boom = trio.Event()
+        ctx.started(boom)
+        await boom.wait()
+        raise EngineBroke("disk on fire")
+
+    engine = EngineThread.start(main, name="test-engine", start_timeout=BOUND)
+    entered, cancelled = threading.Event(), threading.Event()
+    caller, out = in_thread(
+        lambda: engine.call(block_until_cancelled, entered, cancelled, timeout=BOUND)
+    )
+    assert entered.wait(BOUND)
+    engine.run_sync_soon(engine.value.set)
+    caller.join(BOUND)
+    pending_exc = out.get(timeout=BOUND)
+    assert type(pending_exc) is PortalClosed
+    assert type(pending_exc.__cause__) is EngineBroke
+    assert cancelled.is_set()
+
+    engine._thread.join(BOUND)
+    assert not engine.alive
+    assert type(engine.failure) is EngineBroke  # typed, unwrapped from the nursery's group
+    assert pending_exc.__cause__ is engine.failure
+    with pytest.raises(PortalClosed) as info:
+        engine.call(_engine_ident, timeout=BOUND)
+    assert info.value.__cause__ is engine.failure
+    for _ in range(2):  # every post is refused, not only the first
+        with pytest.raises(PortalClosed):
+            engine.run_sync_soon(lambda: None)
+        with pytest.raises(PortalClosed):
+            engine.spawn_soon(_engine_ident)
+    engine.close()  # still fine, and idempotent
+    engine.close()
+
+
+def test_main_failing_before_started_fails_start_with_the_cause() -> None:
+    async def main(ctx: EngineContext[None]) -> None:
+        raise EngineBroke("cannot bind")
+
+    with pytest.raises(PortalClosed) as info:
+        start(main)
+    assert type(info.value.__cause__) is EngineBroke
+
+
+def test_main_returning_without_started_fails_start() -> None:
+    async def main(ctx: EngineContext[None]) -> None:
+        pass
+
+    with pytest.raises(PortalClosed) as info:
+        start(main)
+    assert isinstance(info.value.__cause__, P2PKVError)
+
+
+def test_start_times_out_and_leaves_no_thread() -> None:
+    async def main(ctx: EngineContext[None]) -> None:
+        await trio.sleep_forever()
+
+    with pytest.raises(P2PKVTimeout):
+        EngineThread.start(main, name="test-engine", start_timeout=SHORT)
+    # no_leaked_threads checks that the cancelled engine thread is gone.
+
+
+def test_calls_pending_at_close_get_portal_closed_never_cancelled() -> None:
+    graceful = threading.Event()
+
+    async def main(ctx: EngineContext[None]) -> None:
+        ctx.started()
+        await ctx.wait_closing()
+        graceful.set()
+
+    engine = start(main)
+    entered, cancelled = threading.Event(), threading.Event()
+    caller, out = in_thread(
+        lambda: engine.call(block_until_cancelled, entered, cancelled, timeout=BOUND)
+    )
+    assert entered.wait(BOUND)
+    engine.close(timeout=BOUND)
+    caller.join(BOUND)
+    exc = out.get(timeout=BOUND)
+    assert type(exc) is PortalClosed
+    assert not isinstance(exc, trio.Cancelled)
+    assert cancelled.is_set()
+    assert graceful.is_set()  # main was told to finish, and did so on its own
+    assert engine.failure is None
+
+
+def test_close_racing_many_callers_gives_each_a_value_or_portal_closed() -> None:
+    # Every caller thread keeps calling while close() lands at an arbitrary point: each
+    # call must return its value or raise PortalClosed, nothing else, and none may hang.
+    async def echo(x: int) -> int:
+        await trio.lowlevel.checkpoint()
+        return x
+
+    n_threads = 8
+    warmed = threading.Barrier(n_threads + 1, timeout=BOUND)
+    outcomes: list[list[object]] = [[] for _ in range(n_threads)]
+    engine = start()
+
+    def caller(k: int) -> None:
+        i = 0
+        while True:
+            try:
+                value = engine.call(echo, i, timeout=BOUND)
+            except BaseException as exc:
+                outcomes[k].append(exc)
+                return
+            outcomes[k].append(value == i)
+            i += 1
+            if i == 50:
+                warmed.wait()
+
+    threads = [
+        threading.Thread(target=caller, args=(k,), name="test-caller") for k in range(n_threads)
+    ]
+    for t in threads:
+        t.start()
+    warmed.wait()  # every caller is mid-stream
+    engine.close(timeout=BOUND)
+    for t in threads:
+        t.join(BOUND)
+    for results in outcomes:
+        assert len(results) > 50
+        assert all(r is True for r in results[:-1])
+        assert type(results[-1]) is PortalClosed
+
+
+def test_calls_and_posts_after_close_raise_portal_closed() -> None:
+    engine = start()
+    engine.close()
+    engine.close()  # idempotent
+    with pytest.raises(PortalClosed):
+        engine.call(_engine_ident, timeout=BOUND)
+    with pytest.raises(PortalClosed):
+        engine.run_sync_soon(lambda: None)
+    with pytest.raises(PortalClosed):
+        engine.spawn_soon(_engine_ident)
+    assert not engine.alive
+
+
+def test_close_cancels_main_that_ignores_the_closing_signal() -> None:
+    async def main(ctx: EngineContext[None]) -> None:
+        ctx.started()
+        await trio.sleep_forever()
+
+    engine = start(main)
+    engine.close(timeout=4 * SHORT)
+    assert not engine._thread.is_alive()
+    assert engine.failure is None
+
+
+def test_keyboard_interrupt_in_the_engine_does_not_hang_close() -> None:
+    async def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    engine = start()
+    engine.spawn_soon(interrupt)
+    engine._thread.join(BOUND)
+    engine.close(timeout=BOUND)
+    assert type(engine.failure) is KeyboardInterrupt
+    with pytest.raises(PortalClosed):
+        engine.call(_engine_ident, timeout=BOUND)
+
+
+def test_a_failing_posted_callable_kills_the_engine_with_its_exception() -> None:
+    def bad() -> None:
+        raise EngineBroke("bad command")
+
+    engine = start()
+    engine.run_sync_soon(bad)
+    engine._thread.join(BOUND)
+    assert type(engine.failure) is EngineBroke
+    engine.close()
+
+
+def test_interpreter_exit_closes_a_forgotten_engine() -> None:
+    # The thread is non-daemon (never killed mid-write), so without the exit hook a host
+    # that forgets close() would hang forever at interpreter exit.
+    script = textwrap.dedent(
+        """
+        from p2pkv.portal import EngineThread
+
+        async def main(ctx):
+            ctx.started()
+            await ctx.wait_closing()
+            print("closed gracefully", flush=True)
+
+        EngineThread.start(main)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parent.parent,  # the repository root: p2pkv importable
+        capture_output=True,
+        text=True,
+        timeout=3 * BOUND,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "closed gracefully" in proc.stdout
+
+
+# ---------------------------------------------------------------- the hot path
+
+
+def _percentiles_us(samples: list[float]) -> str:
+    q = statistics.quantiles(samples, n=100)
+    return f"p50={q[49] * 1e6:.1f} us p99={q[98] * 1e6:.1f} us max={max(samples) * 1e6:.1f} us"
+
+
+def test_run_sync_soon_10000_posts_all_run_in_order() -> None:
+    n = 10_000
+    seen: list[int] = []
+    done = threading.Event()
+    costs: list[float] = []
+    with start() as engine:
+        for i in range(n):
+            t0 = time.perf_counter()
+            engine.run_sync_soon(functools.partial(seen.append, i))
+            costs.append(time.perf_counter() - t0)
+        engine.run_sync_soon(done.set)
+        assert done.wait(BOUND)
+    assert seen == list(range(n))
+    print(f"\nrun_sync_soon: {_percentiles_us(costs)}")
+
+
+def test_spawn_soon_starts_every_task() -> None:
+    out: queue.Queue[int] = queue.Queue()
+
+    async def task(i: int) -> None:
+        await trio.lowlevel.checkpoint()
+        out.put(i)
+
+    with start() as engine:
+        for i in range(100):
+            engine.spawn_soon(task, i)
+        got = sorted(out.get(timeout=BOUND) for _ in range(100))
+    assert got == list(range(100))
+
+
+def test_call_round_trip_cost() -> None:
+    async def echo(x: int) -> int:
+        return x
+
+    costs: list[float] = []
+    with start() as engine:
+        for i in range(2_000):
+            t0 = time.perf_counter()
+            assert engine.call(echo, i, timeout=BOUND) == i
+            costs.append(time.perf_counter() - t0)
+    print(f"\ncall round trip: {_percentiles_us(costs)}")
+
+
+# ---------------------------------------------------------------- TicketBoard
+
+
+def test_ticket_board_poll_publish_drain() -> None:
+    board: TicketBoard[str] = TicketBoard()
+    a, b, c = board.new_ticket(), board.new_ticket(), board.new_ticket()
+    assert len({a, b, c}) == 3
+    assert board.pending() == 3
+    assert board.poll(a) is None  # in flight
+    assert board.publish(a, "A")
+    assert board.pending() == 2
+    assert board.poll(a) == "A"
+    with pytest.raises(KeyError):
+        board.poll(a)  # read once, then forgotten
+    err = EngineBroke("fetch failed")
+    board.publish(c, err)
+    board.publish(b, "B")
+    assert board.drain_finished() == [(c, err), (b, "B")]  # in the order they finished
+    assert board.drain_finished() == []
+    with pytest.raises(KeyError):
+        board.poll(b)
+    with pytest.raises(KeyError):
+        board.poll(12345)
+    with pytest.raises(KeyError):
+        board.publish(12345, "never issued")
+    assert not board.publish(b, "late")  # already finished and read: ignored
+
+
+def test_ticket_board_poll_raises_the_published_exception() -> None:
+    board: TicketBoard[int] = TicketBoard()
+    t = board.new_ticket()
+    err = EngineBroke("no such block")
+    board.publish(t, err)
+    with pytest.raises(EngineBroke) as info:
+        board.poll(t)
+    assert info.value is err
+
+
+def test_ticket_board_fail_all_finishes_in_flight_and_seals() -> None:
+    board: TicketBoard[int] = TicketBoard()
+    done, a, b = board.new_ticket(), board.new_ticket(), board.new_ticket()
+    board.publish(done, 7)
+    closed = PortalClosed("engine stopped")
+    board.fail_all(closed)
+    assert board.pending() == 0
+    assert not board.publish(a, 1)  # the first outcome stands
+    assert board.poll(done) == 7  # results already published are kept
+    with pytest.raises(PortalClosed):
+        board.poll(a)
+    later = board.new_ticket()  # sealed: born finished, never stuck in flight
+    assert board.pending() == 0
+    assert dict(board.drain_finished()) == {b: closed, later: closed}
+
+
+def test_ticket_board_two_threads_every_ticket_seen_exactly_once() -> None:
+    n = 20_000
+    board: TicketBoard[int] = TicketBoard()
+    jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+
+    def engine_like() -> None:
+        while (ticket := jobs.get()) is not None:
+            board.publish(ticket, ticket * 2)
+
+    publisher = threading.Thread(target=engine_like, name="test-publisher")
+    publisher.start()
+    seen: dict[int, int] = {}
+    try:
+        issued = []
+        for _ in range(n):
+            ticket = board.new_ticket()
+            issued.append(ticket)
+            jobs.put(ticket)
+            for t, outcome in board.drain_finished():
+                assert t not in seen
+                assert isinstance(outcome, int)
+                seen[t] = outcome
+        deadline = time.monotonic() + BOUND
+        while len(seen) < n and time.monotonic() < deadline:
+            for t, outcome in board.drain_finished():
+                assert t not in seen
+                assert isinstance(outcome, int)
+                seen[t] = outcome
+    finally:
+        jobs.put(None)
+        publisher.join(BOUND)
+    assert seen == {t: 2 * t for t in issued}
+    assert board.pending() == 0
+    assert board.drain_finished() == []
