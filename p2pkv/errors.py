@@ -92,12 +92,17 @@ class PortalClosed(P2PKVError):
     """The engine behind a sync facade has stopped (``__cause__`` says why if it died)."""
 
 
+class PeerDisconnected(TransportError):
+    """The data plane saw the peer go away (NIXL: ``nixlRemoteDisconnectError``)."""
+
+
 __all__ = [
     "CapacityExceeded",
     "HandshakeRejected",
     "LocalProtocolError",
     "P2PKVError",
     "P2PKVTimeout",
+    "PeerDisconnected",
     "PeerUnavailable",
     "PortalClosed",
     "ProtocolError",

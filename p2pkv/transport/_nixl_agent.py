@@ -1,0 +1,354 @@
+"""The NIXL import shim and the process-wide registry of shared agents.
+
+Theory of operation
+-------------------
+Invariant: **in one process, a memory region is registered with NIXL exactly once.** Every
+:class:`~p2pkv.transport.nixl.NixlTransport` over a region (the one a reconfiguration builds
+to replace the last one included) gets the same :class:`SharedAgent` from
+:func:`acquire_agent`, keyed by the region's (base address, size). The first acquire creates
+the agent, registers the region and prepares the local descriptor list over every block; the
+last :meth:`SharedAgent.release_ref` deregisters it and drops the agent. References are
+counted explicitly by the transports (``close()``, or a ``weakref.finalize`` at exit), never
+left to ``__del__``. Overlapping regions are refused: NIXL itself would accept them (notes,
+hazard 9).
+
+The agent is made the way ``notes/nixl.md`` says it must be: thread sync STRICT (NONE
+segfaults with several threads), no progress thread (the wrapper's runs with a poll delay of
+0 and burns a core), UCX with error handling mode ``peer`` (dead peers surface as errors,
+not hangs). NIXL is imported lazily, through :func:`load_nixl`, so ``import p2pkv`` stays
+free of it (and of torch).
+
+Remote agents are per NIXL agent, not per transport, so the table of live registrations
+(``live``: agent name -> :class:`PeerRegistration`) lives here too, under ``call_lock``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import TransportError
+from .base import RegionLayout
+
+_log = logging.getLogger("p2pkv.transport.nixl")
+
+# Set before the first agent exists, and only where the user has not set them (notes: env).
+ENV_DEFAULTS = {
+    "UCX_MEM_MMAP_HOOK_MODE": "none",  # first agent: 0.43 s -> 16-40 ms
+    "UCX_NET_DEVICES": "lo",
+    "NIXL_LOG_LEVEL": "WARN",  # nixl's Python logger prints INFO to stdout otherwise
+}
+# cu13, then cu12, then the meta package: bare ``import nixl`` imports torch (2 s).
+_CANDIDATES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+
+
+@attrs.frozen
+class NixlBinding:
+    """The NIXL Python API that was found, and its exception types."""
+
+    module_name: str
+    api: ModuleType
+    remote_disconnect_error: type[BaseException] | None
+
+    def is_remote_disconnect(self, exc: BaseException) -> bool:
+        cls = self.remote_disconnect_error
+        return cls is not None and isinstance(exc, cls)
+
+
+_load_lock = threading.Lock()
+_binding: NixlBinding | None = None
+
+
+def load_nixl() -> NixlBinding:
+    """Import NIXL once (cheapest module first) after setting the environment defaults."""
+    global _binding
+    with _load_lock:
+        if _binding is not None:
+            return _binding
+        for key, value in ENV_DEFAULTS.items():
+            if key not in os.environ:
+                os.environ[key] = value
+        # nixl's logging setup switches logging.raiseExceptions off process-wide; keep ours.
+        raise_exceptions = logging.raiseExceptions
+        failures: list[str] = []
+        try:
+            for name in _CANDIDATES:
+                try:
+                    api = importlib.import_module(name)
+                except ImportError as exc:
+                    failures.append(f"{name}: {exc}")
+                    continue
+                bindings = getattr(api, "nixlBind", None)
+                disconnect = getattr(bindings, "nixlRemoteDisconnectError", None)
+                _binding = NixlBinding(name, api, disconnect)
+                return _binding
+        finally:
+            logging.raiseExceptions = raise_exceptions
+        raise TransportError(
+            "NIXL is not installed (pip install nixl-cu13==1.5.1; on CPU machines install a "
+            "CPU torch first or use --no-deps): " + "; ".join(failures),
+            op="import",
+        )
+
+
+def block_descs(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:
+    """One (addr, len, dev) row per block: the Nx3 uint64 form is 10x faster than tuples."""
+    descs = np.empty((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_len)
+    descs[:, 0] += np.uint64(base_addr)
+    descs[:, 1] = block_len
+    descs[:, 2] = 0
+    return descs
+
+
+@attrs.define(eq=False)
+class _Registry:
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+    agents: dict[tuple[int, int], SharedAgent] = attrs.Factory(dict)
+
+
+_registry = _Registry()
+
+
+@attrs.define(eq=False)
+class PeerRegistration:
+    """One ``add_remote_peer``: a remote agent name and a remote dlist over all its blocks.
+
+    ``stale``: a later registration of the same name replaced this one (no new posts).
+    ``released``: ``remove_remote_peer`` was called. Either way the dlist is released at
+    once: NIXL copies descriptors into each transfer, so in-flight writes do not need it.
+    Changed only under ``SharedAgent.call_lock``.
+    """
+
+    agent_name: str
+    layout: RegionLayout
+    metadata: bytes
+    dlist: Any
+    owner: object
+    stale: bool = False
+    released: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return not (self.stale or self.released)
+
+
+class SharedAgent:
+    """One NIXL agent over one registered region. Create through :func:`acquire_agent`.
+
+    ``call_lock`` is held around every NIXL call and every change of ``live``. Threads that
+    may block (registration, posting, release) take it; ``poll``/``progress`` (the Trio
+    thread) only *try* it, so they never wait behind a copy that ``transfer()`` is doing
+    (STRICT would make them wait inside NIXL). The posting thread refreshes ``pending``
+    handles itself, so completions are seen even while posts run back to back.
+    """
+
+    def __init__(self, binding: NixlBinding, name: str, layout: RegionLayout, region: object):
+        self.binding = binding
+        self.name = name
+        self.layout = layout
+        self._region = region  # keep it mapped while the agent lives (notes, hazard 6)
+        self._log = _log
+        self.registry = _registry
+        self.refs = 0
+        self.registered = False
+        self.call_lock = threading.RLock()
+        # Guards ``dead`` and ``pending``; held for microseconds, never across NIXL calls.
+        self.lock = threading.Lock()
+        self.live: dict[str, PeerRegistration] = {}
+        self.dead: set[str] = set()
+        self.pending: set[Any] = set()  # posted transfers (NixlXfer) still PROC
+        self.leaked: list[Any] = []  # xfer handles whose release failed; retried at teardown
+        api = binding.api
+        config = api.nixl_agent_config(
+            enable_prog_thread=False,
+            enable_listen_thread=False,
+            backends=[],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+        )
+        agent = api.nixl_agent(name, config)
+        self.agent: Any = agent
+        self.local_dlist: Any = None
+        self._reg_descs: Any = None
+        try:
+            agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+            self._reg_descs = agent.register_memory(
+                [(layout.base_addr, layout.nbytes, 0, "")], "DRAM"
+            )
+            self.registered = True
+            descs = block_descs(layout.base_addr, layout.num_blocks, layout.block_len)
+            self.local_dlist = agent.prep_xfer_dlist("", descs, "DRAM")
+            self.metadata = bytes(agent.get_agent_metadata())  # fixed: nothing else registers
+        except BaseException:
+            self.teardown()
+            raise
+
+    def is_dead(self, name: str) -> bool:
+        with self.lock:
+            return name in self.dead
+
+    def set_dead(self, name: str, dead: bool) -> None:
+        with self.lock:
+            if dead:
+                self.dead.add(name)
+            else:
+                self.dead.discard(name)
+
+    def remove_remote_agent(self, name: str) -> None:
+        with self.call_lock:
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:
+                self._log.warning("remove_remote_agent(%s) failed", name, exc_info=True)
+
+    def drop_registration(self, reg: PeerRegistration, *, stale: bool) -> None:
+        """Mark ``reg`` stale or released, release its dlist; remove the remote agent only if
+        ``reg`` was the live registration of its name and it is being released."""
+        with self.call_lock:
+            was_live = self.live.get(reg.agent_name) is reg
+            if was_live:
+                del self.live[reg.agent_name]
+            if stale:
+                reg.stale = True
+            else:
+                reg.released = True
+                if was_live:
+                    self.remove_remote_agent(reg.agent_name)
+            dlist, reg.dlist = reg.dlist, None
+            self.release_dlist(dlist)
+
+    def release_dlist(self, dlist: Any) -> None:
+        if dlist is None:
+            return
+        with self.call_lock:
+            try:
+                dlist.release()
+            except Exception:
+                self._log.warning("releasing a NIXL dlist of %s failed", self.name, exc_info=True)
+
+    def release_xfer(self, xfer: Any) -> None:
+        """Release a NIXL transfer handle; one NIXL refuses is kept for a retry at teardown."""
+        with self.call_lock:
+            try:
+                self.agent.release_xfer_handle(xfer)
+            except Exception:
+                self._log.warning("releasing a NIXL transfer handle failed", exc_info=True)
+                self.leaked.append(xfer)
+
+    def teardown(self) -> None:
+        """Undo everything in reverse order. Safe on a half-built agent and at exit."""
+        with self.call_lock:
+            agent, self.agent = self.agent, None
+            if agent is None:
+                return
+            log = self._log
+            for reg in list(self.live.values()):
+                try:
+                    agent.remove_remote_agent(reg.agent_name)
+                except Exception:
+                    log.warning("remove_remote_agent(%s) failed", reg.agent_name, exc_info=True)
+                self.release_dlist(reg.dlist)
+                reg.dlist = None
+            self.live.clear()
+            self.release_dlist(self.local_dlist)
+            self.local_dlist = None
+            for handle in self.leaked:
+                try:
+                    handle.release()
+                except Exception:
+                    log.warning("a leaked NIXL transfer handle stays unreleased", exc_info=True)
+            self.leaked.clear()
+            if self._reg_descs is not None and self.registered:
+                try:
+                    agent.deregister_memory(self._reg_descs)
+                except Exception:
+                    log.warning("deregister_memory of %s failed", self.name, exc_info=True)
+            self.registered = False
+            self._reg_descs = None
+            self._region = None
+            del agent  # the last reference: NIXL destroys the agent (and its UCX worker) here
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+
+def acquire_agent(
+    binding: NixlBinding, name: str, layout: RegionLayout, region: object
+) -> SharedAgent:
+    """Return the shared agent over ``layout``'s region (created on first use), ref counted."""
+    key = (layout.base_addr, layout.nbytes)
+    with _registry.lock:
+        shared = _registry.agents.get(key)
+        if shared is not None:
+            if shared.name != name:
+                raise TransportError(
+                    f"region {key[0]:#x}+{key[1]} already has NIXL agent {shared.name!r}; "
+                    "one region, one agent, one name",
+                    peer=name,
+                    op="create",
+                )
+            if shared.layout != layout:
+                raise TransportError(
+                    f"region already shared with layout {shared.layout}, not {layout}",
+                    peer=name,
+                    op="create",
+                )
+            shared.refs += 1
+            return shared
+        for other_key, other in _registry.agents.items():
+            if other.name == name:
+                raise TransportError(
+                    f"NIXL agent name {name!r} already used for another region",
+                    peer=name,
+                    op="create",
+                )
+            if _overlaps(key, other_key):
+                raise TransportError(
+                    f"region {key[0]:#x}+{key[1]} overlaps the region of agent {other.name!r}",
+                    peer=name,
+                    op="create",
+                )
+        try:
+            shared = SharedAgent(binding, name, layout, region)
+        except Exception as exc:
+            raise TransportError(
+                f"creating the NIXL agent failed: {exc!r}", peer=name, op="create"
+            ) from exc
+        shared.refs = 1
+        _registry.agents[key] = shared
+        return shared
+
+
+def release_ref(shared: SharedAgent) -> None:
+    """Drop one reference; the last one deregisters the region and drops the agent.
+
+    Reaches the registry through ``shared`` (not a module global), so it also works from a
+    finaliser late in interpreter shutdown.
+    """
+    registry = shared.registry
+    with registry.lock:
+        shared.refs -= 1
+        if shared.refs > 0:
+            return
+        key = (shared.layout.base_addr, shared.layout.nbytes)
+        if registry.agents.get(key) is shared:
+            del registry.agents[key]
+        # Torn down under the lock: a new transport over the region waits for it, so the
+        # region is never registered twice, not even for a moment.
+        shared.teardown()
+
+
+def registry_counts() -> tuple[int, int]:
+    """(live agents, registered regions) of NIXL in this process."""
+    with _registry.lock:
+        agents = list(_registry.agents.values())
+    return len(agents), sum(1 for a in agents if a.registered)

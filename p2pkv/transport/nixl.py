@@ -1,0 +1,547 @@
+"""The NIXL data plane: :class:`NixlTransport`.
+
+Theory of operation
+-------------------
+Every transport over a region shares that region's one NIXL agent
+(:mod:`._nixl_agent`): thread sync STRICT, no progress thread, UCX error mode ``peer``.
+Nothing here polls on its own, so **both ends must make progress**: the initiator through
+:meth:`~NixlTransport.poll`, the *target* of writes through :meth:`~NixlTransport.progress`.
+Measured: over tcp a write stays ``PROC`` for as long as the target does not progress; over
+the default path (cma) the first write after a registration does (the wire-up needs the
+target), later ones complete without it.
+
+Locks, outermost first: ``NixlXfer.lock`` (one handle: a release never races a
+``check_xfer_state`` on it), ``SharedAgent.call_lock`` (around every NIXL call and every
+change of the remote-agent table), then ``_State.lock`` / ``SharedAgent.lock`` (bookkeeping,
+microseconds). Worker threads take them blocking; ``poll``/``progress``, which the engine
+calls on the Trio thread, only try them and report ``PROC`` / do nothing when busy: under
+STRICT a ``transfer()`` doing a cma copy holds NIXL's lock for the whole copy (hazard 3),
+and a Trio thread waiting for it would stall (measured: 0.76 s behind 256 MiB posts). The
+posting thread re-checks every pending transfer after each post, so completions are seen
+even while posts run back to back. ``_State.ops`` counts calls using the agent; ``close()``
+waits for them, so the agent is never dropped under a caller. (With every NIXL call under
+``call_lock``, STRICT is belt and braces: it still covers NIXL's own ``__del__`` releases.)
+
+Registrations (:class:`PeerRegistration`, the ``native`` of a :class:`RemotePeer`): one
+live registration per remote agent name per NIXL agent. A re-add makes the old one stale
+(no new posts). If the metadata is byte-identical (same remote incarnation) the remote agent
+is not removed, so the old registration's in-flight writes (e.g. an old transport's, during a
+reconfiguration) still complete; otherwise it is removed first and its dlists die
+(``notes/nixl.md``, hazard 5).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import weakref
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import PeerDisconnected, RegistrationFailed, TransportError
+from ._nixl_agent import (
+    PeerRegistration,
+    SharedAgent,
+    acquire_agent,
+    block_descs,
+    load_nixl,
+    registry_counts,
+    release_ref,
+)
+from .base import (
+    DataTransport,
+    RegionLayout,
+    RemotePeer,
+    TransferHandle,
+    TransferState,
+    TransportStatistics,
+)
+
+__all__ = ["NixlTransport", "NixlXfer"]
+
+_log = logging.getLogger("p2pkv.transport.nixl")
+_CLOSE_WAIT_S = 30.0
+
+
+@attrs.define(eq=False)
+class NixlXfer:
+    """``TransferHandle.native``: the NIXL handle and, once it failed, why (``cause``)."""
+
+    xfer: Any
+    registration: PeerRegistration
+    owner: _State
+    state: TransferState = TransferState.PROC
+    cause: BaseException | None = None
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+
+
+@attrs.define(eq=False)
+class _State:
+    """Everything a transport owns; the finaliser closes it without the transport object."""
+
+    agent_name: str
+    layout: RegionLayout
+    shared: SharedAgent
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+    idle: threading.Condition = attrs.field(init=False)
+    closing: bool = False
+    ops: int = 0
+    peers: dict[PeerRegistration, RemotePeer] = attrs.Factory(dict)
+    handles: dict[NixlXfer, TransferHandle] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        self.idle = threading.Condition(self.lock)
+
+    def enter(self) -> bool:
+        with self.lock:
+            if self.closing:
+                return False
+            self.ops += 1
+            return True
+
+    def enter_or_raise(self, op: str, peer: str | None = None) -> SharedAgent:
+        if not self.enter():
+            raise TransportError("the NIXL transport is closed", peer=peer, op=op)
+        return self.shared
+
+    def exit(self) -> None:
+        with self.lock:
+            self.ops -= 1
+            if self.closing and not self.ops:
+                self.idle.notify_all()
+
+
+def _region_span(region: object) -> tuple[int, int]:
+    """(address, size) of a CPU numpy array, torch tensor, array-interface or buffer."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(region, torch.Tensor):
+        if region.device.type != "cpu" or not region.is_contiguous():
+            raise TransportError("the region must be a contiguous CPU tensor", op="create")
+        return int(region.data_ptr()), int(region.numel() * region.element_size())
+    try:
+        array = region if isinstance(region, np.ndarray) else np.asarray(region)
+    except Exception as exc:
+        raise TransportError(f"cannot find the address of {region!r}", op="create") from exc
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise TransportError("the region must be contiguous and writeable", op="create")
+    return int(array.ctypes.data), int(array.nbytes)
+
+
+def _layout_problem(layout: RegionLayout, ours: RegionLayout | None) -> str | None:
+    if layout.num_blocks <= 0 or layout.block_len <= 0:
+        return f"unusable layout {layout}: no blocks"
+    if layout.base_addr < 0 or layout.base_addr + layout.nbytes >= 1 << 64:
+        return f"unusable layout {layout}: address out of range"
+    if ours is not None and layout.block_len != ours.block_len:
+        return f"block_len {layout.block_len} differs from ours ({ours.block_len})"
+    return None
+
+
+def _indices(slots: Sequence[int], num_blocks: int, side: str) -> npt.NDArray[np.int32]:
+    array = np.asarray(slots, dtype=np.int64)
+    if array.ndim != 1:
+        raise TransportError(f"{side} slots must be a flat sequence", op="post_write")
+    if array.size and (int(array.min()) < 0 or int(array.max()) >= num_blocks):
+        raise TransportError(f"{side} slot out of range 0..{num_blocks - 1}", op="post_write")
+    return array.astype(np.int32)
+
+
+def _remove_peer(st: _State, reg: PeerRegistration, peer: RemotePeer) -> bool:
+    shared = st.shared
+    with shared.call_lock:
+        if reg.released:
+            return False
+        peer.released = True
+        shared.drop_registration(reg, stale=False)
+    with st.lock:
+        st.peers.pop(reg, None)
+    return True
+
+
+def _check(shared: SharedAgent, native: NixlXfer) -> TransferState:
+    """Ask NIXL about one transfer; caller holds ``native.lock`` and ``shared.call_lock``."""
+    if native.xfer is None or native.state is not TransferState.PROC:
+        return native.state
+    name = native.registration.agent_name
+    try:
+        status = shared.agent.check_xfer_state(native.xfer)
+    except Exception as exc:
+        if shared.binding.is_remote_disconnect(exc):
+            shared.set_dead(name, True)
+            native.cause = PeerDisconnected(f"peer disconnected: {exc!r}", peer=name, op="poll")
+        else:
+            native.cause = TransportError(f"transfer failed: {exc!r}", peer=name, op="poll")
+        native.cause.__cause__ = exc
+        status = "ERR"
+    if status == "DONE":
+        native.state = TransferState.DONE
+    elif status == "ERR":
+        native.state = TransferState.ERR
+        if native.cause is None:
+            native.cause = TransportError("NIXL reported ERR", peer=name, op="poll")
+    if native.state is not TransferState.PROC:
+        with shared.lock:
+            shared.pending.discard(native)
+    return native.state
+
+
+def _refresh_pending(shared: SharedAgent) -> None:
+    """Under ``call_lock``: update every pending transfer nobody else is looking at."""
+    with shared.lock:
+        pending = list(shared.pending)
+    for native in pending:
+        if native.lock.acquire(blocking=False):
+            try:
+                _check(shared, native)
+            finally:
+                native.lock.release()
+
+
+def _release_handle(st: _State, handle: TransferHandle) -> None:
+    native = handle.native
+    shared = st.shared
+    with native.lock:
+        if handle.released:
+            return
+        handle.released = True
+        xfer, native.xfer = native.xfer, None
+        if native.state is TransferState.PROC:
+            native.state = TransferState.ERR
+            native.cause = TransportError(
+                "released before completion", peer=handle.peer.agent_name, op="release"
+            )
+        with shared.lock:
+            shared.pending.discard(native)
+        if xfer is not None:
+            shared.release_xfer(xfer)
+    with st.lock:
+        st.handles.pop(native, None)
+
+
+def _shutdown(st: _State) -> None:
+    """Close ``st`` once: handles, then registrations, then our reference on the agent.
+
+    Runs from ``close()`` or from ``weakref.finalize`` (garbage collection, or at exit while
+    module globals still exist; finalize never runs later than that).
+    """
+    try:
+        with st.lock:
+            if st.closing:
+                return
+            st.closing = True
+            if not st.idle.wait_for(lambda: st.ops == 0, timeout=_CLOSE_WAIT_S):
+                # Dropping the agent under a running call could crash; leaking it cannot.
+                _log.error("NIXL transport %s: calls still running, agent kept", st.agent_name)
+                return
+            handles = list(st.handles.values())
+            peers = list(st.peers.items())
+        for handle in handles:
+            _release_handle(st, handle)
+        for reg, peer in peers:
+            _remove_peer(st, reg, peer)
+        release_ref(st.shared)
+    except Exception:
+        _log.exception("closing NIXL transport %s failed", st.agent_name)
+
+
+class NixlTransport(DataTransport):
+    """Moves blocks over NIXL. Create with :meth:`create`; see the module docstring."""
+
+    kind = "nixl"
+
+    def __init__(self, state: _State) -> None:
+        self._state = state
+        self._finalizer = weakref.finalize(self, _shutdown, state)
+
+    @classmethod
+    def create(cls, *, agent_name: str, region: object, layout: RegionLayout) -> NixlTransport:
+        """A transport over ``region`` (``layout.base_addr`` must be its byte 0).
+
+        Blocking (first call: NIXL import and agent creation, ~0.1-0.3 s). Takes over the
+        region's existing agent if one lives in this process (it must have the same name).
+        """
+        problem = _layout_problem(layout, None)
+        if problem is not None:
+            raise TransportError(problem, peer=agent_name, op="create")
+        base, nbytes = _region_span(region)
+        if base != layout.base_addr or nbytes < layout.nbytes:
+            raise TransportError(
+                f"region {base:#x}+{nbytes} does not hold layout {layout}",
+                peer=agent_name,
+                op="create",
+            )
+        shared = acquire_agent(load_nixl(), agent_name, layout, region)
+        try:
+            return cls(_State(agent_name, layout, shared))
+        except BaseException:
+            release_ref(shared)
+            raise
+
+    def __repr__(self) -> str:
+        st = self._state
+        return f"<NixlTransport {st.agent_name!r} closed={st.closing} peers={len(st.peers)}>"
+
+    @property
+    def agent_name(self) -> str:
+        return self._state.agent_name
+
+    @property
+    def layout(self) -> RegionLayout:
+        return self._state.layout
+
+    def metadata(self) -> bytes:
+        st = self._state
+        shared = st.enter_or_raise("metadata")
+        st.exit()
+        return shared.metadata
+
+    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
+        st = self._state
+        problem = _layout_problem(layout, st.layout)
+        if problem is not None:
+            raise RegistrationFailed(problem, peer=agent_name, op="add_remote_peer")
+        descs = block_descs(layout.base_addr, layout.num_blocks, layout.block_len)
+        shared = st.enter_or_raise("add_remote_peer", agent_name)
+        try:
+            reg = self._register(shared, agent_name, bytes(metadata), layout, descs)
+            peer = RemotePeer(agent_name=agent_name, layout=layout, native=reg)
+            with st.lock:
+                st.peers[reg] = peer
+            return peer
+        finally:
+            st.exit()
+
+    def _register(
+        self,
+        shared: SharedAgent,
+        name: str,
+        metadata: bytes,
+        layout: RegionLayout,
+        descs: npt.NDArray[np.uint64],
+    ) -> PeerRegistration:
+        agent = shared.agent
+        with shared.call_lock:
+            old = shared.live.get(name)
+            loaded = old is not None  # NIXL holds remote agent `name` right now
+            if old is not None:
+                shared.drop_registration(old, stale=True)
+                if old.metadata != metadata or shared.is_dead(name):
+                    shared.remove_remote_agent(name)  # another incarnation: its dlists die
+                    loaded = False
+            try:
+                got = agent.add_remote_agent(metadata)
+            except Exception as exc:
+                if loaded:
+                    shared.remove_remote_agent(name)
+                raise RegistrationFailed(
+                    f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
+                ) from exc
+            got_name = got.decode() if isinstance(got, bytes) else str(got)
+            if got_name != name:
+                other = shared.live.get(got_name)
+                if other is None or other.metadata != metadata:
+                    if other is not None:  # NIXL just replaced its metadata
+                        shared.drop_registration(other, stale=True)
+                    shared.remove_remote_agent(got_name)
+                if loaded:
+                    shared.remove_remote_agent(name)
+                raise RegistrationFailed(
+                    f"metadata is for agent {got_name!r}", peer=name, op="add_remote_peer"
+                )
+            try:
+                dlist = agent.prep_xfer_dlist(name, descs, "DRAM")
+            except Exception as exc:
+                shared.remove_remote_agent(name)
+                raise RegistrationFailed(
+                    f"preparing the peer's blocks failed: {exc!r}", peer=name, op="add_remote_peer"
+                ) from exc
+            reg = PeerRegistration(name, layout, metadata, dlist, owner=self._state)
+            shared.live[name] = reg
+            shared.set_dead(name, False)
+            return reg
+
+    def _own(self, peer: RemotePeer, op: str) -> PeerRegistration:
+        reg = peer.native
+        if not isinstance(reg, PeerRegistration) or reg.owner is not self._state:
+            raise TransportError(
+                "peer was not registered by this transport", peer=peer.agent_name, op=op
+            )
+        return reg
+
+    def remove_remote_peer(self, peer: RemotePeer) -> None:
+        reg = self._own(peer, "remove_remote_peer")
+        st = self._state
+        if peer.released or not st.enter():
+            return  # already released, or close() is releasing it
+        try:
+            _remove_peer(st, reg, peer)
+        finally:
+            st.exit()
+
+    def release_departed_peers(self, current_members: Collection[str]) -> list[str]:
+        members = set(current_members)
+        st = self._state
+        st.enter_or_raise("release_departed_peers")
+        try:
+            with st.lock:
+                departed = [(r, p) for r, p in st.peers.items() if r.agent_name not in members]
+            names: list[str] = []
+            for reg, peer in departed:
+                if _remove_peer(st, reg, peer) and reg.agent_name not in names:
+                    names.append(reg.agent_name)
+            return names
+        finally:
+            st.exit()
+
+    def post_write(
+        self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> TransferHandle:
+        reg = self._own(peer, "post_write")
+        st = self._state
+        local = _indices(local_slots, st.layout.num_blocks, "local")
+        remote = _indices(remote_slots, reg.layout.num_blocks, "remote")
+        if len(local) != len(remote) or not len(local):
+            raise TransportError(
+                f"{len(local)} local and {len(remote)} remote slots",
+                peer=peer.agent_name,
+                op="post_write",
+            )
+        shared = st.enter_or_raise("post_write", peer.agent_name)
+        try:
+            native = self._post(shared, peer, reg, local, remote)
+            handle = TransferHandle(
+                peer, tuple(local.tolist()), tuple(remote.tolist()), native=native
+            )
+            with st.lock:
+                st.handles[native] = handle
+            return handle
+        finally:
+            st.exit()
+
+    def _post(
+        self,
+        shared: SharedAgent,
+        peer: RemotePeer,
+        reg: PeerRegistration,
+        local: npt.NDArray[np.int32],
+        remote: npt.NDArray[np.int32],
+    ) -> NixlXfer:
+        name = reg.agent_name
+        with shared.call_lock:
+            if peer.released or not reg.usable:
+                raise TransportError(
+                    "registration is stale or released", peer=name, op="post_write"
+                )
+            agent = shared.agent
+            xfer = None
+            try:
+                xfer = agent.make_prepped_xfer(
+                    "WRITE", shared.local_dlist, local, reg.dlist, remote
+                )
+                status = agent.transfer(xfer)
+            except Exception as exc:
+                if xfer is not None:
+                    shared.release_xfer(xfer)
+                if shared.binding.is_remote_disconnect(exc):
+                    shared.set_dead(name, True)
+                    raise PeerDisconnected(
+                        f"peer disconnected: {exc!r}", peer=name, op="post_write"
+                    ) from exc
+                raise TransportError(
+                    f"NIXL refused the write: {exc!r}", peer=name, op="post_write"
+                ) from exc
+            if status == "ERR":
+                shared.release_xfer(xfer)
+                raise TransportError("NIXL reported ERR at post", peer=name, op="post_write")
+            if status == "DONE":
+                return NixlXfer(xfer, reg, self._state, state=TransferState.DONE)
+            native = NixlXfer(xfer, reg, self._state)
+            with shared.lock:
+                shared.pending.add(native)
+            _refresh_pending(shared)  # polls on the Trio thread may have found us busy
+            return native
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        native = handle.native
+        st = self._state
+        if not isinstance(native, NixlXfer) or native.owner is not st:
+            return TransferState.ERR
+        if native.state is not TransferState.PROC:
+            return native.state
+        if not st.enter():
+            return TransferState.ERR if handle.released else TransferState.PROC
+        try:
+            shared = st.shared
+            if not native.lock.acquire(blocking=False):
+                return TransferState.PROC  # being released
+            try:
+                if not shared.call_lock.acquire(blocking=False):
+                    return TransferState.PROC  # another thread is inside NIXL (a copy?)
+                try:
+                    return _check(shared, native)
+                finally:
+                    shared.call_lock.release()
+            finally:
+                native.lock.release()
+        finally:
+            st.exit()
+
+    def failure(self, handle: TransferHandle) -> BaseException | None:
+        """Why ``handle`` is ``ERR`` (``PeerDisconnected`` if the peer died), else None."""
+        native = handle.native
+        return native.cause if isinstance(native, NixlXfer) else None
+
+    def is_peer_dead(self, agent_name: str) -> bool:
+        """True once a transfer to ``agent_name`` saw it disconnect (until it is re-added)."""
+        return self._state.shared.is_dead(agent_name)
+
+    def release(self, handle: TransferHandle) -> None:
+        native = handle.native
+        st = self._state
+        if handle.released:
+            return
+        if not isinstance(native, NixlXfer) or native.owner is not st:
+            raise TransportError("handle was not posted by this transport", op="release")
+        if not st.enter():
+            return  # close() is releasing it
+        try:
+            _release_handle(st, handle)
+        finally:
+            st.exit()
+
+    def progress(self) -> None:
+        st = self._state
+        if not st.enter():
+            return
+        try:
+            shared = st.shared
+            if not shared.call_lock.acquire(blocking=False):
+                return  # the thread inside NIXL progresses the worker itself
+            try:
+                shared.agent.get_new_notifs()  # progresses the UCX worker (target side too)
+            except Exception:
+                _log.debug("NIXL progress failed", exc_info=True)
+            finally:
+                shared.call_lock.release()
+        finally:
+            st.exit()
+
+    def statistics(self) -> TransportStatistics:
+        agents, regions = registry_counts()
+        st = self._state
+        with st.lock:
+            peers = sum(1 for reg in st.peers if reg.usable)
+            handles = len(st.handles)
+        return TransportStatistics(self.kind, st.agent_name, agents, regions, peers, handles)
+
+    def close(self) -> None:
+        """Release this transport's handles and registrations and its share of the agent.
+
+        Idempotent. Waits for calls still using the agent in other threads.
+        """
+        self._finalizer()

@@ -1,0 +1,517 @@
+"""NixlTransport over the real NIXL data plane (nixl-cu13 or nixl-cu12; skipped without).
+
+Every test closes what it creates and the ``make`` fixture checks that no agent is left
+alive. Two-process tests run ``nixl_helpers.py`` (a write target) as a script.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from p2pkv.errors import PeerDisconnected, RegistrationFailed, TransportError
+from p2pkv.transport import _nixl_agent
+from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
+from p2pkv.transport.nixl import NixlTransport  # imports no NIXL: that happens in create()
+
+_HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13 (or nixl-cu12)"),
+]
+
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+def _load_helpers() -> ModuleType:
+    """nixl_helpers.py by path: works whether or not ``tests`` is a package."""
+    spec = importlib.util.spec_from_file_location("_p2pkv_nixl_helpers", TESTS / "nixl_helpers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_helpers = _load_helpers()
+KIB = 1024
+BLOCK = 64 * KIB
+Region = np.ndarray[tuple[int], np.dtype[np.uint8]]
+
+
+def region(
+    num_blocks: int, block_len: int = BLOCK, seed: int | None = None
+) -> tuple[Region, RegionLayout]:
+    array = np.random.default_rng(seed).integers(0, 256, num_blocks * block_len, dtype=np.uint8)
+    return array, RegionLayout(array.ctypes.data, num_blocks, block_len)
+
+
+def blocks(array: Region, layout: RegionLayout) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return array.reshape(layout.num_blocks, layout.block_len)
+
+
+def crcs(array: Region, layout: RegionLayout, slots: list[int]) -> list[int]:
+    view = blocks(array, layout)
+    return [zlib.crc32(view[s].data) for s in slots]
+
+
+def wait(
+    transport: NixlTransport, handle: TransferHandle, *targets: NixlTransport, timeout: float = 5.0
+) -> TransferState:
+    """Poll until the handle is not PROC, driving progress on the targets (they must)."""
+    deadline = time.monotonic() + timeout
+    while (state := transport.poll(handle)) is TransferState.PROC:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"transfer still PROC after {timeout} s")
+        for target in targets:
+            target.progress()
+    return state
+
+
+def write_and_check(
+    src: NixlTransport,
+    src_array: Region,
+    peer: RemotePeer,
+    dst: NixlTransport,
+    dst_array: Region,
+    n: int = 8,
+) -> None:
+    rng = np.random.default_rng()
+    local = rng.choice(src.layout.num_blocks, n, replace=False).tolist()
+    remote = rng.choice(peer.layout.num_blocks, n, replace=False).tolist()
+    handle = src.post_write(peer, local, remote)
+    try:
+        assert wait(src, handle, dst) is TransferState.DONE
+    finally:
+        src.release(handle)
+    assert crcs(dst_array, peer.layout, remote) == crcs(src_array, src.layout, local)
+
+
+MakeTransport = Callable[..., NixlTransport]
+
+
+@pytest.fixture
+def make() -> Iterator[MakeTransport]:
+    """Create transports; close them all afterwards and prove no agent is left alive."""
+    made: list[NixlTransport] = []
+
+    def create(name: str, array: object, layout: RegionLayout) -> NixlTransport:
+        transport = NixlTransport.create(agent_name=name, region=array, layout=layout)
+        made.append(transport)
+        return transport
+
+    yield create
+    for transport in reversed(made):
+        transport.close()
+    if made:
+        stats = made[0].statistics()
+        assert (stats.live_agents, stats.registered_regions) == (0, 0)
+
+
+def test_scattered_write_lands_byte_exact(make: MakeTransport) -> None:
+    src_array, src_layout = region(256, seed=1)
+    dst_array, dst_layout = region(320, seed=2)
+    before = dst_array.copy()
+    src = make("t1-src", src_array, src_layout)
+    dst = make("t1-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t1-dst", dst.metadata(), dst_layout)
+    rng = np.random.default_rng(3)
+    local = rng.permutation(256)
+    remote = rng.permutation(320)[:256]
+    handle = src.post_write(peer, local.tolist(), remote.tolist())
+    assert wait(src, handle, dst) is TransferState.DONE
+    src.release(handle)
+    assert (blocks(dst_array, dst_layout)[remote] == blocks(src_array, src_layout)[local]).all()
+    untouched = np.setdiff1d(np.arange(320), remote)
+    assert (blocks(dst_array, dst_layout)[untouched] == blocks(before, dst_layout)[untouched]).all()
+    assert src.statistics().live_handles == 0
+
+
+def test_reconfiguration_shares_one_agent_and_one_registration(
+    make: MakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent_cls = _nixl_agent.load_nixl().api.nixl_agent
+    calls: dict[str, int] = {"register": 0, "deregister": 0}
+    register, deregister = agent_cls.register_memory, agent_cls.deregister_memory
+
+    def counting_register(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["register"] += 1
+        return register(self, *args, **kwargs)
+
+    def counting_deregister(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["deregister"] += 1
+        return deregister(self, *args, **kwargs)
+
+    monkeypatch.setattr(agent_cls, "register_memory", counting_register)
+    monkeypatch.setattr(agent_cls, "deregister_memory", counting_deregister)
+    array, layout = region(64)
+    current = make("t2", array, layout)
+    metadata = current.metadata()
+    for _ in range(3):  # reconfiguration: build the new transport, then close the old one
+        new = make("t2", array, layout)
+        assert new.metadata() == metadata  # the very same agent
+        stats = new.statistics()
+        assert (stats.live_agents, stats.registered_regions) == (1, 1)
+        current.close()
+        stats = new.statistics()
+        assert (stats.live_agents, stats.registered_regions) == (1, 1)
+        current = new
+    with pytest.raises(TransportError, match="one region, one agent"):
+        make("t2-other-name", array, layout)
+    assert calls == {"register": 1, "deregister": 0}
+    current.close()
+    stats = current.statistics()
+    assert (stats.live_agents, stats.registered_regions) == (0, 0)
+    assert calls == {"register": 1, "deregister": 1}
+
+
+def test_reconfiguration_keeps_surviving_peers_working(make: MakeTransport) -> None:
+    """The new transport re-registers a surviving peer (same metadata): the old transport's
+    write in flight still completes, and closing the old transport keeps the peer."""
+    array, layout = region(32)
+    dst_array, dst_layout = region(32)
+    dst = make("t2b-dst", dst_array, dst_layout)
+    old = make("t2b", array, layout)
+    old_peer = old.add_remote_peer("t2b-dst", dst.metadata(), dst_layout)
+    in_flight = old.post_write(old_peer, [0, 1], [2, 3])
+    new = make("t2b", array, layout)
+    new_peer = new.add_remote_peer("t2b-dst", dst.metadata(), dst_layout)
+    assert wait(old, in_flight, dst) is TransferState.DONE
+    old.release(in_flight)
+    assert crcs(dst_array, dst_layout, [2, 3]) == crcs(array, layout, [0, 1])
+    with pytest.raises(TransportError, match="stale"):
+        old.post_write(old_peer, [0], [0])
+    old.close()
+    assert new.statistics().remote_peers == 1
+    write_and_check(new, array, new_peer, dst, dst_array)
+
+
+def test_release_departed_peers_by_agent_name(make: MakeTransport) -> None:
+    src_array, src_layout = region(32)
+    src = make("t3-src", src_array, src_layout)
+    targets: dict[str, tuple[NixlTransport, Region]] = {}
+    peers: dict[str, RemotePeer] = {}
+    for name in ("t3-b", "t3-c", "t3-d"):
+        array, layout = region(32)
+        targets[name] = (make(name, array, layout), array)
+        peers[name] = src.add_remote_peer(name, targets[name][0].metadata(), layout)
+    assert src.release_departed_peers(["t3-src", "t3-b", "t3-d", "somebody-else"]) == ["t3-c"]
+    assert peers["t3-c"].released and not peers["t3-b"].released
+    assert src.statistics().remote_peers == 2
+    with pytest.raises(TransportError):
+        src.post_write(peers["t3-c"], [0], [0])
+    for name in ("t3-b", "t3-d"):
+        write_and_check(src, src_array, peers[name], *targets[name])
+    assert src.release_departed_peers(["t3-b", "t3-d"]) == []
+
+
+def test_readd_makes_old_registration_stale(make: MakeTransport) -> None:
+    src_array, src_layout = region(32)
+    dst_array, dst_layout = region(32)
+    src = make("t4-src", src_array, src_layout)
+    dst = make("t4-dst", dst_array, dst_layout)
+    old = src.add_remote_peer("t4-dst", dst.metadata(), dst_layout)
+    in_flight = src.post_write(old, [0, 1, 2], [5, 6, 7])
+    new = src.add_remote_peer("t4-dst", dst.metadata(), dst_layout)
+    assert new is not old
+    with pytest.raises(TransportError, match="stale"):
+        src.post_write(old, [0], [0])
+    # Same metadata (same incarnation): the write posted on the old registration completes.
+    assert wait(src, in_flight, dst) is TransferState.DONE
+    src.release(in_flight)
+    write_and_check(src, src_array, new, dst, dst_array)
+    src.remove_remote_peer(old)  # the stale one: must not remove the live one
+    src.remove_remote_peer(old)
+    assert src.statistics().remote_peers == 1
+    write_and_check(src, src_array, new, dst, dst_array)
+
+
+def test_readd_with_new_incarnation_reprepares(make: MakeTransport) -> None:
+    src_array, src_layout = region(32)
+    src = make("t4b-src", src_array, src_layout)
+    first_array, first_layout = region(32)
+    first = make("t4b-dst", first_array, first_layout)
+    old = src.add_remote_peer("t4b-dst", first.metadata(), first_layout)
+    write_and_check(src, src_array, old, first, first_array)
+    first.close()  # the peer restarts under the same name, with a new region
+    second_array, second_layout = region(48)
+    second = make("t4b-dst", second_array, second_layout)
+    new = src.add_remote_peer("t4b-dst", second.metadata(), second_layout)
+    with pytest.raises(TransportError):
+        src.post_write(old, [0], [0])
+    write_and_check(src, src_array, new, second, second_array)
+    src.remove_remote_peer(old)
+    write_and_check(src, src_array, new, second, second_array)
+
+
+def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -> None:
+    src_array, src_layout = region(16)
+    b_array, b_layout = region(16)
+    c_array, c_layout = region(16, block_len=32 * KIB)
+    src = make("t5-src", src_array, src_layout)
+    b = make("t5-b", b_array, b_layout)
+    c = make("t5-c", c_array, c_layout)
+    with pytest.raises(RegistrationFailed):
+        src.add_remote_peer("t5-b", b"not metadata", b_layout)
+    with pytest.raises(RegistrationFailed, match="block_len"):
+        src.add_remote_peer("t5-c", c.metadata(), c_layout)
+    with pytest.raises(RegistrationFailed, match="no blocks"):
+        src.add_remote_peer("t5-b", b.metadata(), RegionLayout(b_layout.base_addr, 0, BLOCK))
+    with pytest.raises(RegistrationFailed, match="t5-c"):
+        src.add_remote_peer("t5-b", c.metadata(), b_layout)  # metadata of another agent
+    assert src.statistics().remote_peers == 0
+    peer = src.add_remote_peer("t5-b", b.metadata(), b_layout)
+    for local, remote in (([0, 1], [0]), ([], []), ([16], [0]), ([0], [-1])):
+        with pytest.raises(TransportError):
+            src.post_write(peer, local, remote)
+    assert src.statistics().live_handles == 0
+    write_and_check(src, src_array, peer, b, b_array)
+
+
+def test_close_is_idempotent_and_final(make: MakeTransport) -> None:
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t6-src", src_array, src_layout)
+    dst = make("t6-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t6-dst", dst.metadata(), dst_layout)
+    handle = src.post_write(peer, [0], [0])  # left unreleased: close releases it
+    src.close()
+    src.close()
+    assert handle.released and peer.released
+    stats = src.statistics()
+    assert (stats.live_agents, stats.remote_peers, stats.live_handles) == (1, 0, 0)
+    with pytest.raises(TransportError, match="closed"):
+        src.post_write(peer, [0], [0])
+    with pytest.raises(TransportError, match="closed"):
+        src.add_remote_peer("t6-dst", dst.metadata(), dst_layout)
+    src.release(handle)
+    src.remove_remote_peer(peer)
+    src.progress()
+    assert src.poll(handle) is TransferState.ERR
+    dst.close()
+    stats = dst.statistics()
+    assert (stats.live_agents, stats.registered_regions) == (0, 0)
+
+
+def test_poll_and_progress_never_wait_for_a_busy_agent(make: MakeTransport) -> None:
+    """The Trio thread must not wait while another thread is inside NIXL (a cma copy in
+    transfer() holds STRICT's lock for the whole copy): poll says PROC, progress returns."""
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t9-src", src_array, src_layout)
+    dst = make("t9-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t9-dst", dst.metadata(), dst_layout)
+    handle = src.post_write(peer, [1, 2], [3, 4])  # PROC: dst has not made progress yet
+    held, finish = threading.Event(), threading.Event()
+
+    def inside_nixl() -> None:  # stands in for a worker thread inside a long NIXL call
+        with src._state.shared.call_lock:
+            held.set()
+            finish.wait(10)
+
+    worker = threading.Thread(target=inside_nixl)
+    worker.start()
+    try:
+        assert held.wait(5)
+        started = time.monotonic()
+        for _ in range(100):
+            assert src.poll(handle) is TransferState.PROC
+            src.progress()
+            dst.progress()
+        assert time.monotonic() - started < 1.0
+    finally:
+        finish.set()
+        worker.join()
+    assert wait(src, handle, dst) is TransferState.DONE
+    src.release(handle)
+    assert crcs(dst_array, dst_layout, [3, 4]) == crcs(src_array, src_layout, [1, 2])
+
+
+@pytest.mark.slow  # importing torch: 2-6 s
+def test_torch_cpu_tensor_region(make: MakeTransport) -> None:
+    torch = pytest.importorskip("torch")
+    src_array, src_layout = region(16)
+    tensor = torch.zeros(16 * BLOCK, dtype=torch.uint8)
+    dst_layout = RegionLayout(tensor.data_ptr(), 16, BLOCK)
+    src = make("t10-src", src_array, src_layout)
+    dst = make("t10-dst", tensor, dst_layout)
+    write_and_check(
+        src,
+        src_array,
+        src.add_remote_peer("t10-dst", dst.metadata(), dst_layout),
+        dst,
+        tensor.numpy(),
+    )
+
+
+class Target:
+    """A write target in a child process (``nixl_helpers.py``)."""
+
+    def __init__(self, name: str, num_blocks: int, env: dict[str, str]) -> None:
+        self.name = name
+        ours, theirs = socket.socketpair()
+        self.sock = ours
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(TESTS / "nixl_helpers.py"),
+                    str(theirs.fileno()),
+                    name,
+                    str(num_blocks),
+                    str(BLOCK),
+                ],
+                pass_fds=(theirs.fileno(),),
+                env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                stdout=subprocess.DEVNULL,
+            )
+        finally:
+            theirs.close()
+        self.sock.settimeout(30)
+        hello = self.call(None)
+        self.metadata: bytes = hello["metadata"]
+        self.layout: RegionLayout = hello["layout"]
+
+    def call(self, msg: tuple[Any, ...] | None) -> Any:
+        if msg is not None:
+            _helpers.send_msg(self.sock, msg)
+        reply = _helpers.recv_msg(self.sock)
+        assert reply is not None, f"target {self.name} died"
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()  # EOF: the child closes its transport and exits
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Target]]:
+    started: list[Target] = []
+
+    def start(name: str, num_blocks: int, env: dict[str, str]) -> Target:
+        started.append(Target(name, num_blocks, env))
+        return started[-1]
+
+    yield start
+    for target in started:
+        target.close()
+
+
+def test_killed_target_reports_err_and_dead_peer(
+    make: MakeTransport, spawn: Callable[..., Target], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tcp: asynchronous (transfer() returns PROC) and stalls while the target is not progressing.
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    num_blocks = 1024  # 64 MiB
+    src_array, src_layout = region(num_blocks)
+    src = make("t7-src", src_array, src_layout)
+    doomed = spawn("t7-doomed", num_blocks, {"UCX_TLS": "tcp"})
+    peer = src.add_remote_peer(doomed.name, doomed.metadata, doomed.layout)
+    handle = src.post_write(peer, [3], [7])
+    assert wait(src, handle) is TransferState.DONE
+    src.release(handle)
+    assert doomed.call(("digest", [7])) == crcs(src_array, src_layout, [3])
+
+    assert doomed.call(("progress", False)) == "ok"
+    scattered = np.random.default_rng().permutation(num_blocks).tolist()
+    handle = src.post_write(peer, list(range(num_blocks)), scattered)
+    time.sleep(0.2)
+    assert src.poll(handle) is TransferState.PROC  # stalled mid-transfer
+    os.kill(doomed.proc.pid, signal.SIGKILL)
+    doomed.proc.wait(10)
+    started = time.monotonic()
+    assert wait(src, handle, src, timeout=5.0) is TransferState.ERR
+    took = time.monotonic() - started
+    assert src.is_peer_dead(doomed.name)
+    assert isinstance(src.failure(handle), PeerDisconnected)
+    print(f"ERR {took * 1000:.1f} ms after SIGKILL")
+    src.release(handle)
+    src.remove_remote_peer(peer)
+
+    survivor = spawn("t7-survivor", 256, {"UCX_TLS": "tcp"})
+    peer = src.add_remote_peer(survivor.name, survivor.metadata, survivor.layout)
+    local = np.random.default_rng().choice(num_blocks, 256, replace=False).tolist()
+    remote = np.random.default_rng().permutation(256).tolist()
+    handle = src.post_write(peer, local, remote)
+    assert wait(src, handle) is TransferState.DONE
+    src.release(handle)
+    assert survivor.call(("digest", remote)) == crcs(src_array, src_layout, local)
+    assert not src.is_peer_dead(survivor.name)
+
+
+def test_hammering_one_shared_agent_from_threads_does_not_crash() -> None:
+    result = subprocess.run(
+        [sys.executable, str(TESTS / "_nixl_hammer.py"), "2"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    assert counts, result.stdout[-3000:]
+    done = json.loads(counts[-1])
+    assert done["done"] > 100 and done["readded"] > 10 and done["reconfigured"] > 5, done
+
+
+def test_idle_transport_pair_uses_no_cpu(make: MakeTransport) -> None:
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t8-src", src_array, src_layout)
+    dst = make("t8-dst", dst_array, dst_layout)
+    write_and_check(
+        src, src_array, src.add_remote_peer("t8-dst", dst.metadata(), dst_layout), dst, dst_array
+    )
+    cpu, wall = time.process_time(), time.monotonic()
+    time.sleep(2.0)
+    used = (time.process_time() - cpu) / (time.monotonic() - wall)
+    assert used < 0.02, f"idle NIXL agents used {used:.1%} of a core"
+
+
+def test_import_is_lazy_and_env_defaults_respect_the_user() -> None:
+    code = (
+        "import os, sys, numpy as np\n"
+        "import p2pkv, p2pkv.transport.nixl as n\n"
+        "from p2pkv.transport.base import RegionLayout\n"
+        "assert not [m for m in sys.modules if m.startswith('nixl')], 'NIXL imported early'\n"
+        "a = np.zeros(4096, dtype=np.uint8)\n"
+        "t = n.NixlTransport.create(agent_name='x', region=a,"
+        " layout=RegionLayout(a.ctypes.data, 4, 1024))\n"
+        "assert 'torch' not in sys.modules\n"
+        "print(os.environ['UCX_NET_DEVICES'], os.environ['NIXL_LOG_LEVEL'])\n"
+        "t.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("NIXL_LOG_LEVEL",)}
+    env.update(PYTHONPATH=str(ROOT), UCX_NET_DEVICES="all")
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-2:] == ["all", "WARN"]
+
+
+def test_missing_nixl_is_a_clear_transport_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_nixl_agent, "_binding", None)
+    monkeypatch.setattr(_nixl_agent, "_CANDIDATES", ("p2pkv_no_such_nixl._api",))
+    with pytest.raises(TransportError, match="NIXL is not installed"):
+        _nixl_agent.load_nixl()
