@@ -288,11 +288,17 @@ class PeerSession:
                 self._fail(P2PKVTimeout(f"peer silent for {quiet:.1f} s", peer=self.peer_id,
                                         op="idle"), "idle timeout", "timeout")
                 return
-            if quiet >= hb and now - last_ping >= hb and self.proto.ready:
+            if not self.proto.ready:
+                # No pings before the handshake is through: look again in a while.
+                next_ping = now + hb
+            elif quiet >= hb and now - last_ping >= hb:
                 self.proto.send_ping()
                 last_ping = now
                 await self._flush()
-            next_ping = max(self._last_rx, last_ping) + hb
+                next_ping = now + hb
+            else:
+                next_ping = max(self._last_rx, last_ping) + hb
+            # Both wake-ups lie in the future here, so this loop never spins.
             await trio.sleep_until(min(next_ping, self._last_rx + idle))
 
     async def _lease_timer(self) -> None:
