@@ -26,7 +26,7 @@ MAX_DELAY = 0.010
 class CompletionPoller:
     def __init__(self, transport: DataTransport) -> None:
         self.transport = transport
-        self._pending: dict[TransferHandle, trio.Event] = {}
+        self._pending: dict[TransferHandle, tuple[trio.Event, DataTransport]] = {}
         self._states: dict[TransferHandle, TransferState] = {}
         self._demand = 0
         self._wakeup = trio.Event()
@@ -46,13 +46,18 @@ class CompletionPoller:
     def drop_demand(self) -> None:
         self._demand -= 1
 
-    async def wait(self, handle: TransferHandle) -> TransferState:
-        """Until the handle is not PROC. Cancellable; the handle stays the caller's."""
-        state = self.transport.poll(handle)
+    async def wait(self, handle: TransferHandle,
+                   transport: DataTransport | None = None) -> TransferState:
+        """Until the handle is not PROC. Cancellable; the handle stays the caller's.
+
+        ``transport`` is the one that posted the handle (it may have been replaced by a
+        reconfiguration since); the current one by default."""
+        dp = transport or self.transport
+        state = dp.poll(handle)
         if state is not TransferState.PROC:
             return state
         event = trio.Event()
-        self._pending[handle] = event
+        self._pending[handle] = (event, dp)
         self._wake()
         try:
             await event.wait()
@@ -75,8 +80,8 @@ class CompletionPoller:
             except Exception:
                 log.exception("data-plane progress failed")
             finished = False
-            for handle, event in list(self._pending.items()):
-                state = self.transport.poll(handle)
+            for handle, (event, dp) in list(self._pending.items()):
+                state = dp.poll(handle)
                 if state is not TransferState.PROC:
                     self._states[handle] = state
                     del self._pending[handle]

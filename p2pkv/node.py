@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -42,7 +42,7 @@ from .registrar import Offload, Registrar, RegistrarStatistics, to_thread
 from .session.protocol import LocalInfo
 from .session.session import FetchResult, PeerSession
 from .store import BlockStore, StoreStatistics
-from .transport.base import DataTransport, TransportStatistics
+from .transport.base import DataTransport, RegionLayout, RemotePeer, TransportStatistics
 from .wire import Hello
 
 log = logging.getLogger("p2pkv.node")
@@ -89,10 +89,13 @@ class Node:
     """A running node. Get one from :func:`open_node`."""
 
     def __init__(self, config: NodeConfig, store: BlockStore, transport: DataTransport,
-                 offload: Offload) -> None:
+                 offload: Offload, transport_factory: TransportFactory = make_transport) -> None:
         self.config = config
         self.store = store
         self.transport = transport
+        self._transport_factory = transport_factory
+        self._retired_transports: list[DataTransport] = []
+        self._reconfigure_lock = trio.Lock()
         self.offload = offload
         self.epoch = secrets.randbits(63)
         self.registrar = Registrar(transport, offload)
@@ -267,6 +270,77 @@ class Node:
         session = self._session(peer, "disconnect")
         await session.aclose("disconnected")
 
+    async def reconfigure(self, members: Collection[str]) -> list[str]:
+        """The membership changed: keep only the peers in ``members`` (peer ids).
+
+        Sessions of peers that left are closed (their writes drained, registrations
+        released). Then the data plane is rebuilt over the same region: the new transport
+        takes over this process's shared agent (NIXL: no second agent, no second memory
+        registration), the surviving peers are re-registered on it and swapped in with no
+        checkpoint in between, and once that configuration is live the peers that are no
+        longer members are released by agent name. The old transport is closed when its
+        in-flight writes have settled. Returns the agent names released.
+        """
+        async with self._reconfigure_lock:
+            keep = set(members)
+            leaving = [s for pid, s in self._by_peer.items() if pid not in keep]
+            for session in leaving:
+                session.close("left the membership", "reconfigure")
+            with trio.move_on_after(self.config.close_timeout):
+                for session in leaving:
+                    await session.finished.wait()
+            oneoff = trio.CapacityLimiter(1)
+            async with self.registrar.limiter:  # no registration runs during the swap
+                new = await self.offload(self._transport_factory, self.config, self.store,
+                                         limiter=oneoff)
+                swaps: list[tuple[PeerSession, RemotePeer]] = []
+                for session in list(self._by_peer.values()):
+                    h, job = session.proto.peer, session.job
+                    if h is None or job is None or session.remote is None or not session.alive:
+                        continue
+                    try:
+                        rp = await self.offload(
+                            new.add_remote_peer, h.agent_name, h.agent_metadata,
+                            RegionLayout(h.base_addr, h.num_blocks, h.block_len),
+                            limiter=oneoff)
+                    except P2PKVError as exc:
+                        session.close(f"re-registration failed: {exc}", "reconfigure")
+                        continue
+                    swaps.append((session, rp))
+                # Go live: no checkpoint from here to the end of the swap.
+                old = self.transport
+                self.transport = self.registrar.transport = self.poller.transport = new
+                stale: list[RemotePeer] = []
+                for session, rp in swaps:
+                    assert session.job is not None
+                    if session.alive and self.registrar.replace(session.job, rp):
+                        session.remote = rp
+                    else:
+                        stale.append(rp)
+            for rp in stale:
+                await self.offload(new.remove_remote_peer, rp, limiter=self.registrar.limiter)
+            live_agents = {s.proto.peer.agent_name for s in self._by_peer.values()
+                           if s.proto.peer is not None and s.alive}
+            departed = new.release_departed_peers(live_agents)
+            self._retired_transports.append(old)
+            self._nursery_or_raise().start_soon(self._retire_transport, old)
+            return departed
+
+    async def _retire_transport(self, old: DataTransport) -> None:
+        """Close a replaced transport once no write it posted is in flight."""
+        with trio.move_on_after(self.config.fetch_timeout + self.config.abort_timeout):
+            while old.statistics().live_handles:
+                await trio.sleep(0.01)
+        with trio.CancelScope(shield=True):
+            await self.offload(old.close, limiter=trio.CapacityLimiter(1))
+        if old in self._retired_transports:
+            self._retired_transports.remove(old)
+
+    def _nursery_or_raise(self) -> trio.Nursery:
+        if self._nursery is None:
+            raise PeerUnavailable("node is not running", op="reconfigure")
+        return self._nursery
+
     def peers(self) -> list[Peer]:
         return [Peer(pid, s.address) for pid, s in self._by_peer.items()
                 if s.ready.is_set() and s.alive]
@@ -303,6 +377,9 @@ class Node:
             await self.registrar.aclose()
             await self.registrar.drain()
             try:
+                for old in self._retired_transports:
+                    old.close()
+                self._retired_transports.clear()
                 self.transport.close()
             finally:
                 self._closed.set()
@@ -334,7 +411,7 @@ async def open_node(
     """
     store = BlockStore(config.num_blocks, config.block_len, region)
     dp = (transport or make_transport)(config, store)
-    node = Node(config, store, dp, offload or to_thread)
+    node = Node(config, store, dp, offload or to_thread, transport or make_transport)
     try:
         async with trio.open_nursery() as nursery:
             await node._start(nursery)

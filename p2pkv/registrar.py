@@ -133,6 +133,17 @@ class Registrar:
             return entry[1]
         return None
 
+    def replace(self, job: RegistrationJob, peer: RemotePeer) -> bool:
+        """A reconfiguration re-registered ``job``'s peer on a new transport: publish
+        ``peer`` in place of the old registration (same generation). False if the job is
+        no longer the live one (the caller must then release ``peer`` itself)."""
+        entry = self._live.get(job.agent_name)
+        if entry is None or entry[0] != job.generation:
+            return False
+        self._live[job.agent_name] = (job.generation, peer)
+        job.peer = peer
+        return True
+
     async def release(self, peer: RemotePeer | None) -> None:
         """Release a registration off the Trio thread; shielded, so it always happens."""
         if peer is None:

@@ -243,3 +243,40 @@ async def test_region_handed_in_by_the_host_is_used_in_place() -> None:
                 assert slot is not None
                 got = bytes(region[slot * 4096:(slot + 1) * 4096])
                 assert got == bytes(src.store.get(k) or b"")
+
+
+async def test_reconfiguration_swaps_the_data_plane_and_drops_departed_peers() -> None:
+    """Three successive reconfigurations of a producer: each builds a new transport over
+    the same region, re-registers the peers that stay, releases the ones that left, and
+    the stayers keep fetching through the new data plane."""
+    factory = FaultFactory()
+    with trio.fail_after(30):
+        async with open_node(config("hub"), transport=factory) as hub, \
+                open_node(config("p1")) as p1, open_node(config("p2")) as p2, \
+                open_node(config("p3")) as p3:
+            spokes = {"p1": p1, "p2": p2, "p3": p3}
+            for spoke in spokes.values():
+                await spoke.connect(hub.address)
+            for members in (["p1", "p2", "p3"], ["p1", "p2"], ["p1"]):
+                before = factory.transport
+                await hub.reconfigure(members)
+                assert factory.transport is not before
+                assert hub.transport is factory.transport
+                assert sorted(p.peer_id for p in hub.peers()) == members
+                assert hub.statistics().registrations.live == len(members)
+                assert factory.transport.statistics().remote_peers == len(members)
+                for name, spoke in spokes.items():
+                    keys = fill(hub.store, 2, 4096)
+                    if name in members:
+                        result = await spoke.fetch("hub", keys)
+                        assert sorted(result.loaded) == sorted(keys)
+                    else:
+                        with trio.fail_after(5):
+                            while spoke.statistics().peers:
+                                await trio.sleep(0.01)
+            # Replaced transports are closed once idle; only the live one holds peers.
+            with trio.fail_after(5):
+                while hub._retired_transports:
+                    await trio.sleep(0.01)
+            assert all(t.statistics().remote_peers == 0 for t in factory.built[:-1])
+            assert len(factory.built) == 4

@@ -40,7 +40,13 @@ from ..errors import (
     StoreFull,
     TransportError,
 )
-from ..transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
+from ..transport.base import (
+    DataTransport,
+    RegionLayout,
+    RemotePeer,
+    TransferHandle,
+    TransferState,
+)
 from ..wire import Outcome
 from .protocol import (
     AbortAcknowledged,
@@ -129,8 +135,8 @@ class PeerSession:
         self._pinned: dict[int, dict[bytes, int]] = {}  # producer round -> key -> slot
         self._writes: dict[int, trio.CancelScope] = {}
         self._aborting: set[int] = set()
-        self._job: RegistrationJob | None = None
-        self._remote: RemotePeer | None = None
+        self.job: RegistrationJob | None = None
+        self.remote: RemotePeer | None = None
         self._last_rx = trio.current_time()
         self._wake_lease = trio.Event()
         self._handlers: dict[type[Any], Any] = {
@@ -199,9 +205,9 @@ class PeerSession:
                 p.event.set()
             for req in list(self._pinned):
                 self._release_round(req)
-            if self._job is not None:
-                await self.node.registrar.release(self.node.registrar.retire(self._job))
-                self._remote = None
+            if self.job is not None:
+                await self.node.registrar.release(self.node.registrar.retire(self.job))
+                self.remote = None
             if not self._send_broken:
                 with trio.move_on_after(min(1.0, self.cfg.close_timeout)):
                     await self._flush(final=True)
@@ -332,11 +338,11 @@ class PeerSession:
         except HandshakeRejected as exc:
             self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
             return
-        self._job = self.node.registrar.submit(
+        self.job = self.node.registrar.submit(
             h.agent_name, h.agent_metadata, RegionLayout(h.base_addr, h.num_blocks, h.block_len))
         try:
             with trio.fail_after(self.cfg.registration_timeout):
-                self._remote = await self._job.wait()
+                self.remote = await self.job.wait()
         except (P2PKVError, trio.TooSlowError) as exc:
             reason = str(exc) or "registration timed out"
             log.warning("registering %s failed: %s", h.peer_id, reason)
@@ -367,9 +373,9 @@ class PeerSession:
             await trio.sleep(0.001)
         for req in ev.dropped_rounds:
             self._release_round(req)
-        if self._job is not None:
-            await self.node.registrar.release(self.node.registrar.retire(self._job))
-            self._job = self._remote = None
+        if self.job is not None:
+            await self.node.registrar.release(self.node.registrar.retire(self.job))
+            self.job = self.remote = None
 
     def _on_ready(self, ev: Ready) -> None:
         self.ready.set()
@@ -449,26 +455,27 @@ class PeerSession:
         self.inflight_bytes += len(plan) * bl
         per_chunk = max(1, self.cfg.transfer_chunk_bytes // bl)
         chunks = [plan[j:j + per_chunk] for j in range(0, len(plan), per_chunk)]
-        posted: list[tuple[list[tuple[int, int, int]], TransferHandle]] = []
+        posted: list[tuple[list[tuple[int, int, int]], TransferHandle, DataTransport]] = []
         settled: set[int] = set()
         sums: list[int] | None = None
         try:
             with scope:
-                remote = self._remote
-                assert remote is not None  # the ack barrier guarantees it
                 for chunk in chunks:
+                    # Read both per chunk: a reconfiguration swaps them together.
+                    dp, remote = node.transport, self.remote
+                    assert remote is not None  # the ack barrier guarantees it
                     try:
                         h = await node.offload(
-                            node.transport.post_write, remote, [c[1] for c in chunk],
+                            dp.post_write, remote, [c[1] for c in chunk],
                             [c[2] for c in chunk], limiter=node.data_limiter)
                     except TransportError as exc:
                         log.warning("posting writes to %s failed: %s", self.peer_id, exc)
                         for c in chunk:
                             outcomes[c[0]] = Outcome.TRANSFER_FAILED
                         continue
-                    posted.append((chunk, h))
-                for chunk, h in posted:
-                    state = await node.poller.wait(h)
+                    posted.append((chunk, h, dp))
+                for chunk, h, dp in posted:
+                    state = await node.poller.wait(h, dp)
                     settled.add(id(h))
                     if state is TransferState.DONE:
                         for c in chunk:
@@ -498,22 +505,24 @@ class PeerSession:
                 if self.alive:
                     await self._flush()
 
-    async def _settle(self, posted: list[tuple[list[tuple[int, int, int]], TransferHandle]],
-                      settled: set[int], outcomes: list[int]) -> bool:
+    async def _settle(
+        self, posted: list[tuple[list[tuple[int, int, int]], TransferHandle, DataTransport]],
+        settled: set[int], outcomes: list[int],
+    ) -> bool:
         """Wait (bounded) for unsettled handles, release all; True if everything is quiet."""
         node, quiet = self.node, True
-        for chunk, h in posted:
+        for chunk, h, dp in posted:
             if id(h) not in settled:
                 with trio.move_on_after(self.cfg.abort_timeout):
-                    await node.poller.wait(h)
+                    await node.poller.wait(h, dp)
                     settled.add(id(h))
                 for c in chunk:  # cut short: whatever landed is not reported as loaded
                     outcomes[c[0]] = Outcome.ABORTED
             if id(h) in settled:
-                node.transport.release(h)
+                dp.release(h)
             else:
                 quiet = False
-                await node.offload(node.transport.release, h, limiter=node.data_limiter)
+                await node.offload(dp.release, h, limiter=node.data_limiter)
         return quiet
 
     # --- consumer -----------------------------------------------------------------------
