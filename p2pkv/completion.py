@@ -46,8 +46,9 @@ class CompletionPoller:
     def drop_demand(self) -> None:
         self._demand -= 1
 
-    async def wait(self, handle: TransferHandle,
-                   transport: DataTransport | None = None) -> TransferState:
+    async def wait(
+        self, handle: TransferHandle, transport: DataTransport | None = None
+    ) -> TransferState:
         """Until the handle is not PROC. Cancellable; the handle stays the caller's.
 
         ``transport`` is the one that posted the handle (it may have been replaced by a

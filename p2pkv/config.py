@@ -79,7 +79,12 @@ class NodeConfig:
     def compat_digest(self) -> str:
         """What must match between peers, as one short digest (for logs)."""
         h = hashlib.sha256()
-        for part in (str(PROTOCOL_MAJOR), str(self.block_len), self.fingerprint,
-                     self.hash_algo, self.hash_seed.hex()):
+        for part in (
+            str(PROTOCOL_MAJOR),
+            str(self.block_len),
+            self.fingerprint,
+            self.hash_algo,
+            self.hash_seed.hex(),
+        ):
             h.update(part.encode() + b"\0")
         return h.hexdigest()[:16]

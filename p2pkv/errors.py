@@ -49,7 +49,8 @@ class HandshakeRejected(P2PKVError):
 
     def __init__(self, reason: str, *, peer: str | None = None, remote: bool = False):
         super().__init__(
-            f"handshake rejected by {'peer' if remote else 'us'}: {reason}", peer=peer,
+            f"handshake rejected by {'peer' if remote else 'us'}: {reason}",
+            peer=peer,
             op="handshake",
         )
         self.reason = reason

@@ -100,9 +100,13 @@ class Registrar:
 
     def statistics(self) -> RegistrarStatistics:
         return RegistrarStatistics(
-            live=len(self._live), started=self._started, published=self._published,
-            failed=self._failed, released_stale=self._released_stale,
-            retired=self._retired, running=self._running,
+            live=len(self._live),
+            started=self._started,
+            published=self._published,
+            failed=self._failed,
+            released_stale=self._released_stale,
+            retired=self._retired,
+            running=self._running,
         )
 
     def current(self, agent_name: str) -> RemotePeer | None:
@@ -150,8 +154,7 @@ class Registrar:
             return
         with trio.CancelScope(shield=True):
             try:
-                await self._offload(self.transport.remove_remote_peer, peer,
-                                    limiter=self.limiter)
+                await self._offload(self.transport.remove_remote_peer, peer, limiter=self.limiter)
             except Exception:
                 log.exception("releasing the registration of %s failed", peer.agent_name)
 
@@ -169,8 +172,11 @@ class Registrar:
             self._running = True
             try:
                 peer = await self._offload(
-                    self.transport.add_remote_peer, job.agent_name, job.metadata,
-                    job.layout, limiter=self.limiter,
+                    self.transport.add_remote_peer,
+                    job.agent_name,
+                    job.metadata,
+                    job.layout,
+                    limiter=self.limiter,
                 )
             except Exception as exc:
                 self._running = False
@@ -194,10 +200,13 @@ class Registrar:
                 if old is not None:  # superseded without a retire: already stale in the
                     await self.release(old[1])  # transport (re-add drops it); free its state
             else:
-                self._released_stale += 1
-                log.info("registration of %s (generation %d) finished stale; released",
-                         job.agent_name, job.generation)
                 await self.release(peer)
+                self._released_stale += 1
+                log.info(
+                    "registration of %s (generation %d) finished stale; released",
+                    job.agent_name,
+                    job.generation,
+                )
 
     async def aclose(self) -> None:
         """Release every published registration (shutdown)."""

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import trio
+import trio.lowlevel
 
 from p2pkv import NodeConfig
 from p2pkv.errors import RegistrationFailed, TransportError
@@ -67,8 +68,7 @@ class FaultTransport(LocalTransport):
         self.live: set[int] = set()  # ids of RemotePeers added and not removed
         self._polls: dict[int, int] = {}
 
-    def add_remote_peer(self, agent_name: str, metadata: bytes,
-                        layout: RegionLayout) -> RemotePeer:
+    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
         self.registration_entered.set()
         if self.registration_gate is not None:
             assert self.registration_gate.wait(30), "registration gate never opened"
@@ -85,8 +85,9 @@ class FaultTransport(LocalTransport):
             self.removes += 1
         super().remove_remote_peer(peer)
 
-    def post_write(self, peer: RemotePeer, local_slots: Sequence[int],
-                   remote_slots: Sequence[int]) -> TransferHandle:
+    def post_write(
+        self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> TransferHandle:
         self.posts += 1
         if self.post_error is not None:
             raise self.post_error
@@ -94,9 +95,10 @@ class FaultTransport(LocalTransport):
             bl = self.layout.block_len
             dst: np.ndarray = peer.native
             for d in remote_slots:
-                dst[d * bl:(d + 1) * bl] = 0xAB
-            return TransferHandle(peer, tuple(local_slots), tuple(remote_slots),
-                                  native=TransferState.DONE)
+                dst[d * bl : (d + 1) * bl] = 0xAB
+            return TransferHandle(
+                peer, tuple(local_slots), tuple(remote_slots), native=TransferState.DONE
+            )
         h = super().post_write(peer, local_slots, remote_slots)
         if self.hang:
             h.native = TransferState.PROC
@@ -137,7 +139,7 @@ class FaultFactory:
 async def inline_offload(fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
     """FAKE offload (deterministic timing): runs blocking work inline on the Trio thread."""
     async with limiter:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return fn(*args)
 
 
@@ -148,8 +150,7 @@ class VirtualOffload:
     def __init__(self, delays: dict[str, float] | None = None) -> None:
         self.delays = delays or {}
 
-    async def __call__(self, fn: Callable[..., T], *args: Any,
-                       limiter: trio.CapacityLimiter) -> T:
+    async def __call__(self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
         async with limiter:
             # Not cancellable, like a real worker thread: a cancel lands after it returns.
             with trio.CancelScope(shield=True):
@@ -161,17 +162,31 @@ class RawPeer:
     """A hand-driven peer over real TCP (see the module docstring). Its region is a real
     :class:`LocalTransport` region, so a node in this process can register it."""
 
-    def __init__(self, peer_id: str | None = None, *, num_blocks: int = 64,
-                 block_len: int = 4096, epoch: int = 7, **info: Any) -> None:
+    def __init__(
+        self,
+        peer_id: str | None = None,
+        *,
+        num_blocks: int = 64,
+        block_len: int = 4096,
+        epoch: int = 7,
+        **info: Any,
+    ) -> None:
         self.peer_id = peer_id or f"raw{next(_ids)}"
         self.array = np.zeros(num_blocks * block_len, np.uint8)
         layout = RegionLayout(self.array.ctypes.data, num_blocks, block_len)
-        self.transport = LocalTransport(agent_name=self.peer_id, region=self.array,
-                                        layout=layout)
-        self.proto = SessionProtocol(LocalInfo(
-            peer_id=self.peer_id, epoch=epoch, agent_name=self.peer_id,
-            agent_metadata=self.transport.metadata(), base_addr=layout.base_addr,
-            num_blocks=num_blocks, block_len=block_len, **info))
+        self.transport = LocalTransport(agent_name=self.peer_id, region=self.array, layout=layout)
+        self.proto = SessionProtocol(
+            LocalInfo(
+                peer_id=self.peer_id,
+                epoch=epoch,
+                agent_name=self.peer_id,
+                agent_metadata=self.transport.metadata(),
+                base_addr=layout.base_addr,
+                num_blocks=num_blocks,
+                block_len=block_len,
+                **info,
+            )
+        )
         self.stream: trio.SocketStream | None = None
         self.peer_hello: Hello | None = None
 

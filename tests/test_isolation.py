@@ -70,8 +70,10 @@ async def sibling_fetch(node: Node, src: Node, keys: Sequence[bytes]) -> None:
 @pytest.mark.parametrize("name", sorted(CORPUS))
 async def test_malformed_frame_closes_only_its_session(name: str) -> None:
     with trio.fail_after(20):
-        async with open_node(config("src"), transport=slow_factory()) as src, \
-                open_node(config("dst")) as dst:
+        async with (
+            open_node(config("src"), transport=slow_factory()) as src,
+            open_node(config("dst")) as dst,
+        ):
             keys = fill(src.store, 16, 4096)
             await dst.connect(src.address)
             raw = RawPeer()
@@ -101,8 +103,9 @@ async def test_fetch_into_slots_outside_the_region_is_refused() -> None:
             await raw.flush()
             ev = await raw.next_event()
             assert isinstance(ev, LookupAnswered) and ev.hits == [True, True]
-            await raw.send_raw(frame({"t": "fetch", "req_id": req, "keys": keys,
-                                      "slots": [1, 8]}))  # 8 is past the 8-block region
+            await raw.send_raw(
+                frame({"t": "fetch", "req_id": req, "keys": keys, "slots": [1, 8]})
+            )  # 8 is past the 8-block region
             bye = await raw.expect_close()
             assert bye is not None and bye.code == "protocol" and "slot" in bye.reason
             await raw.aclose()
@@ -125,8 +128,9 @@ async def test_truncated_frame_then_disconnect_is_harmless() -> None:
 class CrashingTransport(FaultTransport):
     """FAKE: a bug of ours (not a transport error) while serving one particular peer."""
 
-    def post_write(self, peer: RemotePeer, local_slots: Sequence[int],
-                   remote_slots: Sequence[int]) -> TransferHandle:
+    def post_write(
+        self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> TransferHandle:
         if peer.agent_name == "victim":
             raise RuntimeError("simulated bug while serving victim")
         return super().post_write(peer, local_slots, remote_slots)
@@ -142,8 +146,11 @@ async def test_a_crashing_session_does_not_cancel_its_siblings() -> None:
         return t
 
     with trio.fail_after(20):
-        async with open_node(config("src"), transport=factory) as src, \
-                open_node(config("dst")) as dst, open_node(config("victim")) as victim:
+        async with (
+            open_node(config("src"), transport=factory) as src,
+            open_node(config("dst")) as dst,
+            open_node(config("victim")) as victim,
+        ):
             keys = fill(src.store, 16, 4096)
             await dst.connect(src.address)
             await victim.connect(src.address)

@@ -14,7 +14,6 @@ from p2pkv import HandshakeRejected, PeerUnavailable, open_node
 from .helpers import FaultFactory, config, fill
 
 
-
 async def test_fetched_bytes_equal_source_and_misses_never_load() -> None:
     with trio.fail_after(20):
         async with open_node(config("src")) as src, open_node(config("dst")) as dst:
@@ -76,9 +75,10 @@ async def test_checksums_reject_bytes_that_differ_from_the_producer() -> None:
     """Invariant 1: a data plane that reports DONE but wrote other bytes loads nothing."""
     corrupting = FaultFactory(lambda t: setattr(t, "corrupt", True))
     with trio.fail_after(20):
-        async with open_node(config("src", verify_checksums=True),
-                             transport=corrupting) as src, \
-                open_node(config("dst", verify_checksums=True)) as dst:
+        async with (
+            open_node(config("src", verify_checksums=True), transport=corrupting) as src,
+            open_node(config("dst", verify_checksums=True)) as dst,
+        ):
             keys = fill(src.store, 6, 4096)
             peer = await dst.connect(src.address)
             result = await dst.fetch(peer, keys)
@@ -90,8 +90,10 @@ async def test_checksums_reject_bytes_that_differ_from_the_producer() -> None:
 
 async def test_checksums_accept_correct_bytes() -> None:
     with trio.fail_after(20):
-        async with open_node(config("src", verify_checksums=True)) as src, \
-                open_node(config("dst", verify_checksums=True)) as dst:
+        async with (
+            open_node(config("src", verify_checksums=True)) as src,
+            open_node(config("dst", verify_checksums=True)) as dst,
+        ):
             keys = fill(src.store, 6, 4096)
             peer = await dst.connect(src.address)
             result = await dst.fetch(peer, keys)
@@ -101,8 +103,10 @@ async def test_checksums_accept_correct_bytes() -> None:
 async def test_failed_posts_are_per_key_failures_and_slots_are_freed() -> None:
     failing = FaultFactory()
     with trio.fail_after(20):
-        async with open_node(config("src"), transport=failing) as src, \
-                open_node(config("dst")) as dst:
+        async with (
+            open_node(config("src"), transport=failing) as src,
+            open_node(config("dst")) as dst,
+        ):
             keys = fill(src.store, 4, 4096)
             peer = await dst.connect(src.address)
             failing.transport.post_error = p2pkv.TransportError("refused")
@@ -127,8 +131,11 @@ async def test_connect_refused_is_peer_unavailable() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
-    [("fingerprint", "other-model", "fingerprint"), ("hash_seed", b"x", "hash"),
-     ("block_len", 8192, "block length")],
+    [
+        ("fingerprint", "other-model", "fingerprint"),
+        ("hash_seed", b"x", "hash"),
+        ("block_len", 8192, "block length"),
+    ],
 )
 async def test_incompatible_peers_are_rejected_with_the_reason(
     field: str, value: object, reason: str
@@ -144,10 +151,12 @@ async def test_incompatible_peers_are_rejected_with_the_reason(
 
 async def test_authentication_with_a_shared_secret() -> None:
     with trio.fail_after(10):
-        async with open_node(config("a", secret=b"s3cret")) as a, \
-                open_node(config("b", secret=b"s3cret")) as b, \
-                open_node(config("c", secret=b"wrong")) as c, \
-                open_node(config("d")) as d:
+        async with (
+            open_node(config("a", secret=b"s3cret")) as a,
+            open_node(config("b", secret=b"s3cret")) as b,
+            open_node(config("c", secret=b"wrong")) as c,
+            open_node(config("d")) as d,
+        ):
             keys = fill(a.store, 2, 4096)
             peer = await b.connect(a.address)
             assert (await b.fetch(peer, keys)).loaded
@@ -233,15 +242,14 @@ async def test_region_handed_in_by_the_host_is_used_in_place() -> None:
 
     region = np.zeros(64 * 4096, np.uint8)
     with trio.fail_after(20):
-        async with open_node(config("src")) as src, \
-                open_node(config("dst"), region=region) as dst:
+        async with open_node(config("src")) as src, open_node(config("dst"), region=region) as dst:
             keys = fill(src.store, 3, 4096)
             peer = await dst.connect(src.address)
             await dst.fetch(peer, keys)
             for k in keys:
                 slot = dst.store.slot_of(k)
                 assert slot is not None
-                got = bytes(region[slot * 4096:(slot + 1) * 4096])
+                got = bytes(region[slot * 4096 : (slot + 1) * 4096])
                 assert got == bytes(src.store.get(k) or b"")
 
 
@@ -251,9 +259,12 @@ async def test_reconfiguration_swaps_the_data_plane_and_drops_departed_peers() -
     the stayers keep fetching through the new data plane."""
     factory = FaultFactory()
     with trio.fail_after(30):
-        async with open_node(config("hub"), transport=factory) as hub, \
-                open_node(config("p1")) as p1, open_node(config("p2")) as p2, \
-                open_node(config("p3")) as p3:
+        async with (
+            open_node(config("hub"), transport=factory) as hub,
+            open_node(config("p1")) as p1,
+            open_node(config("p2")) as p2,
+            open_node(config("p3")) as p3,
+        ):
             spokes = {"p1": p1, "p2": p2, "p3": p3}
             for spoke in spokes.values():
                 await spoke.connect(hub.address)

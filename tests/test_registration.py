@@ -11,17 +11,18 @@ import threading
 import attrs
 import pytest
 import trio
+import trio.testing
 
-from p2pkv import HandshakeRejected, open_node
+from p2pkv import HandshakeRejected, PeerUnavailable, open_node
 from p2pkv.session.protocol import ByeReceived, SessionProtocol
 from p2pkv.wire import Fetch, Lookup, encode
 
 from .helpers import FaultFactory, RawPeer, config, fill, rejected_registration
 
 
-async def wait_until(predicate: object, timeout: float = 5.0) -> None:
+async def wait_until(predicate: object, within: float = 5.0) -> None:
     assert callable(predicate)
-    with trio.fail_after(timeout):
+    with trio.fail_after(within):
         while not predicate():
             await trio.sleep(0.005)
 
@@ -32,8 +33,10 @@ async def test_ack_waits_for_registration() -> None:
     gate = threading.Event()
     factory = FaultFactory(lambda t: setattr(t, "registration_gate", gate))
     with trio.fail_after(20):
-        async with open_node(config("src"), transport=factory) as src, \
-                open_node(config("dst")) as dst:
+        async with (
+            open_node(config("src"), transport=factory) as src,
+            open_node(config("dst")) as dst,
+        ):
             keys = fill(src.store, 4, 4096)
             connected = trio.Event()
 
@@ -66,8 +69,10 @@ async def test_requests_before_our_ack_are_a_protocol_error_and_write_nothing() 
             await raw.connect(src.address)
             raw.proto.start()
             await raw.flush()
-            await raw.send_raw(encode(Lookup(req_id=1, keys=keys))
-                               + encode(Fetch(req_id=1, keys=keys, slots=[0, 1])))
+            await raw.send_raw(
+                encode(Lookup(req_id=1, keys=keys))
+                + encode(Fetch(req_id=1, keys=keys, slots=[0, 1]))
+            )
             bye = await raw.expect_close()
             assert isinstance(bye, ByeReceived)
             assert bye.code == "protocol" and "before our hello_ack" in bye.reason
@@ -110,8 +115,10 @@ async def test_registration_of_a_reaped_peer_is_released_not_published() -> None
 async def test_a_failed_registration_rejects_the_handshake_and_leaves_nothing() -> None:
     factory = FaultFactory(lambda t: setattr(t, "registration_error", rejected_registration()))
     with trio.fail_after(20):
-        async with open_node(config("src"), transport=factory) as src, \
-                open_node(config("dst")) as dst:
+        async with (
+            open_node(config("src"), transport=factory) as src,
+            open_node(config("dst")) as dst,
+        ):
             with pytest.raises(HandshakeRejected, match="registration failed"):
                 await dst.connect(src.address)
             await wait_until(lambda: src.statistics().sessions == 0)
@@ -126,14 +133,23 @@ async def test_shutdown_waits_for_a_running_registration_and_releases_it() -> No
     factory = FaultFactory(lambda t: setattr(t, "registration_gate", gate))
     with trio.fail_after(20):
         async with open_node(config("dst")) as dst:
-            async with open_node(config("src"), transport=factory) as src:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(dst.connect, src.address)
-                    await trio.to_thread.run_sync(factory.transport.registration_entered.wait, 5)
-                    # Open the gate only after the node has begun closing.
-                    threading.Timer(0.2, gate.set).start()
-                    await src.aclose()
-                    nursery.cancel_scope.cancel()
+            async with (
+                open_node(config("src"), transport=factory) as src,
+                trio.open_nursery() as nursery,
+            ):
+
+                async def doomed_connect() -> None:
+                    with pytest.raises(PeerUnavailable, match="shutting down"):
+                        await dst.connect(src.address)
+
+                nursery.start_soon(doomed_connect)
+                await trio.to_thread.run_sync(factory.transport.registration_entered.wait, 5)
+                # Open the gate only once the node is closing and has nothing else to do.
+                nursery.start_soon(src.aclose)
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                assert src.statistics().registrations.running
+                gate.set()
+                await src.aclose()
             t = factory.transport
             assert gate.is_set()
             assert t.adds == t.removes and not t.live
@@ -151,8 +167,9 @@ async def test_peer_restart_on_the_same_connection_reregisters() -> None:
             await raw.handshake()
             await wait_until(lambda: factory.transport.adds == 1)
             # Re-hello with a new epoch, as a restarted engine would.
-            raw.proto = SessionProtocol(attrs.evolve(raw.proto.local,
-                                                     epoch=raw.proto.local.epoch + 1))
+            raw.proto = SessionProtocol(
+                attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+            )
             await raw.handshake()
             await wait_until(lambda: factory.transport.adds == 2)
             t = factory.transport

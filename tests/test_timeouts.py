@@ -29,12 +29,17 @@ from p2pkv.wire import Outcome
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 
 
-
 @asynccontextmanager
-async def node(peer_id: str, *, delays: dict[str, float] | None = None,
-               factory: FaultFactory | None = None, **kw: Any) -> AsyncIterator[Node]:
-    async with open_node(config(peer_id, **kw), offload=VirtualOffload(delays),
-                         transport=factory or FaultFactory()) as n:
+async def node(
+    peer_id: str,
+    *,
+    delays: dict[str, float] | None = None,
+    factory: FaultFactory | None = None,
+    **kw: Any,
+) -> AsyncIterator[Node]:
+    async with open_node(
+        config(peer_id, **kw), offload=VirtualOffload(delays), transport=factory or FaultFactory()
+    ) as n:
         yield n
 
 
@@ -56,11 +61,14 @@ async def raw_server(raw: RawPeer, n: Node) -> AsyncIterator[Peer]:
     yield peer[0]
 
 
-async def test_connect_times_out_when_the_peer_never_says_hello(autojump_clock: trio.testing.MockClock) -> None:
+async def test_connect_times_out_when_the_peer_never_says_hello(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with node("a", handshake_timeout=7.0) as a:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
+
             async def mute() -> None:
                 async with await listeners[0].accept():
                     await trio.sleep_forever()
@@ -74,7 +82,9 @@ async def test_connect_times_out_when_the_peer_never_says_hello(autojump_clock: 
         await listeners[0].aclose()
 
 
-async def test_a_silent_client_is_dropped_after_the_handshake_deadline(autojump_clock: trio.testing.MockClock) -> None:
+async def test_a_silent_client_is_dropped_after_the_handshake_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with node("a", handshake_timeout=5.0) as a:
         raw = RawPeer()
         await raw.connect(a.address)
@@ -87,7 +97,9 @@ async def test_a_silent_client_is_dropped_after_the_handshake_deadline(autojump_
         assert a.statistics().sessions == 0
 
 
-async def test_lookup_deadline_raises_and_aborts_the_round(autojump_clock: trio.testing.MockClock) -> None:
+async def test_lookup_deadline_raises_and_aborts_the_round(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with node("a", lookup_timeout=3.0) as a:
         raw = RawPeer()
         async with raw_server(raw, a) as peer:
@@ -102,10 +114,14 @@ async def test_lookup_deadline_raises_and_aborts_the_round(autojump_clock: trio.
         await raw.aclose()
 
 
-async def test_fetch_deadline_fails_keys_and_quarantines_until_the_abort_ack(autojump_clock: trio.testing.MockClock) -> None:
+async def test_fetch_deadline_fails_keys_and_quarantines_until_the_abort_ack(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src, \
-            node("dst", fetch_timeout=4.0, quarantine=20.0) as dst:
+    async with (
+        node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src,
+        node("dst", fetch_timeout=4.0, quarantine=20.0) as dst,
+    ):
         keys = fill(src.store, 4, 4096)
         peer = await dst.connect(src.address)
         start = trio.current_time()
@@ -124,7 +140,9 @@ async def test_fetch_deadline_fails_keys_and_quarantines_until_the_abort_ack(aut
         assert all(k not in dst.store for k in keys)
 
 
-async def test_quarantine_expires_when_the_producer_never_acks(autojump_clock: trio.testing.MockClock) -> None:
+async def test_quarantine_expires_when_the_producer_never_acks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with node("a", fetch_timeout=2.0, quarantine=6.0) as a:
         raw = RawPeer()
         async with raw_server(raw, a) as peer:
@@ -134,8 +152,9 @@ async def test_quarantine_expires_when_the_producer_never_acks(autojump_clock: t
                 while True:
                     ev = await raw.next_event()
                     if isinstance(ev, LookupRequested):
-                        raw.proto.send_lookup_resp(ev.req_id, [True, True],
-                                                   trio.current_time(), 100.0)
+                        raw.proto.send_lookup_resp(
+                            ev.req_id, [True, True], trio.current_time(), 100.0
+                        )
                         await raw.flush()
                     if ev is None:
                         return
@@ -178,9 +197,13 @@ async def test_idle_peer_gets_pings_then_is_dropped(autojump_clock: trio.testing
         await raw.aclose()
 
 
-async def test_heartbeats_keep_a_quiet_session_alive(autojump_clock: trio.testing.MockClock) -> None:
-    async with node("a", heartbeat_interval=2.0, idle_timeout=5.0) as a, \
-            node("b", heartbeat_interval=2.0, idle_timeout=5.0) as b:
+async def test_heartbeats_keep_a_quiet_session_alive(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with (
+        node("a", heartbeat_interval=2.0, idle_timeout=5.0) as a,
+        node("b", heartbeat_interval=2.0, idle_timeout=5.0) as b,
+    ):
         peer = await b.connect(a.address)
         await trio.sleep(60.0)
         assert a.statistics().peers == 1 and b.statistics().peers == 1
@@ -188,7 +211,9 @@ async def test_heartbeats_keep_a_quiet_session_alive(autojump_clock: trio.testin
         assert len((await b.fetch(peer, keys)).loaded) == 2
 
 
-async def test_producer_lease_expiry_releases_pins_and_fails_a_late_fetch(autojump_clock: trio.testing.MockClock) -> None:
+async def test_producer_lease_expiry_releases_pins_and_fails_a_late_fetch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with node("src", lease=4.0) as src:
         keys = fill(src.store, 3, 4096)
         raw = RawPeer()
@@ -210,7 +235,9 @@ async def test_producer_lease_expiry_releases_pins_and_fails_a_late_fetch(autoju
         await raw.aclose()
 
 
-async def test_consumer_closes_rounds_nobody_fetched(autojump_clock: trio.testing.MockClock) -> None:
+async def test_consumer_closes_rounds_nobody_fetched(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with node("src", lease=10.0) as src, node("dst", lease=10.0) as dst:
         keys = fill(src.store, 2, 4096)
         peer = await dst.connect(src.address)
@@ -220,11 +247,20 @@ async def test_consumer_closes_rounds_nobody_fetched(autojump_clock: trio.testin
         assert src.statistics().pinned_slots == 0
 
 
-async def test_registration_deadline_rejects_and_the_late_registration_is_released(autojump_clock: trio.testing.MockClock) -> None:
+async def test_registration_deadline_rejects_and_the_late_registration_is_released(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     factory = FaultFactory()
-    async with node("src", factory=factory, delays={"add_remote_peer": 60.0},
-                    registration_timeout=20.0, handshake_timeout=100.0) as src, \
-            node("dst", handshake_timeout=100.0) as dst:
+    async with (
+        node(
+            "src",
+            factory=factory,
+            delays={"add_remote_peer": 60.0},
+            registration_timeout=20.0,
+            handshake_timeout=100.0,
+        ) as src,
+        node("dst", handshake_timeout=100.0) as dst,
+    ):
         with pytest.raises(HandshakeRejected, match="registration"):
             await dst.connect(src.address)
         await trio.sleep(60.0)
@@ -233,7 +269,9 @@ async def test_registration_deadline_rejects_and_the_late_registration_is_releas
         assert factory.transport.adds == factory.transport.removes == 1
 
 
-async def test_abort_of_a_pinned_round_is_acked_at_once(autojump_clock: trio.testing.MockClock) -> None:
+async def test_abort_of_a_pinned_round_is_acked_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async with node("src") as src:
         keys = fill(src.store, 2, 4096)
         raw = RawPeer()

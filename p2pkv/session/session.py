@@ -108,12 +108,13 @@ class _Round:
 
 
 def checksums(view: memoryview, block_len: int, slots: Sequence[int]) -> list[int]:
-    return [zlib.crc32(view[s * block_len:(s + 1) * block_len]) for s in slots]
+    return [zlib.crc32(view[s * block_len : (s + 1) * block_len]) for s in slots]
 
 
 class PeerSession:
-    def __init__(self, node: Node, stream: trio.abc.Stream, *,
-                 address: tuple[str, int] | None = None) -> None:
+    def __init__(
+        self, node: Node, stream: trio.abc.Stream, *, address: tuple[str, int] | None = None
+    ) -> None:
         self.node = node
         self.cfg = node.config
         self.stream = stream
@@ -134,17 +135,23 @@ class PeerSession:
         self._rounds: dict[int, _Round] = {}
         self._pinned: dict[int, dict[bytes, int]] = {}  # producer round -> key -> slot
         self._writes: dict[int, trio.CancelScope] = {}
+        self._write_done: dict[int, trio.Event] = {}
         self._aborting: set[int] = set()
         self.job: RegistrationJob | None = None
         self.remote: RemotePeer | None = None
         self._last_rx = trio.current_time()
         self._wake_lease = trio.Event()
         self._handlers: dict[type[Any], Any] = {
-            HelloReceived: self._on_hello, Ready: self._on_ready,
-            LookupRequested: self._on_lookup, FetchRequested: self._on_fetch,
-            RoundClosed: self._on_round_closed, AbortRequested: self._on_abort,
-            LookupAnswered: self._on_answer, TransferCompleted: self._on_transfer_done,
-            AbortAcknowledged: self._on_abort_ack, PongReceived: lambda ev: None,
+            HelloReceived: self._on_hello,
+            Ready: self._on_ready,
+            LookupRequested: self._on_lookup,
+            FetchRequested: self._on_fetch,
+            RoundClosed: self._on_round_closed,
+            AbortRequested: self._on_abort,
+            LookupAnswered: self._on_answer,
+            TransferCompleted: self._on_transfer_done,
+            AbortAcknowledged: self._on_abort_ack,
+            PongReceived: lambda ev: None,
             ByeReceived: self._on_bye,
         }
 
@@ -261,8 +268,11 @@ class PeerSession:
                 self._fail(exc, f"connection lost: {exc}", "transport")
                 return
             if not data:
-                self._fail(SessionClosed("connection closed by peer", peer=self.peer_id),
-                           "connection closed by peer", "transport")
+                self._fail(
+                    SessionClosed("connection closed by peer", peer=self.peer_id),
+                    "connection closed by peer",
+                    "transport",
+                )
                 return
             self._last_rx = trio.current_time()
             self.proto.receive_data(data)
@@ -281,8 +291,11 @@ class PeerSession:
         with trio.move_on_after(self.cfg.handshake_timeout):
             await self.ready.wait()
             return
-        self._fail(P2PKVTimeout("handshake timed out", peer=self.peer_id, op="handshake"),
-                   "handshake timed out", "timeout")
+        self._fail(
+            P2PKVTimeout("handshake timed out", peer=self.peer_id, op="handshake"),
+            "handshake timed out",
+            "timeout",
+        )
 
     async def _keepalive(self) -> None:
         hb, idle = self.cfg.heartbeat_interval, self.cfg.idle_timeout
@@ -291,8 +304,11 @@ class PeerSession:
             now = trio.current_time()
             quiet = now - self._last_rx
             if quiet >= idle:
-                self._fail(P2PKVTimeout(f"peer silent for {quiet:.1f} s", peer=self.peer_id,
-                                        op="idle"), "idle timeout", "timeout")
+                self._fail(
+                    P2PKVTimeout(f"peer silent for {quiet:.1f} s", peer=self.peer_id, op="idle"),
+                    "idle timeout",
+                    "timeout",
+                )
                 return
             if not self.proto.ready:
                 # No pings before the handshake is through: look again in a while.
@@ -339,7 +355,8 @@ class PeerSession:
             self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
             return
         self.job = self.node.registrar.submit(
-            h.agent_name, h.agent_metadata, RegionLayout(h.base_addr, h.num_blocks, h.block_len))
+            h.agent_name, h.agent_metadata, RegionLayout(h.base_addr, h.num_blocks, h.block_len)
+        )
         try:
             with trio.fail_after(self.cfg.registration_timeout):
                 self.remote = await self.job.wait()
@@ -369,8 +386,10 @@ class PeerSession:
             scope = self._writes.get(req)
             if scope is not None:
                 scope.cancel()
-        while any(req in self._writes for req in ev.dropped_rounds):
-            await trio.sleep(0.001)
+        for req in ev.dropped_rounds:
+            done = self._write_done.get(req)
+            if done is not None:
+                await done.wait()
         for req in ev.dropped_rounds:
             self._release_round(req)
         if self.job is not None:
@@ -432,6 +451,7 @@ class PeerSession:
         assert self._nursery is not None
         scope = trio.CancelScope()
         self._writes[ev.req_id] = scope
+        self._write_done[ev.req_id] = trio.Event()
         self._nursery.start_soon(self._serve_fetch, ev, scope)
 
     async def _serve_fetch(self, ev: FetchRequested, scope: trio.CancelScope) -> None:
@@ -454,7 +474,7 @@ class PeerSession:
                 plan.append((i, src, dst))
         self.inflight_bytes += len(plan) * bl
         per_chunk = max(1, self.cfg.transfer_chunk_bytes // bl)
-        chunks = [plan[j:j + per_chunk] for j in range(0, len(plan), per_chunk)]
+        chunks = [plan[j : j + per_chunk] for j in range(0, len(plan), per_chunk)]
         posted: list[tuple[list[tuple[int, int, int]], TransferHandle, DataTransport]] = []
         settled: set[int] = set()
         sums: list[int] | None = None
@@ -466,8 +486,12 @@ class PeerSession:
                     assert remote is not None  # the ack barrier guarantees it
                     try:
                         h = await node.offload(
-                            dp.post_write, remote, [c[1] for c in chunk],
-                            [c[2] for c in chunk], limiter=node.data_limiter)
+                            dp.post_write,
+                            remote,
+                            [c[1] for c in chunk],
+                            [c[2] for c in chunk],
+                            limiter=node.data_limiter,
+                        )
                     except TransportError as exc:
                         log.warning("posting writes to %s failed: %s", self.peer_id, exc)
                         for c in chunk:
@@ -482,8 +506,13 @@ class PeerSession:
                             outcomes[c[0]] = Outcome.OK
                 if self.cfg.verify_checksums:  # sources are still pinned: bytes as sent
                     sums = [0] * len(ev.keys)
-                    got = await node.offload(checksums, memoryview(node.store.array), bl,
-                                             [c[1] for c in plan], limiter=node.cpu_limiter)
+                    got = await node.offload(
+                        checksums,
+                        memoryview(node.store.array),
+                        bl,
+                        [c[1] for c in plan],
+                        limiter=node.cpu_limiter,
+                    )
                     for c, crc in zip(plan, got, strict=True):
                         sums[c[0]] = crc
         finally:
@@ -491,6 +520,7 @@ class PeerSession:
                 quiet = await self._settle(posted, settled, outcomes)
                 self.inflight_bytes -= len(plan) * bl
                 self._writes.pop(ev.req_id, None)
+                self._write_done.pop(ev.req_id).set()
                 if quiet:
                     self._release_round(ev.req_id)
                 else:  # the data plane may still read the sources: hold their pins a while
@@ -506,8 +536,10 @@ class PeerSession:
                     await self._flush()
 
     async def _settle(
-        self, posted: list[tuple[list[tuple[int, int, int]], TransferHandle, DataTransport]],
-        settled: set[int], outcomes: list[int],
+        self,
+        posted: list[tuple[list[tuple[int, int, int]], TransferHandle, DataTransport]],
+        settled: set[int],
+        outcomes: list[int],
     ) -> bool:
         """Wait (bounded) for unsettled handles, release all; True if everything is quiet."""
         node, quiet = self.node, True
@@ -556,8 +588,9 @@ class PeerSession:
         if not self.alive:
             raise SessionClosed(self.close_reason or "session ended", peer=self.peer_id, op=op)
         if not self.ready.is_set():
-            raise P2PKVError("session is not ready (handshake in progress)",
-                             peer=self.peer_id, op=op)
+            raise P2PKVError(
+                "session is not ready (handshake in progress)", peer=self.peer_id, op=op
+            )
 
     async def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[bool]]:
         """One lookup round. The round stays open (the producer pins the hits for a lease)
@@ -583,8 +616,11 @@ class PeerSession:
         if p.error is not None:
             raise p.error
         hits: list[bool] = p.result.hits
-        self._rounds[req] = _Round(req, {k for k, h in zip(keys, hits, strict=True) if h},
-                                   trio.current_time() + self.cfg.lease * 0.9)
+        self._rounds[req] = _Round(
+            req,
+            {k for k, h in zip(keys, hits, strict=True) if h},
+            trio.current_time() + self.cfg.lease * 0.9,
+        )
         self._wake_lease.set()
         return req, hits
 
@@ -626,8 +662,9 @@ class PeerSession:
             if uncovered:
                 req, hits = await self.lookup(uncovered)
                 groups[req] = [k for k, h in zip(uncovered, hits, strict=True) if h]
-                result.failed.update((k, "miss") for k, h in zip(uncovered, hits,
-                                                                 strict=True) if not h)
+                result.failed.update(
+                    (k, "miss") for k, h in zip(uncovered, hits, strict=True) if not h
+                )
         except P2PKVError as exc:
             for k in uncovered:
                 result.failed[k] = f"lookup failed: {exc}"
@@ -674,17 +711,23 @@ class PeerSession:
             return
         await self._land(p, owner, keys, p.result, result)
 
-    def _give_up(self, p: _Pending, owner: object, keys: list[bytes], result: FetchResult,
-                 reason: str) -> None:
+    def _give_up(
+        self, p: _Pending, owner: object, keys: list[bytes], result: FetchResult, reason: str
+    ) -> None:
         """The writes into ``p.slots`` are unsettled: quarantine them, abort the request."""
-        self.node.store.quarantine(owner, p.slots,
-                                   until=trio.current_time() + self.cfg.quarantine)
+        self.node.store.quarantine(owner, p.slots, until=trio.current_time() + self.cfg.quarantine)
         self.node.wake_quarantine()
         self._abort(p)
         result.failed.update((k, reason) for k in keys)
 
-    async def _land(self, p: _Pending, owner: object, keys: list[bytes],
-                    done: TransferCompleted, result: FetchResult) -> None:
+    async def _land(
+        self,
+        p: _Pending,
+        owner: object,
+        keys: list[bytes],
+        done: TransferCompleted,
+        result: FetchResult,
+    ) -> None:
         store, bl = self.node.store, self.cfg.block_len
         ok = [i for i, o in enumerate(done.outcomes) if o == Outcome.OK]
         good = set(ok)
@@ -695,8 +738,12 @@ class PeerSession:
                 reason_bad = "producer sent no checksums"
             else:
                 local = await self.node.offload(
-                    checksums, memoryview(store.array), bl, [p.slots[i] for i in ok],
-                    limiter=self.node.cpu_limiter)
+                    checksums,
+                    memoryview(store.array),
+                    bl,
+                    [p.slots[i] for i in ok],
+                    limiter=self.node.cpu_limiter,
+                )
                 good = {i for i, c in zip(ok, local, strict=True) if c == done.checksums[i]}
                 reason_bad = "checksum mismatch"
         release: list[int] = []
@@ -707,7 +754,6 @@ class PeerSession:
             else:
                 release.append(slot)
                 o = done.outcomes[i]
-                result.failed[key] = (reason_bad if o == Outcome.OK
-                                      else Outcome(o).name.lower())
+                result.failed[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
         store.release_reserved(owner, release)
         p.slots = []

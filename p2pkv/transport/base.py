@@ -109,9 +109,7 @@ class DataTransport(abc.ABC):
         """Opaque bytes a peer needs to register us (sent in our hello)."""
 
     @abc.abstractmethod
-    def add_remote_peer(
-        self, agent_name: str, metadata: bytes, layout: RegionLayout
-    ) -> RemotePeer:
+    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
         """Register a peer's region so we can write into it. Blocking; may be slow.
 
         Raises :class:`~p2pkv.errors.RegistrationFailed` if the metadata is refused or the
@@ -141,7 +139,7 @@ class DataTransport(abc.ABC):
     def release(self, handle: TransferHandle) -> None:
         """Release a handle (idempotent). See the module docstring about in-flight release."""
 
-    def progress(self) -> None:
+    def progress(self) -> None:  # noqa: B027 (optional hook: most transports need none)
         """Drive the data plane's progress (e.g. as the target of a write). Cheap."""
 
     def release_departed_peers(self, current_members: Collection[str]) -> list[str]:

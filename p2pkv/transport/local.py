@@ -80,11 +80,11 @@ class LocalTransport(DataTransport):
             kind, pid, token_hex = metadata.decode().split(":")
             token = bytes.fromhex(token_hex)
         except ValueError as exc:
-            raise RegistrationFailed("malformed local-transport metadata",
-                                     peer=agent_name) from exc
+            raise RegistrationFailed("malformed local-transport metadata", peer=agent_name) from exc
         if kind != "local" or int(pid) != os.getpid():
-            raise RegistrationFailed("peer is not in this process (use transport='nixl')",
-                                     peer=agent_name)
+            raise RegistrationFailed(
+                "peer is not in this process (use transport='nixl')", peer=agent_name
+            )
         with _directory_lock:
             entry = _directory.get(agent_name)
         if entry is None or entry[0] != token:
@@ -105,8 +105,9 @@ class LocalTransport(DataTransport):
                 del self._peers[peer.agent_name]
             peer.released = True
 
-    def post_write(self, peer: RemotePeer, local_slots: Sequence[int],
-                   remote_slots: Sequence[int]) -> TransferHandle:
+    def post_write(
+        self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> TransferHandle:
         self._check_open()
         if peer.released:
             raise TransportError("write to a released registration", peer=peer.agent_name)
@@ -117,9 +118,10 @@ class LocalTransport(DataTransport):
         for s, d in zip(local_slots, remote_slots, strict=True):
             if not (0 <= s < self._layout.num_blocks and 0 <= d < peer.layout.num_blocks):
                 raise TransportError("slot outside the region", peer=peer.agent_name)
-            dst[d * bl:(d + 1) * bl] = self._array[s * bl:(s + 1) * bl]
-        handle = TransferHandle(peer, tuple(local_slots), tuple(remote_slots),
-                                native=TransferState.DONE)
+            dst[d * bl : (d + 1) * bl] = self._array[s * bl : (s + 1) * bl]
+        handle = TransferHandle(
+            peer, tuple(local_slots), tuple(remote_slots), native=TransferState.DONE
+        )
         with self._lock:
             self._handles.add(id(handle))
         return handle
@@ -147,8 +149,11 @@ class LocalTransport(DataTransport):
             regions = len(_directory)
         with self._lock:
             return TransportStatistics(
-                kind=self.kind, agent_name=self._name, live_agents=regions,
-                registered_regions=regions, remote_peers=len(self._peers),
+                kind=self.kind,
+                agent_name=self._name,
+                live_agents=regions,
+                registered_regions=regions,
+                remote_peers=len(self._peers),
                 live_handles=len(self._handles),
             )
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Idempotent set-up: .venv with p2pkv, the real NIXL data plane (nixl-cu13) and the test
+# tools. Re-runs are quick: nothing is reinstalled unless pyproject.toml changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+stamp=.venv/.p2pkv-setup
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setting up .venv (first run: about a minute)" >&2
+  python -m pip install -q --upgrade pip
+  # nixl-cu13 requires torch: install the CPU build first so no CUDA build is pulled in.
+  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+  python -m pip install -q -e ".[nixl,test]"
+  echo "$want" > "$stamp"
+fi

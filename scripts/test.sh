@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test command: set-up, then lint (ruff), types (mypy --strict), and the test suite.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+ruff check p2pkv tests bench examples
+ruff format --check p2pkv tests bench examples
+mypy
+python -m pytest "$@"
