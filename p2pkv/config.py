@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -13,7 +13,7 @@ PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 0
 
 
-def _positive(_inst: object, attr: attrs.Attribute[float], value: float) -> None:
+def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attr.name} must be > 0, got {value!r}")
 

@@ -22,7 +22,7 @@ from .helpers import FaultFactory, FaultTransport, RawPeer, config, fill
 
 
 def frame(obj: object) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
     return struct.pack(">I", len(body)) + body
 
 

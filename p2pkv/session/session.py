@@ -508,7 +508,7 @@ class PeerSession:
                     sums = [0] * len(ev.keys)
                     got = await node.offload(
                         checksums,
-                        memoryview(node.store.array),
+                        node.store.array.data,
                         bl,
                         [c[1] for c in plan],
                         limiter=node.cpu_limiter,
@@ -739,7 +739,7 @@ class PeerSession:
             else:
                 local = await self.node.offload(
                     checksums,
-                    memoryview(store.array),
+                    store.array.data,
                     bl,
                     [p.slots[i] for i in ok],
                     limiter=self.node.cpu_limiter,
