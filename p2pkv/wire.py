@@ -238,7 +238,7 @@ def _exact(tp: type[_T]) -> Callable[[object, type[Any]], _T]:
     def hook(value: object, _t: type[Any]) -> _T:
         if type(value) is not tp:
             raise TypeError(f"expected {tp.__name__}, got {type(value).__name__}")
-        return value  # type: ignore[return-value]
+        return value
 
     return hook
 
@@ -268,6 +268,10 @@ def from_wire(obj: object) -> Message:
     """Structure one unpacked msgpack object into a validated message."""
     if type(obj) is not dict:
         raise RemoteProtocolError(f"frame is not a map but {type(obj).__name__}")
+    # FIX(test_wire bytes_map_key): msgpack's strict_map_key still admits bytes keys, which
+    # the structuring then silently ignored; field names are str, anything else is malformed.
+    if any(type(k) is not str for k in obj):
+        raise RemoteProtocolError("frame map has a key that is not a str")
     tag = obj.get("t")
     cls = MESSAGE_TYPES.get(tag) if type(tag) is str else None
     if cls is None:

@@ -124,6 +124,10 @@ class _OutReq:
     state: OutState
     nkeys: int
     nfetch: int = 0
+    # FIX: the state an abort left, so that only the reply that was really in flight when
+    # we aborted (a lookup_resp after LOOKUP_SENT, a transfer_done after FETCH_SENT) is
+    # swallowed; any other reply to an aborted request is still a protocol error.
+    aborted_from: OutState | None = None
 
 
 @attrs.define
@@ -132,6 +136,7 @@ class _InReq:
     keys: list[bytes]
     pins: int = 0
     deadline: float = 0.0
+    nfetch: int = 0  # FIX: keys of the fetch being written; transfer_done must match
 
 
 # --- events -------------------------------------------------------------------------------
@@ -344,6 +349,8 @@ class SessionProtocol:
         Returns :class:`Ready` if the peer's ack was already in."""
         self._require_open("registration_succeeded")
         self._require(self._registering, "registration_succeeded without a pending hello")
+        # FIX: the ack must follow our hello on the wire (the peer rejects an ack first).
+        self._require(self._hello_sent, "registration_succeeded before start")
         assert self.peer is not None
         self._registering = False
         self._ack_sent = True
@@ -490,7 +497,10 @@ class SessionProtocol:
         if isinstance(msg, Abort):
             return self._on_abort(msg)
         if isinstance(msg, Ping):
-            self._outbox.append(encode(Pong(nonce=msg.nonce)))
+            # FIX: through _emit, like every other reply: the ping may arrive before the
+            # peer's hello_ack (the peer has our ack, we do not have its ack yet), and a pong
+            # on the wire before the peer's ack was sent is a protocol error at the peer.
+            self._emit(Pong(nonce=msg.nonce))
             return None
         if isinstance(msg, Pong):
             return PongReceived(msg.nonce)
@@ -539,6 +549,7 @@ class SessionProtocol:
             return RoundClosed(m.req_id)
         expired = r.state is InState.EXPIRED
         r.state = InState.WRITING
+        r.nfetch = len(m.keys)
         return FetchRequested(m.req_id, m.keys, m.slots, expired)
 
     def _on_abort(self, m: Abort) -> Event | None:
@@ -555,22 +566,24 @@ class SessionProtocol:
 
     def _on_lookup_resp(self, m: LookupResp) -> Event | None:
         r = self._out.get(m.req_id)
-        if r is None or r.state not in (OutState.LOOKUP_SENT, OutState.ABORT_SENT):
+        if r is None or OutState.LOOKUP_SENT not in (r.state, r.aborted_from):
             raise RemoteProtocolError(f"lookup_resp for request {m.req_id} not awaiting one")
         if len(m.hits) != r.nkeys:
             raise RemoteProtocolError("lookup_resp: hit count differs from key count")
         if r.state is OutState.ABORT_SENT:
+            r.aborted_from = OutState.OPEN  # FIX: a second lookup_resp is an error
             return None  # crossed our abort; the abort_ack ends it
         r.state = OutState.OPEN
         return LookupAnswered(m.req_id, m.hits)
 
     def _on_transfer_done(self, m: TransferDone) -> Event | None:
         r = self._out.get(m.req_id)
-        if r is None or r.state not in (OutState.FETCH_SENT, OutState.ABORT_SENT):
+        if r is None or OutState.FETCH_SENT not in (r.state, r.aborted_from):
             raise RemoteProtocolError(f"transfer_done for request {m.req_id} not fetching")
         if len(m.outcomes) != r.nfetch:
             raise RemoteProtocolError("transfer_done: outcome count differs from fetch")
         if r.state is OutState.ABORT_SENT:
+            r.aborted_from = OutState.OPEN  # FIX: a second transfer_done is an error
             return None
         del self._out[m.req_id]
         return TransferCompleted(m.req_id, m.outcomes, m.checksums)
@@ -605,6 +618,8 @@ class SessionProtocol:
         assert r is not None
         if any(not 0 <= s < self.local.num_blocks for s in slots):
             raise LocalProtocolError("fetch slot outside our region")
+        if len(set(slots)) != len(slots):  # FIX: the peer rejects this as a protocol error
+            raise LocalProtocolError("duplicate destination slot in one fetch")
         msg = Fetch(req_id=req_id, keys=list(keys), slots=list(slots))
         self._emit(msg)
         if not msg.keys:
@@ -620,6 +635,7 @@ class SessionProtocol:
         self._require(r is not None and r.state is not OutState.ABORT_SENT,
                       f"send_abort for request {req_id}")
         assert r is not None
+        r.aborted_from = r.state
         r.state = OutState.ABORT_SENT
         self._emit(Abort(req_id=req_id))
 
@@ -663,6 +679,10 @@ class SessionProtocol:
         r = self._in.get(req_id)
         self._require(r is not None and r.state is InState.WRITING,
                       f"send_transfer_done for request {req_id}")
+        assert r is not None
+        if len(outcomes) != r.nfetch:  # FIX: the peer rejects this as a protocol error
+            raise LocalProtocolError(
+                f"{len(outcomes)} outcomes for a fetch of {r.nfetch} keys", peer=self.peer_id)
         msg = TransferDone(req_id=req_id, outcomes=list(outcomes),
                            checksums=None if checksums is None else list(checksums))
         del self._in[req_id]

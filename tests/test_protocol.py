@@ -1,0 +1,1186 @@
+"""The sans-IO session protocol: every transition, legal and illegal.
+
+Plain synchronous tests: two ``SessionProtocol`` machines wired by ``ConnectionPair``, or
+one machine fed hand-crafted frames by a misbehaving peer. No sockets, no Trio, no clock.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import pytest
+
+from p2pkv.config import PROTOCOL_MAJOR
+from p2pkv.errors import (
+    CapacityExceeded,
+    HandshakeRejected,
+    RemoteProtocolError,
+)
+from p2pkv.session.protocol import (
+    AbortAcknowledged,
+    AbortRequested,
+    ByeReceived,
+    Event,
+    FetchRequested,
+    HelloReceived,
+    InState,
+    LocalInfo,
+    LookupAnswered,
+    LookupRequested,
+    OutState,
+    PongReceived,
+    Ready,
+    RoundClosed,
+    SessionProtocol,
+    State,
+    TransferCompleted,
+    ack_proof,
+    hello_proof,
+)
+from p2pkv.wire import (
+    Abort,
+    AbortAck,
+    Bye,
+    Fetch,
+    Hello,
+    HelloAck,
+    Lookup,
+    LookupResp,
+    Message,
+    Outcome,
+    Ping,
+    Pong,
+    TransferDone,
+    encode,
+)
+
+from .protocol_helpers import (
+    NUM_BLOCKS,
+    ConnectionPair,
+    assert_refused,
+    decode_frames,
+    make_info,
+    ready_pair,
+    snapshot,
+)
+
+OK = int(Outcome.OK)
+K1, K2, K3 = b"key-1", b"key-2", b"key-3"
+SECRET = b"correct horse battery staple"
+
+
+def hello_for(info: LocalInfo, **changes: Any) -> Hello:
+    """The hello a machine with ``info`` sends (optionally altered after the fact)."""
+    p = SessionProtocol(info)
+    p.start()
+    (h,) = decode_frames(p.data_to_send())
+    assert isinstance(h, Hello)
+    return attrs.evolve(h, **changes)
+
+
+def sent(p: SessionProtocol) -> list[Message]:
+    return decode_frames(p.data_to_send())
+
+
+def events_of(p: SessionProtocol, data: bytes) -> list[Event]:
+    p.receive_data(data)
+    out: list[Event] = []
+    while (ev := p.next_event()) is not None:
+        out.append(ev)
+    return out
+
+
+def half_open(
+    a_info: LocalInfo | None = None, b_info: LocalInfo | None = None
+) -> tuple[SessionProtocol, Hello]:
+    """``a`` started and holding b's hello, registration pending: our ack not sent yet."""
+    a = SessionProtocol(a_info or make_info("a"))
+    a.start()
+    a.data_to_send()
+    hb = hello_for(b_info or make_info("b"))
+    assert events_of(a, encode(hb)) == [HelloReceived(hb)]
+    return a, hb
+
+
+def assert_protocol_error(p: SessionProtocol, data: bytes, match: str) -> RemoteProtocolError:
+    """Feeding ``data`` to ``p`` is the peer's fault: RemoteProtocolError, State.ERROR, a
+    ``bye(code="protocol")`` with the reason queued, every request and round gone."""
+    p.receive_data(data)
+    with pytest.raises(RemoteProtocolError, match=match) as info:
+        while p.next_event() is not None:
+            pass
+    exc = info.value
+    reason = str(exc)
+    assert p.state is State.ERROR
+    assert not p.ready
+    assert p.close_reason == ("protocol", reason)
+    byes = [m for m in sent(p) if isinstance(m, Bye)]
+    assert byes == [Bye(code="protocol", reason=reason)]
+    assert p.open_requests() == [] and p.open_rounds() == [] and p.pins_held() == 0
+    # Dead: more input is ignored, nothing more is emitted, a bye is not sent twice.
+    p.receive_data(encode(Ping(nonce=1)))
+    assert p.next_event() is None
+    p.send_bye("shutdown", "again")
+    assert p.data_to_send() == b""
+    return exc
+
+
+# --- handshake ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("a_registers_first", [True, False])
+def test_handshake_emits_hello_received_then_ready_exactly_once_per_side(
+    a_registers_first: bool,
+) -> None:
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    pair.exchange()
+    assert pair.log[a] == [HelloReceived(hello_for(b.local))]
+    assert pair.log[b] == [HelloReceived(hello_for(a.local))]
+    assert a.peer_id == "b" and b.peer_id == "a"
+    assert a.state is State.HANDSHAKE and not a.ready
+    first, second = (a, b) if a_registers_first else (b, a)
+    assert pair.register(first) is None  # the peer's ack is not in yet
+    data = first.data_to_send()
+    assert [type(m) for m in decode_frames(data)] == [HelloAck]
+    assert pair.feed(second, data) == []  # second's own ack is not sent yet: not ready
+    assert not second.ready and not first.ready
+    assert pair.register(second) == Ready()  # the peer's ack was already in
+    assert pair.deliver(second) == [Ready()]
+    pair.exchange()
+    for p in (a, b):
+        assert p.state is State.READY and p.ready
+        assert [type(e) for e in pair.log[p]] == [HelloReceived, Ready]
+
+
+def sent_types(p: SessionProtocol) -> list[type[Message]]:
+    return [type(m) for m in sent(p)]
+
+
+def test_hello_ack_acknowledges_the_peers_epoch() -> None:
+    a, hb = half_open()
+    a.registration_succeeded()
+    assert sent(a) == [HelloAck(peer_id="a", epoch=hb.epoch)]
+
+
+def test_requests_are_held_until_the_peers_ack() -> None:
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    req = a.send_lookup([K1])
+    nonce = a.send_ping()
+    assert sent_types(a) == [Hello]  # nothing but the hello goes out
+    b.start()
+    pair.deliver(b)
+    pair.feed(b, encode(hello_for(a.local)))
+    pair.register(a)
+    assert sent_types(a) == [HelloAck]  # our ack may go; the lookup still may not
+    a.send_abort(req)  # also held, behind the lookup
+    assert a.data_to_send() == b""
+    pair.register(b)
+    pair.deliver(b)  # b's ack reaches a: the held messages follow, in order
+    assert sent(a) == [Lookup(req_id=req, keys=[K1]), Ping(nonce=nonce), Abort(req_id=req)]
+
+
+def test_peer_may_ask_once_we_acked_but_our_answer_waits_for_its_ack() -> None:
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    pair.exchange()
+    pair.register(b)
+    pair.deliver(b)  # a has b's ack: a's requests may flow; b has no ack from a yet
+    req = a.send_lookup([K1, K2])
+    assert pair.deliver(a) == [LookupRequested(req, [K1, K2])]  # b registered a: legal
+    b.send_lookup_resp(req, [True, False], 0.0, 10.0)
+    assert b.data_to_send() == b""  # held until a's ack
+    assert b.pins_held() == 1
+    pair.register(a)
+    pair.exchange()
+    assert pair.log[a][-2:] == [Ready(), LookupAnswered(req, [True, False])]
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        Lookup(req_id=1, keys=[K1]),
+        Fetch(req_id=1, keys=[K1], slots=[0]),
+        Abort(req_id=1),
+        Ping(nonce=1),
+        Pong(nonce=1),
+        LookupResp(req_id=1, hits=[True]),
+        TransferDone(req_id=1, outcomes=[OK]),
+        AbortAck(req_id=1),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+@pytest.mark.parametrize("stage", ["before_any_hello", "before_our_ack"])
+def test_anything_but_handshake_before_our_ack_is_a_protocol_error(
+    msg: Message, stage: str
+) -> None:
+    if stage == "before_any_hello":
+        a = SessionProtocol(make_info("a"))
+        a.start()
+        a.data_to_send()
+    else:
+        a, _ = half_open()  # the peer's hello is in, our registration is still running
+    assert_protocol_error(a, encode(msg), "before our hello_ack")
+
+
+def test_response_before_the_peers_ack_is_a_protocol_error() -> None:
+    a, _ = half_open()
+    a.registration_succeeded()
+    a.data_to_send()
+    assert_protocol_error(a, encode(LookupResp(req_id=1, hits=[])), "before the peer's hello_ack")
+
+
+def test_peers_ack_before_its_hello_is_a_protocol_error() -> None:
+    a = SessionProtocol(make_info("a"))
+    a.start()
+    a.data_to_send()
+    assert_protocol_error(
+        a, encode(HelloAck(peer_id="b", epoch=a.local.epoch)), "hello_ack before hello"
+    )
+
+
+def test_duplicate_hello_ack_is_a_protocol_error() -> None:
+    pair = ready_pair()
+    ack = HelloAck(peer_id="b", epoch=pair.a.local.epoch)
+    assert_protocol_error(pair.a, encode(ack), "duplicate hello_ack")
+
+
+@pytest.mark.parametrize("changes", [{"epoch": 12345}, {"peer_id": "c"}], ids=["epoch", "peer"])
+def test_hello_ack_for_another_epoch_or_peer_is_a_protocol_error(changes: dict[str, Any]) -> None:
+    a, _ = half_open()
+    ack = attrs.evolve(HelloAck(peer_id="b", epoch=a.local.epoch), **changes)
+    assert_protocol_error(a, encode(ack), "another epoch or peer")
+
+
+INCOMPATIBLE: list[tuple[str, dict[str, Any], str]] = [
+    ("major_version", {"version_major": PROTOCOL_MAJOR + 1}, "protocol version"),
+    ("block_len", {"block_len": 8192}, "block length"),
+    ("fingerprint", {"fingerprint": "model-y/fp8"}, "fingerprint"),
+    ("hash_algo", {"hash_algo": "xxh3"}, "hash algorithm or seed"),
+    ("hash_seed", {"hash_seed": b"other seed"}, "hash algorithm or seed"),
+    ("own_peer_id", {"peer_id": "a"}, "is our own"),
+    ("zero_blocks", {"num_blocks": 0}, "invalid region"),
+    ("too_many_blocks", {"num_blocks": (1 << 32) + 1}, "invalid region"),
+]
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"), [pytest.param(c, m, id=i) for i, c, m in INCOMPATIBLE]
+)
+def test_incompatible_hello_rejects_the_handshake(changes: dict[str, Any], match: str) -> None:
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    hello_a = a.data_to_send()
+    bad = hello_for(b.local, **changes)
+    a.receive_data(encode(bad))
+    with pytest.raises(HandshakeRejected, match=match) as info:
+        a.next_event()
+    reason = info.value.reason
+    assert not info.value.remote
+    assert a.state is State.CLOSED
+    assert a.close_reason == ("handshake", reason)
+    assert sent(a) == [Bye(code="handshake", reason=reason)]
+    assert a.next_event() is None
+    # The other side learns why.
+    pair.feed(b, hello_a + encode(Bye(code="handshake", reason=reason)))
+    assert pair.log[b] == [HelloReceived(hello_for(a.local)), ByeReceived("handshake", reason)]
+    assert b.state is State.CLOSED
+    assert b.close_reason == ("handshake", reason)
+
+
+def test_mismatched_configs_reject_on_both_sides_and_the_bye_carries_the_reason() -> None:
+    pair = ConnectionPair(make_info("a"), make_info("b", block_len=8192))
+    pair.a.start()
+    pair.b.start()
+    with pytest.raises(HandshakeRejected, match="block length 8192 != 4096"):
+        pair.deliver(pair.b)
+    bye = sent(pair.a)[-1]
+    assert bye == Bye(code="handshake", reason="block length 8192 != 4096")
+
+
+def test_the_same_secret_on_both_sides_authenticates() -> None:
+    pair = ready_pair(make_info("a", secret=SECRET), make_info("b", secret=SECRET))
+    (hello_b, _) = pair.log[pair.a]
+    assert isinstance(hello_b, HelloReceived)
+    assert hello_b.hello.auth == hello_proof(SECRET, attrs.evolve(hello_b.hello, auth=None))
+
+
+@pytest.mark.parametrize(
+    ("a_secret", "b_secret", "match"),
+    [
+        (SECRET, b"another secret", "authentication failed"),
+        (SECRET, None, "authentication required"),
+        (None, SECRET, "no secret configured here"),
+    ],
+    ids=["different_secret", "missing_proof", "proof_without_local_secret"],
+)
+def test_authentication_mismatch_rejects_the_handshake(
+    a_secret: bytes | None, b_secret: bytes | None, match: str
+) -> None:
+    pair = ConnectionPair(make_info("a", secret=a_secret), make_info("b", secret=b_secret))
+    pair.a.start()
+    pair.b.start()
+    pair.a.data_to_send()
+    with pytest.raises(HandshakeRejected, match=match) as info:
+        pair.deliver(pair.b)
+    assert pair.a.state is State.CLOSED
+    assert sent(pair.a) == [Bye(code="handshake", reason=info.value.reason)]
+
+
+def test_hello_altered_under_a_valid_proof_is_rejected() -> None:
+    a = SessionProtocol(make_info("a", secret=SECRET))
+    a.start()
+    forged = hello_for(make_info("b", secret=SECRET), epoch=999)  # proof is over the old epoch
+    with pytest.raises(HandshakeRejected, match="authentication failed"):
+        events_of(a, encode(forged))
+
+
+@pytest.mark.parametrize(
+    "auth",
+    [
+        pytest.param(lambda a: ack_proof(SECRET, "b", b"another nonce"), id="replayed"),
+        pytest.param(lambda a: ack_proof(b"wrong", "b", a.local.nonce), id="wrong_secret"),
+        pytest.param(lambda a: None, id="missing"),
+        pytest.param(lambda a: ack_proof(SECRET, "a", a.local.nonce), id="reflected"),
+    ],
+)
+def test_hello_ack_without_a_fresh_proof_is_rejected(
+    auth: Callable[[SessionProtocol], bytes | None],
+) -> None:
+    a2, _ = half_open(make_info("a", secret=SECRET), make_info("b", secret=SECRET))
+    a2.registration_succeeded()
+    a2.data_to_send()
+    with pytest.raises(HandshakeRejected, match="authentication failed"):
+        events_of(a2, encode(HelloAck(peer_id="b", epoch=a2.local.epoch, auth=auth(a2))))
+    assert a2.state is State.CLOSED and not a2.ready
+    assert sent(a2) == [Bye(code="handshake", reason="authentication failed")]
+
+
+def test_hello_ack_with_a_fresh_proof_completes_the_handshake() -> None:
+    a = SessionProtocol(make_info("a", secret=SECRET))
+    a.start()
+    hb = hello_for(make_info("b", secret=SECRET))
+    events_of(a, encode(hb))
+    a.registration_succeeded()
+    (ack,) = sent(a)[1:]
+    assert ack == HelloAck(peer_id="a", epoch=hb.epoch, auth=ack_proof(SECRET, "a", hb.nonce))
+    good = HelloAck(peer_id="b", epoch=a.local.epoch, auth=ack_proof(SECRET, "b", a.local.nonce))
+    assert events_of(a, encode(good)) == [Ready()]
+
+
+def test_failed_registration_sends_bye_and_no_ack() -> None:
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    pair.exchange()
+    pair.register(b)
+    pair.deliver(b)
+    a.registration_failed("NIXL refused the metadata")
+    reason = "registration failed: NIXL refused the metadata"
+    assert a.state is State.CLOSED and a.close_reason == ("handshake", reason)
+    assert sent(a) == [Bye(code="handshake", reason=reason)]  # no hello_ack
+    pair.feed(b, encode(Bye(code="handshake", reason=reason)))
+    assert pair.log[b] == [HelloReceived(hello_for(a.local)), ByeReceived("handshake", reason)]
+    assert Ready() not in pair.log[a] + pair.log[b]
+
+
+def test_second_hello_with_the_same_epoch_during_the_handshake_is_a_protocol_error() -> None:
+    a, hb = half_open()
+    assert_protocol_error(a, encode(hb), "second hello with the same epoch")
+
+
+def test_second_hello_with_the_same_epoch_on_a_ready_session_is_a_protocol_error() -> None:
+    pair = ready_pair()
+    assert_protocol_error(pair.a, encode(hello_for(pair.b.local)), "same epoch")
+
+
+def test_hello_with_a_new_epoch_restarts_the_session() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    out_req = pair.lookup([K1, K2], [True, True])  # a's request, pinned at b
+    in_req = b.send_lookup([K3])
+    pair.deliver(b)
+    a.send_lookup_resp(in_req, [True], 0.0, 10.0)  # a's round for b, one pin
+    assert a.pins_held() == 1
+    # b crashes and comes back with a new epoch, on the same stream.
+    b2 = SessionProtocol(make_info("b", epoch=b.local.epoch + 1))
+    b2.start()
+    a.data_to_send()
+    (ev,) = events_of(a, b2.data_to_send())
+    assert ev == HelloReceived(
+        hello_for(b2.local), restarted=True, dropped_rounds=(in_req,), failed_requests=(out_req,)
+    )
+    assert a.state is State.HANDSHAKE and not a.ready
+    assert a.open_requests() == [] and a.open_rounds() == [] and a.pins_held() == 0
+    assert a.out_state(out_req) is None and a.in_state(in_req) is None
+    assert sent(a) == [hello_for(a.local)]  # the new incarnation gets our hello
+    # Requests wait for the new incarnation's ack; the old one's ids are not reused.
+    req = a.send_lookup([K1])
+    assert req > out_req
+    assert a.data_to_send() == b""
+    a.registration_succeeded()
+    (ack,) = sent(a)
+    assert ack == HelloAck(peer_id="a", epoch=b2.local.epoch)
+    assert events_of(b2, encode(hello_for(a.local))) == [HelloReceived(hello_for(a.local))]
+    assert b2.registration_succeeded() is None
+    assert events_of(b2, encode(ack)) == [Ready()]
+    ack_b2 = b2.data_to_send()
+    assert events_of(a, ack_b2) == [Ready()]
+    # The new incarnation counts its request ids from 1 again.
+    assert sent(a) == [Lookup(req_id=req, keys=[K1])]
+    assert events_of(a, encode(Lookup(req_id=1, keys=[K2]))) == [LookupRequested(1, [K2])]
+
+
+def test_restart_with_another_peer_id_is_a_protocol_error() -> None:
+    pair = ready_pair()
+    c = hello_for(make_info("c"))
+    assert_protocol_error(pair.a, encode(c), "changed its peer id")
+
+
+# --- requests -----------------------------------------------------------------------------
+
+
+def test_lookup_fetch_transfer_done_round_trip() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = a.send_lookup([K1, K2, K3])
+    assert a.out_state(req) is OutState.LOOKUP_SENT
+    assert pair.deliver(a) == [LookupRequested(req, [K1, K2, K3])]
+    assert b.in_state(req) is InState.ANSWERING and b.pins_held() == 0
+    b.send_lookup_resp(req, [True, False, True], now=100.0, lease=5.0)
+    assert b.in_state(req) is InState.PINNED and b.pins_held() == 2
+    assert b.next_deadline() == 105.0
+    assert pair.deliver(b) == [LookupAnswered(req, [True, False, True])]
+    assert a.out_state(req) is OutState.OPEN
+    a.send_fetch(req, [K1, K3], [3, 7])
+    assert a.out_state(req) is OutState.FETCH_SENT
+    assert pair.deliver(a) == [FetchRequested(req, [K1, K3], [3, 7], expired=False)]
+    assert b.in_state(req) is InState.WRITING and b.pins_held() == 2
+    assert b.next_deadline() is None  # a writing round has no lease
+    assert b.expire(1e9) == []
+    b.send_transfer_done(req, [OK, int(Outcome.TRANSFER_FAILED)], [11, 22])
+    assert b.open_rounds() == [] and b.pins_held() == 0
+    assert a.open_requests() == [req]  # not terminal until the peer says so
+    assert pair.deliver(b) == [TransferCompleted(req, [OK, 3], [11, 22])]
+    assert a.open_requests() == [] and a.out_state(req) is None
+
+
+def test_request_ids_are_strictly_increasing_and_never_reused() -> None:
+    pair = ready_pair()
+    ids = []
+    for _ in range(3):
+        req = pair.a.send_lookup([K1])
+        pair.deliver(pair.a)
+        pair.b.send_lookup_resp(req, [False], 0.0, 1.0)
+        pair.deliver(pair.b)
+        pair.a.send_fetch(req, [], [])
+        pair.deliver(pair.a)
+        ids.append(req)
+    assert ids == sorted(set(ids))
+    assert pair.a.send_lookup([K1]) > ids[-1]
+
+
+@pytest.mark.parametrize("second", [5, 3], ids=["reused", "smaller"])
+def test_reused_or_smaller_request_id_from_the_peer_is_a_protocol_error(second: int) -> None:
+    pair = ready_pair()
+    a = pair.a
+    assert events_of(a, encode(Lookup(req_id=5, keys=[K1]))) == [LookupRequested(5, [K1])]
+    assert_protocol_error(a, encode(Lookup(req_id=second, keys=[K2])), f"{second} reused")
+
+
+def test_request_ids_may_skip_but_not_go_back() -> None:
+    pair = ready_pair()
+    assert events_of(pair.a, encode(Lookup(req_id=7, keys=[K1])))
+    assert events_of(pair.a, encode(Lookup(req_id=100, keys=[K1])))
+    assert sorted(pair.a.open_rounds()) == [7, 100]
+
+
+def test_lookup_resp_with_the_wrong_hit_count_is_a_protocol_error() -> None:
+    pair = ready_pair()
+    req = pair.a.send_lookup([K1, K2])
+    pair.a.data_to_send()
+    assert_protocol_error(pair.a, encode(LookupResp(req_id=req, hits=[True])), "hit count")
+
+
+@pytest.mark.parametrize("stage", ["unknown", "open", "fetch_sent"])
+def test_lookup_resp_not_awaited_is_a_protocol_error(stage: str) -> None:
+    pair = ready_pair()
+    req = 99
+    if stage != "unknown":
+        req = pair.lookup([K1], [True])
+        if stage == "fetch_sent":
+            pair.a.send_fetch(req, [K1], [0])
+    pair.a.data_to_send()
+    assert_protocol_error(pair.a, encode(LookupResp(req_id=req, hits=[True])), "not awaiting")
+
+
+def test_empty_fetch_closes_the_round_and_ends_the_request() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = pair.lookup([K1, K2], [True, True])
+    assert b.pins_held() == 2
+    a.send_fetch(req, [], [])
+    assert a.open_requests() == [] and a.out_state(req) is None  # terminal at once
+    assert pair.deliver(a) == [RoundClosed(req)]
+    assert b.open_rounds() == [] and b.pins_held() == 0
+    assert b.data_to_send() == b""  # nothing is sent back
+    assert_refused(a, lambda: a.send_abort(req), [req])
+
+
+def test_empty_fetch_closes_an_expired_round_too() -> None:
+    pair = ready_pair()
+    req = pair.lookup([K1], [True], now=0.0, lease=1.0)
+    assert pair.b.expire(1.0) == [req]
+    pair.a.send_fetch(req, [], [])
+    assert pair.deliver(pair.a) == [RoundClosed(req)]
+    assert pair.b.open_rounds() == []
+
+
+def _pinned_at_a(hits: list[bool]) -> tuple[ConnectionPair, int]:
+    """b looked a up: a holds the round (and its pins), b's request is OPEN."""
+    pair = ready_pair()
+    req = pair.b.send_lookup([K1, K2, K3][: len(hits)])
+    pair.deliver(pair.b)
+    pair.a.send_lookup_resp(req, hits, 0.0, 10.0)
+    pair.deliver(pair.a)
+    return pair, req
+
+
+@pytest.mark.parametrize(
+    ("fetch", "match"),
+    [
+        pytest.param(
+            lambda r: Fetch(req_id=r, keys=[K1], slots=[NUM_BLOCKS]),
+            "outside",
+            id="slot_outside_region",
+        ),
+        pytest.param(
+            lambda r: Fetch(req_id=r, keys=[K1], slots=[2**64 - 1]), "outside", id="huge_slot"
+        ),
+        pytest.param(
+            lambda r: Fetch(req_id=r, keys=[K1, K2], slots=[4, 4]),
+            "duplicate",
+            id="duplicate_slots",
+        ),
+        pytest.param(
+            lambda r: Fetch(req_id=r + 1, keys=[K1], slots=[0]),
+            "no open lookup",
+            id="without_lookup",
+        ),
+    ],
+)
+def test_bad_fetch_is_a_protocol_error(fetch: Callable[[int], Fetch], match: str) -> None:
+    pair, req = _pinned_at_a([True, True])
+    assert_protocol_error(pair.a, encode(fetch(req)), match)
+
+
+@pytest.mark.parametrize("stage", ["answering", "writing", "closed_by_empty_fetch", "done"])
+def test_fetch_outside_an_open_round_is_a_protocol_error(stage: str) -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = b.send_lookup([K1])
+    pair.deliver(b)
+    if stage != "answering":
+        a.send_lookup_resp(req, [True], 0.0, 10.0)
+        pair.deliver(a)
+        if stage == "closed_by_empty_fetch":
+            b.send_fetch(req, [], [])
+            pair.deliver(b)
+        else:
+            b.send_fetch(req, [K1], [0])
+            pair.deliver(b)
+            if stage == "done":
+                a.send_transfer_done(req, [OK])
+                pair.deliver(a)
+    a.data_to_send()
+    assert_protocol_error(a, encode(Fetch(req_id=req, keys=[K1], slots=[1])), "no open lookup")
+
+
+def test_lease_expiry_releases_pins_and_a_later_fetch_is_marked_expired() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    r1 = pair.lookup([K1, K2], [True, True], now=10.0, lease=5.0)
+    r2 = pair.lookup([K3], [True], now=12.0, lease=5.0)
+    assert b.pins_held() == 3 and b.next_deadline() == 15.0
+    assert b.expire(14.999) == []
+    assert b.pins_held() == 3
+    assert b.expire(15.0) == [r1]  # the deadline itself is expired
+    assert b.in_state(r1) is InState.EXPIRED and b.pins_held() == 1
+    assert b.next_deadline() == 17.0
+    assert b.expire(16.0) == []  # not twice
+    assert b.open_rounds() == [r1, r2]  # the expired round waits for its fetch
+    a.send_fetch(r1, [K1, K2], [0, 1])
+    assert pair.deliver(a) == [FetchRequested(r1, [K1, K2], [0, 1], expired=True)]
+    lease_expired = int(Outcome.LEASE_EXPIRED)
+    b.send_transfer_done(r1, [lease_expired, lease_expired])
+    assert pair.deliver(b) == [TransferCompleted(r1, [lease_expired] * 2, None)]
+    assert b.expire(100.0) == [r2] and b.pins_held() == 0
+
+
+def test_expire_leaves_unanswered_and_writing_rounds_alone() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    writing = pair.lookup([K1], [True], now=0.0, lease=1.0)
+    a.send_fetch(writing, [K1], [0])
+    pair.deliver(a)
+    answering = a.send_lookup([K2])
+    pair.deliver(a)
+    assert b.expire(1e9) == []
+    assert b.in_state(writing) is InState.WRITING and b.in_state(answering) is InState.ANSWERING
+    assert b.pins_held() == 1
+
+
+# --- aborts -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["held", "lookup_sent", "open", "fetch_sent", "expired"])
+def test_abort_in_every_consumer_state_ends_with_the_abort_ack(stage: str) -> None:
+    if stage == "held":
+        pair = ConnectionPair()
+        pair.a.start()
+        pair.b.start()
+        pair.exchange()
+        req = pair.a.send_lookup([K1])
+        pair.a.send_abort(req)
+        pair.register(pair.a)
+        pair.register(pair.b)
+        pair.exchange()  # both held messages go out after b's ack; b acks the abort
+        assert pair.log[pair.b][-2:] == [LookupRequested(req, [K1]), AbortRequested(req)]
+    else:
+        pair = ready_pair()
+        req = pair.a.send_lookup([K1, K2])
+        if stage == "lookup_sent":
+            pair.deliver(pair.a)
+        else:
+            pair.deliver(pair.a)
+            pair.b.send_lookup_resp(req, [True, True], 0.0, 10.0)
+            pair.deliver(pair.b)
+            if stage == "fetch_sent":
+                pair.a.send_fetch(req, [K1, K2], [0, 1])
+                pair.deliver(pair.a)
+            if stage == "expired":
+                assert pair.b.expire(10.0) == [req]
+        before = pair.a.out_state(req)
+        assert before is not None
+        pair.a.send_abort(req)
+        assert pair.a.out_state(req) is OutState.ABORT_SENT
+        assert pair.deliver(pair.a) == [AbortRequested(req)]
+    a, b = pair.a, pair.b
+    pins = {"held": 0, "lookup_sent": 0, "open": 2, "fetch_sent": 2, "expired": 0}[stage]
+    assert b.in_state(req) is InState.ABORTING
+    assert b.pins_held() == pins  # held until the writes are drained and the ack is sent
+    # While aborting the round takes nothing but the abort_ack.
+    assert_refused(b, lambda: b.send_lookup_resp(req, [True, True], 0.0, 1.0), [req])
+    assert_refused(b, lambda: b.send_transfer_done(req, [OK, OK]), [req])
+    assert b.expire(1e9) == []
+    # A duplicate abort from the peer is harmless.
+    assert events_of(b, encode(Abort(req_id=req))) == []
+    b.send_abort_ack(req)
+    assert b.open_rounds() == [] and b.pins_held() == 0
+    assert pair.deliver(b) == [AbortAcknowledged(req)]
+    assert a.open_requests() == [] and a.out_state(req) is None
+    terminal = [e for e in pair.log[a] if isinstance(e, TransferCompleted | AbortAcknowledged)]
+    assert terminal == [AbortAcknowledged(req)]
+
+
+def test_lookup_resp_crossing_an_abort_is_swallowed() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = a.send_lookup([K1])
+    pair.deliver(a)
+    b.send_lookup_resp(req, [True], 0.0, 10.0)  # in flight ...
+    a.send_abort(req)  # ... while a gives up
+    assert pair.deliver(b) == []  # no LookupAnswered for an aborted request
+    assert a.out_state(req) is OutState.ABORT_SENT
+    assert pair.deliver(a) == [AbortRequested(req)]
+    b.send_abort_ack(req)
+    assert pair.deliver(b) == [AbortAcknowledged(req)]
+    assert b.pins_held() == 0 and a.open_requests() == []
+
+
+def test_transfer_done_crossing_an_abort_is_swallowed_and_the_ack_is_terminal() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = pair.lookup([K1], [True])
+    a.send_fetch(req, [K1], [5])
+    pair.deliver(a)
+    b.send_transfer_done(req, [OK])  # finished and released ...
+    a.send_abort(req)  # ... while a gives up
+    assert pair.deliver(b) == []  # the transfer_done is swallowed
+    assert pair.deliver(a) == []  # the round is gone: b acks at once, no event
+    data = b.data_to_send()
+    assert decode_frames(data) == [AbortAck(req_id=req)]
+    assert pair.feed(a, data) == [AbortAcknowledged(req)]
+    assert [e for e in pair.log[a] if isinstance(e, TransferCompleted)] == []
+    assert a.open_requests() == [] and b.open_rounds() == []
+
+
+@pytest.mark.parametrize("reply", ["lookup_resp", "transfer_done"])
+def test_only_the_reply_in_flight_at_the_abort_is_swallowed(reply: str) -> None:
+    pair = ready_pair()
+    a = pair.a
+    if reply == "lookup_resp":  # aborted while LOOKUP_SENT: one lookup_resp, not two
+        req = a.send_lookup([K1])
+        pair.deliver(a)
+        a.send_abort(req)
+        a.data_to_send()
+        msg: Message = LookupResp(req_id=req, hits=[True])
+        assert events_of(a, encode(msg)) == []
+    else:  # aborted while OPEN: no fetch was sent, so no transfer_done can be due
+        req = pair.lookup([K1], [True])
+        a.send_abort(req)
+        a.data_to_send()
+        msg = TransferDone(req_id=req, outcomes=[])
+    assert_protocol_error(a, encode(msg), "not awaiting|not fetching")
+
+
+def test_abort_of_a_finished_request_is_acked_at_once() -> None:
+    pair, req = _pinned_at_a([True])
+    a, b = pair.a, pair.b
+    b.send_fetch(req, [], [])
+    pair.deliver(b)
+    assert a.open_rounds() == []
+    assert events_of(a, encode(Abort(req_id=req))) == []  # e.g. crossed a transfer_done
+    assert sent(a) == [AbortAck(req_id=req)]
+
+
+def test_abort_for_a_never_seen_request_is_a_protocol_error() -> None:
+    pair = ready_pair()
+    assert_protocol_error(pair.a, encode(Abort(req_id=1)), "abort for unknown request")
+
+
+@pytest.mark.parametrize("stage", ["unknown", "lookup_sent", "open", "fetch_sent"])
+def test_abort_ack_for_a_request_not_aborting_is_a_protocol_error(stage: str) -> None:
+    pair = ready_pair()
+    req = 42
+    if stage == "lookup_sent":
+        req = pair.a.send_lookup([K1])
+    elif stage != "unknown":
+        req = pair.lookup([K1], [True])
+        if stage == "fetch_sent":
+            pair.a.send_fetch(req, [K1], [0])
+    pair.a.data_to_send()
+    assert_protocol_error(pair.a, encode(AbortAck(req_id=req)), "not aborting")
+
+
+@pytest.mark.parametrize("stage", ["unknown", "lookup_sent", "open", "done", "wrong_count"])
+def test_transfer_done_out_of_place_is_a_protocol_error(stage: str) -> None:
+    pair = ready_pair()
+    a = pair.a
+    req, outcomes, match = 42, [OK], "not fetching"
+    if stage == "lookup_sent":
+        req = a.send_lookup([K1])
+    elif stage != "unknown":
+        req = pair.lookup([K1, K2], [True, True])
+        if stage in ("done", "wrong_count"):
+            a.send_fetch(req, [K1, K2], [0, 1])
+            pair.deliver(a)
+            if stage == "done":
+                pair.b.send_transfer_done(req, [OK, OK])
+                pair.deliver(pair.b)
+            else:
+                match = "outcome count"
+    a.data_to_send()
+    assert_protocol_error(a, encode(TransferDone(req_id=req, outcomes=outcomes)), match)
+
+
+# --- liveness and closing -----------------------------------------------------------------
+
+
+def test_ping_is_answered_with_a_pong_automatically() -> None:
+    pair = ready_pair()
+    n1 = pair.a.send_ping()
+    n2 = pair.a.send_ping()
+    assert n2 > n1
+    assert pair.deliver(pair.a) == []  # nothing for the host to do
+    data = pair.b.data_to_send()
+    assert decode_frames(data) == [Pong(nonce=n1), Pong(nonce=n2)]
+    assert pair.feed(pair.a, data) == [PongReceived(n1), PongReceived(n2)]
+
+
+def test_pong_waits_for_the_peers_ack() -> None:
+    # a registers fast, b slowly: b has a's ack and may ping, but a has not got b's ack yet.
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    pair.exchange()
+    pair.register(a)
+    pair.deliver(a)
+    nonce = b.send_ping()
+    data = b.data_to_send()
+    assert decode_frames(data) == [Ping(nonce=nonce)]  # b has a's ack: the ping may go
+    assert pair.feed(a, data) == []
+    assert a.data_to_send() == b""  # a pong now would reach b before b's own ack
+    assert pair.register(b) == Ready()
+    assert pair.deliver(b) == [Ready()]
+    assert pair.deliver(a) == [PongReceived(nonce)]
+
+
+@pytest.mark.parametrize("closer", ["a", "b"])
+def test_bye_closes_both_sides_and_releases_everything(closer: str) -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    pair.lookup([K1, K2], [True, True])  # a -> b, pinned at b
+    rb = b.send_lookup([K3])
+    pair.deliver(b)
+    a.send_lookup_resp(rb, [True], 0.0, 10.0)  # b -> a, pinned at a
+    pair.deliver(a)
+    p = a if closer == "a" else b
+    q = pair.other(p)
+    p.send_bye("shutdown", "node closing")
+    assert p.state is State.CLOSED and not p.ready
+    assert p.close_reason == ("shutdown", "node closing")
+    assert p.open_requests() == [] and p.open_rounds() == [] and p.pins_held() == 0
+    data = p.data_to_send()
+    assert decode_frames(data) == [Bye(code="shutdown", reason="node closing")]
+    p.send_bye("shutdown", "twice")  # idempotent: no second bye
+    assert p.data_to_send() == b""
+    assert pair.feed(q, data) == [ByeReceived("shutdown", "node closing")]
+    assert q.state is State.CLOSED and q.close_reason == ("shutdown", "node closing")
+    assert q.open_requests() == [] and q.open_rounds() == [] and q.pins_held() == 0
+    q.send_bye("shutdown", "reply")  # a bye is not answered with a bye
+    assert q.data_to_send() == b""
+    assert events_of(q, encode(Ping(nonce=5))) == []  # later bytes are ignored
+    assert q.expire(1e9) == []
+
+
+def test_byes_crossing_close_both_sides_once() -> None:
+    pair = ready_pair()
+    pair.a.send_bye("shutdown", "a")
+    pair.b.send_bye("shutdown", "b")
+    assert pair.exchange() == ([], [])  # each is closed when the other's bye arrives
+    assert pair.a.close_reason == ("shutdown", "a") and pair.b.close_reason == ("shutdown", "b")
+
+
+def test_bye_during_the_handshake_closes_the_session() -> None:
+    pair = ConnectionPair()
+    pair.a.start()
+    pair.b.start()
+    req = pair.a.send_lookup([K1])
+    pair.a.send_bye("shutdown", "changed my mind")
+    assert sent_types(pair.a) == [Hello, Bye]  # the held lookup is dropped
+    assert pair.a.out_state(req) is None
+    assert events_of(
+        pair.b,
+        encode(hello_for(pair.a.local)) + encode(Bye(code="shutdown", reason="changed my mind")),
+    ) == [HelloReceived(hello_for(pair.a.local)), ByeReceived("shutdown", "changed my mind")]
+
+
+# --- caps and limits ----------------------------------------------------------------------
+
+
+def test_local_cap_on_open_requests_raises_capacity_exceeded_and_changes_nothing() -> None:
+    pair = ready_pair(make_info("a", max_open_requests=2))
+    a = pair.a
+    r1 = a.send_lookup([K1])
+    a.send_lookup([K2])
+    queued = a.data_to_send()
+    before = snapshot(a, [r1, r1 + 1, r1 + 2])
+    with pytest.raises(CapacityExceeded):
+        a.send_lookup([K3])
+    assert snapshot(a, [r1, r1 + 1, r1 + 2]) == before
+    assert a.data_to_send() == b""
+    # Room again once a request is terminal; the refused call used no id.
+    pair.feed(pair.b, queued)
+    pair.b.send_lookup_resp(r1, [False], 0.0, 1.0)
+    pair.deliver(pair.b)
+    a.send_fetch(r1, [], [])
+    assert a.send_lookup([K3]) == r1 + 2
+
+
+def test_peer_over_the_open_request_cap_is_a_protocol_error() -> None:
+    pair = ready_pair(make_info("a", max_open_requests=2))
+    a = pair.a
+    events_of(a, encode(Lookup(req_id=1, keys=[K1])) + encode(Lookup(req_id=2, keys=[K1])))
+    assert_protocol_error(a, encode(Lookup(req_id=3, keys=[K1])), "more than 2 open requests")
+
+
+LIMITED = make_info("a", max_key_len=8, max_keys_per_request=2)
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [([b"k" * 9], "key longer than 8"), ([K1, K2, K3], "3 keys in one request")],
+    ids=["key_too_long", "too_many_keys"],
+)
+def test_lookup_over_the_key_limits_is_a_protocol_error(keys: list[bytes], match: str) -> None:
+    pair = ready_pair(LIMITED)
+    assert_protocol_error(pair.a, encode(Lookup(req_id=1, keys=keys)), match)
+
+
+@pytest.mark.parametrize(
+    ("keys", "match"),
+    [([b"k" * 9], "key longer than 8"), ([K1, K2, K3], "3 keys in one request")],
+    ids=["key_too_long", "too_many_keys"],
+)
+def test_fetch_over_the_key_limits_is_a_protocol_error(keys: list[bytes], match: str) -> None:
+    pair = ready_pair(LIMITED)
+    a = pair.a
+    assert events_of(a, encode(Lookup(req_id=1, keys=[K1])))
+    a.send_lookup_resp(1, [True], 0.0, 10.0)
+    a.data_to_send()
+    fetch = Fetch(req_id=1, keys=keys, slots=list(range(len(keys))))
+    assert_protocol_error(a, encode(fetch), match)
+
+
+def test_key_limits_admit_the_limit_itself() -> None:
+    pair = ready_pair(LIMITED)
+    keys = [b"k" * 8, b"j" * 8]
+    assert events_of(pair.a, encode(Lookup(req_id=1, keys=keys))) == [LookupRequested(1, keys)]
+
+
+def test_frame_over_the_local_frame_limit_is_a_protocol_error() -> None:
+    pair = ready_pair(make_info("a", max_frame_size=400))  # room for a hello, not more
+    big = Lookup(req_id=1, keys=[b"k" * 100] * 4)
+    assert_protocol_error(pair.a, encode(big), "over the limit of 400")
+
+
+def test_undecodable_bytes_are_a_protocol_error_the_peer_hears_about() -> None:
+    pair = ready_pair()
+    exc = assert_protocol_error(pair.a, b"\x00\x00\x00\x01\xc1", "undecodable")
+    assert exc.peer == "b"
+    pair.feed(pair.b, encode(Bye(code="protocol", reason=str(exc))))
+    assert pair.log[pair.b][-1] == ByeReceived("protocol", str(exc))
+    assert pair.b.state is State.CLOSED
+
+
+def test_invalid_lookup_keys_raise_before_anything_changes() -> None:
+    pair = ready_pair()
+    a = pair.a
+    before = snapshot(a)
+    with pytest.raises(ValueError):
+        a.send_lookup([b""])
+    assert snapshot(a) == before and a.data_to_send() == b""
+    assert a.send_lookup([K1]) == 1  # the id was not consumed
+
+
+# --- illegal local calls ------------------------------------------------------------------
+
+
+def _answering_at_b(pair: ConnectionPair) -> int:
+    """a's lookup is at b, unanswered (a: LOOKUP_SENT, b: ANSWERING)."""
+    req = pair.a.send_lookup([K1, K2])
+    pair.deliver(pair.a)
+    return req
+
+
+def _open_at_b(pair: ConnectionPair) -> int:
+    """a's request answered by b (a: OPEN, b: PINNED with two pins)."""
+    return pair.lookup([K1, K2], [True, True])
+
+
+def _writing_at_b(pair: ConnectionPair) -> int:
+    """a fetched both keys (a: FETCH_SENT, b: WRITING)."""
+    req = _open_at_b(pair)
+    pair.a.send_fetch(req, [K1, K2], [0, 1])
+    pair.deliver(pair.a)
+    return req
+
+
+def _aborting_at_b(pair: ConnectionPair) -> int:
+    """a aborted an answered request (a: ABORT_SENT, b: ABORTING)."""
+    req = _open_at_b(pair)
+    pair.a.send_abort(req)
+    pair.deliver(pair.a)
+    return req
+
+
+def _expired_at_b(pair: ConnectionPair) -> int:
+    """b's lease ran out (a: OPEN, b: EXPIRED)."""
+    req = _open_at_b(pair)
+    assert pair.b.expire(1e9) == [req]
+    return req
+
+
+REQ = object()  # stands for the request id the setup returned
+Setup = Callable[[ConnectionPair], int] | None
+
+ILLEGAL: list[tuple[str, Setup, str, str, tuple[object, ...]]] = [
+    # (id, setup, side, method, args)
+    ("send_fetch_unknown", None, "a", "send_fetch", (99, [K1], [0])),
+    ("send_fetch_not_answered", _answering_at_b, "a", "send_fetch", (REQ, [K1], [0])),
+    ("send_fetch_twice", _writing_at_b, "a", "send_fetch", (REQ, [K1], [2])),
+    ("send_empty_fetch_while_fetching", _writing_at_b, "a", "send_fetch", (REQ, [], [])),
+    ("send_fetch_after_abort", _aborting_at_b, "a", "send_fetch", (REQ, [K1], [0])),
+    ("send_fetch_slot_outside_region", _open_at_b, "a", "send_fetch", (REQ, [K1], [NUM_BLOCKS])),
+    ("send_fetch_negative_slot", _open_at_b, "a", "send_fetch", (REQ, [K1], [-1])),
+    ("send_fetch_duplicate_slots", _open_at_b, "a", "send_fetch", (REQ, [K1, K2], [3, 3])),
+    ("send_abort_unknown", None, "a", "send_abort", (7,)),
+    ("send_abort_twice", _aborting_at_b, "a", "send_abort", (REQ,)),
+    ("send_abort_of_a_peer_round", _answering_at_b, "b", "send_abort", (REQ,)),
+    ("send_lookup_resp_unknown", None, "b", "send_lookup_resp", (5, [True], 0.0, 1.0)),
+    ("send_lookup_resp_twice", _open_at_b, "b", "send_lookup_resp", (REQ, [True] * 2, 0.0, 1.0)),
+    (
+        "send_lookup_resp_too_few_hits",
+        _answering_at_b,
+        "b",
+        "send_lookup_resp",
+        (REQ, [True], 0.0, 1.0),
+    ),
+    (
+        "send_lookup_resp_too_many_hits",
+        _answering_at_b,
+        "b",
+        "send_lookup_resp",
+        (REQ, [True] * 3, 0.0, 1.0),
+    ),
+    (
+        "send_lookup_resp_while_writing",
+        _writing_at_b,
+        "b",
+        "send_lookup_resp",
+        (REQ, [True] * 2, 0.0, 1.0),
+    ),
+    (
+        "send_lookup_resp_for_own_request",
+        _answering_at_b,
+        "a",
+        "send_lookup_resp",
+        (REQ, [True] * 2, 0.0, 1.0),
+    ),
+    ("send_transfer_done_unknown", None, "b", "send_transfer_done", (3, [OK])),
+    ("send_transfer_done_answering", _answering_at_b, "b", "send_transfer_done", (REQ, [OK] * 2)),
+    ("send_transfer_done_pinned", _open_at_b, "b", "send_transfer_done", (REQ, [OK] * 2)),
+    ("send_transfer_done_expired", _expired_at_b, "b", "send_transfer_done", (REQ, [OK] * 2)),
+    ("send_transfer_done_aborting", _aborting_at_b, "b", "send_transfer_done", (REQ, [OK] * 2)),
+    (
+        "send_transfer_done_wrong_outcome_count",
+        _writing_at_b,
+        "b",
+        "send_transfer_done",
+        (REQ, [OK]),
+    ),
+    ("send_abort_ack_unknown", None, "b", "send_abort_ack", (9,)),
+    ("send_abort_ack_answering", _answering_at_b, "b", "send_abort_ack", (REQ,)),
+    ("send_abort_ack_pinned", _open_at_b, "b", "send_abort_ack", (REQ,)),
+    ("send_abort_ack_writing", _writing_at_b, "b", "send_abort_ack", (REQ,)),
+    ("registration_succeeded_when_ready", None, "a", "registration_succeeded", ()),
+    ("registration_failed_when_ready", None, "a", "registration_failed", ("late",)),
+    ("start_twice", None, "a", "start", ()),
+]
+
+
+@pytest.mark.parametrize(
+    ("setup", "side", "method", "args"), [pytest.param(*c[1:], id=c[0]) for c in ILLEGAL]
+)
+def test_illegal_local_call_raises_and_changes_nothing(
+    setup: Setup, side: str, method: str, args: tuple[object, ...]
+) -> None:
+    pair = ready_pair()
+    req = setup(pair) if setup is not None else 0
+    p = pair.a if side == "a" else pair.b
+    args = tuple(req if x is REQ else x for x in args)
+    ids = [req, *(x for x in args[:1] if type(x) is int)]
+    queued = assert_refused(p, functools.partial(getattr(p, method), *args), ids)
+    # Still usable: deliver what was queued before, then run a whole round.
+    pair.feed(pair.other(p), queued)
+    pair.exchange()
+    assert pair.a.state is State.READY and pair.b.state is State.READY
+    new = pair.a.send_lookup([K3])
+    assert new > req
+    pair.deliver(pair.a)
+    pair.b.send_lookup_resp(new, [True], 0.0, 1.0)
+    pair.deliver(pair.b)
+    pair.a.send_fetch(new, [K3], [NUM_BLOCKS - 1])
+    pair.deliver(pair.a)
+    pair.b.send_transfer_done(new, [OK])
+    assert pair.deliver(pair.b) == [TransferCompleted(new, [OK], None)]
+
+
+def test_illegal_handshake_calls_raise_and_change_nothing() -> None:
+    a = SessionProtocol(make_info("a"))
+    assert_refused(a, a.registration_succeeded)  # no hello yet, not even started
+    assert_refused(a, lambda: a.registration_failed("x"))
+    a.start()
+    assert_refused(a, a.start)
+    assert_refused(a, a.registration_succeeded)  # started, but no pending hello
+    hb = hello_for(make_info("b"))
+    events_of(a, encode(hb))
+    a.registration_succeeded()
+    assert_refused(a, a.registration_succeeded)  # the hello is acked already
+    assert_refused(a, lambda: a.registration_failed("x"))
+
+
+def test_registration_cannot_be_acked_before_our_hello_is_sent() -> None:
+    a = SessionProtocol(make_info("a"))
+    hb = hello_for(make_info("b"))
+    assert events_of(a, encode(hb)) == [HelloReceived(hb)]  # not started yet
+    assert_refused(a, a.registration_succeeded)
+    a.start()
+    a.registration_succeeded()
+    assert sent_types(a) == [Hello, HelloAck]
+
+
+def _close_by_bye_sent(pair: ConnectionPair) -> None:
+    pair.a.send_bye("shutdown", "done")
+
+
+def _close_by_bye_received(pair: ConnectionPair) -> None:
+    pair.feed(pair.a, encode(Bye(code="shutdown", reason="peer done")))
+
+
+def _close_by_protocol_error(pair: ConnectionPair) -> None:
+    with pytest.raises(RemoteProtocolError):
+        pair.feed(pair.a, b"\x00\x00\x00\x00")
+
+
+@pytest.mark.parametrize(
+    "close",
+    [_close_by_bye_sent, _close_by_bye_received, _close_by_protocol_error],
+    ids=["bye_sent", "bye_received", "protocol_error"],
+)
+def test_every_call_after_close_raises_and_changes_nothing(
+    close: Callable[[ConnectionPair], None],
+) -> None:
+    pair = ready_pair()
+    a = pair.a
+    out_req = pair.lookup([K1], [True])
+    in_req = pair.b.send_lookup([K2])
+    pair.deliver(pair.b)
+    close(pair)
+    assert a.state in (State.CLOSED, State.ERROR)
+    ids = [out_req, in_req]
+    for call in (
+        a.start,
+        lambda: a.send_lookup([K1]),
+        lambda: a.send_fetch(out_req, [K1], [0]),
+        lambda: a.send_fetch(out_req, [], []),
+        lambda: a.send_abort(out_req),
+        a.send_ping,
+        lambda: a.send_lookup_resp(in_req, [True], 0.0, 1.0),
+        lambda: a.send_transfer_done(in_req, [OK]),
+        lambda: a.send_abort_ack(in_req),
+        a.registration_succeeded,
+        lambda: a.registration_failed("late"),
+    ):
+        assert_refused(a, call, ids)
+
+
+def test_every_call_after_a_rejected_handshake_raises() -> None:
+    a, _ = half_open(make_info("a", secret=SECRET), make_info("b", secret=SECRET))
+    a.registration_succeeded()
+    a.data_to_send()
+    with pytest.raises(HandshakeRejected):
+        events_of(a, encode(HelloAck(peer_id="b", epoch=a.local.epoch, auth=b"x" * 32)))
+    assert a.state is State.CLOSED
+    for call in (
+        a.start,
+        lambda: a.send_lookup([K1]),
+        a.send_ping,
+        a.registration_succeeded,
+        lambda: a.registration_failed("late"),
+    ):
+        assert_refused(a, call)

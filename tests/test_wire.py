@@ -1,0 +1,506 @@
+"""The wire codec: round trips for every message, and a corpus of malformed frames.
+
+Every malformed frame must become a typed ``RemoteProtocolError`` and poison the decoder;
+nothing unvalidated may come out of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pkv import wire
+from p2pkv.errors import LocalProtocolError, P2PKVError, RemoteProtocolError
+from p2pkv.wire import (
+    MAX_FRAME_SIZE,
+    MAX_KEY_LEN,
+    MAX_KEYS,
+    MAX_METADATA,
+    MESSAGE_TYPES,
+    U64_MAX,
+    Abort,
+    AbortAck,
+    Bye,
+    Fetch,
+    FrameDecoder,
+    Hello,
+    HelloAck,
+    Lookup,
+    LookupResp,
+    Message,
+    Outcome,
+    Ping,
+    Pong,
+    TransferDone,
+    encode,
+    encode_all,
+)
+
+# --- strategies ---------------------------------------------------------------------------
+
+u64 = st.integers(0, U64_MAX)
+small_keys = st.lists(st.binary(min_size=1, max_size=48), max_size=6)
+outcome = st.sampled_from(list(Outcome)).map(int)
+
+
+def _text(n: int) -> st.SearchStrategy[str]:
+    return st.text(max_size=n)
+
+
+def _fetch(keys: list[bytes]) -> st.SearchStrategy[Fetch]:
+    n = len(keys)
+    return st.builds(
+        Fetch, req_id=u64, keys=st.just(keys), slots=st.lists(u64, min_size=n, max_size=n)
+    )
+
+
+def _transfer_done(outcomes: list[int]) -> st.SearchStrategy[TransferDone]:
+    n = len(outcomes)
+    return st.builds(
+        TransferDone,
+        req_id=u64,
+        outcomes=st.just(outcomes),
+        checksums=st.none() | st.lists(u64, min_size=n, max_size=n),
+    )
+
+
+STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
+    "hello": st.builds(
+        Hello,
+        version_major=u64,
+        version_minor=u64,
+        peer_id=_text(128),
+        epoch=u64,
+        agent_name=_text(256),
+        agent_metadata=st.binary(max_size=256),
+        base_addr=u64,
+        num_blocks=u64,
+        block_len=u64,
+        fingerprint=_text(64),
+        hash_algo=_text(64),
+        hash_seed=st.binary(max_size=256),
+        nonce=st.binary(max_size=64),
+        auth=st.none() | st.binary(max_size=64),
+    ),
+    "hello_ack": st.builds(
+        HelloAck, peer_id=_text(128), epoch=u64, auth=st.none() | st.binary(max_size=64)
+    ),
+    "lookup": st.builds(Lookup, req_id=u64, keys=small_keys),
+    "lookup_resp": st.builds(LookupResp, req_id=u64, hits=st.lists(st.booleans(), max_size=8)),
+    "fetch": small_keys.flatmap(_fetch),
+    "transfer_done": st.lists(outcome, max_size=8).flatmap(_transfer_done),
+    "abort": st.builds(Abort, req_id=u64),
+    "abort_ack": st.builds(AbortAck, req_id=u64),
+    "ping": st.builds(Ping, nonce=u64),
+    "pong": st.builds(Pong, nonce=u64),
+    "bye": st.builds(Bye, code=_text(64), reason=_text(200)),
+}
+messages: st.SearchStrategy[Message] = st.one_of(*STRATEGIES.values())
+
+
+def split_points(data: st.DataObject, length: int) -> list[int]:
+    return sorted(data.draw(st.lists(st.integers(0, length), max_size=10), label="cuts"))
+
+
+def feed_in_pieces(dec: FrameDecoder, buf: bytes, cuts: list[int]) -> list[Message]:
+    """Feed ``buf`` split at ``cuts``; after each piece pull every complete message."""
+    got: list[Message] = []
+    bounds = [0, *cuts, len(buf)]
+    for lo, hi in itertools.pairwise(bounds):
+        dec.feed(memoryview(buf)[lo:hi])
+        while (msg := dec.next_message()) is not None:
+            got.append(msg)
+    return got
+
+
+# --- round trips --------------------------------------------------------------------------
+
+
+def test_strategies_cover_every_message_type() -> None:
+    assert set(STRATEGIES) == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("tag", sorted(MESSAGE_TYPES))
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_every_message_round_trips_through_any_chunking(tag: str, data: st.DataObject) -> None:
+    msg = data.draw(STRATEGIES[tag], label="msg")
+    assert type(msg) is MESSAGE_TYPES[tag]
+    frame = encode(msg)
+    (length,) = struct.unpack_from(">I", frame)
+    assert length == len(frame) - 4
+    cuts = split_points(data, len(frame))
+    dec = FrameDecoder()
+    bounds = [0, *cuts, len(frame)]
+    seen: list[Message] = []
+    for lo, hi in itertools.pairwise(bounds):
+        dec.feed(frame[lo:hi])
+        got = dec.next_message()
+        if hi < len(frame):
+            assert got is None  # nothing comes out of an incomplete frame
+        elif got is not None:
+            seen.append(got)
+    if not seen:  # the last piece may have been empty
+        got = dec.next_message()
+        assert got is not None
+        seen.append(got)
+    assert seen == [msg]
+    assert type(seen[0]) is type(msg)
+    assert dec.buffered == 0
+    assert dec.next_message() is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(msgs=st.lists(messages, max_size=12), data=st.data())
+def test_coalesced_frames_decode_in_order(msgs: list[Message], data: st.DataObject) -> None:
+    buf = encode_all(msgs)
+    assert buf == b"".join(encode(m) for m in msgs)
+    dec = FrameDecoder()
+    assert feed_in_pieces(dec, buf, split_points(data, len(buf))) == msgs
+    assert dec.buffered == 0
+
+
+def test_unknown_fields_are_ignored_for_minor_version_compatibility() -> None:
+    body = msgpack.packb({"t": "ping", "nonce": 7, "added_in_1_1": [1, "x"]}, use_bin_type=True)
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    assert dec.next_message() == Ping(nonce=7)
+
+
+def test_optional_fields_default_to_none_when_absent() -> None:
+    body = msgpack.packb({"t": "hello_ack", "peer_id": "p", "epoch": 3}, use_bin_type=True)
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    assert dec.next_message() == HelloAck(peer_id="p", epoch=3, auth=None)
+
+
+def test_boundary_values_round_trip() -> None:
+    msgs: list[Message] = [
+        Ping(nonce=U64_MAX),
+        Lookup(req_id=0, keys=[b"k" * MAX_KEY_LEN, b"\0"]),
+        TransferDone(
+            req_id=U64_MAX, outcomes=[int(o) for o in Outcome], checksums=[0, 1, 2, 3, 4, U64_MAX]
+        ),
+        Bye(code="c" * 64, reason="r" * wire.MAX_TEXT),
+    ]
+    dec = FrameDecoder()
+    dec.feed(encode_all(msgs))
+    assert [dec.next_message() for _ in msgs] == msgs
+
+
+# --- malformed frames ---------------------------------------------------------------------
+
+
+def raw_frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def packed(obj: object) -> bytes:
+    return raw_frame(msgpack.packb(obj, use_bin_type=True))
+
+
+def assert_poisoned(dec: FrameDecoder, first: RemoteProtocolError) -> None:
+    """After an error the decoder refuses everything, even valid frames."""
+    with pytest.raises(RemoteProtocolError) as again:
+        dec.next_message()
+    assert again.value is first
+    with pytest.raises(RemoteProtocolError):
+        dec.feed(encode(Ping(nonce=1)))
+
+
+HELLO_OK: dict[str, Any] = {
+    "t": "hello",
+    "version_major": 1,
+    "version_minor": 0,
+    "peer_id": "p",
+    "epoch": 1,
+    "agent_name": "ag",
+    "agent_metadata": b"md",
+    "base_addr": 0,
+    "num_blocks": 4,
+    "block_len": 16,
+    "fingerprint": "",
+    "hash_algo": "sha256",
+    "hash_seed": b"",
+    "nonce": b"n",
+}
+
+
+def _with(base: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    out = dict(base)
+    out.update(changes)
+    return out
+
+
+def _without(base: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in base.items() if k != key}
+
+
+PING_BODY = msgpack.packb({"t": "ping", "nonce": 1}, use_bin_type=True)
+
+MALFORMED: list[tuple[str, bytes, str]] = [
+    # (id, frame bytes, regex the error message must match)
+    ("not_msgpack", raw_frame(b"\xc1"), "undecodable"),
+    ("truncated_msgpack_inside_frame", raw_frame(PING_BODY[:-2]), "undecodable"),
+    ("not_a_map_list", packed([1, 2, 3]), "not a map"),
+    ("not_a_map_str", packed("ping"), "not a map"),
+    ("not_a_map_int", packed(5), "not a map"),
+    ("unknown_type_tag", packed({"t": "gossip", "nonce": 1}), "unknown message type"),
+    ("missing_type_tag", packed({"nonce": 1}), "unknown message type"),
+    ("type_tag_is_bytes", packed({"t": b"ping", "nonce": 1}), "unknown message type"),
+    ("type_tag_is_int", packed({"t": 3, "nonce": 1}), "unknown message type"),
+    ("missing_field", packed({"t": "ping"}), "missing field 'nonce'"),
+    ("missing_field_hello", packed(_without(HELLO_OK, "epoch")), "missing field"),
+    ("none_for_int", packed({"t": "ping", "nonce": None}), "invalid ping"),
+    ("str_for_bytes_key", packed({"t": "lookup", "req_id": 1, "keys": ["k"]}), "invalid lookup"),
+    ("str_for_bytes_field", packed(_with(HELLO_OK, agent_metadata="md")), "expected bytes"),
+    (
+        "str_for_optional_bytes",
+        packed({"t": "hello_ack", "peer_id": "p", "epoch": 1, "auth": "x"}),
+        "expected bytes",
+    ),
+    ("bytes_for_str", packed({"t": "bye", "code": b"x", "reason": "r"}), "expected str"),
+    ("bytes_for_str_peer_id", packed(_with(HELLO_OK, peer_id=b"p")), "expected str"),
+    ("float_for_int", packed({"t": "ping", "nonce": 1.0}), "expected int"),
+    (
+        "float_for_int_in_list",
+        packed({"t": "fetch", "req_id": 1, "keys": [b"k"], "slots": [1.0]}),
+        "invalid fetch",
+    ),
+    ("negative_int", packed({"t": "ping", "nonce": -1}), "unsigned 64-bit"),
+    (
+        "negative_int_in_list",
+        packed({"t": "fetch", "req_id": 1, "keys": [b"k"], "slots": [-1]}),
+        "invalid fetch",
+    ),
+    # msgpack has no integer above 2**64-1: a peer can only send it as a float.
+    ("int_over_u64_as_float", packed({"t": "abort", "req_id": float(U64_MAX) * 2}), "expected int"),
+    (
+        "int_over_u64_as_bigint_ext",
+        packed({"t": "abort", "req_id": msgpack.ExtType(1, b"\1" * 9)}),
+        "undecodable|extension",
+    ),
+    ("bool_for_int", packed({"t": "ping", "nonce": True}), "expected int, got bool"),
+    ("bool_for_int_req_id", packed({"t": "abort", "req_id": False}), "expected int, got bool"),
+    (
+        "bool_for_int_in_slots",
+        packed({"t": "fetch", "req_id": 1, "keys": [b"k"], "slots": [True]}),
+        "invalid fetch",
+    ),
+    (
+        "bool_for_int_in_outcomes",
+        packed({"t": "transfer_done", "req_id": 1, "outcomes": [False]}),
+        "invalid transfer_done",
+    ),
+    ("bool_for_int_in_hello", packed(_with(HELLO_OK, num_blocks=True)), "got bool"),
+    ("int_for_bool", packed({"t": "lookup_resp", "req_id": 1, "hits": [1, 0]}), "expected bools"),
+    (
+        "none_in_bool_list",
+        packed({"t": "lookup_resp", "req_id": 1, "hits": [None]}),
+        "expected bools",
+    ),
+    ("map_for_list", packed({"t": "lookup", "req_id": 1, "keys": {"k": 1}}), "expected a list"),
+    ("scalar_for_list", packed({"t": "lookup", "req_id": 1, "keys": b"k"}), "expected a list"),
+    (
+        "keys_over_bound",
+        packed({"t": "lookup", "req_id": 1, "keys": [b"k"] * (MAX_KEYS + 1)}),
+        "undecodable",
+    ),
+    (
+        "hits_over_bound",
+        packed({"t": "lookup_resp", "req_id": 1, "hits": [True] * (MAX_KEYS + 1)}),
+        "undecodable",
+    ),
+    (
+        "metadata_over_bound",
+        packed(_with(HELLO_OK, agent_metadata=b"m" * (MAX_METADATA + 1))),
+        "undecodable",
+    ),
+    (
+        "text_over_bound",
+        packed({"t": "bye", "code": "c", "reason": "r" * (wire.MAX_TEXT + 1)}),
+        "invalid bye",
+    ),
+    ("peer_id_over_bound", packed(_with(HELLO_OK, peer_id="p" * 129)), "invalid hello"),
+    (
+        "auth_over_bound",
+        packed({"t": "hello_ack", "peer_id": "p", "epoch": 1, "auth": b"a" * 65}),
+        "invalid hello_ack",
+    ),
+    (
+        "key_too_long",
+        packed({"t": "lookup", "req_id": 1, "keys": [b"k" * (MAX_KEY_LEN + 1)]}),
+        "every key",
+    ),
+    ("empty_key", packed({"t": "lookup", "req_id": 1, "keys": [b"a", b""]}), "every key"),
+    (
+        "empty_key_in_fetch",
+        packed({"t": "fetch", "req_id": 1, "keys": [b""], "slots": [0]}),
+        "every key",
+    ),
+    (
+        "fetch_keys_slots_mismatch",
+        packed({"t": "fetch", "req_id": 1, "keys": [b"a", b"b"], "slots": [0]}),
+        "differ in length",
+    ),
+    (
+        "unknown_outcome_code",
+        packed({"t": "transfer_done", "req_id": 1, "outcomes": [0, 6]}),
+        "unknown outcome",
+    ),
+    (
+        "checksums_length_mismatch",
+        packed({"t": "transfer_done", "req_id": 1, "outcomes": [0, 0], "checksums": [1]}),
+        "differ in length",
+    ),
+    (
+        "extension_type",
+        packed({"t": "ping", "nonce": msgpack.ExtType(5, b"ab")}),
+        "undecodable|extension",
+    ),
+    (
+        "empty_extension_type",
+        raw_frame(b"\x82\xa1t\xa4ping\xa5nonce\xc7\x00\x05"),
+        "extension type 5",
+    ),
+    ("timestamp", packed({"t": "ping", "nonce": msgpack.Timestamp(1, 0)}), "undecodable|extension"),
+    (
+        "timestamp_96",
+        packed({"t": "ping", "nonce": msgpack.Timestamp(2**40, 1)}),
+        "undecodable|extension",
+    ),
+    ("invalid_utf8_value", raw_frame(b"\x82\xa1t\xa3bye\xa4code\xa2\xff\xfe"), "undecodable"),
+    ("invalid_utf8_tag", raw_frame(b"\x82\xa1t\xa4\xffing\xa5nonce\x01"), "undecodable"),
+    ("invalid_utf8_map_key", raw_frame(b"\x82\xa1t\xa4ping\xa2\xff\xfe\x01"), "undecodable"),
+    ("int_map_key", raw_frame(b"\x83\xa1t\xa4ping\xa5nonce\x01\x07\x01"), "undecodable"),
+    ("bytes_map_key", packed({"t": "ping", "nonce": 1, b"nonce": 2}), "key"),
+    ("trailing_data_inside_frame", raw_frame(PING_BODY + b"\x00"), "undecodable"),
+    ("two_objects_in_one_frame", raw_frame(PING_BODY + PING_BODY), "undecodable"),
+]
+
+
+@pytest.mark.parametrize(("frame", "match"), [pytest.param(f, m, id=i) for i, f, m in MALFORMED])
+def test_malformed_frame_is_a_remote_protocol_error_and_poisons(frame: bytes, match: str) -> None:
+    dec = FrameDecoder()
+    dec.feed(encode(Pong(nonce=9)) + frame + encode(Ping(nonce=2)))
+    assert dec.next_message() == Pong(nonce=9)  # frames before the bad one still decode
+    with pytest.raises(RemoteProtocolError, match=match) as info:
+        dec.next_message()
+    assert isinstance(info.value, P2PKVError)
+    assert_poisoned(dec, info.value)
+
+
+def test_malformed_corpus_ids_are_unique() -> None:
+    ids = [i for i, _, _ in MALFORMED]
+    assert len(ids) == len(set(ids))
+
+
+def test_truncated_frame_waits_then_garbage_completion_is_an_error() -> None:
+    dec = FrameDecoder()
+    dec.feed(b"\x00\x00")
+    assert dec.next_message() is None  # half a header
+    dec.feed(b"\x00\x0a" + b"\x82\xa1t")  # header says 10 bytes, 3 arrived
+    assert dec.next_message() is None
+    assert dec.next_message() is None
+    assert dec.buffered == 7
+    dec.feed(b"\xff" * 7)  # the rest of the frame is garbage
+    with pytest.raises(RemoteProtocolError, match="undecodable") as info:
+        dec.next_message()
+    assert_poisoned(dec, info.value)
+
+
+def test_truncated_frame_completed_properly_decodes() -> None:
+    frame = encode(Lookup(req_id=5, keys=[b"abc"]))
+    dec = FrameDecoder()
+    for i in range(len(frame) - 1):
+        dec.feed(frame[i : i + 1])
+        assert dec.next_message() is None
+    dec.feed(frame[-1:])
+    assert dec.next_message() == Lookup(req_id=5, keys=[b"abc"])
+
+
+@pytest.mark.parametrize("limit", [100, MAX_FRAME_SIZE])
+def test_oversized_length_is_rejected_from_the_header_alone(limit: int) -> None:
+    dec = FrameDecoder(max_frame_size=limit)
+    header = struct.pack(">I", limit + 1)
+    for b in header[:3]:
+        dec.feed(bytes([b]))
+        assert dec.next_message() is None
+    dec.feed(header[3:])  # no body byte has arrived yet
+    with pytest.raises(RemoteProtocolError, match="over the limit") as info:
+        dec.next_message()
+    assert_poisoned(dec, info.value)
+
+
+def test_frame_exactly_at_the_limit_is_buffered_not_rejected() -> None:
+    dec = FrameDecoder(max_frame_size=100)
+    dec.feed(struct.pack(">I", 100) + b"\x00" * 50)
+    assert dec.next_message() is None
+
+
+def test_decoder_limit_cannot_exceed_the_protocol_limit() -> None:
+    dec = FrameDecoder(max_frame_size=MAX_FRAME_SIZE * 4)
+    assert dec.max_frame_size == MAX_FRAME_SIZE
+    dec.feed(struct.pack(">I", MAX_FRAME_SIZE + 1))
+    with pytest.raises(RemoteProtocolError, match="over the limit"):
+        dec.next_message()
+
+
+def test_zero_length_frame_is_an_error() -> None:
+    dec = FrameDecoder()
+    dec.feed(b"\x00\x00\x00\x00")
+    with pytest.raises(RemoteProtocolError, match="empty frame") as info:
+        dec.next_message()
+    assert_poisoned(dec, info.value)
+
+
+# --- building messages locally ------------------------------------------------------------
+
+
+def untyped(value: object) -> Any:
+    """A deliberately ill-typed argument (what a careless caller might pass)."""
+    return value
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda: Lookup(req_id=-1, keys=[]), id="negative_req_id"),
+        pytest.param(lambda: Ping(nonce=U64_MAX + 1), id="int_over_u64"),
+        pytest.param(lambda: Ping(nonce=True), id="bool_for_int"),
+        pytest.param(lambda: Abort(req_id=untyped(1.0)), id="float_for_int"),
+        pytest.param(lambda: Lookup(req_id=1, keys=[b""]), id="empty_key"),
+        pytest.param(lambda: Lookup(req_id=1, keys=untyped(["k"])), id="str_key"),
+        pytest.param(lambda: Lookup(req_id=1, keys=untyped((b"k",))), id="tuple_for_list"),
+        pytest.param(lambda: Lookup(req_id=1, keys=[b"k" * (MAX_KEY_LEN + 1)]), id="long_key"),
+        pytest.param(lambda: Lookup(req_id=1, keys=[b"k"] * (MAX_KEYS + 1)), id="too_many"),
+        pytest.param(lambda: LookupResp(req_id=1, hits=untyped([1])), id="int_for_bool"),
+        pytest.param(lambda: Fetch(req_id=1, keys=[b"a"], slots=[]), id="fetch_mismatch"),
+        pytest.param(lambda: Fetch(req_id=1, keys=[b"a"], slots=[True]), id="bool_slot"),
+        pytest.param(lambda: TransferDone(req_id=1, outcomes=[6]), id="unknown_outcome"),
+        pytest.param(
+            lambda: TransferDone(req_id=1, outcomes=[0], checksums=[]), id="checksums_mismatch"
+        ),
+        pytest.param(lambda: Bye(code="c" * 65, reason=""), id="long_code"),
+        pytest.param(lambda: Bye(code=untyped(b"c"), reason=""), id="bytes_for_str"),
+        pytest.param(lambda: HelloAck(peer_id="p", epoch=1, auth=untyped("x")), id="str_auth"),
+    ],
+)
+def test_invalid_message_cannot_be_built(build: Any) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        build()
+
+
+def test_encoding_an_oversized_message_is_a_local_protocol_error() -> None:
+    # 65536 keys of 1024 bytes: every field is within its bound, the frame is not.
+    msg = Lookup(req_id=1, keys=[b"k" * MAX_KEY_LEN] * MAX_KEYS)
+    with pytest.raises(LocalProtocolError, match="over the limit"):
+        encode(msg)
+    with pytest.raises(LocalProtocolError):
+        encode_all([Ping(nonce=1), msg])
