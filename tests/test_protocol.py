@@ -1184,3 +1184,38 @@ def test_every_call_after_a_rejected_handshake_raises() -> None:
         lambda: a.registration_failed("late"),
     ):
         assert_refused(a, call)
+
+
+def test_hello_proof_covers_every_field() -> None:
+    """Tampering with any hello field (here the region layout and the metadata) breaks
+    the HMAC, so an on-path attacker cannot redirect writes under a valid proof."""
+    import attrs
+
+    from p2pkv.session.protocol import hello_proof
+    from p2pkv.wire import Hello
+
+    h = Hello(
+        version_major=1,
+        version_minor=0,
+        peer_id="a",
+        epoch=1,
+        agent_name="a",
+        agent_metadata=b"meta",
+        base_addr=4096,
+        num_blocks=8,
+        block_len=4096,
+        fingerprint="",
+        hash_algo="sha256",
+        hash_seed=b"",
+        nonce=b"n" * 16,
+    )
+    proof = hello_proof(b"k", h)
+    for change in (
+        {"base_addr": 8192},
+        {"num_blocks": 9},
+        {"agent_metadata": b"evil"},
+        {"hash_seed": b"x"},
+        {"version_minor": 1},
+    ):
+        assert hello_proof(b"k", attrs.evolve(h, **change)) != proof  # type: ignore[arg-type]
+    assert hello_proof(b"k", attrs.evolve(h, auth=b"anything")) == proof

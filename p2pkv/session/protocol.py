@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from typing import Final
 
 import attrs
+import msgpack
 
 from ..config import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from ..errors import (
@@ -70,6 +71,7 @@ from ..wire import (
     Pong,
     TransferDone,
     encode,
+    to_wire,
 )
 
 # --- what we are --------------------------------------------------------------------------
@@ -221,20 +223,28 @@ class ByeReceived:
 
 
 Event = (
-    HelloReceived | Ready | LookupRequested | LookupAnswered | FetchRequested | RoundClosed
-    | TransferCompleted | AbortRequested | AbortAcknowledged | PongReceived | ByeReceived
+    HelloReceived
+    | Ready
+    | LookupRequested
+    | LookupAnswered
+    | FetchRequested
+    | RoundClosed
+    | TransferCompleted
+    | AbortRequested
+    | AbortAcknowledged
+    | PongReceived
+    | ByeReceived
 )
 
 _HANDSHAKE_MSGS: Final = (Hello, HelloAck, Bye)
 
 
 def hello_proof(secret: bytes, hello: Hello) -> bytes:
-    """HMAC over the hello's identity fields: binds peer id, epoch, agent and nonce."""
-    msg = b"\0".join([
-        b"p2pkv-hello-v1", hello.peer_id.encode(), str(hello.epoch).encode(),
-        hello.agent_name.encode(), hello.nonce, str(hello.block_len).encode(),
-        hello.fingerprint.encode(),
-    ])
+    """HMAC over every field of the hello but the proof itself (its canonical msgpack
+    encoding: attrs field order), so no field — region layout, agent metadata, version,
+    hash seed — can be altered under a valid proof."""
+    fields = to_wire(attrs.evolve(hello, auth=None))
+    msg = b"p2pkv-hello-v1\0" + msgpack.packb(fields, use_bin_type=True)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
@@ -316,8 +326,9 @@ class SessionProtocol:
 
     def _require(self, ok: bool, what: str) -> None:
         if not ok:
-            raise LocalProtocolError(f"{what} not allowed in state {self.state.value}",
-                                     peer=self.peer_id)
+            raise LocalProtocolError(
+                f"{what} not allowed in state {self.state.value}", peer=self.peer_id
+            )
 
     def _require_open(self, what: str) -> None:
         self._require(self.state in (State.HANDSHAKE, State.READY), what)
@@ -327,10 +338,18 @@ class SessionProtocol:
     def _hello(self) -> Hello:
         li = self.local
         h = Hello(
-            version_major=PROTOCOL_MAJOR, version_minor=PROTOCOL_MINOR, peer_id=li.peer_id,
-            epoch=li.epoch, agent_name=li.agent_name, agent_metadata=li.agent_metadata,
-            base_addr=li.base_addr, num_blocks=li.num_blocks, block_len=li.block_len,
-            fingerprint=li.fingerprint, hash_algo=li.hash_algo, hash_seed=li.hash_seed,
+            version_major=PROTOCOL_MAJOR,
+            version_minor=PROTOCOL_MINOR,
+            peer_id=li.peer_id,
+            epoch=li.epoch,
+            agent_name=li.agent_name,
+            agent_metadata=li.agent_metadata,
+            base_addr=li.base_addr,
+            num_blocks=li.num_blocks,
+            block_len=li.block_len,
+            fingerprint=li.fingerprint,
+            hash_algo=li.hash_algo,
+            hash_seed=li.hash_seed,
             nonce=li.nonce,
         )
         if li.secret is not None:
@@ -425,8 +444,9 @@ class SessionProtocol:
             raise RemoteProtocolError("hello_ack for another epoch or peer")
         if self.local.secret is not None and (
             a.auth is None
-            or not hmac.compare_digest(a.auth, ack_proof(self.local.secret, a.peer_id,
-                                                         self.local.nonce))
+            or not hmac.compare_digest(
+                a.auth, ack_proof(self.local.secret, a.peer_id, self.local.nonce)
+            )
         ):
             self._close("handshake", "authentication failed")
             raise HandshakeRejected("authentication failed", peer=a.peer_id)
@@ -517,7 +537,8 @@ class SessionProtocol:
     def _check_keys(self, keys: list[bytes]) -> None:
         if len(keys) > self.local.max_keys_per_request:
             raise RemoteProtocolError(
-                f"{len(keys)} keys in one request (cap {self.local.max_keys_per_request})")
+                f"{len(keys)} keys in one request (cap {self.local.max_keys_per_request})"
+            )
         limit = self.local.max_key_len
         if any(len(k) > limit for k in keys):
             raise RemoteProtocolError(f"key longer than {limit} bytes")
@@ -526,8 +547,7 @@ class SessionProtocol:
         if m.req_id <= self._peer_last_req_id:
             raise RemoteProtocolError(f"request id {m.req_id} reused")
         if len(self._in) >= self.local.max_open_requests:
-            raise RemoteProtocolError(
-                f"more than {self.local.max_open_requests} open requests")
+            raise RemoteProtocolError(f"more than {self.local.max_open_requests} open requests")
         self._check_keys(m.keys)
         self._peer_last_req_id = m.req_id
         self._in[m.req_id] = _InReq(InState.ANSWERING, m.keys)
@@ -613,8 +633,9 @@ class SessionProtocol:
         round (the producer releases its pins) and is the request's terminal outcome."""
         self._require_open("send_fetch")
         r = self._out.get(req_id)
-        self._require(r is not None and r.state is OutState.OPEN,
-                      f"send_fetch for request {req_id}")
+        self._require(
+            r is not None and r.state is OutState.OPEN, f"send_fetch for request {req_id}"
+        )
         assert r is not None
         if any(not 0 <= s < self.local.num_blocks for s in slots):
             raise LocalProtocolError("fetch slot outside our region")
@@ -632,8 +653,9 @@ class SessionProtocol:
         """Give up on a request; its terminal outcome is the peer's abort_ack."""
         self._require_open("send_abort")
         r = self._out.get(req_id)
-        self._require(r is not None and r.state is not OutState.ABORT_SENT,
-                      f"send_abort for request {req_id}")
+        self._require(
+            r is not None and r.state is not OutState.ABORT_SENT, f"send_abort for request {req_id}"
+        )
         assert r is not None
         r.aborted_from = r.state
         r.state = OutState.ABORT_SENT
@@ -647,13 +669,13 @@ class SessionProtocol:
 
     # --- producer calls -------------------------------------------------------------------
 
-    def send_lookup_resp(self, req_id: int, hits: Sequence[bool], now: float,
-                         lease: float) -> None:
+    def send_lookup_resp(self, req_id: int, hits: Sequence[bool], now: float, lease: float) -> None:
         """Answer a lookup; the hits are pinned by the driver until the round ends."""
         self._require_open("send_lookup_resp")
         r = self._in.get(req_id)
-        self._require(r is not None and r.state is InState.ANSWERING,
-                      f"send_lookup_resp for request {req_id}")
+        self._require(
+            r is not None and r.state is InState.ANSWERING, f"send_lookup_resp for request {req_id}"
+        )
         assert r is not None
         if len(hits) != len(r.keys):
             raise LocalProtocolError("hit count differs from key count")
@@ -665,26 +687,31 @@ class SessionProtocol:
 
     def expire(self, now: float) -> list[int]:
         """Rounds whose lease ran out: the driver releases their pins."""
-        done = [i for i, r in self._in.items()
-                if r.state is InState.PINNED and r.deadline <= now]
+        done = [i for i, r in self._in.items() if r.state is InState.PINNED and r.deadline <= now]
         for i in done:
             self._in[i].state = InState.EXPIRED
             self._in[i].pins = 0
         return done
 
-    def send_transfer_done(self, req_id: int, outcomes: Sequence[int],
-                           checksums: Sequence[int] | None = None) -> None:
+    def send_transfer_done(
+        self, req_id: int, outcomes: Sequence[int], checksums: Sequence[int] | None = None
+    ) -> None:
         """Report a fetch's per-key outcomes: only once every write has settled."""
         self._require_open("send_transfer_done")
         r = self._in.get(req_id)
-        self._require(r is not None and r.state is InState.WRITING,
-                      f"send_transfer_done for request {req_id}")
+        self._require(
+            r is not None and r.state is InState.WRITING, f"send_transfer_done for request {req_id}"
+        )
         assert r is not None
         if len(outcomes) != r.nfetch:  # FIX: the peer rejects this as a protocol error
             raise LocalProtocolError(
-                f"{len(outcomes)} outcomes for a fetch of {r.nfetch} keys", peer=self.peer_id)
-        msg = TransferDone(req_id=req_id, outcomes=list(outcomes),
-                           checksums=None if checksums is None else list(checksums))
+                f"{len(outcomes)} outcomes for a fetch of {r.nfetch} keys", peer=self.peer_id
+            )
+        msg = TransferDone(
+            req_id=req_id,
+            outcomes=list(outcomes),
+            checksums=None if checksums is None else list(checksums),
+        )
         del self._in[req_id]
         self._emit(msg)
 
@@ -692,8 +719,9 @@ class SessionProtocol:
         """The round's writes are drained and its pins released."""
         self._require_open("send_abort_ack")
         r = self._in.get(req_id)
-        self._require(r is not None and r.state is InState.ABORTING,
-                      f"send_abort_ack for request {req_id}")
+        self._require(
+            r is not None and r.state is InState.ABORTING, f"send_abort_ack for request {req_id}"
+        )
         del self._in[req_id]
         self._emit(AbortAck(req_id=req_id))
 
