@@ -220,13 +220,33 @@ class Bye:
 
 
 Message = (
-    Hello | HelloAck | Lookup | LookupResp | Fetch | TransferDone | Abort | AbortAck | Ping
-    | Pong | Bye
+    Hello
+    | HelloAck
+    | Lookup
+    | LookupResp
+    | Fetch
+    | TransferDone
+    | Abort
+    | AbortAck
+    | Ping
+    | Pong
+    | Bye
 )
 MESSAGE_TYPES: Final[dict[str, type[Any]]] = {
     cls.TAG: cls
-    for cls in (Hello, HelloAck, Lookup, LookupResp, Fetch, TransferDone, Abort, AbortAck,
-                Ping, Pong, Bye)
+    for cls in (
+        Hello,
+        HelloAck,
+        Lookup,
+        LookupResp,
+        Fetch,
+        TransferDone,
+        Abort,
+        AbortAck,
+        Ping,
+        Pong,
+        Bye,
+    )
 }
 
 # --- cattrs with exact types --------------------------------------------------------------
@@ -348,13 +368,20 @@ class FrameDecoder:
         end = HEADER.size + length
         if len(self._buf) < end:
             return None
-        body = bytes(self._buf[HEADER.size:end])
+        body = bytes(self._buf[HEADER.size : end])
         del self._buf[:end]
         try:
             obj = msgpack.unpackb(
-                body, raw=False, strict_map_key=True, use_list=True, ext_hook=_reject_ext,
-                max_str_len=MAX_METADATA, max_bin_len=MAX_METADATA, max_array_len=MAX_KEYS,
-                max_map_len=64, max_ext_len=0,
+                body,
+                raw=False,
+                strict_map_key=True,
+                use_list=True,
+                ext_hook=_reject_ext,
+                max_str_len=MAX_METADATA,
+                max_bin_len=MAX_METADATA,
+                max_array_len=MAX_KEYS,
+                max_map_len=64,
+                max_ext_len=0,
             )
         except RemoteProtocolError:
             raise

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-ruff check p2pkv tests bench examples
-ruff format --check p2pkv tests bench examples
+ruff check
+ruff format --check
 mypy
 python -m pytest "$@"
