@@ -21,19 +21,17 @@ import attrs
 import trio
 
 from ..errors import P2PKVError, P2PKVTimeout, SessionClosed, StoreFull
-from ..transport.base import RemotePeer
 from ..wire import Outcome
+from ._parts import SessionParts
 from .producer import checksums
 from .protocol import (
     AbortAcknowledged,
     LookupAnswered,
-    SessionProtocol,
     TransferCompleted,
 )
 
 if TYPE_CHECKING:
-    from ..config import NodeConfig
-    from ..node import Node
+    pass
 
 
 @attrs.define(eq=False)
@@ -70,26 +68,10 @@ class _Round:
     deadline: float
 
 
-class ConsumerSide:
+class ConsumerSide(SessionParts):
     """Mixin of :class:`~p2pkv.session.session.PeerSession`: the consumer's calls."""
 
     if TYPE_CHECKING:  # provided by PeerSession
-        node: Node
-        cfg: NodeConfig
-        proto: SessionProtocol
-        token: object
-        remote: RemotePeer | None
-        close_reason: str | None
-        ready: trio.Event
-        _nursery: trio.Nursery | None
-        _wake_lease: trio.Event
-
-        @property
-        def peer_id(self) -> str | None: ...
-        @property
-        def alive(self) -> bool: ...
-        async def _flush(self, *, final: bool = False) -> None: ...
-
         _requests: trio.Semaphore
         _pending: dict[int, _Pending]
         _rounds: dict[int, _Round]

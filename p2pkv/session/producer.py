@@ -22,20 +22,19 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import TransportError
-from ..transport.base import DataTransport, RemotePeer, TransferHandle, TransferState
+from ..transport.base import DataTransport, TransferHandle, TransferState
 from ..wire import Outcome
+from ._parts import SessionParts
 from .protocol import (
     AbortRequested,
     FetchRequested,
     InState,
     LookupRequested,
     RoundClosed,
-    SessionProtocol,
 )
 
 if TYPE_CHECKING:
-    from ..config import NodeConfig
-    from ..node import Node
+    pass
 
 log = logging.getLogger("p2pkv.session")
 
@@ -46,26 +45,10 @@ def checksums(view: memoryview, block_len: int, slots: Sequence[int]) -> list[in
     return [zlib.crc32(view[s * block_len : (s + 1) * block_len]) for s in slots]
 
 
-class ProducerSide:
+class ProducerSide(SessionParts):
     """Mixin of :class:`~p2pkv.session.session.PeerSession`: the producer's handlers."""
 
     if TYPE_CHECKING:  # provided by PeerSession
-        node: Node
-        cfg: NodeConfig
-        proto: SessionProtocol
-        token: object
-        remote: RemotePeer | None
-        close_reason: str | None
-        ready: trio.Event
-        _nursery: trio.Nursery | None
-        _wake_lease: trio.Event
-
-        @property
-        def peer_id(self) -> str | None: ...
-        @property
-        def alive(self) -> bool: ...
-        async def _flush(self, *, final: bool = False) -> None: ...
-
         inflight_bytes: int
         _pinned: dict[int, dict[bytes, int]]
         _writes: dict[int, trio.CancelScope]

@@ -1,0 +1,35 @@
+"""What both halves of a session (producer, consumer) rely on from :class:`PeerSession`.
+
+Declarations only, for the type checker: the attributes live on the session object.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio
+
+if TYPE_CHECKING:
+    from ..config import NodeConfig
+    from ..node import Node
+    from ..transport.base import RemotePeer
+    from .protocol import SessionProtocol
+
+
+class SessionParts:
+    if TYPE_CHECKING:  # provided by PeerSession
+        node: Node
+        cfg: NodeConfig
+        proto: SessionProtocol
+        token: object
+        remote: RemotePeer | None
+        close_reason: str | None
+        ready: trio.Event
+        _nursery: trio.Nursery | None
+        _wake_lease: trio.Event
+
+        @property
+        def peer_id(self) -> str | None: ...
+        @property
+        def alive(self) -> bool: ...
+        async def _flush(self, *, final: bool = False) -> None: ...
