@@ -317,7 +317,9 @@ class Node:
                 for session in leaving:
                     await session.finished.wait()
             oneoff = trio.CapacityLimiter(1)
-            async with self.registrar.limiter:  # no registration runs during the swap
+            # No registration and no post runs from here to the end of the swap: a post
+            # reads the transport and the peer's registration while holding data_limiter.
+            async with self.registrar.limiter, self.data_limiter:
                 new = await self.offload(
                     self._transport_factory, self.config, self.store, limiter=oneoff
                 )
@@ -355,7 +357,9 @@ class Node:
                 for s in self._by_peer.values()
                 if s.proto.peer is not None and s.alive
             }
-            departed = new.release_departed_peers(live_agents)
+            gone = {s.proto.peer.agent_name for s in leaving if s.proto.peer is not None}
+            gone.update(new.release_departed_peers(live_agents))
+            departed = sorted(gone - live_agents)
             self._retired_transports.append(old)
             self._nursery_or_raise().start_soon(self._retire_transport, old)
             return departed

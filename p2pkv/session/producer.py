@@ -127,13 +127,9 @@ class ProducerSide(SessionParts):
         try:
             with scope:
                 for chunk in chunks:
-                    # Read both per chunk: a reconfiguration swaps them together.
-                    dp, remote = node.transport, self.remote
-                    assert remote is not None  # the ack barrier guarantees it
                     try:
-                        h = await node.offload(
-                            dp.post_write,
-                            remote,
+                        dp, h = await node.offload(
+                            self._post,
                             [c[1] for c in chunk],
                             [c[2] for c in chunk],
                             limiter=node.data_limiter,
@@ -180,6 +176,18 @@ class ProducerSide(SessionParts):
                     self.proto.send_transfer_done(ev.req_id, [int(o) for o in outcomes], sums)
                 if self.alive:
                     await self._flush()
+
+    def _post(
+        self, local: list[int], remote_slots: list[int]
+    ) -> tuple[DataTransport, TransferHandle]:
+        """Runs in the worker thread, holding the data-plane limiter. The transport and the
+        peer's registration are read *here*: a reconfiguration swaps both while it holds
+        the same limiter, so a post can never pair the old registration (already stale)
+        with either transport, nor land on a transport being retired."""
+        dp, remote = self.node.transport, self.remote
+        if remote is None:  # pragma: no cover - the ack barrier guarantees it
+            raise TransportError("peer is not registered", peer=self.peer_id)
+        return dp, dp.post_write(remote, local, remote_slots)
 
     async def _settle(
         self,
