@@ -1,0 +1,304 @@
+"""The ``p2pkv`` command and ``examples/two_node.py``, run as a user runs them.
+
+Every command runs in a child process with a timeout; a child that outlives its test is
+killed and reaped (``subprocess.run`` does it on timeout, :func:`started` in ``finally``).
+Tests marked ``nixl`` need the real data plane and skip without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from p2pkv.cli import demo_block, demo_keys, fill_store, verify_blocks
+from p2pkv.store import BlockStore
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "two_node.py"
+HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
+skip_without_nixl = pytest.mark.skipif(not HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+needs_nixl = [pytest.mark.nixl, skip_without_nixl]
+SMALL = ["--blocks", "64", "--block-len", "4096"]
+
+
+def p2pkv(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "p2pkv", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@contextmanager
+def started(argv: list[str]) -> Iterator[subprocess.Popen[str]]:
+    """A child process that is killed (if still running), reaped and closed on exit."""
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=ROOT,
+    )
+    with proc:  # closes the pipes and waits
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    status = Path(f"/proc/{pid}/stat")
+    return status.exists() and status.read_text().split(")")[-1].split()[0] == "Z"
+
+
+# --- help ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["serve"], ["fetch"]])
+def test_help_exits_zero_for_every_command(command: list[str]) -> None:
+    done = p2pkv(*command, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: p2pkv")
+
+
+def test_console_script_is_installed() -> None:
+    script = Path(sys.executable).parent / "p2pkv"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "demo" in done.stdout
+
+
+def test_no_command_is_a_usage_error() -> None:
+    assert p2pkv().returncode == 2
+
+
+# --- the demo blocks and their verification --------------------------------------------------
+
+
+@pytest.mark.parametrize("block_len", [4096, 4099, 8])
+def test_verify_catches_one_wrong_byte_anywhere_in_a_block(block_len: int) -> None:
+    keys = demo_keys(8, seed=3)
+    store = BlockStore(8, block_len)
+    fill_store(store, keys, seed=3)
+    assert verify_blocks(store, keys, seed=3) == []
+    for offset in (0, block_len // 2, block_len - 1):
+        slot = store.slot_of(keys[5])
+        assert slot is not None
+        store.array[slot * block_len + offset] ^= 0x01
+        assert verify_blocks(store, keys, seed=3) == [keys[5]]
+        store.array[slot * block_len + offset] ^= 0x01
+
+
+def test_verify_catches_missing_and_swapped_blocks() -> None:
+    keys = demo_keys(4)
+    store = BlockStore(4, 4096)
+    store.put(keys[0], demo_block(keys[1], 4096))  # another key's bytes
+    store.put(keys[1], demo_block(keys[1], 4096, seed=1))  # another seed's bytes
+    store.put(keys[2], demo_block(keys[2], 4096))
+    assert verify_blocks(store, keys) == [keys[0], keys[1], keys[3]]  # keys[3] is missing
+
+
+def test_demo_blocks_are_deterministic_and_distinct() -> None:
+    keys = demo_keys(3, seed=9)
+    assert keys == demo_keys(3, seed=9) and len(set(keys)) == 3
+    blocks = [demo_block(k, 1024, seed=9) for k in keys]
+    assert np.array_equal(blocks[0], demo_block(keys[0], 1024, seed=9))
+    assert all(b.shape == (1024,) for b in blocks)
+    # Every 8-byte word differs between two keys' blocks, not just a few bytes.
+    words = [b.view(np.uint64) for b in blocks]
+    assert np.all(words[0] != words[1])
+    assert not np.array_equal(blocks[0], demo_block(keys[0], 1024, seed=8))
+
+
+# --- demo ---------------------------------------------------------------------------------
+
+
+def test_demo_local_verifies_every_byte() -> None:
+    done = p2pkv("demo", "--transport", "local", *SMALL)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"verified\s+yes", done.stdout)
+    assert re.search(r"blocks\s+64 x 4 KiB", done.stdout)
+    assert "verify: 64/64 blocks match" in done.stderr  # progress goes to stderr
+
+
+def test_demo_exits_non_zero_when_a_byte_is_wrong() -> None:
+    done = p2pkv("demo", "--transport", "local", *SMALL, "--corrupt-for-test")
+    assert done.returncode == 1
+    assert re.search(r"verified\s+NO", done.stdout)
+    assert "FAILED: 1 blocks differ" in done.stderr
+
+
+def test_demo_local_in_batches_reports_progress() -> None:
+    done = p2pkv("demo", "--transport", "local", *SMALL, "--batch", "16")
+    assert done.returncode == 0, done.stderr
+    assert [f"fetch: {n}/64 blocks" in done.stderr for n in (16, 32, 48, 64)] == [True] * 4
+
+
+@pytest.mark.nixl
+@skip_without_nixl
+def test_demo_over_nixl_two_processes_verifies_and_reaps_the_source() -> None:
+    done = p2pkv("demo", *SMALL, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"verified\s+yes", done.stdout)
+    assert "nixl (two processes)" in done.stdout
+    found = re.search(r"source process (\d+)", done.stderr)
+    assert found is not None, done.stderr
+    assert gone(int(found.group(1)))
+    assert "warning" not in done.stderr  # the source exited 0 on its own
+
+
+# --- serve and fetch ------------------------------------------------------------------------
+
+
+def listening(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, "serve exited before it listened"
+    hello = json.loads(line)
+    assert isinstance(hello, dict)
+    return hello
+
+
+def test_serve_prints_its_address_and_stops_cleanly_on_sigterm() -> None:
+    argv = [
+        sys.executable,
+        "-m",
+        "p2pkv",
+        "serve",
+        "--transport",
+        "local",
+        "--peer-id",
+        "s1",
+        "--fill",
+        "4",
+        "--blocks",
+        "8",
+        "--block-len",
+        "4096",
+    ]
+    with started(argv) as proc:
+        hello = listening(proc)
+        assert hello["event"] == "listening" and hello["peer_id"] == "s1"
+        assert hello["blocks"] == 4 and hello["pid"] == proc.pid
+        host, port = hello["address"]
+        socket.create_connection((host, port), timeout=5).close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+
+
+def test_serve_reads_a_toml_config_and_flags_override_it(tmp_path: Path) -> None:
+    conf = tmp_path / "node.toml"
+    conf.write_text(
+        'peer_id = "from-file"\nnum_blocks = 16\nblock_len = 4096\n'
+        'transport = "local"\nfill = 2\nhash_seed = "s"\n'
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "p2pkv",
+        "serve",
+        "--config",
+        str(conf),
+        "--fill",
+        "3",
+        "--exit-on-eof",
+    ]
+    with started(argv) as proc:
+        hello = listening(proc)
+        assert hello["peer_id"] == "from-file" and hello["blocks"] == 3
+        assert proc.stdin is not None
+        proc.stdin.close()  # --exit-on-eof: a parent that goes away stops its node
+        assert proc.wait(timeout=20) == 0
+
+
+def test_serve_rejects_an_unknown_config_setting(tmp_path: Path) -> None:
+    conf = tmp_path / "node.json"
+    conf.write_text(json.dumps({"peer_id": "x", "num_blokcs": 3}))
+    done = p2pkv("serve", "--config", str(conf))
+    assert done.returncode == 1
+    assert "unknown settings num_blokcs" in done.stderr
+
+
+@pytest.mark.nixl
+@skip_without_nixl
+def test_fetch_from_a_serving_node_over_nixl() -> None:
+    argv = [
+        sys.executable,
+        "-m",
+        "p2pkv",
+        "serve",
+        "--fill",
+        "32",
+        "--seed",
+        "5",
+        "--block-len",
+        "8192",
+        "--exit-on-eof",
+    ]
+    with started(argv) as proc:
+        host, port = listening(proc)["address"]
+        done = p2pkv(
+            "fetch",
+            f"{host}:{port}",
+            "--blocks",
+            "32",
+            "--seed",
+            "5",
+            "--block-len",
+            "8192",
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"verified\s+yes", done.stdout)
+        wrong_seed = p2pkv(
+            "fetch",
+            f"{host}:{port}",
+            "--blocks",
+            "32",
+            "--seed",
+            "6",
+            "--block-len",
+            "8192",
+            timeout=120,
+        )
+        assert wrong_seed.returncode == 1  # other keys: every one a miss
+        assert "32 blocks not loaded (miss)" in wrong_seed.stderr
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=20) == 0
+
+
+# --- examples/two_node.py ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transport", ["local", pytest.param("nixl", marks=needs_nixl)])
+def test_two_node_example_runs_on_one_host(transport: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--transport", transport],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK: every block arrived intact" in done.stdout
