@@ -1217,5 +1217,5 @@ def test_hello_proof_covers_every_field() -> None:
         {"hash_seed": b"x"},
         {"version_minor": 1},
     ):
-        assert hello_proof(b"k", attrs.evolve(h, **change)) != proof  # type: ignore[arg-type]
+        assert hello_proof(b"k", attrs.evolve(h, **change)) != proof
     assert hello_proof(b"k", attrs.evolve(h, auth=b"anything")) == proof

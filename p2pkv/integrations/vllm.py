@@ -1,0 +1,582 @@
+"""A vLLM-shaped secondary tier over a :class:`~p2pkv.facade.BlockingNode`.
+
+vLLM's tiering manager drives a secondary tier from its scheduler thread, every step:
+``lookup(key, request)`` per block key until it stops answering None, ``submit_load`` for
+the hits, ``get_finished_jobs`` to collect loads, ``on_request_finished`` when a request
+ends, ``shutdown`` at exit. Every one of these must return in microseconds. This module
+gives p2pkv that shape without importing vLLM: the request is anything with a
+``request_id`` and vLLM's ``kv_transfer_params`` dict (see :class:`RequestInfo`).
+
+Theory of operation
+-------------------
+Nothing here waits. All peer I/O runs on the node's engine thread; the adapter only
+*submits* work (``submit_connect`` / ``submit_lookup`` / ``submit_fetch``: a ticket and a
+post, no thread hop) and *polls* tickets, so a slow, dead or wedged source costs the
+scheduler nothing, and the source's own host thread being busy in a model step does not
+matter either (its engine answers).
+
+The source. A consumer request names the peer that holds its prefix the way vLLM does:
+``kv_transfer_params["remote_kv_source"] = {"host", "port", "request_id"}`` (vLLM's own
+spellings ``remote_host``, ``remote_port``, ``kv_request_id`` are accepted too), with an
+optional ``peer_id`` that, when given, must match the peer that answers. The source's
+``request_id`` is informational: p2pkv addresses blocks by hash. A source is connected
+lazily, by the first request that needs it, through ``submit_connect``; its keys wait
+(still answering None) until the connection is up. One connection per source address is
+shared by every request. A source that fails (refused, handshake rejected, session
+closed) is marked down for ``reconnect_backoff`` seconds: requests that need it meanwhile
+miss at once instead of dialing it again every step; after that the next request dials
+again.
+
+Batching rule. ``lookup`` answers a key it has seen before from the request's probe
+cache (True / False, or None while in flight). A key it has not seen joins the request's
+*open batch* and the call returns None. The open batch of a request goes out as ONE
+``submit_lookup`` (one lookup round, one wire message) at the first of:
+
+* a ``lookup`` call for a key of a *different* request (vLLM asks request by request, so
+  this closes the batch of the request it has just finished asking about),
+* :meth:`P2PTier.step` (call it at the end of the scheduler step, where vLLM calls
+  ``on_schedule_end``) or :meth:`P2PTier.get_finished_jobs`,
+* a ``submit_load`` of the same request (the load's keys leave the batch; the fetch
+  looks up whatever it needs itself).
+
+A request that asks more keys in a later step gets another batch (another round).
+
+Deadlines. A key resolves to False at the latest ``lookup_timeout`` after it was first
+asked, whatever the source does (no answer, no connection, dead, wedged): the deadline is
+kept on this side, on the host's clock, and also given to the engine so the work is
+cancelled there. A load finishes (``success=False`` if not everything arrived) at the
+latest ``load_timeout`` after ``submit_load``. A request whose lookup or connection
+failed is *failed*: every key it asks afterwards misses at once (vLLM then recomputes).
+
+What True means. True: the source held the block when asked and keeps it pinned for its
+lease (``NodeConfig.lease``), so a ``submit_load`` soon after reuses that lookup round.
+``submit_load`` consumes the probe cache for its keys (after the fetch the source may
+evict them; a later ``lookup`` asks again).
+
+Where blocks land. In the node's :class:`~p2pkv.store.BlockStore` (hand vLLM's CPU
+region to :func:`~p2pkv.start_node` as ``region`` to make that the primary tier); a
+:class:`JobResult` lists the keys that landed, with the producer's bytes.
+
+Threading and ownership. A :class:`P2PTier` is not thread-safe: one host thread (the
+scheduler) makes every call. The node may be shared with other code, but the tier polls
+only its own tickets, so nobody else may drain the node with ``get_finished()``.
+``shutdown()`` closes the node only if the tier owns it: :meth:`P2PTier.start` creates an
+owned node, the constructor takes ``owns_node`` (default False: the caller closes it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from ..config import NodeConfig
+from ..errors import PeerUnavailable, PortalClosed
+from ..facade import BlockingNode, start_node
+from ..node import Peer
+from ..session.session import FetchResult
+
+__all__ = ["JobResult", "LoadJob", "P2PTier", "RequestInfo", "RequestLike", "SourceSpec"]
+
+log = logging.getLogger("p2pkv.vllm")
+
+_UNSEEN: Any = object()
+
+
+class RequestLike(Protocol):
+    """What the tier needs of a request: vLLM's request id and ``kv_transfer_params``."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def kv_transfer_params(self) -> Mapping[str, Any] | None: ...
+
+
+@attrs.frozen
+class RequestInfo:
+    """A request as vLLM hands it to a tier (any :class:`RequestLike` works too)."""
+
+    request_id: str
+    kv_transfer_params: Mapping[str, Any] | None = None
+
+
+@attrs.frozen
+class LoadJob:
+    """Load ``keys`` of request ``request_id`` from its source into the node's store.
+
+    ``request`` is only needed when the tier has not seen the request through ``lookup``.
+    """
+
+    job_id: int
+    request_id: str
+    keys: Sequence[bytes]
+    request: RequestLike | None = None
+
+
+@attrs.frozen
+class JobResult:
+    """How a load ended: ``success`` iff every key of the job is in the node's store."""
+
+    job_id: int
+    success: bool
+    loaded: list[bytes] = attrs.field(factory=list)
+    failed: dict[bytes, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class SourceSpec:
+    """The peer a request pulls from, as parsed from ``remote_kv_source``."""
+
+    host: str
+    port: int
+    request_id: str | None = None
+    peer_id: str | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> SourceSpec | None:
+        """Parse vLLM's ``kv_transfer_params``; None if there is no usable source."""
+        if not params:
+            return None
+        src = params.get("remote_kv_source")
+        if not isinstance(src, Mapping):
+            return None
+        host = src.get("host", src.get("remote_host"))
+        port = src.get("port", src.get("remote_port"))
+        if isinstance(port, str) and port.isdigit():
+            port = int(port)
+        if not isinstance(host, str) or not host or isinstance(port, bool):
+            return None
+        if not isinstance(port, int) or not 0 < port < 65536:
+            return None
+        request_id = src.get("request_id", src.get("kv_request_id"))
+        peer_id = src.get("peer_id")
+        return cls(
+            host,
+            port,
+            str(request_id) if request_id is not None else None,
+            peer_id if isinstance(peer_id, str) and peer_id else None,
+        )
+
+
+@attrs.define(eq=False)
+class _Source:
+    address: tuple[str, int]
+    peer_id: str | None  # the identity the params promised, if any
+    peer: Peer | None = None
+    connect_ticket: int | None = None
+    connect_deadline: float = 0.0
+    retry_at: float = 0.0  # after a failure: no new dial before this (host clock)
+    error: str = ""
+
+
+@attrs.define(eq=False)
+class _Load:
+    job: LoadJob
+    keys: list[bytes]
+    deadline: float
+
+
+@attrs.define(eq=False)
+class _Request:
+    request_id: str
+    source: _Source | None
+    probes: dict[bytes, bool | None] = attrs.field(factory=dict)
+    unsent: list[bytes] = attrs.field(factory=list)  # the open batch
+    unsent_since: float = 0.0
+    lookups: set[int] = attrs.field(factory=set)  # tickets of batches in flight
+    waiting_loads: list[_Load] = attrs.field(factory=list)  # source still connecting
+    failed: str | None = None
+
+
+@attrs.define(eq=False)
+class _Batch:
+    request: _Request
+    keys: list[bytes]
+    deadline: float
+
+
+class P2PTier:
+    """A p2pkv-backed secondary tier with vLLM's interface. See the module docstring."""
+
+    def __init__(
+        self,
+        node: BlockingNode,
+        *,
+        lookup_timeout: float = 2.0,
+        load_timeout: float = 30.0,
+        connect_timeout: float = 10.0,
+        reconnect_backoff: float = 5.0,
+        owns_node: bool = False,
+    ) -> None:
+        self.node = node
+        self.lookup_timeout = lookup_timeout
+        self.load_timeout = load_timeout
+        self.connect_timeout = connect_timeout
+        self.reconnect_backoff = reconnect_backoff
+        self.owns_node = owns_node
+        self._sources: dict[tuple[str, int], _Source] = {}
+        self._requests: dict[str, _Request] = {}
+        self._open: dict[str, _Request] = {}  # requests with an open (unsent) batch
+        self._batching: _Request | None = None  # the request whose keys are arriving
+        self._connecting: dict[int, _Source] = {}
+        self._lookups: dict[int, _Batch] = {}
+        self._loads: dict[int, _Load] = {}
+        self._orphans: set[int] = set()  # tickets whose outcome nobody needs any more
+        self._finished: list[JobResult] = []
+        self._closed = False
+
+    @classmethod
+    def start(cls, cfg: NodeConfig, *, region: object | None = None, **kw: Any) -> P2PTier:
+        """Start a node for this tier alone; :meth:`shutdown` closes it."""
+        return cls(start_node(cfg, region=region), owns_node=True, **kw)
+
+    # ---------------------------------------------------------------- vLLM's interface
+
+    def lookup(self, key: bytes, request: RequestLike) -> bool | None:
+        """True: the source holds ``key`` (pinned there); False: miss, no source, source
+        unreachable or too slow; None: asked, answer not in yet (ask again next step)."""
+        if self._closed:
+            return False
+        st = self._request(request)
+        if st.source is None or st.failed is not None:
+            return False
+        known = st.probes.get(key, _UNSEEN)
+        if known is None:  # in flight: maybe the answer is in by now
+            self._advance(st, time.monotonic())
+            return False if st.failed is not None else st.probes.get(key)
+        if known is not _UNSEEN:
+            return bool(known)
+        if self._batching is not st:
+            self._flush(time.monotonic())  # a new request: the last one's batch goes out
+            self._batching = st
+        if not st.unsent:
+            st.unsent_since = time.monotonic()
+            self._open[st.request_id] = st
+        st.probes[key] = None
+        st.unsent.append(key)
+        return None
+
+    def submit_load(self, job: LoadJob) -> None:
+        """Start loading ``job.keys`` from the request's source; never blocks. The outcome
+        comes out of :meth:`get_finished_jobs` as a :class:`JobResult`."""
+        now = time.monotonic()
+        keys = list(dict.fromkeys(job.keys))
+        if self._closed:
+            self._fail_job(job, keys, "tier shut down")
+            return
+        if not keys:
+            self._finished.append(JobResult(job.job_id, True))
+            return
+        st = self._requests.get(job.request_id)
+        if st is None and job.request is not None:
+            st = self._request(job.request)
+        if st is None or st.source is None:
+            self._fail_job(job, keys, "request has no remote_kv_source")
+            return
+        if st.failed is not None:
+            self._fail_job(job, keys, st.failed)
+            return
+        wanted = set(keys)
+        for key in keys:  # the fetch consumes the probes (and closes their rounds)
+            st.probes.pop(key, None)
+        if st.unsent:
+            st.unsent = [k for k in st.unsent if k not in wanted]
+            self._flush_request(st, now)
+        load = _Load(job, keys, now + self.load_timeout)
+        src = st.source
+        if src.peer is not None:
+            self._start_load(src.peer, load, now)
+        else:
+            st.waiting_loads.append(load)
+            self._connect(src, now)  # fails the load at once if the source is down
+
+    def step(self) -> None:
+        """End of a scheduler step: send open batches, collect answers, apply deadlines."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        self._poll_connects(now)
+        self._flush(now)
+        self._batching = None
+        self._poll_lookups(now)
+        self._poll_loads(now)
+        self._expire_unsent(now)
+        self._poll_orphans()
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Loads that finished since the last call (runs :meth:`step` first)."""
+        self.step()
+        done, self._finished = self._finished, []
+        return done
+
+    def has_pending_work(self) -> bool:
+        """True while anything is in flight (keep stepping)."""
+        return bool(
+            self._open
+            or self._connecting
+            or self._lookups
+            or self._loads
+            or any(st.waiting_loads for st in self._requests.values())
+        )
+
+    def on_request_finished(self, request: RequestLike) -> None:
+        """Forget the request: its open batch is dropped, its lookups in flight are
+        ignored, loads still waiting for a connection fail. Loads already submitted
+        still report. Hits it never loaded stay pinned at the source until the lease
+        ends (p2pkv has no "release this round" call yet)."""
+        st = self._requests.pop(request.request_id, None)
+        if st is None:
+            return
+        if self._batching is st:
+            self._batching = None
+        self._open.pop(st.request_id, None)
+        st.unsent = []
+        for ticket in st.lookups:
+            self._lookups.pop(ticket, None)
+            self._orphans.add(ticket)
+        st.lookups.clear()
+        for load in st.waiting_loads:
+            self._fail_job(load.job, load.keys, "request finished")
+        st.waiting_loads.clear()
+
+    def shutdown(self) -> None:
+        """Stop; idempotent. Fails what is still in flight (reported by a last
+        ``get_finished_jobs``) and, if the tier owns the node, closes it: no engine
+        thread, data-plane agent or pin at a source is left behind (closing the node
+        ends its sessions, and the sources release their pins with them)."""
+        if self._closed:
+            return
+        self._closed = True
+        for load in self._loads.values():
+            self._fail_job(load.job, load.keys, "tier shut down")
+        for st in self._requests.values():
+            for load in st.waiting_loads:
+                self._fail_job(load.job, load.keys, "tier shut down")
+        self._loads.clear()
+        self._lookups.clear()
+        self._connecting.clear()
+        self._requests.clear()
+        self._open.clear()
+        self._orphans.clear()
+        self._batching = None
+        if self.owns_node:
+            self.node.close()
+
+    # ---------------------------------------------------------------- requests and sources
+
+    def _request(self, request: RequestLike) -> _Request:
+        st = self._requests.get(request.request_id)
+        if st is None:
+            spec = SourceSpec.from_params(request.kv_transfer_params)
+            src = None
+            if spec is not None:
+                src = self._sources.get(spec.address)
+                if src is None:
+                    src = self._sources[spec.address] = _Source(spec.address, spec.peer_id)
+            st = self._requests[request.request_id] = _Request(request.request_id, src)
+        return st
+
+    def _connect(self, src: _Source, now: float) -> None:
+        """Make sure a connection to ``src`` is up or on its way; if the source is down
+        (backing off), fail every request waiting for it."""
+        if src.peer is not None or src.connect_ticket is not None:
+            return
+        if now < src.retry_at:
+            self._source_down(src, src.error, now, backoff=False)
+            return
+        src.connect_ticket = self.node.submit_connect(src.address, timeout=self.connect_timeout)
+        src.connect_deadline = now + self.connect_timeout
+        self._connecting[src.connect_ticket] = src
+
+    def _poll_connects(self, now: float) -> None:
+        for ticket, src in list(self._connecting.items()):
+            try:
+                peer = self.node.poll(ticket)
+            except Exception as exc:
+                del self._connecting[ticket]
+                src.connect_ticket = None
+                self._source_down(src, f"connect failed: {exc}", now)
+                continue
+            if peer is None:
+                if now >= src.connect_deadline:
+                    del self._connecting[ticket]
+                    self._orphans.add(ticket)
+                    src.connect_ticket = None
+                    self._source_down(src, "connect timed out", now)
+                continue
+            del self._connecting[ticket]
+            src.connect_ticket = None
+            assert isinstance(peer, Peer)
+            if src.peer_id is not None and peer.peer_id != src.peer_id:
+                self._source_down(
+                    src, f"source at {src.address} is {peer.peer_id!r}, not {src.peer_id!r}", now
+                )
+                continue
+            src.peer = peer
+            for st in self._requests.values():  # loads that waited for this connection
+                if st.source is src and st.waiting_loads:
+                    loads, st.waiting_loads = st.waiting_loads, []
+                    for load in loads:
+                        self._start_load(peer, load, now)
+
+    def _source_down(self, src: _Source, reason: str, now: float, *, backoff: bool = True) -> None:
+        """The source is unusable: fail every request that still waits on it."""
+        if backoff:
+            log.warning("p2p source %s:%d down: %s", *src.address, reason)
+            src.peer = None
+            src.error = reason
+            src.retry_at = now + self.reconnect_backoff
+        for st in list(self._requests.values()):
+            if (
+                st.source is src
+                and st.failed is None
+                and (st.unsent or st.lookups or st.waiting_loads)
+            ):
+                self._fail_request(st, reason)
+
+    def _fail_request(self, st: _Request, reason: str) -> None:
+        """Every key the request still waits for misses; later keys miss at once."""
+        st.failed = reason
+        for key, hit in st.probes.items():
+            if hit is None:
+                st.probes[key] = False
+        st.unsent = []
+        self._open.pop(st.request_id, None)
+        for ticket in st.lookups:
+            if self._lookups.pop(ticket, None) is not None:
+                self._orphans.add(ticket)
+        st.lookups.clear()
+        for load in st.waiting_loads:
+            self._fail_job(load.job, load.keys, reason)
+        st.waiting_loads.clear()
+
+    # ---------------------------------------------------------------- lookups
+
+    def _flush(self, now: float) -> None:
+        for st in list(self._open.values()):
+            self._flush_request(st, now)
+
+    def _flush_request(self, st: _Request, now: float) -> None:
+        """Send the request's open batch as one lookup, if its source is connected."""
+        src = st.source
+        if not st.unsent or src is None:
+            self._open.pop(st.request_id, None)
+            return
+        if src.peer is None:
+            self._connect(src, now)  # the batch waits for the connection (or fails)
+            return
+        deadline = st.unsent_since + self.lookup_timeout
+        keys, st.unsent = st.unsent, []
+        self._open.pop(st.request_id, None)
+        ticket = self.node.submit_lookup(src.peer, keys, timeout=max(deadline - now, 0.001))
+        self._lookups[ticket] = _Batch(st, keys, deadline)
+        st.lookups.add(ticket)
+
+    def _advance(self, st: _Request, now: float) -> None:
+        """Poll one request's lookups (a lookup() of a key still in flight)."""
+        for ticket in list(st.lookups):
+            batch = self._lookups.get(ticket)
+            if batch is not None:
+                self._poll_lookup(ticket, batch, now)
+        if st.unsent and st is not self._batching and now >= st.unsent_since + self.lookup_timeout:
+            self._fail_request(st, "lookup timed out before it could be sent")
+
+    def _poll_lookups(self, now: float) -> None:
+        for ticket, batch in list(self._lookups.items()):
+            self._poll_lookup(ticket, batch, now)
+
+    def _poll_lookup(self, ticket: int, batch: _Batch, now: float) -> None:
+        st = batch.request
+        try:
+            hits = self.node.poll(ticket)
+        except Exception as exc:
+            self._lookups.pop(ticket, None)
+            st.lookups.discard(ticket)
+            self._lookup_failed(st, exc, now)
+            return
+        if hits is None:
+            if now >= batch.deadline:
+                self._lookups.pop(ticket, None)
+                st.lookups.discard(ticket)
+                self._orphans.add(ticket)
+                self._fail_request(st, "lookup timed out")
+            return
+        self._lookups.pop(ticket, None)
+        st.lookups.discard(ticket)
+        assert isinstance(hits, list)
+        for key, hit in zip(batch.keys, hits, strict=True):
+            if key in st.probes:  # not consumed by a load meanwhile
+                st.probes[key] = hit
+
+    def _lookup_failed(self, st: _Request, exc: Exception, now: float) -> None:
+        if isinstance(exc, PeerUnavailable | PortalClosed) and st.source is not None:
+            self._source_down(st.source, f"lookup failed: {exc}", now)
+        self._fail_request(st, f"lookup failed: {exc}")
+
+    def _expire_unsent(self, now: float) -> None:
+        """Batches held back (source still connecting) miss once their deadline passed."""
+        for st in list(self._open.values()):
+            if now >= st.unsent_since + self.lookup_timeout:
+                self._fail_request(st, "source not connected in time")
+        for st in list(self._requests.values()):
+            if st.waiting_loads:
+                expired = [ld for ld in st.waiting_loads if now >= ld.deadline]
+                if expired:
+                    st.waiting_loads = [ld for ld in st.waiting_loads if now < ld.deadline]
+                    for load in expired:
+                        self._fail_job(load.job, load.keys, "source not connected in time")
+
+    # ---------------------------------------------------------------- loads
+
+    def _start_load(self, peer: Peer, load: _Load, now: float) -> None:
+        ticket = self.node.submit_fetch(peer, load.keys, timeout=max(load.deadline - now, 0.001))
+        self._loads[ticket] = load
+
+    def _poll_loads(self, now: float) -> None:
+        for ticket, load in list(self._loads.items()):
+            try:
+                outcome = self.node.poll(ticket)
+            except Exception as exc:
+                del self._loads[ticket]
+                if isinstance(exc, PeerUnavailable | PortalClosed):
+                    st = self._requests.get(load.job.request_id)
+                    if st is not None and st.source is not None:
+                        self._source_down(st.source, f"load failed: {exc}", now)
+                self._fail_job(load.job, load.keys, str(exc) or type(exc).__name__)
+                continue
+            if outcome is None:
+                if now >= load.deadline:
+                    del self._loads[ticket]
+                    self._orphans.add(ticket)
+                    self._fail_job(load.job, load.keys, "load timed out")
+                continue
+            del self._loads[ticket]
+            assert isinstance(outcome, FetchResult)
+            loaded = set(outcome.loaded)
+            failed = {k: outcome.failed.get(k, "not loaded") for k in load.keys if k not in loaded}
+            self._finished.append(
+                JobResult(
+                    load.job.job_id, not failed, [k for k in load.keys if k in loaded], failed
+                )
+            )
+
+    def _fail_job(self, job: LoadJob, keys: list[bytes], reason: str) -> None:
+        self._finished.append(JobResult(job.job_id, False, [], dict.fromkeys(keys, reason)))
+
+    def _poll_orphans(self) -> None:
+        """Read (and drop) outcomes nobody waits for, so the node's board stays small."""
+        for ticket in list(self._orphans):
+            try:
+                if self.node.poll(ticket) is None:
+                    continue
+            except Exception:  # its failure (or KeyError: read elsewhere) is nobody's concern
+                pass
+            self._orphans.discard(ticket)

@@ -1,0 +1,451 @@
+"""The sync facade: BlockingNode on its engine thread, driven from foreign threads.
+
+Synchronous tests on purpose: pytest's main thread (and helper threads) play hosts, each
+node's engine runs ``trio.run`` on its own thread, two nodes talk over the in-process
+transport. Real threads, so the real clock: ordering is gated by ``threading.Event``s and
+queues, never by sleeps; the short timeouts (0.3 s) are where the behaviour under test *is*
+a timeout, and ``BOUND`` only says "this did not hang".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import trio
+
+from p2pkv import (
+    BlockingNode,
+    FetchResult,
+    NodeConfig,
+    P2PKVError,
+    P2PKVTimeout,
+    PeerUnavailable,
+    PortalClosed,
+    start_node,
+)
+from p2pkv.store import BlockStore
+from p2pkv.transport.base import RemotePeer, TransferHandle
+
+from .helpers import FaultTransport, config, fill
+
+BOUND = 10.0  # seconds: "this did not hang", never an expected duration
+SHORT = 0.3  # seconds: a timeout that is the behaviour under test
+BLOCK = 4096
+
+
+class EngineBroke(P2PKVError):
+    """A bug the tests plant in the engine."""
+
+
+class GatedTransport(FaultTransport):
+    """FAKE data plane (fault injection) with gates a test can wait on or hold shut:
+
+    * ``posted`` is set once a write has been posted (the producer is serving a fetch);
+    * while ``progress_gate`` is set to an unset Event, the next ``progress()`` call (made
+      on the engine's Trio thread whenever a consumer waits for writes) blocks on it, so
+      the whole engine is wedged in a blocking call, as a stuck data-plane call would.
+    """
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.posted = threading.Event()
+        self.progress_gate: threading.Event | None = None
+        self.in_progress = threading.Event()
+
+    def post_write(
+        self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> TransferHandle:
+        handle = super().post_write(peer, local_slots, remote_slots)
+        self.posted.set()
+        return handle
+
+    def progress(self) -> None:
+        gate, self.progress_gate = self.progress_gate, None  # one-shot
+        if gate is not None:
+            self.in_progress.set()
+            assert gate.wait(BOUND), "progress gate never opened"
+
+
+class GatedFactory:
+    def __init__(self, configure: Callable[[GatedTransport], None] | None = None) -> None:
+        self.configure = configure
+        self.built: list[GatedTransport] = []
+
+    def __call__(self, cfg: NodeConfig, store: BlockStore) -> GatedTransport:
+        t = GatedTransport(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
+        if self.configure is not None:
+            self.configure(t)
+        self.built.append(t)
+        return t
+
+    @property
+    def transport(self) -> GatedTransport:
+        return self.built[-1]
+
+
+def _leftover_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    # Trio keeps idle worker threads (daemon, "Trio thread N") cached for reuse by any later
+    # run; they belong to no node. Everything else a test starts must be gone.
+    return [
+        t
+        for t in threading.enumerate()
+        if t not in before and not (t.daemon and t.name.startswith("Trio thread"))
+    ]
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    before = set(threading.enumerate())
+    yield
+    extra = _leftover_threads(before)
+    for t in extra:  # a failing test may leave one: end it, then fail loudly
+        t.join(BOUND)
+    assert extra == [], f"threads left behind: {extra}"
+
+
+@pytest.fixture
+def nodes() -> Iterator[Callable[..., BlockingNode]]:
+    """Start BlockingNodes; every one is closed at the end, whatever happened."""
+    started: list[BlockingNode] = []
+
+    def start(peer_id: str, **kw: Any) -> BlockingNode:
+        transport = kw.pop("transport", None)
+        node = start_node(config(peer_id, **kw), transport=transport)
+        started.append(node)
+        return node
+
+    yield start
+    for node in reversed(started):
+        with contextlib.suppress(P2PKVError):
+            node.close(timeout=BOUND)
+
+
+def in_thread(
+    fn: Callable[[], object], name: str = "test-host"
+) -> tuple[threading.Thread, queue.Queue[object]]:
+    """Run fn on a helper thread; its return value or exception lands in the queue."""
+    out: queue.Queue[object] = queue.Queue()
+
+    def body() -> None:
+        try:
+            out.put(fn())
+        except BaseException as exc:
+            out.put(exc)
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    return t, out
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    """Yield the GIL until condition holds: a gate on state that no event exposes."""
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.001)
+
+
+def wait_ticket(node: BlockingNode, ticket: int) -> object:
+    """The ticket's result (or the exception it finished with), polling like a host."""
+    deadline = time.monotonic() + BOUND
+    while True:
+        try:
+            result = node.poll(ticket)
+        except Exception as exc:
+            return exc
+        if result is not None:
+            return result
+        assert time.monotonic() < deadline, "ticket never finished"
+        time.sleep(0.001)
+
+
+def assert_same_bytes(dst: BlockingNode, src: BlockingNode, keys: Sequence[bytes]) -> None:
+    for k in keys:
+        got, want = dst.store.get(k), src.store.get(k)
+        assert got is not None and want is not None
+        assert bytes(got) == bytes(want)
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_blocking_connect_lookup_fetch_round_trip_loads_the_producers_bytes(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    present = fill(src.store, 20, BLOCK)
+    absent = [os.urandom(32) for _ in range(5)]
+    keys = present[:10] + absent + present[10:]
+    peer = dst.connect(src.address, timeout=BOUND)
+    assert peer.peer_id == "src"
+    assert dst.lookup(peer, keys, timeout=BOUND) == [k in set(present) for k in keys]
+    result = dst.fetch(peer, keys, timeout=BOUND)
+    assert sorted(result.loaded) == sorted(present)
+    assert result.failed == dict.fromkeys(absent, "miss")
+    assert_same_bytes(dst, src, present)
+    assert all(k not in dst.store for k in absent)
+    assert [p.peer_id for p in dst.peers()] == ["src"]
+    assert dst.statistics().peers == 1
+    assert src.statistics().pinned_slots == 0  # the fetch closed the lookup round
+    dst.disconnect(peer, timeout=BOUND)
+    with pytest.raises(PeerUnavailable):
+        dst.lookup(peer, keys, timeout=BOUND)
+
+
+def test_submit_fetch_poll_and_get_finished_deliver_every_outcome_once(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 12, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+
+    lookup_t = dst.submit_lookup(peer, keys[:4])
+    assert wait_ticket(dst, lookup_t) == [True] * 4
+    with pytest.raises(KeyError):  # read once
+        dst.poll(lookup_t)
+
+    fetches = [dst.submit_fetch(peer, keys[i : i + 4]) for i in range(0, 12, 4)]
+    bad = dst.submit_fetch("nobody", keys[:1])
+    assert len({*fetches, bad, lookup_t}) == 5
+    wait_for(lambda: dst.pending() == 0)
+    finished = dict(dst.get_finished())
+    assert set(finished) == {*fetches, bad}
+    for ticket, i in zip(fetches, range(0, 12, 4), strict=True):
+        result = finished[ticket]
+        assert isinstance(result, FetchResult)
+        assert sorted(result.loaded) == sorted(keys[i : i + 4]) and not result.failed
+    assert isinstance(finished[bad], PeerUnavailable)
+    assert dst.get_finished() == []
+    assert_same_bytes(dst, src, keys)
+
+    # A published exception is raised by poll().
+    ticket = dst.submit_lookup("nobody", keys)
+    with pytest.raises(PeerUnavailable):
+        while dst.poll(ticket) is None:
+            time.sleep(0.001)
+
+
+@pytest.mark.parametrize("step", ["blocked_wait", "busy_python"])
+def test_a_lookup_is_answered_while_the_producers_host_thread_is_in_a_model_step(
+    nodes: Callable[..., BlockingNode], step: str
+) -> None:
+    """The engine answers peers whatever the host does: the producer's host thread is
+    inside a 2 s "model step" (blocked, or computing in Python and holding the GIL between
+    switches), and a consumer still gets its lookup and its blocks in well under a second.
+    """
+    src, dst = nodes("src"), nodes("dst")
+    in_step, step_over, step_done = threading.Event(), threading.Event(), threading.Event()
+    keys: list[bytes] = []
+
+    def producer_host() -> None:
+        keys.extend(fill(src.store, 32, BLOCK))
+        in_step.set()
+        if step == "blocked_wait":
+            step_over.wait(2.0)
+        else:
+            end = time.monotonic() + 2.0
+            while not step_over.is_set() and time.monotonic() < end:
+                sum(range(1000))
+        step_done.set()
+
+    host, _ = in_thread(producer_host, name="producer-host")
+    try:
+        assert in_step.wait(BOUND)
+        t0 = time.monotonic()
+        peer = dst.connect(src.address, timeout=BOUND)
+        hits = dst.lookup(peer, keys, timeout=BOUND)
+        result = dst.fetch(peer, keys, timeout=BOUND)
+        elapsed = time.monotonic() - t0
+        still_in_step = not step_done.is_set()
+    finally:
+        step_over.set()
+        host.join(BOUND)
+    assert still_in_step, "the producer's step ended before the consumer was done"
+    assert hits == [True] * len(keys)
+    assert sorted(result.loaded) == sorted(keys)
+    assert_same_bytes(dst, src, keys)
+    assert elapsed < 1.0, f"connect + lookup + fetch took {elapsed:.3f} s during the step"
+
+
+# ---------------------------------------------------------------- failure and close
+
+
+def test_engine_death_fails_calls_and_tickets_with_portal_closed_and_the_cause(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    hanging = GatedFactory(lambda t: setattr(t, "hang", True))
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    dst = nodes("dst")
+    keys = fill(src.store, 4, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    in_flight = dst.submit_fetch(peer, keys)  # the producer's writes never settle
+    assert hanging.transport.posted.wait(BOUND)
+    planted = EngineBroke("a bug in the engine")
+
+    def bug() -> None:
+        raise planted
+
+    dst._engine.run_sync_soon(bug)  # test seam: a failing command kills the engine
+    wait_for(lambda: not dst.alive)
+    assert dst.failure is planted
+
+    outcome = wait_ticket(dst, in_flight)
+    assert isinstance(outcome, PortalClosed) and outcome.__cause__ is planted
+    with pytest.raises(PortalClosed) as info:
+        dst.lookup(peer, keys, timeout=BOUND)
+    assert info.value.__cause__ is planted
+    late = dst.submit_fetch(peer, keys)  # born finished: nothing would ever serve it
+    late_outcome = wait_ticket(dst, late)
+    assert isinstance(late_outcome, PortalClosed)
+    dst.close(timeout=BOUND)  # closing a dead node is harmless
+    dst.close(timeout=BOUND)
+
+
+def test_a_node_that_cannot_start_raises_portal_closed_with_the_cause() -> None:
+    refused = EngineBroke("no data plane today")
+
+    def broken_transport(cfg: NodeConfig, store: BlockStore) -> GatedTransport:
+        raise refused
+
+    with pytest.raises(PortalClosed) as info:
+        start_node(config("a"), transport=broken_transport, start_timeout=BOUND)
+    assert info.value.__cause__ is refused
+
+
+def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    hanging = GatedFactory(lambda t: setattr(t, "hang", True))
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    dst = nodes("dst", close_timeout=1.0)
+    keys = fill(src.store, 4, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    caller, out = in_thread(lambda: dst.fetch(peer, keys, timeout=BOUND))
+    assert hanging.transport.posted.wait(BOUND)  # the fetch is in flight and stuck
+    ticket = dst.submit_fetch(peer, keys[:1])
+    closer, closed = in_thread(lambda: dst.close(timeout=BOUND), name="closer")
+    exc = out.get(timeout=BOUND)
+    caller.join(BOUND)
+    assert closed.get(timeout=BOUND) is None
+    closer.join(BOUND)
+    assert isinstance(exc, P2PKVError), exc
+    assert not isinstance(exc, trio.Cancelled)
+    assert isinstance(exc, PortalClosed)
+    # The ticket ends too: the closing node failed its keys, or the board failed it.
+    outcome = wait_ticket(dst, ticket)
+    assert not isinstance(outcome, trio.Cancelled)
+    if isinstance(outcome, FetchResult):
+        assert outcome.loaded == [] and set(outcome.failed) == {keys[0]}
+    else:
+        assert isinstance(outcome, P2PKVError)
+    assert not dst.alive and dst.failure is None
+    with pytest.raises(PortalClosed):
+        dst.connect(src.address, timeout=BOUND)
+
+
+def test_caller_side_timeouts_fire_while_the_engine_is_wedged_in_a_blocking_call(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    wedge = threading.Event()
+    wedging = GatedFactory()
+    src, dst = nodes("src"), nodes("dst", transport=wedging)
+    keys = fill(src.store, 8, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    wedging.transport.progress_gate = wedge
+    try:
+        fetch_t = dst.submit_fetch(peer, keys)
+        assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
+        t0 = time.monotonic()
+        with pytest.raises(P2PKVTimeout):
+            dst.lookup(peer, keys, timeout=SHORT)
+        with pytest.raises(P2PKVTimeout):
+            dst.statistics(timeout=SHORT)
+        assert time.monotonic() - t0 < 2 * SHORT + 0.5
+        # The hot path does not care either: a submit is a post, poll reads in place.
+        t1 = time.perf_counter()
+        lookup_t = dst.submit_lookup(peer, keys)
+        assert dst.poll(lookup_t) is None and dst.poll(fetch_t) is None
+        assert time.perf_counter() - t1 < 0.05
+    finally:
+        wedge.set()
+    fetched = wait_ticket(dst, fetch_t)
+    assert isinstance(fetched, FetchResult) and sorted(fetched.loaded) == sorted(keys)
+    assert wait_ticket(dst, lookup_t) == [True] * len(keys)
+    assert_same_bytes(dst, src, keys)
+    dst.close(timeout=BOUND)
+    assert not dst.alive and dst.failure is None
+
+
+def test_close_is_idempotent_and_leaves_no_thread_or_pin(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    before = set(threading.enumerate())
+    src, dst = nodes("src"), nodes("dst")
+    names = {t.name for t in _leftover_threads(before)}
+    assert {"p2pkv-engine-src", "p2pkv-engine-dst", "p2pkv-engine-dst-waker"} <= names
+    keys = fill(src.store, 6, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    assert dst.lookup(peer, keys, timeout=BOUND) == [True] * 6  # pins at src, round open
+    assert src.statistics().pinned_slots == 6
+    with dst:
+        pass  # __exit__ closes
+    dst.close(timeout=BOUND)
+    dst.close()
+    assert not dst.alive
+    # The consumer's bye ended the session at the producer, and its pins with it.
+    wait_for(lambda: src.statistics().pinned_slots == 0 and src.statistics().sessions == 0)
+    src.close(timeout=BOUND)
+    src.close(timeout=BOUND)
+    assert _leftover_threads(before) == []
+
+
+def test_calls_from_the_engine_thread_raise_instead_of_deadlocking(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    node = nodes("a")
+
+    async def reenter() -> list[str]:
+        errors = []
+        for call in (lambda: node.statistics(timeout=BOUND), lambda: node.close()):
+            try:
+                call()
+            except P2PKVError as exc:
+                errors.append(str(exc))
+        return errors
+
+    errors = node._engine.call(reenter, timeout=BOUND)
+    assert len(errors) == 2 and all("re-entrant" in e for e in errors)
+    assert node.alive
+
+
+def test_submits_racing_from_many_host_threads_all_finish_exactly_once(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Posts from several threads race on the waker's flag and lock; none may be lost
+    (a lost wake would leave its ticket in flight forever)."""
+    node = nodes("a")
+    go = threading.Event()
+    tickets: queue.Queue[int] = queue.Queue()
+
+    def host() -> None:
+        assert go.wait(BOUND)
+        for _ in range(200):
+            tickets.put(node.submit_lookup("nobody", [b"k" * 32]))
+
+    hosts = [in_thread(host, name=f"host-{i}")[0] for i in range(4)]
+    go.set()
+    for t in hosts:
+        t.join(BOUND)
+    issued = [tickets.get_nowait() for _ in range(800)]
+    assert len(set(issued)) == 800
+    wait_for(lambda: node.pending() == 0)
+    finished = node.get_finished()
+    assert sorted(t for t, _ in finished) == sorted(issued)
+    assert all(isinstance(out, PeerUnavailable) for _, out in finished)

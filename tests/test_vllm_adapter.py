@@ -1,0 +1,448 @@
+"""The vLLM-shaped tier, driven the way vLLM's tiering manager drives a secondary tier.
+
+A :class:`Scheduler` thread plays vLLM's scheduler: it steps every 5 ms, asks ``lookup``
+per key per request until the answer is not None, submits one load for the hits,
+ends the step (``step()``, where vLLM calls ``on_schedule_end``) and collects
+``get_finished_jobs()``. Every tier call happens on that one thread; the test thread only
+feeds it requests and commands through a queue and reads what it reports from another.
+Sources are BlockingNodes in this process (in-process transport, real TCP control).
+Ordering is gated by events and queues; the 5 ms step is vLLM's pacing, not a sync point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from p2pkv import BlockingNode, P2PKVError, Peer, start_node
+from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo, SourceSpec
+
+from .helpers import FaultFactory, config, fill
+
+BOUND = 10.0  # seconds: "this did not hang", never an expected duration
+STEP = 0.005  # the scheduler's step period
+BLOCK = 4096
+
+
+def source_params(node: BlockingNode, request_id: str = "r-src") -> dict[str, Any]:
+    host, port = node.address
+    return {"remote_kv_source": {"host": host, "port": port, "request_id": request_id}}
+
+
+@attrs.define(eq=False)
+class _Req:
+    info: RequestInfo
+    keys: list[bytes]
+    load_gate: threading.Event | None
+    answers: dict[bytes, bool] = attrs.field(factory=dict)
+    first_ask: float | None = None
+    asked_reported: bool = False
+    resolved_reported: bool = False
+    load_submitted: bool = False
+
+
+@attrs.frozen
+class Resolved:
+    request_id: str
+    answers: dict[bytes, bool]
+    after_s: float  # since the first lookup() of the request
+
+
+@attrs.frozen
+class Asked:
+    request_id: str  # lookup() said None and a step has passed: the batch is out
+
+
+@attrs.frozen
+class Finished:
+    result: JobResult
+    after_s: float  # since submit_load
+
+
+class Scheduler:
+    """vLLM's scheduler thread, reduced to what a secondary tier sees (module docstring)."""
+
+    def __init__(self, tier: P2PTier) -> None:
+        self.tier = tier
+        self.inbox: queue.Queue[_Req | Callable[[], object]] = queue.Queue()
+        self.events: queue.Queue[Resolved | Asked | Finished] = queue.Queue()
+        self.slowest_call = 0.0  # seconds: the longest single step's tier calls took
+        self._reqs: dict[str, _Req] = {}
+        self._submitted: dict[int, float] = {}
+        self._jobs = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-scheduler")
+        self._error: BaseException | None = None
+
+    def __enter__(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(BOUND)
+        assert not self._thread.is_alive()
+        if self._error is not None:
+            raise self._error
+
+    def add(
+        self,
+        request_id: str,
+        keys: Sequence[bytes],
+        params: dict[str, Any] | None,
+        *,
+        load_gate: threading.Event | None = None,
+    ) -> None:
+        self.inbox.put(_Req(RequestInfo(request_id, params), list(keys), load_gate))
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the scheduler thread (tier calls belong there); its result."""
+        done: queue.Queue[object] = queue.Queue()
+
+        def wrapped() -> None:
+            try:
+                done.put(fn())
+            except BaseException as exc:
+                done.put(exc)
+
+        self.inbox.put(wrapped)
+        out = done.get(timeout=BOUND)
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def next_event(self, kind: type[Any], request_id: str | None = None) -> Any:
+        """The next event of ``kind`` (for ``request_id``), skipping others (kept)."""
+        deadline = time.monotonic() + BOUND
+        skipped = []
+        try:
+            while True:
+                ev = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+                rid = ev.result.job_id if isinstance(ev, Finished) else ev.request_id
+                if isinstance(ev, kind) and request_id in (None, rid):
+                    return ev
+                skipped.append(ev)
+        finally:
+            for ev in skipped:
+                self.events.put(ev)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step()
+                time.sleep(STEP)
+        except BaseException as exc:
+            self._error = exc
+
+    def _step(self) -> None:
+        while True:
+            try:
+                item = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Req):
+                self._reqs[item.info.request_id] = item
+            else:
+                item()
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        pending_asks = []
+        for req in list(self._reqs.values()):
+            for key in req.keys:
+                if key in req.answers:
+                    continue
+                if req.first_ask is None:
+                    req.first_ask = now
+                hit = self.tier.lookup(key, req.info)
+                if hit is not None:
+                    req.answers[key] = hit
+            done = len(req.answers) == len(req.keys)
+            if not done and not req.asked_reported:
+                pending_asks.append(req)
+            if done and not req.resolved_reported:
+                assert req.first_ask is not None
+                req.resolved_reported = True
+                self.events.put(
+                    Resolved(req.info.request_id, dict(req.answers), now - req.first_ask)
+                )
+            if done and not req.load_submitted:
+                hits = [k for k in req.keys if req.answers[k]]
+                if not hits:
+                    req.load_submitted = True  # misses fall back: no job at all
+                elif req.load_gate is None or req.load_gate.is_set():
+                    req.load_submitted = True
+                    job = LoadJob(next(self._jobs), req.info.request_id, hits)
+                    self._submitted[job.job_id] = time.monotonic()
+                    self.tier.submit_load(job)
+        self.tier.step()
+        finished = self.tier.get_finished_jobs()
+        self.slowest_call = max(self.slowest_call, time.perf_counter() - t0)
+        for req in pending_asks:
+            req.asked_reported = True
+            self.events.put(Asked(req.info.request_id))
+        for result in finished:
+            self.events.put(Finished(result, time.monotonic() - self._submitted[result.job_id]))
+
+
+class SpyNode(BlockingNode):
+    """The consumer's BlockingNode, recording the batches the tier submits."""
+
+    def __init__(self, node: BlockingNode) -> None:
+        super().__init__(node._engine, node._board)
+        self.lookups: list[list[bytes]] = []
+
+    def submit_lookup(
+        self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
+    ) -> int:
+        self.lookups.append(list(keys))
+        return super().submit_lookup(peer, keys, timeout=timeout)
+
+
+@pytest.fixture
+def nodes() -> Iterator[Callable[..., BlockingNode]]:
+    started: list[BlockingNode] = []
+
+    def start(peer_id: str, **kw: Any) -> BlockingNode:
+        transport = kw.pop("transport", None)
+        node = start_node(config(peer_id, **kw), transport=transport)
+        started.append(node)
+        return node
+
+    yield start
+    for node in reversed(started):
+        with contextlib.suppress(P2PKVError):
+            node.close(timeout=BOUND)
+
+
+def wedge(node: BlockingNode) -> threading.Event:
+    """Hang the node's engine (its Trio thread blocks, as in a hung process); set the
+    returned event to let it go. Test seam: posts a blocking callable to the engine."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hang() -> None:
+        entered.set()
+        release.wait(BOUND)
+
+    node._engine.run_sync_soon(hang)
+    assert entered.wait(BOUND)
+    return release
+
+
+def crash_connections(node: BlockingNode) -> None:
+    """FAKE crash (test seam): shut the node's TCP connections down as the kernel does
+    for a process that died, while its engine is wedged and cannot answer anything."""
+    for session in list(node._node._sessions):
+        stream = session.stream
+        assert isinstance(stream, trio.SocketStream)
+        stream.socket.shutdown(socket.SHUT_RDWR)
+
+
+def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.001)
+
+
+def drain(q: queue.Queue[Any]) -> list[Any]:
+    out = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            out.append(q.get_nowait())
+    return out
+
+
+def engine_threads() -> set[str]:
+    return {t.name for t in threading.enumerate() if t.name.startswith("p2pkv-engine-")}
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_source_spec_accepts_both_spellings_and_rejects_junk() -> None:
+    ours = {"remote_kv_source": {"host": "h", "port": 7, "request_id": "x", "peer_id": "p"}}
+    vllm = {"remote_kv_source": {"remote_host": "h", "remote_port": "7", "kv_request_id": "x"}}
+    assert SourceSpec.from_params(ours) == SourceSpec("h", 7, "x", "p")
+    assert SourceSpec.from_params(vllm) == SourceSpec("h", 7, "x", None)
+    for junk in (
+        None,
+        {},
+        {"remote_kv_source": "h:7"},
+        {"remote_kv_source": {"host": "h"}},
+        {"remote_kv_source": {"host": "h", "port": 0}},
+        {"remote_kv_source": {"host": "h", "port": True}},
+    ):
+        assert SourceSpec.from_params(junk) is None
+
+
+def test_hits_load_the_sources_bytes_and_misses_fall_back(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src = nodes("src")
+    spy = SpyNode(nodes("dst"))
+    present = fill(src.store, 12, BLOCK)
+    absent = [os.urandom(32) for _ in range(4)]
+    keys = present[:6] + absent + present[6:]
+    dead_port = _unused_port()
+    tier = P2PTier(spy, lookup_timeout=2.0, load_timeout=5.0)
+    with Scheduler(tier) as sched:
+        sched.add("r1", keys, source_params(src))
+        sched.add("no-source", present[:3], None)
+        sched.add(
+            "unreachable",
+            present[:3],
+            {"remote_kv_source": {"host": "127.0.0.1", "port": dead_port}},
+        )
+
+        r1 = sched.next_event(Resolved, "r1")
+        assert r1.answers == {k: k in set(present) for k in keys}
+        job = sched.next_event(Finished).result
+        assert job.success and sorted(job.loaded) == sorted(present) and not job.failed
+        for k in present:
+            assert bytes(spy.store.get(k) or b"") == bytes(src.store.get(k) or b"?")
+        assert all(k not in spy.store for k in absent)
+
+        assert sched.next_event(Resolved, "no-source").answers == dict.fromkeys(present[:3], False)
+        assert sched.next_event(Resolved, "unreachable").answers == dict.fromkeys(
+            present[:3], False
+        )
+        # One batched lookup for all of r1's keys, asked in one step; none for the others.
+        assert spy.lookups == [keys]
+        sched.call(tier.shutdown)
+    # The misses started no job: the one load above is the only one.
+    assert not [ev for ev in drain(sched.events) if isinstance(ev, Finished)]
+    assert src.statistics().pinned_slots == 0  # the load closed the lookup round
+
+
+def test_a_source_that_dies_mid_request_turns_lookups_into_misses_and_loads_into_failures(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    dst = nodes("dst")
+    keys = fill(src.store, 8, BLOCK)
+    more = fill(src.store, 4, BLOCK)
+    # Generous deadlines: what ends the waits below must be the death, not a deadline.
+    tier = P2PTier(dst, lookup_timeout=5.0, load_timeout=30.0, reconnect_backoff=60.0)
+    with Scheduler(tier) as sched:
+        sched.add("r1", keys, source_params(src))
+        assert all(sched.next_event(Resolved, "r1").answers.values())
+        wait_for(lambda: hanging.transport.posts > 0)  # r1's load is in flight, stuck
+        release = wedge(src)  # the source hangs...
+        try:
+            sched.add("r2", more, source_params(src))
+            sched.next_event(Asked, "r2")  # ...with r2's lookup sent and unanswered...
+            crash_connections(src)  # ...and dies: its connections go down, unanswered.
+            t_kill = time.monotonic()
+
+            r2 = sched.next_event(Resolved, "r2")
+            assert r2.answers == dict.fromkeys(more, False)
+            failed = sched.next_event(Finished)
+            assert not failed.result.success and failed.result.loaded == []
+            assert set(failed.result.failed) == set(keys)
+            assert time.monotonic() - t_kill < 5.0  # the death ended them, not a deadline
+        finally:
+            release.set()
+
+        # While the source is down (backing off), new requests for it miss at once.
+        sched.add("r3", keys, source_params(src))
+        r3 = sched.next_event(Resolved, "r3")
+        assert r3.answers == dict.fromkeys(keys, False) and r3.after_s < 0.5
+        assert sched.slowest_call < 0.1, "a tier call blocked the scheduler"
+        sched.call(tier.shutdown)
+    assert all(k not in dst.store for k in keys + more)
+
+
+def test_closing_the_source_mid_request_fails_its_load_and_its_next_lookups_miss(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    dst = nodes("dst")
+    keys = fill(src.store, 6, BLOCK)
+    later = fill(src.store, 3, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=5.0, load_timeout=30.0)
+    with Scheduler(tier) as sched:
+        sched.add("r1", keys, source_params(src))
+        assert all(sched.next_event(Resolved, "r1").answers.values())
+        wait_for(lambda: hanging.transport.posts > 0)  # r1's load is in flight, stuck
+        t_close = time.monotonic()
+        src.close(timeout=BOUND)  # the source goes away (bye) with the load in flight
+        failed = sched.next_event(Finished)
+        assert not failed.result.success and set(failed.result.failed) == set(keys)
+        sched.add("r1", later, source_params(src))  # the same request asks for more
+        r1_more = sched.next_event(Resolved, "r1")
+        assert r1_more.answers == dict.fromkeys(later, False)
+        assert time.monotonic() - t_close < 5.0  # the close ended them, not a deadline
+        sched.call(tier.shutdown)
+    assert all(k not in dst.store for k in keys + later)
+
+
+def test_a_hung_source_costs_the_scheduler_nothing_and_its_requests_end_by_the_deadline(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 6, BLOCK)
+    more = fill(src.store, 3, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=0.5, load_timeout=0.8)
+    gate = threading.Event()
+    with Scheduler(tier) as sched:
+        sched.add("r1", keys, source_params(src), load_gate=gate)
+        assert all(sched.next_event(Resolved, "r1").answers.values())
+        release = wedge(src)
+        try:
+            sched.add("r2", more, source_params(src))
+            gate.set()  # r1's load goes to the hung source
+            r2 = sched.next_event(Resolved, "r2")
+            assert r2.answers == dict.fromkeys(more, False)
+            assert 0.5 <= r2.after_s < 0.5 + 0.5
+            job = sched.next_event(Finished)
+            assert not job.result.success and set(job.result.failed) == set(keys)
+            assert 0.8 <= job.after_s < 0.8 + 0.5
+            assert sched.slowest_call < 0.1, "a tier call blocked the scheduler"
+        finally:
+            release.set()
+        sched.call(tier.shutdown)
+
+
+def test_shutdown_leaves_no_thread_agent_or_pin_behind(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src = nodes("src")
+    keys = fill(src.store, 5, BLOCK)
+    before = engine_threads()
+    tier = P2PTier.start(config("dst"), lookup_timeout=2.0)
+    assert engine_threads() - before == {"p2pkv-engine-dst", "p2pkv-engine-dst-waker"}
+    assert src.statistics().transport.live_agents == 2  # src and dst in this process
+    never = threading.Event()
+    with Scheduler(tier) as sched:
+        sched.add("r1", keys, source_params(src), load_gate=never)
+        assert all(sched.next_event(Resolved, "r1").answers.values())
+        assert src.statistics().pinned_slots == 5  # the lookup round holds pins
+        sched.call(tier.shutdown)
+        sched.call(tier.shutdown)  # idempotent
+        assert sched.call(lambda: tier.lookup(keys[0], RequestInfo("r1"))) is False
+    assert engine_threads() == before
+    assert not tier.node.alive and tier.node.failure is None
+    wait_for(lambda: src.statistics().sessions == 0)
+    st = src.statistics()
+    assert st.pinned_slots == 0 and st.registrations.live == 0
+    assert st.transport.live_agents == 1 and st.transport.remote_peers == 0
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
