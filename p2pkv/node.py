@@ -293,6 +293,11 @@ class Node:
         died) are in ``result.failed``; raises only if the peer is not connected."""
         return await self._session(peer, "fetch").fetch(keys)
 
+    async def release(self, peer: Peer | str, keys: Sequence[bytes] | None = None) -> int:
+        """Give back the pins of open lookup rounds (those holding any of ``keys``, or all)
+        without fetching, e.g. when the request that looked them up is finished."""
+        return await self._session(peer, "release").release(keys)
+
     async def disconnect(self, peer: Peer | str) -> None:
         session = self._session(peer, "disconnect")
         await session.aclose("disconnected")

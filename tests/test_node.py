@@ -292,3 +292,23 @@ async def test_reconfiguration_swaps_the_data_plane_and_drops_departed_peers() -
                     await trio.sleep(0.01)
             assert all(t.statistics().remote_peers == 0 for t in factory.built[:-1])
             assert len(factory.built) == 4
+
+
+async def test_release_gives_back_pins_of_an_unfetched_round() -> None:
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src, open_node(config("dst")) as dst:
+            keys = fill(src.store, 4, 4096)
+            peer = await dst.connect(src.address)
+            await dst.lookup(peer, keys[:2])
+            await dst.lookup(peer, keys[2:])
+            assert src.statistics().pinned_slots == 4
+            assert await dst.release(peer, keys[:1]) == 1
+            with trio.fail_after(5):
+                while src.statistics().pinned_slots != 2:
+                    await trio.sleep(0.01)
+            assert await dst.release(peer) == 1
+            with trio.fail_after(5):
+                while src.statistics().pinned_slots:
+                    await trio.sleep(0.01)
+            # Released keys are looked up afresh by a later fetch.
+            assert sorted((await dst.fetch(peer, keys)).loaded) == sorted(keys)

@@ -14,6 +14,7 @@ writes may still land; the producer's ``abort_ack`` frees them early.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -113,7 +114,16 @@ class ConsumerSide(SessionParts):
         """One lookup round. The round stays open (the producer pins the hits for a lease)
         until :meth:`fetch` uses it or the lease runs out."""
         self._check_usable("lookup")
-        await self._requests.acquire()
+        try:  # waiting for a request slot is part of the lookup's deadline
+            with trio.fail_after(self.cfg.lookup_timeout):
+                await self._requests.acquire()
+        except trio.TooSlowError:
+            raise P2PKVTimeout(
+                f"no request slot free within the lookup deadline "
+                f"({self.cfg.max_open_requests} open)",
+                peer=self.peer_id,
+                op="lookup",
+            ) from None
         try:
             req = self.proto.send_lookup(keys)
         except BaseException:
@@ -149,8 +159,30 @@ class ConsumerSide(SessionParts):
         p.aborted = True
         if self.alive:
             self.proto.send_abort(p.req_id)
-            if self._nursery is not None:
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Send what is queued from a sync context. If the session is already winding
+        down (its nursery closed), the final flush sends it instead."""
+        if self._nursery is not None:
+            # RuntimeError: the nursery is closed to new arrivals (the session is closing).
+            with contextlib.suppress(RuntimeError):
                 self._nursery.start_soon(self._flush)
+
+    async def release(self, keys: Sequence[bytes] | None = None) -> int:
+        """Close open lookup rounds that hold any of ``keys`` (all rounds if ``None``) without
+        fetching: the producer releases their pins now instead of at the lease's end.
+        Returns how many rounds were closed."""
+        wanted = None if keys is None else set(keys)
+        rounds = [
+            r.req_id
+            for r in self._rounds.values()
+            if wanted is None or not wanted.isdisjoint(r.hits)
+        ]
+        for req in rounds:
+            self._close_round(req)
+        await self._flush()
+        return len(rounds)
 
     def _close_round(self, req: int) -> None:
         """Close a round nobody fetched (empty fetch): the producer releases its pins."""

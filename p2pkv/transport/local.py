@@ -114,11 +114,20 @@ class LocalTransport(DataTransport):
         if len(local_slots) != len(remote_slots):
             raise TransportError("slot lists differ in length", peer=peer.agent_name)
         bl = self._layout.block_len
+        src_idx = np.asarray(local_slots, dtype=np.int64)
+        dst_idx = np.asarray(remote_slots, dtype=np.int64)
+        if src_idx.size and (
+            src_idx.min() < 0
+            or src_idx.max() >= self._layout.num_blocks
+            or dst_idx.min() < 0
+            or dst_idx.max() >= peer.layout.num_blocks
+        ):
+            raise TransportError("slot outside the region", peer=peer.agent_name)
         dst: np.ndarray = peer.native
-        for s, d in zip(local_slots, remote_slots, strict=True):
-            if not (0 <= s < self._layout.num_blocks and 0 <= d < peer.layout.num_blocks):
-                raise TransportError("slot outside the region", peer=peer.agent_name)
-            dst[d * bl : (d + 1) * bl] = self._array[s * bl : (s + 1) * bl]
+        # One vectorised gather/scatter instead of a Python loop per block.
+        dst_blocks = dst[: peer.layout.nbytes].reshape(peer.layout.num_blocks, bl)
+        src_blocks = self._array.reshape(self._layout.num_blocks, bl)
+        dst_blocks[dst_idx] = src_blocks[src_idx]
         handle = TransferHandle(
             peer, tuple(local_slots), tuple(remote_slots), native=TransferState.DONE
         )
