@@ -67,7 +67,7 @@ log = logging.getLogger("p2pkv.facade")
 
 #: What a ticket resolves to: ``submit_connect`` -> Peer, ``submit_lookup`` -> list[bool],
 #: ``submit_fetch`` -> FetchResult.
-TicketResult: TypeAlias = Peer | list[bool] | FetchResult
+TicketResult: TypeAlias = Peer | list[bool] | FetchResult | int
 #: An entry of :meth:`BlockingNode.get_finished`: the result, or the exception it raised.
 TicketOutcome: TypeAlias = TicketResult | BaseException
 
@@ -152,6 +152,7 @@ class BlockingNode:
                 ("lookup", c.lookup_timeout),
                 ("fetch", c.lookup_timeout + c.fetch_timeout),
                 ("disconnect", c.close_timeout),
+                ("release", c.close_timeout),
                 ("close", 2 * c.close_timeout),
             )
         }
@@ -245,6 +246,17 @@ class BlockingNode:
         self.close()
 
     # ---------------------------------------------------------------- hot path
+
+    def submit_release(
+        self,
+        peer: Peer | str,
+        keys: Sequence[bytes] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Start :meth:`Node.release` (give back the pins of unfetched lookup rounds);
+        returns a ticket (result: the number of rounds closed)."""
+        return self._submit(self._node.release, (peer, keys), "release", timeout)
 
     def submit_connect(self, address: tuple[str, int], *, timeout: float | None = None) -> int:
         """Start :meth:`connect` on the engine; returns a ticket (result: Peer)."""

@@ -446,3 +446,30 @@ def _unused_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
     return port
+
+
+def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Hits looked up but never loaded are released when the request finishes, instead
+    of staying pinned at the source for the whole lease (10 s here)."""
+    src = nodes("src")
+    dst = nodes("dst")
+    keys = fill(src.store, 5, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=2.0, load_timeout=5.0)
+    req = RequestInfo("r-unloaded", source_params(src))
+    answers: dict[bytes, bool | None] = dict.fromkeys(keys)
+    deadline = time.monotonic() + BOUND
+    while None in answers.values():  # this thread plays the scheduler, stepping
+        assert time.monotonic() < deadline
+        for k in keys:
+            answers[k] = tier.lookup(k, req)
+        tier.step()
+        time.sleep(0.005)
+    assert all(answers.values())
+    assert src.statistics().pinned_slots == 5
+    start = time.monotonic()
+    tier.on_request_finished(req)
+    wait_for(lambda: src.statistics().pinned_slots == 0)
+    assert time.monotonic() - start < 5.0  # well inside the 10 s lease
+    tier.shutdown()

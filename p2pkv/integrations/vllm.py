@@ -330,11 +330,14 @@ class P2PTier:
     def on_request_finished(self, request: RequestLike) -> None:
         """Forget the request: its open batch is dropped, its lookups in flight are
         ignored, loads still waiting for a connection fail. Loads already submitted
-        still report. Hits it never loaded stay pinned at the source until the lease
-        ends (p2pkv has no "release this round" call yet)."""
+        still report. Hits it looked up and never loaded are given back to the source at
+        once (``submit_release``) instead of staying pinned there until the lease ends."""
         st = self._requests.pop(request.request_id, None)
         if st is None:
             return
+        hits = [k for k, hit in st.probes.items() if hit]
+        if hits and st.source is not None and st.source.peer is not None:
+            self._orphans.add(self.node.submit_release(st.source.peer, hits))
         if self._batching is st:
             self._batching = None
         self._open.pop(st.request_id, None)
