@@ -13,11 +13,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import trio
@@ -30,6 +31,9 @@ from p2pkv.store import BlockStore
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.local import LocalTransport
 from p2pkv.wire import Hello
+
+if TYPE_CHECKING:
+    from p2pkv.facade import BlockingNode
 
 T = TypeVar("T")
 _ids = itertools.count()
@@ -262,3 +266,22 @@ def rejected_registration() -> Exception:
 
 def post_failure() -> Exception:
     return TransportError("post refused by the fault script")
+
+
+def blocking_nodes(bound: float = 10.0) -> Iterator[Callable[..., BlockingNode]]:
+    """Body of the ``nodes`` fixture: start BlockingNodes (sync facade); every one is
+    closed at the end, whatever happened."""
+    from p2pkv import P2PKVError, start_node
+
+    started: list[BlockingNode] = []
+
+    def start(peer_id: str, **kw: Any) -> BlockingNode:
+        transport = kw.pop("transport", None)
+        node = start_node(config(peer_id, **kw), transport=transport)
+        started.append(node)
+        return node
+
+    yield start
+    for node in reversed(started):
+        with contextlib.suppress(P2PKVError):
+            node.close(timeout=bound)

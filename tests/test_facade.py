@@ -9,7 +9,6 @@ a timeout, and ``BOUND`` only says "this did not hang".
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
 import threading
@@ -108,23 +107,6 @@ def no_leaked_threads() -> Iterator[None]:
     for t in extra:  # a failing test may leave one: end it, then fail loudly
         t.join(BOUND)
     assert extra == [], f"threads left behind: {extra}"
-
-
-@pytest.fixture
-def nodes() -> Iterator[Callable[..., BlockingNode]]:
-    """Start BlockingNodes; every one is closed at the end, whatever happened."""
-    started: list[BlockingNode] = []
-
-    def start(peer_id: str, **kw: Any) -> BlockingNode:
-        transport = kw.pop("transport", None)
-        node = start_node(config(peer_id, **kw), transport=transport)
-        started.append(node)
-        return node
-
-    yield start
-    for node in reversed(started):
-        with contextlib.suppress(P2PKVError):
-            node.close(timeout=BOUND)
 
 
 def in_thread(

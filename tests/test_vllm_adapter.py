@@ -18,14 +18,13 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import pytest
 import trio
 
-from p2pkv import BlockingNode, P2PKVError, Peer, start_node
+from p2pkv import BlockingNode, Peer
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo, SourceSpec
 
 from .helpers import FaultFactory, config, fill
@@ -207,22 +206,6 @@ class SpyNode(BlockingNode):
     ) -> int:
         self.lookups.append(list(keys))
         return super().submit_lookup(peer, keys, timeout=timeout)
-
-
-@pytest.fixture
-def nodes() -> Iterator[Callable[..., BlockingNode]]:
-    started: list[BlockingNode] = []
-
-    def start(peer_id: str, **kw: Any) -> BlockingNode:
-        transport = kw.pop("transport", None)
-        node = start_node(config(peer_id, **kw), transport=transport)
-        started.append(node)
-        return node
-
-    yield start
-    for node in reversed(started):
-        with contextlib.suppress(P2PKVError):
-            node.close(timeout=BOUND)
 
 
 def wedge(node: BlockingNode) -> threading.Event:
