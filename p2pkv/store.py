@@ -306,6 +306,36 @@ class BlockStore:
             self._publish_locked(slot, key)
             return True
 
+    def commit_many(
+        self, owner: Hashable, slots: Sequence[int], keys: Sequence[bytes]
+    ) -> list[bool]:
+        """:meth:`commit` for a batch, under one lock acquisition (the landing of a fetch).
+
+        All or nothing for the reservation check: ValueError (nothing changed) if any slot
+        is not reserved by ``owner``."""
+        if len(slots) != len(keys):
+            raise ValueError("slots and keys differ in length")
+        for key in keys:
+            _check_key(key)
+        out: list[bool] = []
+        with self._lock:
+            self._check_reserved_locked(owner, slots)
+            for slot, key in zip(slots, keys, strict=True):
+                self._unreserve_locked(slot)
+                if key in self._map:
+                    self._free_locked(slot)
+                    out.append(False)
+                else:
+                    self._publish_locked(slot, key)
+                    out.append(True)
+        return out
+
+    def present(self, keys: Iterable[bytes]) -> list[bool]:
+        """``key in store`` for a batch, under one lock acquisition."""
+        with self._lock:
+            m = self._map
+            return [k in m for k in keys]
+
     def release_reserved(self, owner: Hashable, slots: Sequence[int]) -> None:
         """Reserved slots whose transfer settled without a block go back to FREE.
 

@@ -816,3 +816,25 @@ def test_pinned_blocks_never_change_while_the_host_thread_puts() -> None:
     assert stats.free + stats.used == n
     for i, key in enumerate(shared):
         assert tag_of(bytes(store.get(key) or b"")) == i
+
+
+def test_commit_many_publishes_a_batch_and_keeps_existing_keys() -> None:
+    store = BlockStore(8, 16)
+    store.put(b"old", b"o" * 16)
+    slots = store.reserve("f", 3)
+    for slot, fill_byte in zip(slots, b"abc", strict=True):
+        store.array[slot * 16 : (slot + 1) * 16] = fill_byte
+    assert store.commit_many("f", slots, [b"k1", b"old", b"k3"]) == [True, False, True]
+    assert bytes(store.get(b"k1") or b"") == b"a" * 16
+    assert bytes(store.get(b"old") or b"") == b"o" * 16  # the existing block is kept
+    assert bytes(store.get(b"k3") or b"") == b"c" * 16
+    assert store.statistics().reserved == 0 and store.statistics().used == 3
+    assert store.present([b"k1", b"nope", b"old"]) == [True, False, True]
+
+
+def test_commit_many_checks_every_reservation_before_changing_anything() -> None:
+    store = BlockStore(8, 16)
+    slots = store.reserve("f", 2)
+    with pytest.raises(ValueError):
+        store.commit_many("f", [slots[0], 7], [b"a", b"b"])
+    assert store.statistics().reserved == 2 and len(store) == 0

@@ -197,8 +197,9 @@ class ConsumerSide(SessionParts):
         result = FetchResult()
         wanted = list(dict.fromkeys(keys))
         store = self.node.store
-        todo = [k for k in wanted if k not in store]
-        result.loaded.extend(k for k in wanted if k in store)
+        here = store.present(wanted)
+        todo = [k for k, h in zip(wanted, here, strict=True) if not h]
+        result.loaded.extend(k for k, h in zip(wanted, here, strict=True) if h)
         groups: dict[int, list[bytes]] = {}
         uncovered: list[bytes] = []
         for key in todo:
@@ -296,13 +297,17 @@ class ConsumerSide(SessionParts):
                 good = {i for i, c in zip(ok, local, strict=True) if c == done.checksums[i]}
                 reason_bad = "checksum mismatch"
         release: list[int] = []
+        commit_slots: list[int] = []
+        commit_keys: list[bytes] = []
         for i, (key, slot) in enumerate(zip(keys, p.slots, strict=True)):
             if i in good:
-                store.commit(owner, slot, key)
-                result.loaded.append(key)
+                commit_slots.append(slot)
+                commit_keys.append(key)
             else:
                 release.append(slot)
                 o = done.outcomes[i]
                 result.failed[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
+        store.commit_many(owner, commit_slots, commit_keys)
+        result.loaded.extend(commit_keys)
         store.release_reserved(owner, release)
         p.slots = []
