@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import trio
+from _regions import touched_region  # bench/ is on sys.path when run as a script
 
 import p2pkv
 from p2pkv.cli import Child, demo_keys, emit, fill_store, set_env_defaults, verify_blocks
@@ -86,17 +86,6 @@ def source_main(args: argparse.Namespace) -> None:
 
 
 # --- the consumer (this process) ------------------------------------------------------------
-
-
-def touched_region(nbytes: int) -> npt.NDArray[np.uint8]:
-    """Page-aligned like the store's own region, and touched: the copy speed of the kernel
-    (cma) depends on the source and destination page offsets (up to 3x here), and page
-    faults on fresh memory are not what we measure."""
-    raw = np.empty(nbytes + 4096, dtype=np.uint8)
-    offset = -raw.ctypes.data % 4096
-    region = raw[offset : offset + nbytes]
-    region.fill(1)
-    return region
 
 
 async def timed_pull(

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import trio
+from _regions import touched_region  # bench/ is on sys.path when run as a script
 
 import p2pkv
 from p2pkv.cli import (
@@ -59,17 +60,6 @@ WORK_TARGET_US = 5.0
 def cpu_s() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
-
-
-def touched_region(nbytes: int) -> npt.NDArray[np.uint8]:
-    """Page-aligned like the store's own region, and touched: the copy speed of the kernel
-    (cma) depends on the source and destination page offsets (up to 3x here), and page
-    faults on fresh memory are not what we measure."""
-    raw = np.empty(nbytes + 4096, dtype=np.uint8)
-    offset = -raw.ctypes.data % 4096
-    region = raw[offset : offset + nbytes]
-    region.fill(1)
-    return region
 
 
 def order(n: int) -> npt.NDArray[np.int64]:

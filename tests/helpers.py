@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -285,3 +287,32 @@ def blocking_nodes(bound: float = 10.0) -> Iterator[Callable[..., BlockingNode]]
     for node in reversed(started):
         with contextlib.suppress(P2PKVError):
             node.close(timeout=bound)
+
+
+BOUND = 10.0  # seconds: "this did not hang", never an expected duration
+
+
+def in_thread(
+    fn: Callable[[], object], name: str = "test-host"
+) -> tuple[threading.Thread, queue.Queue[object]]:
+    """Run fn on a helper thread (a foreign thread, as a host's scheduler would be); its
+    return value or exception lands in the queue."""
+    out: queue.Queue[object] = queue.Queue()
+
+    def body() -> None:
+        try:
+            out.put(fn())
+        except BaseException as exc:
+            out.put(exc)
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    return t, out
+
+
+def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:
+    """Yield the GIL until condition holds: a gate on state that no event exposes."""
+    deadline = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.001)

@@ -32,7 +32,7 @@ from p2pkv import (
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RemotePeer, TransferHandle
 
-from .helpers import FaultTransport, config, fill
+from .helpers import FaultTransport, config, fill, in_thread, wait_for
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SHORT = 0.3  # seconds: a timeout that is the behaviour under test
@@ -107,31 +107,6 @@ def no_leaked_threads() -> Iterator[None]:
     for t in extra:  # a failing test may leave one: end it, then fail loudly
         t.join(BOUND)
     assert extra == [], f"threads left behind: {extra}"
-
-
-def in_thread(
-    fn: Callable[[], object], name: str = "test-host"
-) -> tuple[threading.Thread, queue.Queue[object]]:
-    """Run fn on a helper thread; its return value or exception lands in the queue."""
-    out: queue.Queue[object] = queue.Queue()
-
-    def body() -> None:
-        try:
-            out.put(fn())
-        except BaseException as exc:
-            out.put(exc)
-
-    t = threading.Thread(target=body, name=name)
-    t.start()
-    return t, out
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    """Yield the GIL until condition holds: a gate on state that no event exposes."""
-    deadline = time.monotonic() + BOUND
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.001)
 
 
 def wait_ticket(node: BlockingNode, ticket: int) -> object:

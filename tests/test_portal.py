@@ -27,6 +27,8 @@ import trio
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PortalClosed
 from p2pkv.portal import EngineContext, EngineThread, TicketBoard
 
+from .helpers import in_thread, wait_for
+
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SHORT = 0.2  # seconds: a timeout that is the behaviour under test
 
@@ -53,29 +55,6 @@ async def serve(ctx: EngineContext[None]) -> None:
 
 def start(main: Callable[[EngineContext[Any]], Awaitable[object]] = serve) -> EngineThread[Any]:
     return EngineThread.start(main, name="test-engine", start_timeout=BOUND)
-
-
-def in_thread(fn: Callable[[], object]) -> tuple[threading.Thread, queue.Queue[object]]:
-    """Run fn on a helper thread; its return value or exception lands in the queue."""
-    out: queue.Queue[object] = queue.Queue()
-
-    def body() -> None:
-        try:
-            out.put(fn())
-        except BaseException as exc:
-            out.put(exc)
-
-    t = threading.Thread(target=body, name="test-caller")
-    t.start()
-    return t, out
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    """Spin (yielding the GIL) until condition holds: a gate on state no event exposes."""
-    deadline = time.monotonic() + BOUND
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0)
 
 
 async def block_until_cancelled(entered: threading.Event, cancelled: threading.Event) -> None:

@@ -27,7 +27,7 @@ import trio
 from p2pkv import BlockingNode, Peer
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo, SourceSpec
 
-from .helpers import FaultFactory, config, fill
+from .helpers import FaultFactory, config, fill, wait_for
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 STEP = 0.005  # the scheduler's step period
@@ -229,13 +229,6 @@ def crash_connections(node: BlockingNode) -> None:
         stream = session.stream
         assert isinstance(stream, trio.SocketStream)
         stream.socket.shutdown(socket.SHUT_RDWR)
-
-
-def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + BOUND
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.001)
 
 
 def drain(q: queue.Queue[Any]) -> list[Any]:
