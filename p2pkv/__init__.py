@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .config import PROTOCOL_MAJOR, PROTOCOL_MINOR, NodeConfig
 from .errors import (
     CapacityExceeded,
+    DuplicateSession,
     HandshakeRejected,
     LocalProtocolError,
     P2PKVError,
@@ -49,6 +50,7 @@ __all__ = [
     "BlockStore",
     "BlockingNode",
     "CapacityExceeded",
+    "DuplicateSession",
     "FetchResult",
     "HandshakeRejected",
     "LocalProtocolError",

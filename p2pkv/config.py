@@ -67,6 +67,13 @@ class NodeConfig:
     # Large fetches are posted as several handles of at most this many bytes, so one
     # request never holds the data plane for long and failures stay per chunk.
     transfer_chunk_bytes: int = attrs.field(default=256 << 20, validator=_positive)
+    # The largest region (in blocks) a peer's hello may claim; registering a region costs
+    # memory and time in proportion to its blocks, so bigger claims are refused up front.
+    max_peer_blocks: int = attrs.field(default=1 << 21, validator=_positive)
+    # A hello claiming the peer id of a live, established session is refused if that
+    # session answers a ping within this time (so no one can take over a live peer's id);
+    # otherwise the old session is taken to be dead and is replaced.
+    probe_timeout: float = attrs.field(default=2.0, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if not self.peer_id or len(self.peer_id) > 128:

@@ -57,6 +57,11 @@ class HandshakeRejected(P2PKVError):
         self.remote = remote
 
 
+class DuplicateSession(HandshakeRejected):
+    """The peer already has a live session with this node; this connection was refused
+    (or lost the tie-break of two simultaneous dials). ``connect`` returns the live one."""
+
+
 class PeerUnavailable(P2PKVError):
     """The peer is not (or no longer) connected: refused, closed, dead or reaped."""
 
@@ -99,6 +104,7 @@ class PeerDisconnected(TransportError):
 
 __all__ = [
     "CapacityExceeded",
+    "DuplicateSession",
     "HandshakeRejected",
     "LocalProtocolError",
     "P2PKVError",

@@ -8,11 +8,22 @@ completion poller and the quarantine timer. The supervisor catches ``Exception``
 each session's task (outside the session's own cancel scope), so one peer's failure or
 hostile input never cancels a sibling; ``BaseException`` passes through.
 
-At most one live session per peer id. A hello from a peer id that already has a live
-session either means the peer restarted (a new epoch: the old session is closed and
-fully torn down *before* the new registration starts) or that both sides dialed each
-other at once (same epoch: the connection dialed by the smaller peer id wins, on both
-sides, so they agree without talking).
+At most one live session per peer id, decided by :meth:`Node.admit` (one decision at a
+time per peer id). A hello naming a peer id that already has a live session:
+
+* If that session is established, it is probed (a ping; any complete frame within
+  ``probe_timeout`` is an answer). A live session is never replaced: the newcomer is
+  refused as a duplicate, so nobody can take over a connected peer's identity by
+  claiming it. A session that stays silent is taken to be dead (the peer restarted and
+  its old connection has not noticed yet): it is closed and fully torn down *before* the
+  newcomer registers.
+* If it is still handshaking and the epochs match, both sides dialed each other at once:
+  when the two connections were dialed by different sides, the one dialed by the smaller
+  peer id wins, on both sides, so they agree without talking; when one side dialed both,
+  the older connection stays. A different epoch supersedes it (the peer restarted).
+
+``connect`` to an address this node already has an established session with returns that
+peer; a refused duplicate dial also returns the live peer.
 
 Closing is idempotent: sessions say bye and drain, the nursery is cancelled, every
 registration still published is released, and the transport is closed.
@@ -33,6 +44,7 @@ import trio
 from .completion import CompletionPoller
 from .config import NodeConfig
 from .errors import (
+    DuplicateSession,
     HandshakeRejected,
     P2PKVError,
     P2PKVTimeout,
@@ -111,6 +123,9 @@ class Node:
         self._sessions: set[PeerSession] = set()
         self._by_peer: dict[str, PeerSession] = {}
         self._dialed: set[PeerSession] = set()
+        self._admitting: dict[str, trio.Lock] = {}  # one admit decision at a time per peer
+        self._dialing: dict[tuple[str, int], trio.Event] = {}  # connects in progress
+        self._peers_changed = trio.lowlevel.ParkingLot()  # a session became ready or ended
         self._closing = False
         self._closed = trio.Event()
         self._stopped = trio.Event()
@@ -118,7 +133,7 @@ class Node:
 
     # --- what sessions need -------------------------------------------------------------
 
-    def local_info(self) -> LocalInfo:
+    def local_info(self, *, dialer: bool = False) -> LocalInfo:
         cfg, layout = self.config, self.store.layout
         return LocalInfo(
             peer_id=cfg.peer_id,
@@ -137,33 +152,60 @@ class Node:
             max_keys_per_request=cfg.max_keys_per_request,
             max_key_len=cfg.max_key_len,
             max_frame_size=cfg.max_frame_size,
+            max_peer_blocks=cfg.max_peer_blocks,
+            dialer=dialer,
         )
 
     async def admit(self, session: PeerSession, hello: Hello) -> None:
-        """Make ``session`` the one live session of its peer id, or reject it."""
-        if self._closing:
-            raise HandshakeRejected("node is shutting down", peer=hello.peer_id)
-        old = self._by_peer.get(hello.peer_id)
-        if old is not None and old is not session and old.alive:
+        """Make ``session`` the one live session of its peer id, or reject it (see the
+        module docstring). Called only once the hello passed every check (including
+        authentication), so nothing unproven can replace a session or count against
+        ``max_peers``."""
+        pid = hello.peer_id
+        lock = self._admitting.setdefault(pid, trio.Lock())
+        try:
+            async with lock:
+                await self._admit_locked(session, hello)
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0:
+                self._admitting.pop(pid, None)
+
+    async def _admit_locked(self, session: PeerSession, hello: Hello) -> None:
+        pid = hello.peer_id
+        while True:
+            if self._closing:
+                raise HandshakeRejected("node is shutting down", peer=pid)
+            old = self._by_peer.get(pid)
+            if old is None or old is session or not old.alive:
+                break
             old_hello = old.proto.peer
-            if old_hello is not None and old_hello.epoch == hello.epoch:
-                # Both sides dialed: keep the connection the smaller peer id dialed.
-                dialer_small = min(self.config.peer_id, hello.peer_id) == self.config.peer_id
-                if (session in self._dialed) != dialer_small:
-                    raise HandshakeRejected("duplicate connection", peer=hello.peer_id)
+            if old.proto.ready:
+                if await old.probe(self.config.probe_timeout):
+                    raise DuplicateSession("peer id already has a live session", peer=pid)
+                reason = "superseded: the old session did not answer"
+            elif old_hello is not None and old_hello.epoch == hello.epoch:
+                # Both sides dialed at once: keep the connection the smaller peer id
+                # dialed; if one side dialed both, keep the older one.
+                dialer_small = min(self.config.peer_id, pid) == self.config.peer_id
+                new_dialed, old_dialed = session in self._dialed, old in self._dialed
+                if new_dialed == old_dialed or new_dialed != dialer_small:
+                    raise DuplicateSession("duplicate connection", peer=pid)
                 reason = "duplicate connection"
             else:
                 reason = "superseded: the peer restarted"
-            old.close(reason, "superseded")
+            old.close(reason, "duplicate" if reason == "duplicate connection" else "superseded")
             with trio.move_on_after(self.config.close_timeout):
                 await old.finished.wait()
-        elif old is None and len(self._by_peer) >= self.config.max_peers:
+            if old.alive or not old.finished.is_set():
+                raise HandshakeRejected("the previous session of this peer did not close", peer=pid)
+        if pid not in self._by_peer and len(self._by_peer) >= self.config.max_peers:
             raise HandshakeRejected(
-                f"node is at its cap of {self.config.max_peers} peers", peer=hello.peer_id
+                f"node is at its cap of {self.config.max_peers} peers", peer=pid
             )
-        if self._closing:
-            raise HandshakeRejected("node is shutting down", peer=hello.peer_id)
-        self._by_peer[hello.peer_id] = session
+        self._by_peer[pid] = session
+
+    def session_ready(self, session: PeerSession) -> None:
+        self._peers_changed.unpark_all()
 
     def session_gone(self, session: PeerSession) -> None:
         self._sessions.discard(session)
@@ -171,6 +213,7 @@ class Node:
         pid = session.peer_id
         if pid is not None and self._by_peer.get(pid) is session:
             del self._by_peer[pid]
+        self._peers_changed.unpark_all()
 
     def defer(self, delay: float, fn: Callable[..., Any], *args: Any) -> None:
         """Call ``fn(*args)`` after ``delay`` seconds (or at shutdown, whichever first)."""
@@ -241,35 +284,57 @@ class Node:
             raise PeerUnavailable("not connected", peer=pid, op=op)
         return session
 
+    def _established(self, address: tuple[str, int]) -> PeerSession | None:
+        for s in self._by_peer.values():
+            if s.address == address and s in self._dialed and s.alive and s.ready.is_set():
+                return s
+        return None
+
     async def connect(self, address: tuple[str, int]) -> Peer:
-        """Dial a peer; returns once both sides have registered each other (both acks)."""
+        """Dial a peer; returns once both sides have registered each other (both acks).
+        Connecting to a peer that is already connected returns it (the live session is
+        never replaced); concurrent connects to one address share one dial."""
         if self._closing or self._nursery is None:
             raise PeerUnavailable("node is closed", op="connect")
+        address = (address[0], int(address[1]))
+        while (dialing := self._dialing.get(address)) is not None:
+            await dialing.wait()
+        existing = self._established(address)
+        if existing is not None:
+            assert existing.peer_id is not None
+            return Peer(existing.peer_id, address)
+        done = self._dialing[address] = trio.Event()
+        try:
+            return await self._dial(address)
+        finally:
+            del self._dialing[address]
+            done.set()
+
+    async def _dial(self, address: tuple[str, int]) -> Peer:
         host, port = address
         try:
             with trio.fail_after(self.config.connect_timeout):
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError) as exc:
             raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}", op="connect") from exc
-        session = PeerSession(self, stream, address=(host, port))
+        session = PeerSession(self, stream, address=address, dialer=True)
         self._dialed.add(session)
-        self._nursery.start_soon(self._supervise, session)
-        await _wait_either(session.ready, session.finished)
-        if session.ready.is_set() and session.alive:
+        self._nursery_or_raise().start_soon(self._supervise, session)
+        await _wait_either(session.handshaken, session.finished)
+        if session.handshaken.is_set() and session.alive:
             assert session.peer_id is not None
-            return Peer(session.peer_id, (host, port))
+            return Peer(session.peer_id, address)
         err = session.error
-        if session.peer_id is not None and "duplicate connection" in str(
-            session.close_reason
-        ) + str(err):
-            # Both sides dialed at once and this connection lost the tie-break: the
-            # other one is (or is about to be) the session with this peer.
+        if isinstance(err, DuplicateSession) and session.peer_id is not None:
+            # The peer already has a live session with us (or the other connection of a
+            # simultaneous dial won): that one is the answer.
+            pid = session.peer_id
             with trio.move_on_after(self.config.handshake_timeout):
                 while True:
-                    winner = self._by_peer.get(session.peer_id)
+                    winner = self._by_peer.get(pid)
                     if winner is not None and winner.alive and winner.ready.is_set():
-                        return Peer(session.peer_id, winner.address)
-                    await trio.sleep(0.005)
+                        return Peer(pid, winner.address)
+                    await self._peers_changed.park()
         if isinstance(err, HandshakeRejected):
             raise err
         if isinstance(err, P2PKVTimeout):

@@ -134,7 +134,21 @@ class Hello:
     hash_algo: str = attrs.field(validator=_text(64))
     hash_seed: bytes = attrs.field(validator=_blob(256))
     nonce: bytes = attrs.field(validator=_blob(64))
+    # The limits this side enforces on requests it receives: a consumer splits its
+    # requests and refuses over-long keys locally instead of being closed for them.
+    max_keys_per_request: int = attrs.field(validator=_u64)
+    max_key_len: int = attrs.field(validator=_u64)
     auth: bytes | None = attrs.field(default=None, validator=_opt_blob(64))
+
+
+@attrs.frozen(kw_only=True)
+class Challenge:
+    """With authentication on, the accepting side's first frame: its fresh nonce. The
+    dialer's hello must carry a proof over it, so a hello recorded on another connection
+    can never be replayed into this one."""
+
+    TAG = "challenge"
+    nonce: bytes = attrs.field(validator=_blob(64))
 
 
 @attrs.frozen(kw_only=True)
@@ -220,7 +234,8 @@ class Bye:
 
 
 Message = (
-    Hello
+    Challenge
+    | Hello
     | HelloAck
     | Lookup
     | LookupResp
@@ -235,6 +250,7 @@ Message = (
 MESSAGE_TYPES: Final[dict[str, type[Any]]] = {
     cls.TAG: cls
     for cls in (
+        Challenge,
         Hello,
         HelloAck,
         Lookup,

@@ -37,7 +37,7 @@ def make_info(peer_id: str = "a", **overrides: Any) -> LocalInfo:
     info = LocalInfo(
         peer_id=peer_id,
         epoch=zlib.crc32(peer_id.encode()) + 1,
-        agent_name=f"agent-{peer_id}",
+        agent_name=peer_id,
         agent_metadata=b"nixl-md-" + peer_id.encode(),
         base_addr=0x7F00_0000_0000,
         num_blocks=NUM_BLOCKS,
@@ -70,8 +70,12 @@ class ConnectionPair:
     """Two connected protocol machines ``a`` and ``b`` with an event log per side."""
 
     def __init__(self, a: LocalInfo | None = None, b: LocalInfo | None = None) -> None:
-        self.a = SessionProtocol(a if a is not None else make_info("a"))
-        self.b = SessionProtocol(b if b is not None else make_info("b"))
+        a = a if a is not None else make_info("a")
+        b = b if b is not None else make_info("b")
+        if not a.dialer and not b.dialer:
+            a = attrs.evolve(a, dialer=True)  # ``a`` opened the connection
+        self.a = SessionProtocol(a)
+        self.b = SessionProtocol(b)
         self.log: dict[SessionProtocol, list[Event]] = {self.a: [], self.b: []}
 
     def other(self, p: SessionProtocol) -> SessionProtocol:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import pytest
 import trio
@@ -11,7 +12,7 @@ import trio
 import p2pkv
 from p2pkv import HandshakeRejected, PeerUnavailable, open_node
 
-from .helpers import FaultFactory, config, fill
+from .helpers import FaultFactory, RawPeer, config, fill
 
 
 async def test_fetched_bytes_equal_source_and_misses_never_load() -> None:
@@ -207,18 +208,84 @@ async def test_restarted_peer_with_the_same_id_is_served_again() -> None:
                 assert b.statistics().registrations.live == 1
 
 
-async def test_a_restarted_peer_supersedes_its_old_session() -> None:
-    """A new epoch from a known peer id replaces the old session (torn down first)."""
+async def test_a_restarted_peer_supersedes_its_silent_old_session() -> None:
+    """A new epoch from a known peer id replaces the old session (torn down first) when
+    the old one no longer answers: the peer restarted and its old connection is dead but
+    not yet closed."""
     with trio.fail_after(20):
-        async with open_node(config("a")) as a, open_node(config("b")) as b1:
-            await b1.connect(a.address)
-            # b restarts without a's noticing the old connection die: same id, new epoch.
-            async with open_node(config("b", port=0)) as b2:
+        async with open_node(config("a", probe_timeout=0.2)) as a:
+            old = RawPeer("b")
+            await old.connect(a.address)
+            await old.handshake()  # then silent: it never reads or answers again
+            async with open_node(config("b")) as b2:
                 keys = fill(a.store, 2, 4096)
                 peer = await b2.connect(a.address)
                 assert sorted((await b2.fetch(peer, keys)).loaded) == sorted(keys)
                 assert a.statistics().peers == 1
                 assert a.statistics().registrations.live == 1
+            assert old.stream is not None
+            await old.stream.aclose()
+
+
+async def test_a_live_peer_id_cannot_be_taken_over_by_a_newcomer() -> None:
+    """Issue 7 item 2: a hello claiming the id of a connected, answering peer (with a new
+    epoch, or replaying its epoch) is refused; the live session and its registration are
+    untouched and keep serving byte-exact."""
+    with trio.fail_after(20):
+        async with open_node(config("a")) as a, open_node(config("b")) as b:
+            peer = await b.connect(a.address)
+            registrations = a.statistics().registrations
+            for epoch in (b.epoch + 1, b.epoch):
+                impostor = RawPeer("b", epoch=epoch)
+                await impostor.connect(a.address)
+                impostor.proto.start()
+                await impostor.flush()
+                bye = await impostor.expect_close()
+                assert impostor.stream is not None
+                await impostor.stream.aclose()
+                assert bye is not None and bye.code == "duplicate", bye
+                assert a.statistics().registrations == registrations  # nothing registered
+            keys = fill(a.store, 3, 4096)
+            assert sorted((await b.fetch(peer, keys)).loaded) == sorted(keys)
+            for k in keys:
+                assert b.store.get(k) == a.store.get(k)
+            assert a.statistics().peers == 1
+
+
+async def test_connect_to_a_connected_peer_returns_the_live_session() -> None:
+    """Issue 7 item 6: a second connect() (same address, another name for it, or
+    concurrent) returns the peer; the live session and a fetch in flight are untouched.
+    The dialing side has the smaller peer id: the dial-race tie-break must not fire when
+    this side dialed both connections."""
+    with trio.fail_after(20):
+        async with open_node(config("a")) as a, open_node(config("b")) as b:
+            peer = await a.connect(b.address)
+            keys = fill(b.store, 8, 4096)
+            results: list[Any] = []
+
+            async def fetch() -> None:
+                results.append(await a.fetch(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                again = await a.connect(b.address)
+                both = await _gather(a.connect(b.address), a.connect(("localhost", b.address[1])))
+            assert again == peer and all(p.peer_id == "b" for p in both)
+            assert sorted(results[0].loaded) == sorted(keys) and not results[0].failed
+            assert a.statistics().sessions == 1 and b.statistics().sessions == 1
+            assert a.statistics().quarantined_slots == 0
+
+
+async def _gather(*aws: Any) -> list[Any]:
+    out: list[Any] = [None] * len(aws)
+
+    async def one(i: int, aw: Any) -> None:
+        out[i] = await aw
+
+    async with trio.open_nursery() as nursery:
+        for i, aw in enumerate(aws):
+            nursery.start_soon(one, i, aw)
+    return out
 
 
 async def test_simultaneous_dials_settle_on_one_session() -> None:

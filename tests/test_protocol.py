@@ -44,6 +44,7 @@ from p2pkv.wire import (
     Abort,
     AbortAck,
     Bye,
+    Challenge,
     Fetch,
     Hello,
     HelloAck,
@@ -72,12 +73,15 @@ K1, K2, K3 = b"key-1", b"key-2", b"key-3"
 SECRET = b"correct horse battery staple"
 
 
-def hello_for(info: LocalInfo, **changes: Any) -> Hello:
-    """The hello a machine with ``info`` sends (optionally altered after the fact)."""
-    p = SessionProtocol(info)
+def hello_for(info: LocalInfo, *, to: bytes = b"", **changes: Any) -> Hello:
+    """The hello a machine with ``info`` sends (optionally altered after the fact). With a
+    secret, its proof is bound to the receiver's nonce ``to``."""
+    p = SessionProtocol(attrs.evolve(info, secret=None))
     p.start()
     (h,) = decode_frames(p.data_to_send())
     assert isinstance(h, Hello)
+    if info.secret is not None:
+        h = attrs.evolve(h, auth=hello_proof(info.secret, h, to, dialer=info.dialer))
     return attrs.evolve(h, **changes)
 
 
@@ -96,11 +100,13 @@ def events_of(p: SessionProtocol, data: bytes) -> list[Event]:
 def half_open(
     a_info: LocalInfo | None = None, b_info: LocalInfo | None = None
 ) -> tuple[SessionProtocol, Hello]:
-    """``a`` started and holding b's hello, registration pending: our ack not sent yet."""
+    """``a`` (the accepting side) started and holding b's hello, registration pending: our
+    ack not sent yet. With a secret, b's hello carries a proof over a's nonce."""
     a = SessionProtocol(a_info or make_info("a"))
     a.start()
     a.data_to_send()
-    hb = hello_for(b_info or make_info("b"))
+    b_info = attrs.evolve(b_info or make_info("b"), dialer=True)
+    hb = hello_for(b_info, to=a.local.nonce)
     assert events_of(a, encode(hb)) == [HelloReceived(hb)]
     return a, hb
 
@@ -268,8 +274,11 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], str]] = [
     ("hash_algo", {"hash_algo": "xxh3"}, "hash algorithm or seed"),
     ("hash_seed", {"hash_seed": b"other seed"}, "hash algorithm or seed"),
     ("own_peer_id", {"peer_id": "a"}, "is our own"),
-    ("zero_blocks", {"num_blocks": 0}, "invalid region"),
-    ("too_many_blocks", {"num_blocks": (1 << 32) + 1}, "invalid region"),
+    ("zero_blocks", {"num_blocks": 0}, "region of 0 blocks"),
+    ("too_many_blocks", {"num_blocks": (1 << 21) + 1}, "this node accepts 1..2097152"),
+    ("region_past_u64", {"base_addr": (1 << 64) - 4096}, "does not fit the address space"),
+    ("other_agent", {"agent_name": "victim"}, "is not the peer id"),
+    ("zero_key_limit", {"max_key_len": 0}, "zero request limits"),
 ]
 
 
@@ -313,7 +322,8 @@ def test_the_same_secret_on_both_sides_authenticates() -> None:
     pair = ready_pair(make_info("a", secret=SECRET), make_info("b", secret=SECRET))
     (hello_b, _) = pair.log[pair.a]
     assert isinstance(hello_b, HelloReceived)
-    assert hello_b.hello.auth == hello_proof(SECRET, attrs.evolve(hello_b.hello, auth=None))
+    unsigned = attrs.evolve(hello_b.hello, auth=None)
+    assert hello_b.hello.auth == hello_proof(SECRET, unsigned, pair.a.local.nonce, dialer=False)
 
 
 @pytest.mark.parametrize(
@@ -321,7 +331,7 @@ def test_the_same_secret_on_both_sides_authenticates() -> None:
     [
         (SECRET, b"another secret", "authentication failed"),
         (SECRET, None, "authentication required"),
-        (None, SECRET, "no secret configured here"),
+        (None, SECRET, "authentication required|no secret configured here"),
     ],
     ids=["different_secret", "missing_proof", "proof_without_local_secret"],
 )
@@ -331,19 +341,62 @@ def test_authentication_mismatch_rejects_the_handshake(
     pair = ConnectionPair(make_info("a", secret=a_secret), make_info("b", secret=b_secret))
     pair.a.start()
     pair.b.start()
-    pair.a.data_to_send()
     with pytest.raises(HandshakeRejected, match=match) as info:
-        pair.deliver(pair.b)
-    assert pair.a.state is State.CLOSED
-    assert sent(pair.a) == [Bye(code="handshake", reason=info.value.reason)]
+        pair.exchange()
+    (rejecter,) = [p for p in (pair.a, pair.b) if p.state is State.CLOSED]
+    assert sent(rejecter)[-1] == Bye(code="handshake", reason=info.value.reason)
+    assert Ready() not in pair.log[pair.a] + pair.log[pair.b]
 
 
 def test_hello_altered_under_a_valid_proof_is_rejected() -> None:
     a = SessionProtocol(make_info("a", secret=SECRET))
     a.start()
-    forged = hello_for(make_info("b", secret=SECRET), epoch=999)  # proof is over the old epoch
+    b = make_info("b", secret=SECRET, dialer=True)
+    forged = hello_for(b, to=a.local.nonce, epoch=999)  # proof is over the old epoch
     with pytest.raises(HandshakeRejected, match="authentication failed"):
         events_of(a, encode(forged))
+
+
+def test_a_hello_recorded_on_another_connection_is_rejected() -> None:
+    """Replay: a valid hello of b, captured on b's connection to another node (bound to
+    that node's nonce), proves nothing on a's connection: a acts on nothing."""
+    b = make_info("b", secret=SECRET, dialer=True)
+    other = SessionProtocol(make_info("c", secret=SECRET))
+    other.start()
+    challenge = other.data_to_send()
+    recorded = hello_for(b, to=other.local.nonce)
+    assert events_of(other, encode(recorded)) == [HelloReceived(recorded)]  # valid there
+    a = SessionProtocol(make_info("a", secret=SECRET))
+    a.start()
+    assert decode_frames(a.data_to_send()) == [Challenge(nonce=a.local.nonce)]
+    assert decode_frames(challenge) != [Challenge(nonce=a.local.nonce)]
+    with pytest.raises(HandshakeRejected, match="authentication failed"):
+        events_of(a, encode(recorded))
+    assert a.peer is None  # nothing of the hello was taken in
+    assert decode_frames(a.data_to_send()) == [
+        Bye(code="handshake", reason="authentication failed")
+    ]
+
+
+def test_the_accepting_side_reveals_its_hello_only_to_a_proven_dialer() -> None:
+    a = SessionProtocol(make_info("a", secret=SECRET))
+    a.start()
+    assert [type(m) for m in decode_frames(a.data_to_send())] == [Challenge]
+    unproven = hello_for(make_info("b", secret=b"not the secret", dialer=True), to=a.local.nonce)
+    with pytest.raises(HandshakeRejected):
+        events_of(a, encode(unproven))
+    assert [type(m) for m in decode_frames(a.data_to_send())] == [Bye]  # no hello of ours
+
+
+def test_a_dialer_with_a_secret_waits_for_the_challenge() -> None:
+    b = SessionProtocol(make_info("b", secret=SECRET, dialer=True))
+    b.start()
+    assert b.data_to_send() == b""
+    nonce = b"c" * 16
+    assert events_of(b, encode(Challenge(nonce=nonce))) == []
+    (hello,) = decode_frames(b.data_to_send())
+    assert isinstance(hello, Hello)
+    assert hello.auth == hello_proof(SECRET, attrs.evolve(hello, auth=None), nonce, dialer=True)
 
 
 @pytest.mark.parametrize(
@@ -370,10 +423,10 @@ def test_hello_ack_without_a_fresh_proof_is_rejected(
 def test_hello_ack_with_a_fresh_proof_completes_the_handshake() -> None:
     a = SessionProtocol(make_info("a", secret=SECRET))
     a.start()
-    hb = hello_for(make_info("b", secret=SECRET))
+    hb = hello_for(make_info("b", secret=SECRET, dialer=True), to=a.local.nonce)
     events_of(a, encode(hb))
     a.registration_succeeded()
-    (ack,) = sent(a)[1:]
+    (ack,) = sent(a)[2:]  # after our challenge and our hello
     assert ack == HelloAck(peer_id="a", epoch=hb.epoch, auth=ack_proof(SECRET, "a", hb.nonce))
     good = HelloAck(peer_id="b", epoch=a.local.epoch, auth=ack_proof(SECRET, "b", a.local.nonce))
     assert events_of(a, encode(good)) == [Ready()]
@@ -1208,8 +1261,11 @@ def test_hello_proof_covers_every_field() -> None:
         hash_algo="sha256",
         hash_seed=b"",
         nonce=b"n" * 16,
+        max_keys_per_request=64,
+        max_key_len=128,
     )
-    proof = hello_proof(b"k", h)
+    mine = b"m" * 16
+    proof = hello_proof(b"k", h, mine, dialer=True)
     for change in (
         {"base_addr": 8192},
         {"num_blocks": 9},
@@ -1217,5 +1273,8 @@ def test_hello_proof_covers_every_field() -> None:
         {"hash_seed": b"x"},
         {"version_minor": 1},
     ):
-        assert hello_proof(b"k", attrs.evolve(h, **change)) != proof
-    assert hello_proof(b"k", attrs.evolve(h, auth=b"anything")) == proof
+        assert hello_proof(b"k", attrs.evolve(h, **change), mine, dialer=True) != proof
+    assert hello_proof(b"k", attrs.evolve(h, auth=b"anything"), mine, dialer=True) == proof
+    # Bound to the receiver's nonce of this connection and to the sender's role.
+    assert hello_proof(b"k", h, b"o" * 16, dialer=True) != proof
+    assert hello_proof(b"k", h, mine, dialer=False) != proof

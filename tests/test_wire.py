@@ -27,6 +27,7 @@ from p2pkv.wire import (
     Abort,
     AbortAck,
     Bye,
+    Challenge,
     Fetch,
     FrameDecoder,
     Hello,
@@ -86,8 +87,11 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
         hash_algo=_text(64),
         hash_seed=st.binary(max_size=256),
         nonce=st.binary(max_size=64),
+        max_keys_per_request=u64,
+        max_key_len=u64,
         auth=st.none() | st.binary(max_size=64),
     ),
+    "challenge": st.builds(Challenge, nonce=st.binary(max_size=64)),
     "hello_ack": st.builds(
         HelloAck, peer_id=_text(128), epoch=u64, auth=st.none() | st.binary(max_size=64)
     ),

@@ -22,9 +22,7 @@ class SessionParts:
         cfg: NodeConfig
         proto: SessionProtocol
         token: object
-        remote: RemotePeer | None
         close_reason: str | None
-        ready: trio.Event
         _nursery: trio.Nursery | None
         _wake_lease: trio.Event
 
@@ -32,4 +30,8 @@ class SessionParts:
         def peer_id(self) -> str | None: ...
         @property
         def alive(self) -> bool: ...
+        @property
+        def ready(self) -> trio.Event: ...
+        @property
+        def remote(self) -> RemotePeer | None: ...
         async def _flush(self, *, final: bool = False) -> None: ...

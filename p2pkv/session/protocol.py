@@ -57,9 +57,11 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..wire import (
+    U64_MAX,
     Abort,
     AbortAck,
     Bye,
+    Challenge,
     Fetch,
     FrameDecoder,
     Hello,
@@ -97,6 +99,12 @@ class LocalInfo:
     max_keys_per_request: int = 65536
     max_key_len: int = 128
     max_frame_size: int = 16 << 20
+    # The largest region a peer may claim: registering it costs memory and time in
+    # proportion to its blocks, so a bigger claim is refused before anything is built.
+    max_peer_blocks: int = 1 << 21
+    # Which side opened the connection. With a secret, the dialer proves itself first,
+    # so the accepting side never reveals its hello (agent metadata) to a stranger.
+    dialer: bool = False
 
 
 class State(enum.Enum):
@@ -236,15 +244,19 @@ Event = (
     | ByeReceived
 )
 
-_HANDSHAKE_MSGS: Final = (Hello, HelloAck, Bye)
+_HANDSHAKE_MSGS: Final = (Challenge, Hello, HelloAck, Bye)
 
 
-def hello_proof(secret: bytes, hello: Hello) -> bytes:
+def hello_proof(secret: bytes, hello: Hello, receiver_nonce: bytes, *, dialer: bool) -> bytes:
     """HMAC over every field of the hello but the proof itself (its canonical msgpack
-    encoding: attrs field order), so no field — region layout, agent metadata, version,
-    hash seed — can be altered under a valid proof."""
+    encoding: attrs field order), the sender's role, and the *receiver's* fresh nonce of
+    this connection. So no field can be altered under a valid proof, and a hello recorded
+    on one connection is worthless on any other (both nonces are bound)."""
     fields = to_wire(attrs.evolve(hello, auth=None))
-    msg = b"p2pkv-hello-v1\0" + msgpack.packb(fields, use_bin_type=True)
+    role = b"dialer" if dialer else b"acceptor"
+    msg = b"\0".join(
+        [b"p2pkv-hello-v2", role, receiver_nonce, msgpack.packb(fields, use_bin_type=True)]
+    )
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
@@ -252,6 +264,9 @@ def ack_proof(secret: bytes, acker: str, nonce: bytes) -> bytes:
     """HMAC over the *receiver's* nonce: proves the acker holds the secret now (no replay)."""
     msg = b"\0".join([b"p2pkv-ack-v1", acker.encode(), nonce])
     return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+MIN_NONCE = 16  # bytes of a fresh nonce when authentication is on
 
 
 class SessionProtocol:
@@ -266,6 +281,9 @@ class SessionProtocol:
         self._outbox: list[bytes] = []  # may go on the wire now
         self._held: list[Message] = []  # waiting for the peer's hello_ack
         self._hello_sent = False
+        self._challenge: bytes | None = None  # the peer's nonce, once known (auth on)
+        self._started = False
+        self.frames_received = 0  # complete frames decoded (liveness counts only these)
         self._ack_sent = False
         self._peer_acked = False
         self._registering = False
@@ -351,16 +369,32 @@ class SessionProtocol:
             hash_algo=li.hash_algo,
             hash_seed=li.hash_seed,
             nonce=li.nonce,
+            max_keys_per_request=li.max_keys_per_request,
+            max_key_len=li.max_key_len,
         )
         if li.secret is not None:
-            h = attrs.evolve(h, auth=hello_proof(li.secret, h))
+            assert self._challenge is not None
+            proof = hello_proof(li.secret, h, self._challenge, dialer=li.dialer)
+            h = attrs.evolve(h, auth=proof)
         return h
 
-    def start(self) -> None:
-        """Queue our hello. Must be called once, before anything else is sent."""
-        self._require(not self._hello_sent and self.state is State.HANDSHAKE, "start")
+    def _send_hello(self) -> None:
         self._hello_sent = True
         self._emit(self._hello())
+
+    def start(self) -> None:
+        """Open the handshake. Must be called once, before anything else is sent.
+
+        Without a secret both sides send their hello at once. With one, the accepting side
+        sends a :class:`~p2pkv.wire.Challenge` (its fresh nonce) and keeps its hello back
+        until the dialer's hello has proven the secret over that nonce; the dialer sends
+        its hello when the challenge arrives."""
+        self._require(not self._started and self.state is State.HANDSHAKE, "start")
+        self._started = True
+        if self.local.secret is None:
+            self._send_hello()
+        elif not self.local.dialer:
+            self._emit(Challenge(nonce=self.local.nonce))
 
     def registration_succeeded(self) -> Ready | None:
         """The peer's memory is registered with the data plane: send our hello_ack.
@@ -368,8 +402,8 @@ class SessionProtocol:
         Returns :class:`Ready` if the peer's ack was already in."""
         self._require_open("registration_succeeded")
         self._require(self._registering, "registration_succeeded without a pending hello")
-        # FIX: the ack must follow our hello on the wire (the peer rejects an ack first).
-        self._require(self._hello_sent, "registration_succeeded before start")
+        # The ack must follow our hello on the wire (the peer rejects an ack first).
+        self._require(self._hello_sent, "registration_succeeded before our hello")
         assert self.peer is not None
         self._registering = False
         self._ack_sent = True
@@ -390,31 +424,70 @@ class SessionProtocol:
         li = self.local
         if h.version_major != PROTOCOL_MAJOR:
             return f"protocol version {h.version_major} != {PROTOCOL_MAJOR}"
+        if li.secret is not None:
+            # Nothing the hello claims is looked at before its proof holds.
+            if h.auth is None:
+                return "authentication required"
+            if len(h.nonce) < MIN_NONCE or h.nonce == li.nonce:
+                return "authentication failed: the hello's nonce is not fresh"
+            want = hello_proof(li.secret, h, li.nonce, dialer=not li.dialer)
+            if not hmac.compare_digest(h.auth, want):
+                return "authentication failed"
+        elif h.auth is not None:
+            return "peer requires authentication; no secret configured here"
         if h.peer_id == li.peer_id:
             return f"peer id {h.peer_id!r} is our own"
+        if not h.peer_id:
+            return "empty peer id"
+        if h.agent_name != h.peer_id:
+            # A peer's data-plane identity is its peer id: it can never name, register or
+            # replace another peer's agent.
+            return f"agent name {h.agent_name!r} is not the peer id {h.peer_id!r}"
         if h.block_len != li.block_len:
             return f"block length {h.block_len} != {li.block_len}"
         if h.fingerprint != li.fingerprint:
             return f"config fingerprint {h.fingerprint!r} != {li.fingerprint!r}"
         if h.hash_algo != li.hash_algo or h.hash_seed != li.hash_seed:
             return "hash algorithm or seed differs"
-        if h.num_blocks == 0 or h.num_blocks > (1 << 32):
-            return f"invalid region of {h.num_blocks} blocks"
-        if li.secret is not None:
-            if h.auth is None:
-                return "authentication required"
-            if not hmac.compare_digest(h.auth, hello_proof(li.secret, h)):
-                return "authentication failed"
-        elif h.auth is not None:
-            return "peer requires authentication; no secret configured here"
+        if h.num_blocks == 0 or h.num_blocks > li.max_peer_blocks:
+            return f"region of {h.num_blocks} blocks (this node accepts 1..{li.max_peer_blocks})"
+        if h.base_addr + h.num_blocks * h.block_len > U64_MAX:
+            return "region does not fit the address space"
+        if h.max_keys_per_request == 0 or h.max_key_len == 0:
+            return "peer advertises zero request limits"
+        return None
+
+    def _on_challenge(self, c: Challenge) -> Event | None:
+        li = self.local
+        if li.secret is None:
+            reason = "peer requires authentication; no secret configured here"
+            self._close("handshake", reason)
+            raise HandshakeRejected(reason, peer=self.peer_id)
+        if not li.dialer or self._challenge is not None or self._hello_sent:
+            raise RemoteProtocolError("unexpected challenge")
+        if len(c.nonce) < MIN_NONCE or c.nonce == li.nonce:
+            raise RemoteProtocolError("challenge nonce is not fresh")
+        self._challenge = c.nonce
+        self._send_hello()
         return None
 
     def _on_hello(self, h: Hello) -> Event | None:
+        li = self.local
+        if li.secret is not None and li.dialer and not self._hello_sent:
+            # The accepting side must challenge us first; one that does not cannot
+            # prove anything bound to this connection.
+            why = "authentication required: the peer sent a hello, not a challenge"
+            self._close("handshake", why)
+            raise HandshakeRejected(why, peer=h.peer_id)
         if self.peer is not None:
             if h.epoch == self.peer.epoch:
                 raise RemoteProtocolError("second hello with the same epoch")
             if h.peer_id != self.peer.peer_id:
                 raise RemoteProtocolError("a restarted peer changed its peer id")
+        if li.secret is not None and not li.dialer and self._challenge is None:
+            self._challenge = h.nonce  # our hello's proof binds the dialer's nonce
+        elif li.secret is not None and self.peer is not None and h.nonce != self.peer.nonce:
+            raise RemoteProtocolError("a restarted peer changed its nonce on this connection")
         reason = self._check_hello(h)
         if reason is not None:
             self._close("handshake", reason)
@@ -431,6 +504,8 @@ class SessionProtocol:
             self._peer_last_req_id = 0
             self.state = State.HANDSHAKE
             self._outbox.append(encode(self._hello()))
+        elif li.secret is not None and self._started and not self._hello_sent:
+            self._send_hello()  # accepting side with a secret: the dialer has proven itself
         self.peer = h
         self._registering = True
         return HelloReceived(h, restarted, dropped, failed)
@@ -481,6 +556,7 @@ class SessionProtocol:
                 msg = self._decoder.next_message()
                 if msg is None:
                     return None
+                self.frames_received += 1
                 event = self._dispatch(msg)
             except RemoteProtocolError as exc:
                 exc.peer = exc.peer or self.peer_id
@@ -498,6 +574,8 @@ class SessionProtocol:
         self._out.clear()
 
     def _dispatch(self, msg: Message) -> Event | None:
+        if isinstance(msg, Challenge):
+            return self._on_challenge(msg)
         if isinstance(msg, Hello):
             return self._on_hello(msg)
         if isinstance(msg, HelloAck):

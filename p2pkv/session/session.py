@@ -18,6 +18,16 @@ quarantine time if the data plane will not settle), pins released, consumer wait
 failed, the registration retired (released if it was ours, or released by the registrar
 when it finishes later), a ``bye`` sent if the stream still works, and the stream closed.
 Nothing a session owns outlives it.
+
+Incarnations: each hello the peer sends (its first, and one per restart with a new epoch
+on the same connection) opens an :class:`Incarnation`: the peer's hello, the registration
+job and its result, the ``ready`` event and one cancel scope for the registration wait and
+the handshake deadline. A new hello closes the previous incarnation's scope and tears its
+state down (writes drained, pins released, registration retired) before the new one
+registers; nothing of one incarnation is ever swapped into another.
+
+Liveness: only complete frames count. A peer that trickles bytes without ever finishing a
+frame is idle, and is closed at the idle deadline.
 """
 
 from __future__ import annotations
@@ -26,9 +36,11 @@ import logging
 import math
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from ..errors import (
+    DuplicateSession,
     HandshakeRejected,
     P2PKVError,
     P2PKVTimeout,
@@ -36,6 +48,7 @@ from ..errors import (
     SessionClosed,
 )
 from ..transport.base import RegionLayout, RemotePeer
+from ..wire import Hello
 from .consumer import ConsumerSide, FetchResult, _Pending, _Round
 from .producer import ProducerSide
 from .protocol import (
@@ -64,18 +77,41 @@ RECEIVE_SIZE = 1 << 16
 LINGER = 0.25  # seconds we wait for the peer to see our bye before closing
 
 
+@attrs.define(eq=False)
+class Incarnation:
+    """One handshake of the peer (see the module docstring): everything that belongs to
+    it lives here, under one cancel scope."""
+
+    hello: Hello
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    ready: trio.Event = attrs.field(factory=trio.Event)
+    exited: trio.Event = attrs.field(factory=trio.Event)  # its task has ended
+    job: RegistrationJob | None = None
+    remote: RemotePeer | None = None
+
+
 class PeerSession(ProducerSide, ConsumerSide):
     def __init__(
-        self, node: Node, stream: trio.abc.Stream, *, address: tuple[str, int] | None = None
+        self,
+        node: Node,
+        stream: trio.abc.Stream,
+        *,
+        address: tuple[str, int] | None = None,
+        dialer: bool = False,
     ) -> None:
         self.node = node
         self.cfg = node.config
         self.stream = stream
         self.address = address
-        self.proto = SessionProtocol(node.local_info())
+        self.dialer = dialer
+        self.proto = SessionProtocol(node.local_info(dialer=dialer))
         self.token = object()  # pin owner of this session's rounds
-        self.ready = trio.Event()
+        self.incarnation: Incarnation | None = None
+        self._retiring: list[Incarnation] = []  # replaced, teardown not finished yet
+        self._not_ready = trio.Event()  # never set: ``ready`` before any hello
+        self.handshaken = trio.Event()  # set once, when the first incarnation is ready
         self.finished = trio.Event()
+        self._rx = trio.lowlevel.ParkingLot()  # woken on every complete frame received
         self.close_reason: str | None = None
         self.error: BaseException | None = None
         self.inflight_bytes = 0
@@ -90,8 +126,6 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._writes: dict[int, trio.CancelScope] = {}
         self._write_done: dict[int, trio.Event] = {}
         self._aborting: set[int] = set()
-        self.job: RegistrationJob | None = None
-        self.remote: RemotePeer | None = None
         self._last_rx = trio.current_time()
         self._wake_lease = trio.Event()
         self._handlers: dict[type[Any], Any] = {
@@ -118,6 +152,41 @@ class PeerSession(ProducerSide, ConsumerSide):
     def alive(self) -> bool:
         return not self.finished.is_set() and self.close_reason is None
 
+    @property
+    def ready(self) -> trio.Event:
+        """The current incarnation's readiness (both acks through)."""
+        inc = self.incarnation
+        return self._not_ready if inc is None else inc.ready
+
+    @property
+    def job(self) -> RegistrationJob | None:
+        inc = self.incarnation
+        return None if inc is None else inc.job
+
+    @property
+    def remote(self) -> RemotePeer | None:
+        inc = self.incarnation
+        return None if inc is None else inc.remote
+
+    @remote.setter
+    def remote(self, peer: RemotePeer | None) -> None:
+        assert self.incarnation is not None
+        self.incarnation.remote = peer
+
+    async def probe(self, within: float) -> bool:
+        """Is the peer alive on this session? A ping goes out and any complete frame that
+        arrives within ``within`` seconds counts as an answer."""
+        if not self.alive or not self.proto.ready:
+            return False
+        before = self.proto.frames_received
+        self.proto.send_ping()
+        await self._flush()
+        with trio.move_on_after(within):
+            while self.alive and self.proto.frames_received == before:
+                await self._rx.park()
+            return self.alive
+        return False
+
     def __repr__(self) -> str:
         return f"<PeerSession peer={self.peer_id} ready={self.ready.is_set()}>"
 
@@ -137,6 +206,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                     nursery.start_soon(self._lease_timer)
                     nursery.start_soon(self._handshake_deadline)
         finally:
+            self._rx.unpark_all()
             await self._cleanup()
 
     def close(self, reason: str, code: str = "shutdown") -> None:
@@ -165,9 +235,10 @@ class PeerSession(ProducerSide, ConsumerSide):
                 p.event.set()
             for req in list(self._pinned):
                 self._release_round(req)
-            if self.job is not None:
-                await self.node.registrar.release(self.node.registrar.retire(self.job))
-                self.remote = None
+            for inc in [*self._retiring, self.incarnation]:
+                if inc is not None and inc.job is not None:
+                    await self.node.registrar.release(self.node.registrar.retire(inc.job))
+                    inc.remote = None
             if not self._send_broken:
                 with trio.move_on_after(min(1.0, self.cfg.close_timeout)):
                     await self._flush(final=True)
@@ -177,7 +248,6 @@ class PeerSession(ProducerSide, ConsumerSide):
             if cs.cancelled_caught:
                 log.warning("closing the stream of %s timed out", self.peer_id)
             self.finished.set()
-            self.node.session_gone(self)
 
     # --- I/O ----------------------------------------------------------------------------
 
@@ -227,7 +297,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                     "transport",
                 )
                 return
-            self._last_rx = trio.current_time()
+            frames = self.proto.frames_received
             self.proto.receive_data(data)
             try:
                 while (event := self.proto.next_event()) is not None:
@@ -238,11 +308,14 @@ class PeerSession(ProducerSide, ConsumerSide):
             except HandshakeRejected as exc:
                 log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
                 self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
+            if self.proto.frames_received != frames:  # bytes alone are not a sign of life
+                self._last_rx = trio.current_time()
+                self._rx.unpark_all()
             await self._flush()
 
     async def _handshake_deadline(self) -> None:
         with trio.move_on_after(self.cfg.handshake_timeout):
-            await self.ready.wait()
+            await self.handshaken.wait()
             return
         self._fail(
             P2PKVTimeout("handshake timed out", peer=self.peer_id, op="handshake"),
@@ -296,23 +369,51 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _on_hello(self, ev: HelloReceived) -> None:
         assert self._nursery is not None
-        self._nursery.start_soon(self._register, ev)
+        old, inc = self.incarnation, Incarnation(ev.hello)
+        self.incarnation = inc
+        if old is not None:
+            old.scope.cancel()  # its registration wait and deadline end; teardown follows
+            self._retiring.append(old)
+        self._nursery.start_soon(self._incarnate, inc, old, ev)
 
-    async def _register(self, ev: HelloReceived) -> None:
-        h = ev.hello
-        if ev.restarted:
-            await self._forget_incarnation(ev)
+    async def _incarnate(
+        self, inc: Incarnation, old: Incarnation | None, ev: HelloReceived
+    ) -> None:
+        try:
+            if old is not None:
+                await self._forget(old, ev)
+            with inc.scope:
+                async with trio.open_nursery() as nursery:
+                    if old is not None:  # the first incarnation is timed by the session
+                        nursery.start_soon(self._incarnation_deadline, inc)
+                    await self._register(inc)
+        finally:
+            inc.exited.set()
+
+    async def _incarnation_deadline(self, inc: Incarnation) -> None:
+        with trio.move_on_after(self.cfg.handshake_timeout):
+            await inc.ready.wait()
+            return
+        self._fail(
+            P2PKVTimeout("handshake timed out", peer=self.peer_id, op="handshake"),
+            "handshake timed out",
+            "timeout",
+        )
+
+    async def _register(self, inc: Incarnation) -> None:
+        h = inc.hello
         try:
             await self.node.admit(self, h)
         except HandshakeRejected as exc:
-            self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
+            code = "duplicate" if isinstance(exc, DuplicateSession) else "handshake"
+            self._fail(exc, f"handshake rejected: {exc.reason}", code)
             return
-        self.job = self.node.registrar.submit(
+        inc.job = self.node.registrar.submit(
             h.agent_name, h.agent_metadata, RegionLayout(h.base_addr, h.num_blocks, h.block_len)
         )
         try:
             with trio.fail_after(self.cfg.registration_timeout):
-                self.remote = await self.job.wait()
+                inc.remote = await inc.job.wait()
         except (P2PKVError, trio.TooSlowError) as exc:
             reason = str(exc) or "registration timed out"
             log.warning("registering %s failed: %s", h.peer_id, reason)
@@ -326,35 +427,42 @@ class PeerSession(ProducerSide, ConsumerSide):
             self._on_ready(ready)
         await self._flush()
 
-    async def _forget_incarnation(self, ev: HelloReceived) -> None:
+    async def _forget(self, old: Incarnation, ev: HelloReceived) -> None:
         """The peer restarted (new epoch): drop everything of the old incarnation first."""
-        self.ready = trio.Event()
-        for req in ev.failed_requests:
-            p = self._pending.get(req)
-            if p is not None:
-                p.error = SessionClosed("peer restarted", peer=self.peer_id)
-                p.event.set()
-        self._rounds.clear()
-        for req in ev.dropped_rounds:
-            scope = self._writes.get(req)
-            if scope is not None:
-                scope.cancel()
-        for req in ev.dropped_rounds:
-            done = self._write_done.get(req)
-            if done is not None:
-                await done.wait()
-        for req in ev.dropped_rounds:
-            self._release_round(req)
-        if self.job is not None:
-            await self.node.registrar.release(self.node.registrar.retire(self.job))
-            self.job = self.remote = None
+        with trio.CancelScope(shield=True):
+            await old.exited.wait()  # its scope is cancelled: this is prompt
+            for req in ev.failed_requests:
+                p = self._pending.get(req)
+                if p is not None:
+                    p.error = SessionClosed("peer restarted", peer=self.peer_id)
+                    p.event.set()
+            self._rounds.clear()
+            for req in ev.dropped_rounds:
+                scope = self._writes.get(req)
+                if scope is not None:
+                    scope.cancel()
+            for req in ev.dropped_rounds:
+                done = self._write_done.get(req)
+                if done is not None:
+                    await done.wait()
+            for req in ev.dropped_rounds:
+                self._release_round(req)
+            if old.job is not None:
+                await self.node.registrar.release(self.node.registrar.retire(old.job))
+                old.job = old.remote = None
+            self._retiring.remove(old)
 
     def _on_ready(self, ev: Ready) -> None:
-        self.ready.set()
+        assert self.incarnation is not None
+        self.incarnation.ready.set()
+        self.handshaken.set()
+        self.node.session_ready(self)
 
     def _on_bye(self, ev: ByeReceived) -> None:
         exc: BaseException
-        if ev.code == "handshake":
+        if ev.code == "duplicate":
+            exc = DuplicateSession(ev.reason, peer=self.peer_id, remote=True)
+        elif ev.code == "handshake":
             exc = HandshakeRejected(ev.reason, peer=self.peer_id, remote=True)
         else:
             exc = SessionClosed(f"peer said bye ({ev.code}): {ev.reason}", peer=self.peer_id)
