@@ -1,0 +1,241 @@
+"""What a hostile or unlucky peer can do during and around the handshake (issue 7).
+
+Replayed authenticated hellos (item 3), claims on another peer's data-plane identity and
+oversized region claims (items 2 and 7), a restart on the same connection (item 14) and
+the post-handshake slowloris (item 9). Nodes run over real loopback TCP; deadlines run on
+Trio's autojump clock with the FAKE inline offload (no real threads with autojump).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+import trio.testing
+
+from p2pkv import open_node
+from p2pkv.node import Node
+from p2pkv.session.protocol import HelloReceived, LocalInfo, Ready, SessionProtocol
+from p2pkv.wire import HEADER, Challenge, encode
+
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+
+SECRET = b"fleet secret"
+
+
+@asynccontextmanager
+async def node(
+    peer_id: str, *, delays: dict[str, float] | None = None, **kw: Any
+) -> AsyncIterator[Node]:
+    async with open_node(
+        config(peer_id, **kw), offload=VirtualOffload(delays), transport=FaultFactory()
+    ) as n:
+        yield n
+
+
+async def capture_hello(dialer: Node, nonce: bytes) -> bytes:
+    """The raw hello frame ``dialer`` sends to an acceptor that challenged it with
+    ``nonce`` (what an eavesdropper on that other connection would record)."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+
+        async def dial() -> None:
+            with contextlib.suppress(Exception):  # dropped once the hello is recorded
+                await dialer.connect(("127.0.0.1", port))
+
+        nursery.start_soon(dial)
+        stream = await listeners[0].accept()
+        await stream.send_all(encode(Challenge(nonce=nonce)))
+        buf = b""
+        while len(buf) < HEADER.size or len(buf) < HEADER.size + HEADER.unpack_from(buf)[0]:
+            buf += await stream.receive_some(65536)
+        await stream.aclose()
+    await listeners[0].aclose()
+    return buf[: HEADER.size + HEADER.unpack_from(buf)[0]]
+
+
+async def test_a_replayed_authenticated_hello_is_never_acted_on() -> None:
+    """Item 3: b's valid hello, recorded on b's connection to someone else, replayed to a
+    (where b is connected) neither closes b's session, nor registers anything, nor counts
+    against a's peers: the proof is bound to the other connection's nonce."""
+    with trio.fail_after(20):
+        async with (
+            open_node(config("a", secret=SECRET)) as a,
+            open_node(config("b", secret=SECRET)) as b,
+        ):
+            peer = await b.connect(a.address)
+            recorded = await capture_hello(b, nonce=b"r" * 16)
+            before = a.statistics().registrations
+            for _ in range(3):
+                attacker = await trio.open_tcp_stream(*a.address)
+                first = await attacker.receive_some(65536)  # a's challenge, a's fresh nonce
+                assert b"challenge" in first
+                await attacker.send_all(recorded)
+                rest = b""
+                while chunk := await attacker.receive_some(65536):
+                    rest += chunk
+                assert b"authentication failed" in rest
+                assert b"hello" not in rest.replace(b"hello_ack", b"")  # a never said hello
+                await attacker.aclose()
+            assert a.statistics().registrations == before
+            assert a.statistics().peers == 1
+            keys = fill(a.store, 4, 4096)
+            assert sorted((await b.fetch(peer, keys)).loaded) == sorted(keys)
+
+
+async def test_a_hello_naming_another_peers_agent_is_refused_before_registration() -> None:
+    """Item 2: the data-plane identity is the peer id. A hello that names the agent of a
+    connected peer (with that peer's real metadata) is refused; the victim's registration
+    stays live and it keeps being served byte-exact."""
+    with trio.fail_after(20):
+        async with open_node(config("a")) as a, open_node(config("victim")) as victim:
+            peer = await victim.connect(a.address)
+            before = a.statistics().registrations
+            evil = RawPeer("evil")
+            hello = evil.proto.local
+            evil.proto = SessionProtocol(
+                attrs.evolve(hello, agent_name="victim", agent_metadata=victim.transport.metadata())
+            )
+            await evil.connect(a.address)
+            evil.proto.start()
+            await evil.flush()
+            bye = await evil.expect_close()
+            assert evil.stream is not None
+            await evil.stream.aclose()
+            assert bye is not None and "is not the peer id" in bye.reason
+            assert a.statistics().registrations == before
+            keys = fill(a.store, 4, 4096)
+            result = await victim.fetch(peer, keys)
+            assert sorted(result.loaded) == sorted(keys)
+            assert all(victim.store.get(k) == a.store.get(k) for k in keys)
+
+
+async def test_a_huge_region_claim_is_refused_cheaply(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Item 7: a hello claiming 2**24 blocks is refused at the handshake, before any
+    registration is even submitted; a good peer connects meanwhile without waiting."""
+    with trio.fail_after(30):
+        async with node("a", delays={"add_remote_peer": 0.01}) as a, node("good") as good:
+            hog = RawPeer("hog")
+            hog.proto = SessionProtocol(attrs.evolve(hog.proto.local, num_blocks=1 << 24))
+            await hog.connect(a.address)
+            hog.proto.start()
+            await hog.flush()
+            t0 = trio.current_time()
+            await good.connect(a.address)
+            assert trio.current_time() - t0 < 1.0  # virtual time: nothing queued ahead
+            bye = await hog.expect_close()
+            assert hog.stream is not None
+            await hog.stream.aclose()
+            assert bye is not None and "1..2097152" in bye.reason
+            assert a.statistics().registrations.started == 1  # only the good peer's
+
+
+async def test_a_peer_trickling_bytes_without_a_frame_is_idle(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Item 9: only complete frames count as life. One byte every 0.2 s, never a whole
+    frame, is closed at the idle deadline."""
+    with trio.fail_after(60):
+        async with node("a", idle_timeout=3.0, heartbeat_interval=1.0) as a:
+            raw = RawPeer("slow")
+            await raw.connect(a.address)
+            await raw.handshake()
+            assert raw.stream is not None
+            t0 = trio.current_time()
+            header = HEADER.pack(1000)
+            closed = False
+            for i in range(200):  # 40 s of trickling
+                try:
+                    await raw.stream.send_all(header[i % 4 : i % 4 + 1] if i < 4 else b"x")
+                except trio.BrokenResourceError:
+                    closed = True
+                    break
+                await trio.sleep(0.2)
+                if a.statistics().sessions == 0:
+                    closed = True
+                    break
+            assert closed
+            assert trio.current_time() - t0 <= 3.0 + 1.0
+            await raw.stream.aclose()
+
+
+async def restart_on_same_connection(raw: RawPeer, epoch: int) -> None:
+    """``raw`` comes back with a new epoch on the same connection and re-handshakes."""
+    info: LocalInfo = attrs.evolve(raw.proto.local, epoch=epoch)
+    raw.proto = SessionProtocol(info)
+    raw.proto.start()
+    await raw.flush()
+    while True:
+        ev = await raw.next_event()
+        assert ev is not None, "the node closed the session"
+        if isinstance(ev, HelloReceived):
+            if raw.proto.registration_succeeded() is not None:
+                await raw.flush()
+                return
+            await raw.flush()
+        elif isinstance(ev, Ready):
+            return
+
+
+async def test_a_restart_after_our_ack_rehandshakes_and_stays(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Item 14: a new-epoch hello after our ack starts a new incarnation with its own
+    handshake deadline; once it is ready the session is not dropped at the (old or new)
+    handshake deadline, and it serves lookups."""
+    with trio.fail_after(60):
+        async with node("a", handshake_timeout=2.0) as a:
+            keys = fill(a.store, 2, 4096)
+            raw = RawPeer("r")
+            await raw.connect(a.address)
+            raw.proto.start()  # a registers us and acks; we restart before acking a
+            await raw.flush()
+            assert isinstance(await raw.next_event(), HelloReceived)
+            await trio.sleep(0.5)
+            assert a.statistics().registrations.live == 1
+            assert raw.stream is not None
+            raw.proto.receive_data(await raw.stream.receive_some(65536))  # a's hello_ack
+            assert raw.proto.next_event() is None
+            await restart_on_same_connection(raw, epoch=99)
+            await trio.sleep(5.0)  # well past any handshake deadline
+            assert a.statistics().peers == 1
+            stats = a.statistics().registrations
+            assert stats.live == 1 and stats.retired == 1
+            req = raw.proto.send_lookup(keys)
+            await raw.flush()
+            ev = await raw.next_event()
+            assert ev is not None and getattr(ev, "hits", None) == [True, True], ev
+            assert getattr(ev, "req_id", None) == req
+            assert raw.stream is not None
+            await raw.stream.aclose()
+
+
+async def test_a_restart_while_the_first_registration_runs_keeps_the_session(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Item 14: a new-epoch hello while the first incarnation's registration is still in
+    the data plane: the first one is released when it finishes (never published), the
+    second is published, and the session becomes ready."""
+    with trio.fail_after(60):
+        async with node("a", delays={"add_remote_peer": 1.0}, handshake_timeout=10.0) as a:
+            raw = RawPeer("r")
+            await raw.connect(a.address)
+            raw.proto.start()
+            await raw.flush()
+            ev = await raw.next_event()
+            assert isinstance(ev, HelloReceived)
+            await trio.sleep(0.5)  # a's registration of the first incarnation is running
+            await restart_on_same_connection(raw, epoch=8)
+            stats = a.statistics().registrations
+            assert a.statistics().peers == 1
+            assert stats.live == 1
+            assert stats.published == 1 and stats.released_stale == 1
+            assert raw.stream is not None
+            await raw.stream.aclose()
