@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .. import tls
 from ..errors import (
     HandshakeRejected,
     P2PKVError,
@@ -128,6 +129,8 @@ class PeerSession(ProducerSide, ConsumerSide):
         for the peer's faults (they end up in ``self.error``)."""
         try:
             with self._cancel:
+                if not await self._start_tls():
+                    return
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     self.proto.start()
@@ -138,6 +141,18 @@ class PeerSession(ProducerSide, ConsumerSide):
                     nursery.start_soon(self._handshake_deadline)
         finally:
             await self._cleanup()
+
+    async def _start_tls(self) -> bool:
+        """On a TLS stream, finish the TLS handshake before our hello goes out (its own
+        ``handshake_timeout``). False if it failed: the session is then over."""
+        try:
+            await tls.handshake(self.stream, self.cfg.handshake_timeout)
+        except P2PKVError as exc:
+            log.warning("TLS handshake with %s failed: %s", self.address, exc)
+            self._send_broken = True
+            self._fail(exc, exc.message, "handshake")
+            return False
+        return True
 
     def close(self, reason: str, code: str = "shutdown") -> None:
         """Begin closing (sync, idempotent): bye queued, tasks cancelled, cleanup follows."""
@@ -184,10 +199,9 @@ class PeerSession(ProducerSide, ConsumerSide):
     async def _linger(self) -> None:
         """Half-close and discard what the peer still sends, briefly: closing a socket
         with unread bytes resets the connection, which can destroy our bye in flight."""
-        if not isinstance(self.stream, trio.abc.HalfCloseableStream):
-            return
         try:
-            await self.stream.send_eof()
+            if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                await self.stream.send_eof()  # TLS cannot: the peer's close ends the drain
             with trio.move_on_after(LINGER):
                 while await self.stream.receive_some(RECEIVE_SIZE):
                     pass
@@ -295,6 +309,7 @@ class PeerSession(ProducerSide, ConsumerSide):
     # --- handshake ----------------------------------------------------------------------
 
     def _on_hello(self, ev: HelloReceived) -> None:
+        tls.check_peer_id(self.stream, ev.hello.peer_id)  # before the node acts on the hello
         assert self._nursery is not None
         self._nursery.start_soon(self._register, ev)
 
