@@ -9,9 +9,12 @@ the stranger. The deadline test runs on the autojump clock with a FAKE inline of
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import ssl
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
@@ -26,9 +29,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from p2pkv import HandshakeRejected, NodeConfig, P2PKVError, P2PKVTimeout, open_node
+from p2pkv.cli import build_parser
+from p2pkv.cli.settings import consumer_config, serve_settings
 from p2pkv.tls import cert_peer_ids, peer_uri
 
-from .helpers import FaultFactory, VirtualOffload, config, fill
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 
 BOUND = 20  # seconds (Trio clock) around every test's I/O
 
@@ -364,3 +369,70 @@ async def test_a_dialed_listener_that_never_answers_tls_times_out_typed(
                 await b.connect(("127.0.0.1", port))
             assert trio.current_time() - t0 == pytest.approx(3.0, abs=0.5)
     await listeners[0].aclose()
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def test_serve_and_fetch_take_the_tls_files_from_flags_or_a_config_file(
+    pki: PKI, tmp_path: Path
+) -> None:
+    files = {k: os.fspath(v) for k, v in pki.tls("s").items()}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in files.items()]
+    cfg, _fill, _seed = serve_settings(build_parser().parse_args(["serve", *flags]))
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == tuple(files.values())
+
+    conf = tmp_path / "conf" / "node.toml"
+    conf.parent.mkdir()
+    conf.write_text('tls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "../ca.pem"\n')
+    cfg, _fill, _seed = serve_settings(build_parser().parse_args(["serve", "--config", str(conf)]))
+    assert cfg.tls_cert == os.fspath(conf.parent / "c.pem")
+    assert cfg.tls_ca == os.fspath(conf.parent / "../ca.pem")
+
+    args = build_parser().parse_args(["fetch", "127.0.0.1:1", *flags])
+    cfg = consumer_config(args, "f")
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == tuple(files.values())
+
+
+def test_serve_refuses_an_incomplete_set_of_tls_flags(pki: PKI) -> None:
+    cert = os.fspath(pki.tls("s")["tls_cert"])
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pkv", "serve", "--transport", "local", "--tls-cert", cert],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "tls_cert, tls_key and tls_ca together" in done.stderr
+
+
+async def test_serve_with_tls_flags_refuses_a_plain_peer(pki: PKI) -> None:
+    flags = [f"--{k.replace('_', '-')}={os.fspath(v)}" for k, v in pki.tls("s").items()]
+    argv = [sys.executable, "-m", "p2pkv", "serve", "--exit-on-eof", "--transport", "local"]
+    proc = await trio.lowlevel.open_process(
+        [*argv, "--peer-id", "s", *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    raw = RawPeer("plain")
+    try:
+        with trio.fail_after(60):  # a cold Python start on a loaded 2-core box
+            assert proc.stdout is not None and proc.stdin is not None
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(4096)
+                assert chunk, "serve exited before it listened"
+                line += chunk
+            host, port = json.loads(line)["address"]
+            await raw.connect((host, port))
+            raw.proto.start()
+            await raw.flush()
+            bye = await raw.expect_close()
+            assert bye is not None and bye.code == "handshake"
+            assert "requires TLS" in bye.reason
+            await proc.stdin.aclose()  # --exit-on-eof: a clean stop
+            assert await proc.wait() == 0
+    finally:
+        await raw.aclose()
+        if proc.returncode is None:
+            proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()

@@ -56,6 +56,18 @@ def _add_blocks(p: argparse.ArgumentParser, *, blocks: int) -> None:
     p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
 
 
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    tls = p.add_argument_group(
+        "mutual TLS of the control connection",
+        "All three or none. The certificate must name this node's peer id as the URI "
+        "p2pkv://PEER_ID in its subject alternative names; peers must use the same CA. "
+        "The data plane (NIXL) is not encrypted.",
+    )
+    tls.add_argument("--tls-cert", metavar="PEM", help="this node's certificate")
+    tls.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    tls.add_argument("--tls-ca", metavar="PEM", help="the CA that signs every peer's certificate")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="p2pkv", description="Share KV-cache blocks between inference workers over NIXL."
@@ -100,9 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_p.add_argument(
         "--config",
         help="TOML (.toml) or JSON file of NodeConfig fields "
-        "(plus fill, seed); strings for hash_seed/secret are UTF-8",
+        "(plus fill, seed); strings for hash_seed/secret are UTF-8; tls_* paths are "
+        "relative to the file",
     )
-    serve_p.add_argument("--peer-id", help="this node's peer id (default: HOSTNAME-PID)")
+    serve_p.add_argument(
+        "--peer-id",
+        help="this node's peer id (default: HOSTNAME-PID; with TLS, the one its certificate names)",
+    )
     serve_p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     serve_p.add_argument("--port", type=int, help="port to listen on (default: 0, any)")
     serve_p.add_argument(
@@ -118,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also stop when stdin reaches EOF (for a parent process)",
     )
+    _add_tls(serve_p)
     serve_p.set_defaults(func=cmd_serve)
 
     fetch = sub.add_parser(
@@ -127,7 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo blocks and verify every byte. Exits 0 only if every byte matched.",
     )
     fetch.add_argument("address", help="HOST:PORT of the serving node")
-    fetch.add_argument("--peer-id", help="this node's peer id (default: HOSTNAME-fetch-PID)")
+    fetch.add_argument(
+        "--peer-id",
+        help="this node's peer id (default: HOSTNAME-fetch-PID; with TLS, the one its "
+        "certificate names)",
+    )
     fetch.add_argument(
         "--transport",
         choices=["nixl", "local"],
@@ -135,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="data plane (default: %(default)s)",
     )
     _add_blocks(fetch, blocks=1024)
+    _add_tls(fetch)
     fetch.set_defaults(func=cmd_fetch)
     return parser
 

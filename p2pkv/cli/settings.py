@@ -45,8 +45,12 @@ _NODE_FLAGS = {  # flag dest -> NodeConfig field
     "block_len": "block_len",
     "transport": "transport",
     "fingerprint": "fingerprint",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+    "tls_ca": "tls_ca",
 }
 _BYTES_FIELDS = {"hash_seed", "secret"}
+_PATH_FIELDS = {"tls_cert", "tls_key", "tls_ca"}  # relative to the config file's folder
 
 
 def load_config(path: Path) -> dict[str, Any]:
@@ -62,6 +66,9 @@ def load_config(path: Path) -> dict[str, Any]:
     for name in _BYTES_FIELDS & set(data):
         if isinstance(data[name], str):
             data[name] = data[name].encode()
+    for name in _PATH_FIELDS & set(data):
+        if isinstance(data[name], str):
+            data[name] = os.fspath(path.parent / data[name])
     return data
 
 
@@ -93,4 +100,7 @@ def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
         block_len=args.block_len,
         transport=args.transport,
         fingerprint=args.fingerprint,
+        tls_cert=getattr(args, "tls_cert", None),
+        tls_key=getattr(args, "tls_key", None),
+        tls_ca=getattr(args, "tls_ca", None),
     )
