@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 Everything a node runs lives in one nursery opened by :func:`open_node`: the TCP
-listener, one supervised task per peer session, the registration executor, the
+listener (its connections, and those the node dials, wrapped in TLS when configured: see
+:mod:`p2pkv.tls`), one supervised task per peer session, the registration executor, the
 completion poller and the quarantine timer. The supervisor catches ``Exception`` around
 each session's task (outside the session's own cancel scope), so one peer's failure or
 hostile input never cancels a sibling; ``BaseException`` passes through.

@@ -7,7 +7,10 @@ Inside it: a reader task (bytes in, events out, handlers dispatched from a table
 keepalive task (heartbeats and the idle deadline), a lease task (producer pin leases and
 consumer rounds nobody fetched), one task per producer write, and the registration wait.
 Sends go through one ``StrictFIFOLock``; a send that fails or is cancelled breaks the
-connection for good (its state on the wire is unknown).
+connection for good (its state on the wire is unknown). On a TLS connection
+(:mod:`p2pkv.tls`) the session first finishes the TLS handshake, under its own
+``handshake_timeout``, before its hello goes out, and holds the peer's hello to the peer's
+certificate before the node sees the hello.
 
 The registration barrier: the peer's hello only *submits* a registration job to the
 node's :class:`~p2pkv.registrar.Registrar`; our ``hello_ack`` goes out when the job
