@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, Literal
 
 import attrs
@@ -16,6 +17,16 @@ PROTOCOL_MINOR = 0
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     if not value > 0:
         raise ValueError(f"{attr.name} must be > 0, got {value!r}")
+
+
+def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
+    return None if value is None else os.fspath(value)
+
+
+def _all_or_no_tls_files(inst: NodeConfig, _attr: attrs.Attribute[Any], _value: object) -> None:
+    given = [f for f in ("tls_cert", "tls_key", "tls_ca") if getattr(inst, f) is not None]
+    if given and len(given) != 3:
+        raise P2PKVError(f"TLS needs tls_cert, tls_key and tls_ca together; only {given} given")
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +85,15 @@ class NodeConfig:
     # session answers a ping within this time (so no one can take over a live peer's id);
     # otherwise the old session is taken to be dead and is replaced.
     probe_timeout: float = attrs.field(default=2.0, validator=_positive)
+
+    # Optional mutual TLS of the control connection (p2pkv/tls.py): paths to PEM files of
+    # this node's certificate (naming its peer id), its private key, and the CA that signs
+    # every peer's certificate. All three or none.
+    tls_cert: str | None = attrs.field(default=None, converter=_optional_path)
+    tls_key: str | None = attrs.field(default=None, converter=_optional_path)
+    tls_ca: str | None = attrs.field(
+        default=None, converter=_optional_path, validator=_all_or_no_tls_files
+    )
 
     def __attrs_post_init__(self) -> None:
         if not self.peer_id or len(self.peer_id) > 128:

@@ -18,7 +18,7 @@ ways, chosen by how often the host calls:
   that calls every step, hence:
 * **Hot-path calls** (``submit_connect``, ``submit_lookup``, ``submit_fetch``, ``poll``,
   ``get_finished``) never wait for the engine. A submit takes a ticket on a
-  :class:`~p2pkv.portal.TicketBoard` and posts "start this task" with
+  :class:`~p2pkv.tickets.TicketBoard` and posts "start this task" with
   :meth:`EngineThread.spawn_soon`: a deque append; if the loop is waiting for I/O and no
   wake is pending yet, also the release of a lock that the engine's waker thread waits on,
   and the waker wakes the loop (``TrioToken.run_sync_soon``); a loop that is running
@@ -55,10 +55,11 @@ import trio
 from .config import NodeConfig
 from .errors import P2PKVTimeout, PortalClosed
 from .node import Node, NodeStatistics, Peer, TransportFactory, open_node
-from .portal import EngineContext, EngineThread, TicketBoard
+from .portal import EngineContext, EngineThread
 from .registrar import Offload
 from .session.session import FetchResult
 from .store import BlockStore
+from .tickets import TicketBoard
 
 __all__ = ["BlockingNode", "TicketOutcome", "TicketResult", "start_node"]
 

@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 Everything a node runs lives in one nursery opened by :func:`open_node`: the TCP
-listener, one supervised task per peer session, the registration executor, the
+listener (its connections, and those the node dials, wrapped in TLS when configured: see
+:mod:`p2pkv.tls`), one supervised task per peer session, the registration executor, the
 completion poller and the quarantine timer. The supervisor catches ``Exception`` around
 each session's task (outside the session's own cancel scope), so one peer's failure or
 hostile input never cancels a sibling; ``BaseException`` passes through.
@@ -41,6 +42,7 @@ from typing import Any
 import attrs
 import trio
 
+from . import tls
 from .completion import CompletionPoller
 from .config import NodeConfig
 from .errors import (
@@ -120,6 +122,7 @@ class Node:
         self.cpu_limiter = trio.CapacityLimiter(1)
         self.address: tuple[str, int] = (config.host, config.port)
         self._nursery: trio.Nursery | None = None
+        self._tls: tls.TLSContexts | None = None  # loaded when the node starts
         self._sessions: set[PeerSession] = set()
         self._by_peer: dict[str, PeerSession] = {}
         self._dialed: set[PeerSession] = set()
@@ -246,7 +249,8 @@ class Node:
             peer = stream.socket.getpeername()
         except OSError:
             peer = None
-        await self._supervise(PeerSession(self, stream, address=peer))
+        secured = tls.wrap(stream, self._tls, server_side=True)
+        await self._supervise(PeerSession(self, secured, address=peer))
 
     async def _quarantine_timer(self) -> None:
         while True:
@@ -264,6 +268,7 @@ class Node:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self._tls = tls.load_contexts(self.config)
                 listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
                 sockname = listeners[0].socket.getsockname()
                 self.address = (str(sockname[0]), int(sockname[1]))
@@ -317,7 +322,8 @@ class Node:
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError) as exc:
             raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}", op="connect") from exc
-        session = PeerSession(self, stream, address=address, dialer=True)
+        secured = tls.wrap(stream, self._tls, server_side=False)
+        session = PeerSession(self, secured, address=address, dialer=True)
         self._dialed.add(session)
         self._nursery_or_raise().start_soon(self._supervise, session)
         await _wait_either(session.handshaken, session.finished)

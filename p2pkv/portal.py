@@ -15,7 +15,8 @@ So the engine runs ``trio.run`` on a thread of its own, and the host reaches it 
 * ``run_sync_soon()`` / ``spawn_soon()``: fire-and-forget posts for the hot path. They
   coalesce: a post appends to a deque, and only the first post after a drain pays for
   waking the loop (see ``_post``).
-* ``TicketBoard``: the engine publishes results into it; the host reads them in place.
+* a :class:`~p2pkv.tickets.TicketBoard`: the engine publishes results into it; the host
+  reads them in place.
 
 A call's future is never marked running, so ``Future.cancel()`` succeeds as long as the
 call is unsettled; its done-callback cancels the task's scope. Whoever settles a future
@@ -42,6 +43,7 @@ from typing import Any, Generic, TypeVar, TypeVarTuple, Unpack, overload
 import trio
 
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PortalClosed
+from p2pkv.tickets import TicketBoard  # re-exported: it was born here
 
 __all__ = ["EngineContext", "EngineThread", "TicketBoard"]
 
@@ -505,82 +507,6 @@ class _LoopWatch(trio.abc.Instrument):
 
     def after_io_wait(self, timeout: float) -> None:
         self._engine._loop_idle = False
-
-
-# ---------------------------------------------------------------- TicketBoard
-
-
-class TicketBoard(Generic[T]):
-    """Results the engine publishes and the host reads in place, without a thread hop.
-
-    Every method takes one ``threading.Lock`` for a few dict operations and makes no Trio
-    call, so the host's hot path (``poll`` every scheduler step) costs microseconds
-    whatever the engine is doing. ``None`` means "in flight", so ``T`` should not
-    include ``None``.
-
-    After ``fail_all(exc)`` the board is sealed: the engine is gone, so a ticket handed
-    out later is born finished with ``exc`` instead of waiting forever. A publish for a
-    ticket that already finished (``fail_all`` won the race) is ignored.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0
-        self._in_flight: set[int] = set()
-        self._finished: dict[int, T | BaseException] = {}
-        self._sealed: BaseException | None = None
-
-    def new_ticket(self) -> int:
-        with self._lock:
-            ticket = self._next
-            self._next += 1
-            if self._sealed is not None:
-                self._finished[ticket] = self._sealed
-            else:
-                self._in_flight.add(ticket)
-            return ticket
-
-    def publish(self, ticket: int, outcome: T | BaseException) -> bool:
-        """Finish ``ticket``. False if it had already finished (the first outcome stands)."""
-        with self._lock:
-            if ticket in self._in_flight:
-                self._in_flight.remove(ticket)
-                self._finished[ticket] = outcome
-                return True
-            if 0 <= ticket < self._next:
-                return False
-        raise KeyError(ticket)
-
-    def poll(self, ticket: int) -> T | None:
-        """None while in flight; then the result (or raise the published exception), once."""
-        with self._lock:
-            if ticket in self._in_flight:
-                return None
-            outcome = self._finished.pop(ticket)  # KeyError: unknown or already read
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
-
-    def drain_finished(self) -> list[tuple[int, T | BaseException]]:
-        """Every finished ticket in the order it finished, forgetting them."""
-        with self._lock:
-            done = list(self._finished.items())
-            self._finished.clear()
-        return done
-
-    def fail_all(self, exc: BaseException) -> None:
-        """Finish every in-flight ticket with ``exc`` and seal the board (engine stopping)."""
-        with self._lock:
-            for ticket in self._in_flight:
-                self._finished[ticket] = exc
-            self._in_flight.clear()
-            if self._sealed is None:
-                self._sealed = exc
-
-    def pending(self) -> int:
-        """How many tickets are still in flight (finished but unread ones do not count)."""
-        with self._lock:
-            return len(self._in_flight)
 
 
 # ---------------------------------------------------------------- helpers

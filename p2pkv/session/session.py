@@ -7,7 +7,10 @@ Inside it: a reader task (bytes in, events out, handlers dispatched from a table
 keepalive task (heartbeats and the idle deadline), a lease task (producer pin leases and
 consumer rounds nobody fetched), one task per producer write, and the registration wait.
 Sends go through one ``StrictFIFOLock``; a send that fails or is cancelled breaks the
-connection for good (its state on the wire is unknown).
+connection for good (its state on the wire is unknown). On a TLS connection
+(:mod:`p2pkv.tls`) the session first finishes the TLS handshake, under its own
+``handshake_timeout``, before its hello goes out, and holds the peer's hello to the peer's
+certificate before the node sees the hello.
 
 The registration barrier: the peer's hello only *submits* a registration job to the
 node's :class:`~p2pkv.registrar.Registrar`; our ``hello_ack`` goes out when the job
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from .. import tls
 from ..errors import (
     DuplicateSession,
     HandshakeRejected,
@@ -197,6 +201,8 @@ class PeerSession(ProducerSide, ConsumerSide):
         for the peer's faults (they end up in ``self.error``)."""
         try:
             with self._cancel:
+                if not await self._start_tls():
+                    return
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
                     self.proto.start()
@@ -208,6 +214,18 @@ class PeerSession(ProducerSide, ConsumerSide):
         finally:
             self._rx.unpark_all()
             await self._cleanup()
+
+    async def _start_tls(self) -> bool:
+        """On a TLS stream, finish the TLS handshake before our hello goes out (its own
+        ``handshake_timeout``). False if it failed: the session is then over."""
+        try:
+            await tls.handshake(self.stream, self.cfg.handshake_timeout)
+        except P2PKVError as exc:
+            log.warning("TLS handshake with %s failed: %s", self.address, exc)
+            self._send_broken = True
+            self._fail(exc, exc.message, "handshake")
+            return False
+        return True
 
     def close(self, reason: str, code: str = "shutdown") -> None:
         """Begin closing (sync, idempotent): bye queued, tasks cancelled, cleanup follows."""
@@ -254,10 +272,9 @@ class PeerSession(ProducerSide, ConsumerSide):
     async def _linger(self) -> None:
         """Half-close and discard what the peer still sends, briefly: closing a socket
         with unread bytes resets the connection, which can destroy our bye in flight."""
-        if not isinstance(self.stream, trio.abc.HalfCloseableStream):
-            return
         try:
-            await self.stream.send_eof()
+            if isinstance(self.stream, trio.abc.HalfCloseableStream):
+                await self.stream.send_eof()  # TLS cannot: the peer's close ends the drain
             with trio.move_on_after(LINGER):
                 while await self.stream.receive_some(RECEIVE_SIZE):
                     pass
@@ -368,6 +385,7 @@ class PeerSession(ProducerSide, ConsumerSide):
     # --- handshake ----------------------------------------------------------------------
 
     def _on_hello(self, ev: HelloReceived) -> None:
+        tls.check_peer_id(self.stream, ev.hello.peer_id)  # before the node acts on the hello
         assert self._nursery is not None
         old, inc = self.incarnation, Incarnation(ev.hello)
         self.incarnation = inc

@@ -1,0 +1,208 @@
+"""The ``p2pkv`` command: ``demo``, ``serve`` and ``fetch``.
+
+This module parses the command line and runs the command; each command lives in its own
+module: :mod:`~p2pkv.cli.demo`, :mod:`~p2pkv.cli.serve`, :mod:`~p2pkv.cli.pull` (``fetch``
+and the demo's consumer). :mod:`~p2pkv.cli.settings` builds node configs from flags and
+files, :mod:`~p2pkv.cli.blocks` makes and verifies the demo's deterministic blocks, and
+:mod:`~p2pkv.cli.child` runs child processes that talk JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from ..errors import P2PKVError
+from .blocks import demo_block, demo_keys, fill_store, verify_blocks
+from .child import Child, ChildFailed, emit, receive_commands
+from .demo import cmd_demo
+from .pull import Progress, PullReport, cmd_fetch, finish, pull, render
+from .serve import cmd_serve, serve, wait_for_stop
+from .settings import ENV_DEFAULTS, KiB, MiB, is_loopback, load_config, set_env_defaults
+
+
+def _positive_int(text: str) -> int:
+    value = int(text, 0)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _add_blocks(p: argparse.ArgumentParser, *, blocks: int) -> None:
+    p.add_argument(
+        "--blocks",
+        type=_positive_int,
+        default=blocks,
+        help="number of blocks (default: %(default)s)",
+    )
+    p.add_argument(
+        "--block-len",
+        type=_positive_int,
+        default=64 * KiB,
+        help="bytes per block (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the demo keys and block contents (default: %(default)s)",
+    )
+    p.add_argument(
+        "--batch", type=int, default=0, help="blocks per fetch call (default: all in one)"
+    )
+    p.add_argument("--fingerprint", default="", help="compatibility fingerprint (default: none)")
+    p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
+
+
+def _add_tls(p: argparse.ArgumentParser) -> None:
+    tls = p.add_argument_group(
+        "mutual TLS of the control connection",
+        "All three or none. The certificate must name this node's peer id as the URI "
+        "p2pkv://PEER_ID in its subject alternative names; peers must use the same CA. "
+        "The data plane (NIXL) is not encrypted.",
+    )
+    tls.add_argument("--tls-cert", metavar="PEM", help="this node's certificate")
+    tls.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    tls.add_argument("--tls-ca", metavar="PEM", help="the CA that signs every peer's certificate")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2pkv", description="Share KV-cache blocks between inference workers over NIXL."
+    )
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level on stderr (default: %(default)s)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo",
+        help="two nodes, two processes, real NIXL: fetch blocks and verify every byte",
+        description="Start a source node in a child process, fill it with deterministic "
+        "blocks, connect to it from this process, look the keys up, fetch them in scattered "
+        "order and verify every byte. Exits 0 only if every byte matched.",
+    )
+    demo.add_argument(
+        "--transport",
+        choices=["nixl", "local"],
+        default="nixl",
+        help="nixl: two processes (default); local: in-process copies, both nodes in this process",
+    )
+    demo.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for the source process to start",
+    )
+    _add_blocks(demo, blocks=1024)
+    demo.set_defaults(func=cmd_demo)
+
+    serve_p = sub.add_parser(
+        "serve",
+        help="run a node until SIGINT/SIGTERM",
+        description="Run a node from flags and/or a config file until interrupted. When "
+        "listening it prints one JSON line on stdout: "
+        '{"event": "listening", "address": [host, port], ...}. Flags override the file.',
+    )
+    serve_p.add_argument(
+        "--config",
+        help="TOML (.toml) or JSON file of NodeConfig fields "
+        "(plus fill, seed); strings for hash_seed/secret are UTF-8; tls_* paths are "
+        "relative to the file",
+    )
+    serve_p.add_argument(
+        "--peer-id",
+        help="this node's peer id (default: HOSTNAME-PID; with TLS, the one its certificate names)",
+    )
+    serve_p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    serve_p.add_argument("--port", type=int, help="port to listen on (default: 0, any)")
+    serve_p.add_argument(
+        "--blocks", type=_positive_int, help="store capacity in blocks (default: max(fill, 1024))"
+    )
+    serve_p.add_argument("--block-len", type=_positive_int, help="bytes per block (default 65536)")
+    serve_p.add_argument("--transport", choices=["nixl", "local"], help="data plane (default nixl)")
+    serve_p.add_argument("--fingerprint", help="compatibility fingerprint")
+    serve_p.add_argument("--fill", type=int, help="put this many demo blocks in the store")
+    serve_p.add_argument("--seed", type=int, help="seed of the demo blocks (default 0)")
+    serve_p.add_argument(
+        "--exit-on-eof",
+        action="store_true",
+        help="also stop when stdin reaches EOF (for a parent process)",
+    )
+    _add_tls(serve_p)
+    serve_p.set_defaults(func=cmd_serve)
+
+    fetch = sub.add_parser(
+        "fetch",
+        help="fetch the demo blocks from a running `serve --fill` and verify them",
+        description="Connect to HOST:PORT (a `p2pkv serve --fill N --seed S`), fetch the N "
+        "demo blocks and verify every byte. Exits 0 only if every byte matched.",
+    )
+    fetch.add_argument("address", help="HOST:PORT of the serving node")
+    fetch.add_argument(
+        "--peer-id",
+        help="this node's peer id (default: HOSTNAME-fetch-PID; with TLS, the one its "
+        "certificate names)",
+    )
+    fetch.add_argument(
+        "--transport",
+        choices=["nixl", "local"],
+        default="nixl",
+        help="data plane (default: %(default)s)",
+    )
+    _add_blocks(fetch, blocks=1024)
+    _add_tls(fetch)
+    fetch.set_defaults(func=cmd_fetch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        code: int = args.func(args)
+    except (P2PKVError, OSError) as exc:
+        print(f"p2pkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+__all__ = [
+    "ENV_DEFAULTS",
+    "Child",
+    "ChildFailed",
+    "KiB",
+    "MiB",
+    "Progress",
+    "PullReport",
+    "build_parser",
+    "cmd_demo",
+    "cmd_fetch",
+    "cmd_serve",
+    "demo_block",
+    "demo_keys",
+    "emit",
+    "fill_store",
+    "finish",
+    "is_loopback",
+    "load_config",
+    "main",
+    "pull",
+    "receive_commands",
+    "render",
+    "serve",
+    "set_env_defaults",
+    "verify_blocks",
+    "wait_for_stop",
+]

@@ -1,0 +1,106 @@
+"""Settings of the ``p2pkv`` commands: node configs from flags and files, and the NIXL/UCX
+environment defaults."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from ..config import NodeConfig
+from ..errors import P2PKVError
+
+# Quiet NIXL with a fast first agent, unless the user says otherwise (see notes on NIXL).
+ENV_DEFAULTS = {"UCX_MEM_MMAP_HOOK_MODE": "none", "NIXL_LOG_LEVEL": "WARN"}
+KiB = 1024
+MiB = 1024 * KiB
+
+
+def set_env_defaults(*, loopback: bool = True) -> None:
+    """The NIXL/UCX environment defaults, where the user has not set them.
+
+    On loopback UCX is kept on ``lo``; a node that talks to other hosts gets ``all``
+    (UCX's own default), since the transport's fallback would otherwise pin it to ``lo``.
+    """
+    for name, value in ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo" if loopback else "all")
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+_NODE_FLAGS = {  # flag dest -> NodeConfig field
+    "peer_id": "peer_id",
+    "host": "host",
+    "port": "port",
+    "blocks": "num_blocks",
+    "block_len": "block_len",
+    "transport": "transport",
+    "fingerprint": "fingerprint",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+    "tls_ca": "tls_ca",
+}
+_BYTES_FIELDS = {"hash_seed", "secret"}
+_PATH_FIELDS = {"tls_cert", "tls_key", "tls_ca"}  # relative to the config file's folder
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """A TOML (``.toml``) or JSON file of NodeConfig fields, plus ``fill`` and ``seed``."""
+    text = path.read_text()
+    data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    if not isinstance(data, dict):
+        raise P2PKVError(f"{path}: expected a table of settings")
+    known = {a.name for a in attrs.fields(NodeConfig)} | {"fill", "seed"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise P2PKVError(f"{path}: unknown settings {', '.join(unknown)}")
+    for name in _BYTES_FIELDS & set(data):
+        if isinstance(data[name], str):
+            data[name] = data[name].encode()
+    for name in _PATH_FIELDS & set(data):
+        if isinstance(data[name], str):
+            data[name] = os.fspath(path.parent / data[name])
+    return data
+
+
+def serve_settings(args: argparse.Namespace) -> tuple[NodeConfig, int, int]:
+    settings = load_config(Path(args.config)) if args.config else {}
+    for dest, field in _NODE_FLAGS.items():
+        if getattr(args, dest) is not None:
+            settings[field] = getattr(args, dest)
+    for dest in ("fill", "seed"):
+        if getattr(args, dest) is not None:
+            settings[dest] = getattr(args, dest)
+    fill, seed = int(settings.pop("fill", 0)), int(settings.pop("seed", 0))
+    settings.setdefault("peer_id", f"{socket.gethostname()}-{os.getpid()}")
+    settings.setdefault("transport", "nixl")
+    settings.setdefault("num_blocks", max(fill, 1024))
+    try:
+        cfg = NodeConfig(**settings)
+    except (TypeError, ValueError) as exc:
+        raise P2PKVError(f"bad node settings: {exc}") from exc
+    if fill > cfg.num_blocks:
+        raise P2PKVError(f"--fill {fill} is more than the store's {cfg.num_blocks} blocks")
+    return cfg, fill, seed
+
+
+def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
+    return NodeConfig(
+        peer_id=peer_id,
+        num_blocks=args.blocks,
+        block_len=args.block_len,
+        transport=args.transport,
+        fingerprint=args.fingerprint,
+        tls_cert=getattr(args, "tls_cert", None),
+        tls_key=getattr(args, "tls_key", None),
+        tls_ca=getattr(args, "tls_ca", None),
+    )

@@ -1,0 +1,90 @@
+"""The ticket board: results the engine publishes and the host thread reads in place.
+
+The sync facade's hot path (``submit_*`` then ``poll`` every scheduler step) must never
+wait on the engine. So a submit takes a ticket here, the engine publishes the outcome under
+that ticket when the work ends, and the host reads it under one short lock, with no thread
+hop and no Trio call. When the engine stops, :meth:`TicketBoard.fail_all` finishes every
+ticket still in flight and seals the board, so no ticket waits forever.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Generic, TypeVar
+
+__all__ = ["TicketBoard"]
+
+T = TypeVar("T")
+
+
+class TicketBoard(Generic[T]):
+    """Results the engine publishes and the host reads in place, without a thread hop.
+
+    Every method takes one ``threading.Lock`` for a few dict operations and makes no Trio
+    call, so the host's hot path (``poll`` every scheduler step) costs microseconds
+    whatever the engine is doing. ``None`` means "in flight", so ``T`` should not
+    include ``None``.
+
+    After ``fail_all(exc)`` the board is sealed: the engine is gone, so a ticket handed
+    out later is born finished with ``exc`` instead of waiting forever. A publish for a
+    ticket that already finished (``fail_all`` won the race) is ignored.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._in_flight: set[int] = set()
+        self._finished: dict[int, T | BaseException] = {}
+        self._sealed: BaseException | None = None
+
+    def new_ticket(self) -> int:
+        with self._lock:
+            ticket = self._next
+            self._next += 1
+            if self._sealed is not None:
+                self._finished[ticket] = self._sealed
+            else:
+                self._in_flight.add(ticket)
+            return ticket
+
+    def publish(self, ticket: int, outcome: T | BaseException) -> bool:
+        """Finish ``ticket``. False if it had already finished (the first outcome stands)."""
+        with self._lock:
+            if ticket in self._in_flight:
+                self._in_flight.remove(ticket)
+                self._finished[ticket] = outcome
+                return True
+            if 0 <= ticket < self._next:
+                return False
+        raise KeyError(ticket)
+
+    def poll(self, ticket: int) -> T | None:
+        """None while in flight; then the result (or raise the published exception), once."""
+        with self._lock:
+            if ticket in self._in_flight:
+                return None
+            outcome = self._finished.pop(ticket)  # KeyError: unknown or already read
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def drain_finished(self) -> list[tuple[int, T | BaseException]]:
+        """Every finished ticket in the order it finished, forgetting them."""
+        with self._lock:
+            done = list(self._finished.items())
+            self._finished.clear()
+        return done
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Finish every in-flight ticket with ``exc`` and seal the board (engine stopping)."""
+        with self._lock:
+            for ticket in self._in_flight:
+                self._finished[ticket] = exc
+            self._in_flight.clear()
+            if self._sealed is None:
+                self._sealed = exc
+
+    def pending(self) -> int:
+        """How many tickets are still in flight (finished but unread ones do not count)."""
+        with self._lock:
+            return len(self._in_flight)

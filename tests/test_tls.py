@@ -1,0 +1,438 @@
+"""Mutual TLS of the control connection, with certificates made here for each test.
+
+Real TCP on loopback and the in-process data plane. The PKI (:class:`PKI`) issues
+certificates that name a peer id as the SAN URI ``p2pkv://<peer id>``; a second CA plays
+the stranger. The deadline test runs on the autojump clock with a FAKE inline offload
+(:class:`~tests.helpers.VirtualOffload`), so no real thread runs under virtual time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from p2pkv import HandshakeRejected, NodeConfig, P2PKVError, P2PKVTimeout, open_node
+from p2pkv.cli import build_parser
+from p2pkv.cli.settings import consumer_config, serve_settings
+from p2pkv.tls import cert_peer_ids, peer_uri
+
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+
+BOUND = 20  # seconds (Trio clock) around every test's I/O
+
+
+class CA:
+    """A certificate authority that writes PEM files for peer certificates."""
+
+    def __init__(self, name: str, directory: Path) -> None:
+        self.dir = directory
+        self.key = ec.generate_private_key(ec.SECP256R1())
+        self.name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        now = datetime.datetime.now(datetime.UTC)
+        self.cert = (
+            x509.CertificateBuilder()
+            .subject_name(self.name)
+            .issuer_name(self.name)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(self.key.public_key()), critical=False
+            )
+            .sign(self.key, hashes.SHA256())
+        )
+        self.ca_file = directory / f"{name}-ca.pem"
+        self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
+
+    def issue(self, names: list[str], *, file_stem: str) -> tuple[Path, Path]:
+        """A certificate whose SAN URIs name ``names`` (peer ids), and its key."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, file_stem)]))
+            .issuer_name(self.name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self.key.public_key()),
+                critical=False,
+            )
+        )
+        if names:
+            builder = builder.add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.UniformResourceIdentifier(peer_uri(n)) for n in names]
+                ),
+                critical=False,
+            )
+        cert = builder.sign(self.key, hashes.SHA256())
+        cert_file = self.dir / f"{file_stem}.pem"
+        key_file = self.dir / f"{file_stem}.key"
+        cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_file.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        return cert_file, key_file
+
+
+class PKI:
+    """The fleet's CA plus a stranger's CA; ``tls(...)`` gives NodeConfig TLS settings."""
+
+    def __init__(self, directory: Path) -> None:
+        self.ca = CA("fleet", directory)
+        self.stranger = CA("stranger", directory)
+        self._n = 0
+
+    def tls(self, *names: str, issuer: CA | None = None, trust: CA | None = None) -> dict[str, Any]:
+        self._n += 1
+        cert, key = (issuer or self.ca).issue(list(names), file_stem=f"peer{self._n}")
+        return {"tls_cert": cert, "tls_key": key, "tls_ca": (trust or self.ca).ca_file}
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> PKI:
+    return PKI(tmp_path)
+
+
+@asynccontextmanager
+async def recording_proxy(
+    target: tuple[str, int],
+) -> AsyncIterator[tuple[tuple[str, int], bytearray]]:
+    """A TCP relay to ``target`` that records every byte that crosses it (both ways)."""
+    seen = bytearray()
+
+    async def relay(client: trio.SocketStream) -> None:
+        server = await trio.open_tcp_stream(*target)
+        async with client, server, trio.open_nursery() as nursery:
+
+            async def pipe(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    while data := await src.receive_some(1 << 16):
+                        seen.extend(data)
+                        await dst.send_all(data)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(pipe, client, server)
+            nursery.start_soon(pipe, server, client)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, relay, listeners)
+        yield ("127.0.0.1", port), seen
+        nursery.cancel_scope.cancel()
+
+
+# --- the happy path ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_tls", [True, False], ids=["tls", "plain_control"])
+async def test_fetch_over_mutual_tls_is_byte_exact_and_unreadable_on_the_wire(
+    pki: PKI, use_tls: bool
+) -> None:
+    a_tls = pki.tls("a") if use_tls else {}
+    b_tls = pki.tls("b") if use_tls else {}
+    with trio.fail_after(BOUND):
+        async with open_node(config("a", **a_tls)) as a, open_node(config("b", **b_tls)) as b:
+            keys = fill(a.store, 8, 4096)
+            async with recording_proxy(a.address) as (via, wire):
+                peer = await b.connect(via)
+                assert peer.peer_id == "a"
+                result = await b.fetch(peer, keys)
+                assert sorted(result.loaded) == sorted(keys) and not result.failed
+                for k in keys:
+                    got, want = b.store.get(k), a.store.get(k)
+                    assert got is not None and want is not None
+                    assert bytes(got) == bytes(want)
+                # The keys went out in the lookup and the fetch: readable only without TLS.
+                readable = [k for k in keys if k in wire]
+                assert readable == ([] if use_tls else keys)
+
+
+def test_tls_settings_come_all_three_or_not_at_all(pki: PKI) -> None:
+    files = pki.tls("a")
+    for missing in files:
+        partial = {k: v for k, v in files.items() if k != missing}
+        with pytest.raises(P2PKVError, match="tls_cert, tls_key and tls_ca together"):
+            NodeConfig(peer_id="a", **partial)
+    assert NodeConfig(peer_id="a", **files).tls_ca == os.fspath(files["tls_ca"])
+
+
+async def test_unreadable_tls_files_fail_the_node_start_with_a_typed_error(
+    pki: PKI, tmp_path: Path
+) -> None:
+    files = pki.tls("a") | {"tls_key": tmp_path / "missing.key"}
+    factory = FaultFactory()
+    with trio.fail_after(BOUND), pytest.raises(P2PKVError, match="cannot load the TLS"):
+        async with open_node(config("a", **files), transport=factory):
+            pass  # pragma: no cover
+    assert factory.transport._closed  # the data plane built before the failure is closed
+
+
+def test_a_certificate_names_its_peer_id_as_a_p2pkv_uri() -> None:
+    cert = {"subjectAltName": (("DNS", "a"), ("URI", peer_uri("gpu 7/ü")), ("URI", "https://x"))}
+    assert peer_uri("gpu 7/ü") == "p2pkv://gpu%207%2F%C3%BC"
+    assert cert_peer_ids(cert) == ["gpu 7/ü"]
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+async def _bare_tls_client(pki: PKI, address: tuple[str, int]) -> bool:
+    """A TLS client that trusts the fleet CA but shows no certificate. True if the node
+    closed the connection on it."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_verify_locations(cafile=pki.ca.ca_file)
+    stream = trio.SSLStream(await trio.open_tcp_stream(*address), ctx)
+    async with stream:
+        try:
+            await stream.do_handshake()  # TLS 1.3: the client's side ends before the verdict
+            while await stream.receive_some(1 << 16):
+                pass
+        except trio.BrokenResourceError:
+            pass
+        return True
+
+
+@pytest.mark.parametrize(
+    "intruder", ["no_certificate", "stranger_ca", "certificate_of_another_peer"]
+)
+async def test_refused_clients_leave_the_listener_serving_its_good_peer(
+    pki: PKI, intruder: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    factory = FaultFactory()
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a")), transport=factory) as a,
+            open_node(config("b", **pki.tls("b"))) as b,
+        ):
+            keys = fill(a.store, 4, 4096)
+            peer = await b.connect(a.address)
+            if intruder == "no_certificate":
+                assert await _bare_tls_client(pki, a.address)
+                logged = "TLS handshake failed"
+            elif intruder == "stranger_ca":
+                async with open_node(
+                    config("m", **pki.tls("m", issuer=pki.stranger, trust=pki.ca))
+                ) as m:
+                    with pytest.raises(P2PKVError):
+                        await m.connect(a.address)
+                logged = "certificate verify failed"
+            else:
+                # Holds a real fleet certificate, for "mallory", and says it is "b": were
+                # the hello acted on, its new epoch would supersede b's live session.
+                async with open_node(config("b", **pki.tls("mallory"))) as impostor:
+                    with pytest.raises(HandshakeRejected) as info:
+                        await impostor.connect(a.address)
+                    assert info.value.remote
+                    assert "certificate names 'mallory'" in info.value.reason
+                logged = "certificate names 'mallory', but the hello says 'b'"
+            assert logged in caplog.text
+            assert factory.transport.adds == 1  # only the good peer was ever registered
+            assert [p.peer_id for p in a.peers()] == ["b"]
+            result = await b.fetch(peer, keys)
+            assert sorted(result.loaded) == sorted(keys)
+            async with open_node(config("c", **pki.tls("c"))) as c:
+                late = await c.connect(a.address)
+                assert sorted((await c.fetch(late, keys)).loaded) == sorted(keys)
+
+
+async def test_the_dialer_checks_the_listeners_certificate_too(pki: PKI) -> None:
+    factory = FaultFactory()
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("z"))) as a,
+            open_node(config("b", **pki.tls("b")), transport=factory) as b,
+        ):
+            with pytest.raises(HandshakeRejected) as info:
+                await b.connect(a.address)
+            assert not info.value.remote
+            assert "certificate names 'z', but the hello says 'a'" in info.value.reason
+            assert factory.transport.adds == 0
+            assert a.peers() == [] and b.peers() == []
+
+
+async def test_a_certificate_naming_two_peers_is_refused(pki: PKI) -> None:
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a"))) as a,
+            open_node(config("b", **pki.tls("b", "a"))) as b,
+        ):
+            with pytest.raises(HandshakeRejected, match="certificate names 'b', 'a'"):
+                await b.connect(a.address)
+            assert a.peers() == []
+
+
+async def test_plain_peer_and_tls_node_refuse_each_other_with_a_clear_error(pki: PKI) -> None:
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a"))) as a,
+            open_node(config("p")) as plain,
+        ):
+            with pytest.raises(HandshakeRejected) as info:
+                await plain.connect(a.address)
+            assert info.value.remote and "requires TLS" in info.value.reason
+            with pytest.raises(HandshakeRejected, match="peer does not speak TLS"):
+                await a.connect(plain.address)
+            assert a.peers() == [] and plain.peers() == []
+
+
+# --- deadlines -----------------------------------------------------------------------------
+
+
+async def test_a_stalled_tls_handshake_is_dropped_at_the_deadline_while_others_connect(
+    pki: PKI, autojump_clock: trio.testing.MockClock
+) -> None:
+    timeout = 5.0
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(
+                config("a", handshake_timeout=timeout, **pki.tls("a")),
+                offload=VirtualOffload(),
+                transport=FaultFactory(),
+            ) as a,
+            open_node(
+                config("b", **pki.tls("b")), offload=VirtualOffload(), transport=FaultFactory()
+            ) as b,
+        ):
+            keys = fill(a.store, 2, 4096)
+            stalled = await trio.open_tcp_stream(*a.address)
+            t0 = trio.current_time()
+            await stalled.send_all(bytes.fromhex("1603010200"))  # a ClientHello that stops
+            peer = await b.connect(a.address)
+            assert sorted((await b.fetch(peer, keys)).loaded) == sorted(keys)
+            served_at = trio.current_time()
+            with suppress(trio.BrokenResourceError):
+                assert await stalled.receive_some(1 << 16) == b""
+            dropped_at = trio.current_time()
+            await stalled.aclose()
+            assert served_at < t0 + timeout <= dropped_at < t0 + timeout + 1.0
+            assert [p.peer_id for p in a.peers()] == ["b"]
+
+
+async def test_a_dialed_listener_that_never_answers_tls_times_out_typed(
+    pki: PKI, autojump_clock: trio.testing.MockClock
+) -> None:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    with trio.fail_after(BOUND):
+        async with open_node(
+            config("b", handshake_timeout=3.0, **pki.tls("b")),
+            offload=VirtualOffload(),
+            transport=FaultFactory(),
+        ) as b:
+            t0 = trio.current_time()
+            with pytest.raises(P2PKVTimeout, match="TLS handshake timed out"):
+                await b.connect(("127.0.0.1", port))
+            assert trio.current_time() - t0 == pytest.approx(3.0, abs=0.5)
+    await listeners[0].aclose()
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def test_serve_and_fetch_take_the_tls_files_from_flags_or_a_config_file(
+    pki: PKI, tmp_path: Path
+) -> None:
+    files = {k: os.fspath(v) for k, v in pki.tls("s").items()}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in files.items()]
+    cfg, _fill, _seed = serve_settings(build_parser().parse_args(["serve", *flags]))
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == tuple(files.values())
+
+    conf = tmp_path / "conf" / "node.toml"
+    conf.parent.mkdir()
+    conf.write_text('tls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "../ca.pem"\n')
+    cfg, _fill, _seed = serve_settings(build_parser().parse_args(["serve", "--config", str(conf)]))
+    assert cfg.tls_cert == os.fspath(conf.parent / "c.pem")
+    assert cfg.tls_ca == os.fspath(conf.parent / "../ca.pem")
+
+    args = build_parser().parse_args(["fetch", "127.0.0.1:1", *flags])
+    cfg = consumer_config(args, "f")
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == tuple(files.values())
+
+
+def test_serve_refuses_an_incomplete_set_of_tls_flags(pki: PKI) -> None:
+    cert = os.fspath(pki.tls("s")["tls_cert"])
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pkv", "serve", "--transport", "local", "--tls-cert", cert],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "tls_cert, tls_key and tls_ca together" in done.stderr
+
+
+async def test_serve_with_tls_flags_refuses_a_plain_peer(pki: PKI) -> None:
+    flags = [f"--{k.replace('_', '-')}={os.fspath(v)}" for k, v in pki.tls("s").items()]
+    argv = [sys.executable, "-m", "p2pkv", "serve", "--exit-on-eof", "--transport", "local"]
+    proc = await trio.lowlevel.open_process(
+        [*argv, "--peer-id", "s", *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    raw = RawPeer("plain")
+    try:
+        with trio.fail_after(60):  # a cold Python start on a loaded 2-core box
+            assert proc.stdout is not None and proc.stdin is not None
+            line = b""
+            while not line.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(4096)
+                assert chunk, "serve exited before it listened"
+                line += chunk
+            host, port = json.loads(line)["address"]
+            await raw.connect((host, port))
+            raw.proto.start()
+            await raw.flush()
+            bye = await raw.expect_close()
+            assert bye is not None and bye.code == "handshake"
+            assert "requires TLS" in bye.reason
+            await proc.stdin.aclose()  # --exit-on-eof: a clean stop
+            assert await proc.wait() == 0
+    finally:
+        await raw.aclose()
+        if proc.returncode is None:
+            proc.kill()
+            with trio.CancelScope(shield=True):
+                await proc.wait()
