@@ -105,8 +105,7 @@ async def test_a_hello_naming_another_peers_agent_is_refused_before_registration
             evil.proto.start()
             await evil.flush()
             bye = await evil.expect_close()
-            assert evil.stream is not None
-            await evil.stream.aclose()
+            await evil.aclose()
             assert bye is not None and "is not the peer id" in bye.reason
             assert a.statistics().registrations == before
             keys = fill(a.store, 4, 4096)
@@ -131,8 +130,7 @@ async def test_a_huge_region_claim_is_refused_cheaply(
             await good.connect(a.address)
             assert trio.current_time() - t0 < 1.0  # virtual time: nothing queued ahead
             bye = await hog.expect_close()
-            assert hog.stream is not None
-            await hog.stream.aclose()
+            await hog.aclose()
             assert bye is not None and "1..2097152" in bye.reason
             assert a.statistics().registrations.started == 1  # only the good peer's
 
@@ -163,7 +161,7 @@ async def test_a_peer_trickling_bytes_without_a_frame_is_idle(
                     break
             assert closed
             assert trio.current_time() - t0 <= 3.0 + 1.0
-            await raw.stream.aclose()
+            await raw.aclose()
 
 
 async def restart_on_same_connection(raw: RawPeer, epoch: int) -> None:
@@ -213,8 +211,7 @@ async def test_a_restart_after_our_ack_rehandshakes_and_stays(
             ev = await raw.next_event()
             assert ev is not None and getattr(ev, "hits", None) == [True, True], ev
             assert getattr(ev, "req_id", None) == req
-            assert raw.stream is not None
-            await raw.stream.aclose()
+            await raw.aclose()
 
 
 async def test_a_restart_while_the_first_registration_runs_keeps_the_session(
@@ -237,5 +234,4 @@ async def test_a_restart_while_the_first_registration_runs_keeps_the_session(
             assert a.statistics().peers == 1
             assert stats.live == 1
             assert stats.published == 1 and stats.released_stale == 1
-            assert raw.stream is not None
-            await raw.stream.aclose()
+            await raw.aclose()

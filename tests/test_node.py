@@ -223,8 +223,7 @@ async def test_a_restarted_peer_supersedes_its_silent_old_session() -> None:
                 assert sorted((await b2.fetch(peer, keys)).loaded) == sorted(keys)
                 assert a.statistics().peers == 1
                 assert a.statistics().registrations.live == 1
-            assert old.stream is not None
-            await old.stream.aclose()
+            await old.aclose()
 
 
 async def test_a_live_peer_id_cannot_be_taken_over_by_a_newcomer() -> None:
@@ -241,8 +240,7 @@ async def test_a_live_peer_id_cannot_be_taken_over_by_a_newcomer() -> None:
                 impostor.proto.start()
                 await impostor.flush()
                 bye = await impostor.expect_close()
-                assert impostor.stream is not None
-                await impostor.stream.aclose()
+                await impostor.aclose()
                 assert bye is not None and bye.code == "duplicate", bye
                 assert a.statistics().registrations == registrations  # nothing registered
             keys = fill(a.store, 3, 4096)
