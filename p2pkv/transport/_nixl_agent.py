@@ -20,6 +20,10 @@ free of it (and of torch).
 
 Remote agents are per NIXL agent, not per transport, so the table of live registrations
 (``live``: agent name -> :class:`PeerRegistration`) lives here too, under ``call_lock``.
+
+A registration's name is read from the metadata bytes (:func:`metadata_agent_name`)
+*before* NIXL sees them: ``add_remote_agent`` with metadata naming an agent that is already
+loaded replaces that agent's entry, so a check after the call would come too late.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import threading
 from types import ModuleType
 from typing import Any
@@ -48,6 +53,10 @@ ENV_DEFAULTS = {
 }
 # cu13, then cu12, then the meta package: bare ``import nixl`` imports torch (2 s).
 _CANDIDATES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+# NIXL's serialisation (serdes): an intro, then records "tag" + size_t length (native byte
+# order) + value + "|". Agent metadata opens with the record tagged "Agent": the name.
+_METADATA_NAME_TAG = b"nixlSerDes|Agent"
+_SIZE_T = 8
 
 
 @attrs.frozen
@@ -97,6 +106,28 @@ def load_nixl() -> NixlBinding:
             "CPU torch first or use --no-deps): " + "; ".join(failures),
             op="import",
         )
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name NIXL will read from ``metadata``, or None if it cannot tell.
+
+    Follows NIXL 1.5.1's deserialiser (the intro, the "Agent" tag, a size_t length, the
+    name, "|") and is stricter where that one is lenient (a length running past the end, a
+    missing separator, an empty or non-UTF-8 name): anything this accepts, NIXL reads as
+    the same name.
+    """
+    start = len(_METADATA_NAME_TAG)
+    if not metadata.startswith(_METADATA_NAME_TAG) or len(metadata) < start + _SIZE_T:
+        return None
+    length = int.from_bytes(metadata[start : start + _SIZE_T], sys.byteorder)
+    begin = start + _SIZE_T
+    end = begin + length
+    if not 0 < length <= len(metadata) - begin - 1 or metadata[end : end + 1] != b"|":
+        return None
+    try:
+        return metadata[begin:end].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def block_descs(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:

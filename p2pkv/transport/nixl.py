@@ -23,11 +23,13 @@ waits for them, so the agent is never dropped under a caller. (With every NIXL c
 ``call_lock``, STRICT is belt and braces: it still covers NIXL's own ``__del__`` releases.)
 
 Registrations (:class:`PeerRegistration`, the ``native`` of a :class:`RemotePeer`): one
-live registration per remote agent name per NIXL agent. A re-add makes the old one stale
-(no new posts). If the metadata is byte-identical (same remote incarnation) the remote agent
-is not removed, so the old registration's in-flight writes (e.g. an old transport's, during a
-reconfiguration) still complete; otherwise it is removed first and its dlists die
-(``notes/nixl.md``, hazard 5).
+live registration per remote agent name per NIXL agent. A registration for name X reads X
+from the metadata bytes before NIXL sees them and refuses metadata naming anything else, so
+it never replaces, marks stale or removes another name's registration or remote agent. A
+re-add makes the old registration of X stale (no new posts). If the metadata is
+byte-identical (same remote incarnation) the remote agent is not removed, so the old
+registration's in-flight writes (e.g. an old transport's, during a reconfiguration) still
+complete; otherwise it is removed first and its dlists die (``notes/nixl.md``, hazard 5).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ._nixl_agent import (
     acquire_agent,
     block_descs,
     load_nixl,
+    metadata_agent_name,
     registry_counts,
     release_ref,
 )
@@ -324,6 +327,20 @@ class NixlTransport(DataTransport):
         layout: RegionLayout,
         descs: npt.NDArray[np.uint64],
     ) -> PeerRegistration:
+        """Register ``name``; touches no other name's registration or remote agent."""
+        named = metadata_agent_name(metadata)
+        if named is None:
+            problem = "it is not NIXL agent metadata"
+        elif named != name:
+            problem = f"it names agent {named!r}"
+        elif name == shared.name:
+            problem = "it is our own agent's"
+        else:
+            problem = None
+        if problem is not None:
+            raise RegistrationFailed(
+                f"metadata refused: {problem}", peer=name, op="add_remote_peer"
+            )
         agent = shared.agent
         with shared.call_lock:
             old = shared.live.get(name)
@@ -342,16 +359,10 @@ class NixlTransport(DataTransport):
                     f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
                 ) from exc
             got_name = got.decode() if isinstance(got, bytes) else str(got)
-            if got_name != name:
-                other = shared.live.get(got_name)
-                if other is None or other.metadata != metadata:
-                    if other is not None:  # NIXL just replaced its metadata
-                        shared.drop_registration(other, stale=True)
-                    shared.remove_remote_agent(got_name)
-                if loaded:
-                    shared.remove_remote_agent(name)
+            if got_name != name:  # metadata_agent_name disagrees with this NIXL build
+                _log.error("NIXL loaded agent %r from metadata read as %r", got_name, name)
                 raise RegistrationFailed(
-                    f"metadata is for agent {got_name!r}", peer=name, op="add_remote_peer"
+                    f"NIXL read the metadata as agent {got_name!r}", peer=name, op="add_remote_peer"
                 )
             try:
                 dlist = agent.prep_xfer_dlist(name, descs, "DRAM")
