@@ -30,6 +30,9 @@ re-add makes the old registration of X stale (no new posts). If the metadata is
 byte-identical (same remote incarnation) the remote agent is not removed, so the old
 registration's in-flight writes (e.g. an old transport's, during a reconfiguration) still
 complete; otherwise it is removed first and its dlists die (``notes/nixl.md``, hazard 5).
+Every registration prepares its own dlist. A released registration's remote agent is parked
+(kept loaded, unusable) for reuse by the same incarnation: NIXL leaks a socket per remove
+(:mod:`._nixl_agent`).
 """
 
 from __future__ import annotations
@@ -344,35 +347,30 @@ class NixlTransport(DataTransport):
         agent = shared.agent
         with shared.call_lock:
             old = shared.live.get(name)
-            loaded = old is not None  # NIXL holds remote agent `name` right now
-            if old is not None:
-                shared.drop_registration(old, stale=True)
-                if old.metadata != metadata or shared.is_dead(name):
-                    shared.remove_remote_agent(name)  # another incarnation: its dlists die
-                    loaded = False
-            try:
-                got = agent.add_remote_agent(metadata)
-            except Exception as exc:
-                if loaded:
-                    shared.remove_remote_agent(name)
-                raise RegistrationFailed(
-                    f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
-                ) from exc
-            got_name = got.decode() if isinstance(got, bytes) else str(got)
-            if got_name != name:  # metadata_agent_name disagrees with this NIXL build
-                _log.error("NIXL loaded agent %r from metadata read as %r", got_name, name)
-                raise RegistrationFailed(
-                    f"NIXL read the metadata as agent {got_name!r}", peer=name, op="add_remote_peer"
-                )
+            reuse = shared.reusable(name, metadata)
+            if not reuse:
+                if old is not None:  # another incarnation: its dlist dies with the agent
+                    shared.drop_registration(old, stale=True)
+                    old = None
+                try:
+                    shared.load(name, metadata)
+                except Exception as exc:
+                    raise RegistrationFailed(
+                        f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
+                    ) from exc
             try:
                 dlist = agent.prep_xfer_dlist(name, descs, "DRAM")
             except Exception as exc:
-                shared.remove_remote_agent(name)
+                if old is None:
+                    shared.unload(name)
                 raise RegistrationFailed(
                     f"preparing the peer's blocks failed: {exc!r}", peer=name, op="add_remote_peer"
                 ) from exc
+            if old is not None:  # same incarnation: its in-flight writes still complete
+                shared.drop_registration(old, stale=True)
             reg = PeerRegistration(name, layout, metadata, dlist, owner=self._state)
             shared.live[name] = reg
+            shared.parked.pop(name, None)
             shared.set_dead(name, False)
             return reg
 
@@ -548,7 +546,10 @@ class NixlTransport(DataTransport):
         with st.lock:
             peers = sum(1 for reg in st.peers if reg.usable)
             handles = len(st.handles)
-        return TransportStatistics(self.kind, st.agent_name, agents, regions, peers, handles)
+        parked = len(st.shared.parked)  # a size read: safe without call_lock
+        return TransportStatistics(
+            self.kind, st.agent_name, agents, regions, peers, handles, parked
+        )
 
     def close(self) -> None:
         """Release this transport's handles and registrations and its share of the agent.
