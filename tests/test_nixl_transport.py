@@ -277,6 +277,8 @@ def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -
         src.add_remote_peer("t5-b", b.metadata(), RegionLayout(b_layout.base_addr, 0, BLOCK))
     with pytest.raises(RegistrationFailed, match="t5-c"):
         src.add_remote_peer("t5-b", c.metadata(), b_layout)  # metadata of another agent
+    with pytest.raises(RegistrationFailed, match="our own"):
+        src.add_remote_peer("t5-src", src.metadata(), src_layout)
     assert src.statistics().remote_peers == 0
     peer = src.add_remote_peer("t5-b", b.metadata(), b_layout)
     for local, remote in (([0, 1], [0]), ([], []), ([16], [0]), ([0], [-1])):
