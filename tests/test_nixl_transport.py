@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from p2pkv.errors import PeerDisconnected, RegistrationFailed, TransportError
 from p2pkv.transport import _nixl_agent
@@ -275,6 +277,8 @@ def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -
         src.add_remote_peer("t5-b", b.metadata(), RegionLayout(b_layout.base_addr, 0, BLOCK))
     with pytest.raises(RegistrationFailed, match="t5-c"):
         src.add_remote_peer("t5-b", c.metadata(), b_layout)  # metadata of another agent
+    with pytest.raises(RegistrationFailed, match="our own"):
+        src.add_remote_peer("t5-src", src.metadata(), src_layout)
     assert src.statistics().remote_peers == 0
     peer = src.add_remote_peer("t5-b", b.metadata(), b_layout)
     for local, remote in (([0, 1], [0]), ([], []), ([16], [0]), ([0], [-1])):
@@ -282,6 +286,66 @@ def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -
             src.post_write(peer, local, remote)
     assert src.statistics().live_handles == 0
     write_and_check(src, src_array, peer, b, b_array)
+
+
+def _serdes_name(name: bytes, length: int | None = None, sep: bytes = b"|") -> bytes:
+    size = len(name) if length is None else length
+    return b"nixlSerDes|Agent" + size.to_bytes(8, sys.byteorder) + name + sep
+
+
+@given(st.text(min_size=1, max_size=300), st.binary(max_size=64))
+def test_metadata_agent_name_reads_the_name_nixl_serialised(name: str, rest: bytes) -> None:
+    assert _nixl_agent.metadata_agent_name(_serdes_name(name.encode()) + rest) == name
+
+
+def test_metadata_agent_name_refuses_what_it_cannot_read_exactly() -> None:
+    read = _nixl_agent.metadata_agent_name
+    assert read(_serdes_name(b"victim") + b"Conns") == "victim"
+    for bad in (
+        b"",
+        b"garbage",
+        _serdes_name(b"victim")[:-1],  # no separator
+        _serdes_name(b"victim", sep=b"#"),
+        _serdes_name(b"victim", length=7),  # runs into the next byte: not the separator
+        _serdes_name(b"victim", length=1 << 63),
+        _serdes_name(b"", length=0),
+        _serdes_name(b"\xff\xfe"),
+        b"nixlSerDes|Agenx" + _serdes_name(b"victim")[16:],
+    ):
+        assert read(bad) is None, bad
+
+
+def _victims_metadata_variants(metadata: bytes) -> dict[str, bytes]:
+    """Metadata NIXL reads as the victim's: as sent, with a trailing byte NIXL ignores, and
+    cut inside the memory section (NIXL fails after it has looked the victim's entry up)."""
+    return {
+        "identical": metadata,
+        "trailing-byte": metadata + b"\0",
+        "truncated": metadata[: len(metadata) - 40],
+    }
+
+
+@pytest.mark.parametrize("variant", ["identical", "trailing-byte", "truncated"])
+def test_metadata_of_another_agent_is_refused_before_nixl_sees_it(
+    make: MakeTransport, variant: str
+) -> None:
+    """A peer claiming its own name but sending the victim's metadata is refused, and the
+    victim's live registration keeps writing byte-exact."""
+    producer_array, producer_layout = region(16, seed=11)
+    victim_array, victim_layout = region(16, seed=12)
+    attacker_array, attacker_layout = region(16, seed=13)
+    producer = make("t11-producer", producer_array, producer_layout)
+    victim = make("t11-victim", victim_array, victim_layout)
+    make("t11-attacker", attacker_array, attacker_layout)
+    victim_peer = producer.add_remote_peer("t11-victim", victim.metadata(), victim_layout)
+    write_and_check(producer, producer_array, victim_peer, victim, victim_array)
+    forged = _victims_metadata_variants(victim.metadata())[variant]
+    with pytest.raises(RegistrationFailed):
+        producer.add_remote_peer("t11-attacker", forged, attacker_layout)
+    assert producer.statistics().remote_peers == 1
+    assert not victim_peer.released
+    for _ in range(3):
+        write_and_check(producer, producer_array, victim_peer, victim, victim_array)
 
 
 def test_close_is_idempotent_and_final(make: MakeTransport) -> None:

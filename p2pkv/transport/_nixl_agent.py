@@ -20,6 +20,24 @@ free of it (and of torch).
 
 Remote agents are per NIXL agent, not per transport, so the table of live registrations
 (``live``: agent name -> :class:`PeerRegistration`) lives here too, under ``call_lock``.
+
+**Remote agents are parked, not removed** (notes, hazard 10). NIXL 1.5.1 never closes the
+UCX socket of a removed remote agent while that agent lives: every
+``add_remote_agent``/``remove_remote_agent`` cycle with a live peer left one socket open on
+each side until one of the two agents was destroyed (measured: 1 fd per side per cycle over
+1,000 cycles; UCX keepalive settings change nothing). So ``loaded`` mirrors NIXL's own
+table of remote agents (name -> the exact metadata bytes it was loaded from), and releasing
+the live registration of a name *parks* it: it stays loaded, with no registration and no
+dlist (nothing can be posted to it), and a later registration of the same name with
+byte-identical metadata (the same incarnation) reuses it without a NIXL call. Different
+metadata (a restart) removes it first; a peer seen dead is removed, not parked. At most
+``max_parked`` names are parked; beyond that the longest-parked one is removed, which costs
+one socket per side for as long as that agent lives (upstream limit; a dead agent's socket
+is closed by UCX once it sees the disconnect).
+
+A registration's name is read from the metadata bytes (:func:`metadata_agent_name`)
+*before* NIXL sees them: ``add_remote_agent`` with metadata naming an agent that is already
+loaded replaces that agent's entry, so a check after the call would come too late.
 """
 
 from __future__ import annotations
@@ -27,6 +45,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 import threading
 from types import ModuleType
 from typing import Any
@@ -48,6 +67,12 @@ ENV_DEFAULTS = {
 }
 # cu13, then cu12, then the meta package: bare ``import nixl`` imports torch (2 s).
 _CANDIDATES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
+# Departed remote agents kept loaded for reuse, per agent (the node's default peer cap).
+MAX_PARKED = 64
+# NIXL's serialisation (serdes): an intro, then records "tag" + size_t length (native byte
+# order) + value + "|". Agent metadata opens with the record tagged "Agent": the name.
+_METADATA_NAME_TAG = b"nixlSerDes|Agent"
+_SIZE_T = 8
 
 
 @attrs.frozen
@@ -97,6 +122,28 @@ def load_nixl() -> NixlBinding:
             "CPU torch first or use --no-deps): " + "; ".join(failures),
             op="import",
         )
+
+
+def metadata_agent_name(metadata: bytes) -> str | None:
+    """The agent name NIXL will read from ``metadata``, or None if it cannot tell.
+
+    Follows NIXL 1.5.1's deserialiser (the intro, the "Agent" tag, a size_t length, the
+    name, "|") and is stricter where that one is lenient (a length running past the end, a
+    missing separator, an empty or non-UTF-8 name): anything this accepts, NIXL reads as
+    the same name.
+    """
+    start = len(_METADATA_NAME_TAG)
+    if not metadata.startswith(_METADATA_NAME_TAG) or len(metadata) < start + _SIZE_T:
+        return None
+    length = int.from_bytes(metadata[start : start + _SIZE_T], sys.byteorder)
+    begin = start + _SIZE_T
+    end = begin + length
+    if not 0 < length <= len(metadata) - begin - 1 or metadata[end : end + 1] != b"|":
+        return None
+    try:
+        return metadata[begin:end].decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 def block_descs(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:
@@ -164,6 +211,11 @@ class SharedAgent:
         # Guards ``dead`` and ``pending``; held for microseconds, never across NIXL calls.
         self.lock = threading.Lock()
         self.live: dict[str, PeerRegistration] = {}
+        # NIXL's remote agents as loaded (name -> metadata); parked: loaded, not live, oldest
+        # first. Both under ``call_lock``.
+        self.loaded: dict[str, bytes] = {}
+        self.parked: dict[str, None] = {}
+        self.max_parked = MAX_PARKED
         self.dead: set[str] = set()
         self.pending: set[Any] = set()  # posted transfers (NixlXfer) still PROC
         self.leaked: list[Any] = []  # xfer handles whose release failed; retried at teardown
@@ -202,16 +254,61 @@ class SharedAgent:
             else:
                 self.dead.discard(name)
 
-    def remove_remote_agent(self, name: str) -> None:
+    def reusable(self, name: str, metadata: bytes) -> bool:
+        """True if NIXL holds remote agent ``name`` loaded from exactly ``metadata`` and no
+        transfer has seen it dead. Caller holds ``call_lock``."""
+        return self.loaded.get(name) == metadata and not self.is_dead(name)
+
+    def load(self, name: str, metadata: bytes) -> None:
+        """Load ``metadata`` (already checked to name ``name``) as remote agent ``name``,
+        removing a different incarnation of it first. Caller holds ``call_lock``.
+
+        Raises whatever NIXL raises; ``name`` is then not loaded.
+        """
+        if name in self.loaded:
+            self.unload(name)
+        try:
+            got = self.agent.add_remote_agent(metadata)
+        except Exception:
+            try:  # NIXL may keep what it loaded before failing; drop it (only `name`)
+                self.agent.remove_remote_agent(name)
+            except Exception:
+                self._log.debug("nothing of %s was loaded", name, exc_info=True)
+            raise
+        got_name = got.decode() if isinstance(got, bytes) else str(got)
+        if got_name != name:  # metadata_agent_name disagrees with this NIXL build
+            self._log.error("NIXL loaded agent %r from metadata read as %r", got_name, name)
+            raise ValueError(f"NIXL read the metadata as agent {got_name!r}")
+        self.loaded[name] = metadata
+        self.parked.pop(name, None)
+
+    def unload(self, name: str) -> None:
+        """Remove remote agent ``name`` from NIXL (its dlists die: hazard 5)."""
         with self.call_lock:
+            self.loaded.pop(name, None)
+            self.parked.pop(name, None)
             try:
                 self.agent.remove_remote_agent(name)
             except Exception:
                 self._log.warning("remove_remote_agent(%s) failed", name, exc_info=True)
 
+    def park(self, name: str) -> None:
+        """``name`` has no live registration any more: keep it loaded for reuse (see the
+        module docstring), unless it was seen dead; evict the longest-parked beyond the cap."""
+        with self.call_lock:
+            if name not in self.loaded or name in self.live:
+                return
+            if self.is_dead(name):
+                self.unload(name)
+                return
+            self.parked.pop(name, None)
+            self.parked[name] = None
+            while len(self.parked) > self.max_parked:
+                self.unload(next(iter(self.parked)))
+
     def drop_registration(self, reg: PeerRegistration, *, stale: bool) -> None:
-        """Mark ``reg`` stale or released, release its dlist; remove the remote agent only if
-        ``reg`` was the live registration of its name and it is being released."""
+        """Mark ``reg`` stale or released and release its dlist; if it was the live
+        registration of its name and is being released, park the remote agent."""
         with self.call_lock:
             was_live = self.live.get(reg.agent_name) is reg
             if was_live:
@@ -220,10 +317,10 @@ class SharedAgent:
                 reg.stale = True
             else:
                 reg.released = True
-                if was_live:
-                    self.remove_remote_agent(reg.agent_name)
             dlist, reg.dlist = reg.dlist, None
             self.release_dlist(dlist)
+            if was_live and not stale:
+                self.park(reg.agent_name)
 
     def release_dlist(self, dlist: Any) -> None:
         if dlist is None:
@@ -251,13 +348,16 @@ class SharedAgent:
                 return
             log = self._log
             for reg in list(self.live.values()):
-                try:
-                    agent.remove_remote_agent(reg.agent_name)
-                except Exception:
-                    log.warning("remove_remote_agent(%s) failed", reg.agent_name, exc_info=True)
                 self.release_dlist(reg.dlist)
                 reg.dlist = None
             self.live.clear()
+            for name in list(self.loaded):
+                try:
+                    agent.remove_remote_agent(name)
+                except Exception:
+                    log.warning("remove_remote_agent(%s) failed", name, exc_info=True)
+            self.loaded.clear()
+            self.parked.clear()
             self.release_dlist(self.local_dlist)
             self.local_dlist = None
             for handle in self.leaked:

@@ -89,6 +89,7 @@ class TransportStatistics:
     registered_regions: int  # in this process, for this transport kind
     remote_peers: int  # live registrations held by this transport
     live_handles: int  # posted and not yet released
+    parked_peers: int = 0  # departed peers kept loaded by the data plane for reuse (NIXL)
 
 
 class DataTransport(abc.ABC):

@@ -23,11 +23,16 @@ waits for them, so the agent is never dropped under a caller. (With every NIXL c
 ``call_lock``, STRICT is belt and braces: it still covers NIXL's own ``__del__`` releases.)
 
 Registrations (:class:`PeerRegistration`, the ``native`` of a :class:`RemotePeer`): one
-live registration per remote agent name per NIXL agent. A re-add makes the old one stale
-(no new posts). If the metadata is byte-identical (same remote incarnation) the remote agent
-is not removed, so the old registration's in-flight writes (e.g. an old transport's, during a
-reconfiguration) still complete; otherwise it is removed first and its dlists die
-(``notes/nixl.md``, hazard 5).
+live registration per remote agent name per NIXL agent. A registration for name X reads X
+from the metadata bytes before NIXL sees them and refuses metadata naming anything else, so
+it never replaces, marks stale or removes another name's registration or remote agent. A
+re-add makes the old registration of X stale (no new posts). If the metadata is
+byte-identical (same remote incarnation) the remote agent is not removed, so the old
+registration's in-flight writes (e.g. an old transport's, during a reconfiguration) still
+complete; otherwise it is removed first and its dlists die (``notes/nixl.md``, hazard 5).
+Every registration prepares its own dlist. A released registration's remote agent is parked
+(kept loaded, unusable) for reuse by the same incarnation: NIXL leaks a socket per remove
+(:mod:`._nixl_agent`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from ._nixl_agent import (
     acquire_agent,
     block_descs,
     load_nixl,
+    metadata_agent_name,
     registry_counts,
     release_ref,
 )
@@ -324,44 +330,47 @@ class NixlTransport(DataTransport):
         layout: RegionLayout,
         descs: npt.NDArray[np.uint64],
     ) -> PeerRegistration:
+        """Register ``name``; touches no other name's registration or remote agent."""
+        named = metadata_agent_name(metadata)
+        if named is None:
+            problem = "it is not NIXL agent metadata"
+        elif named != name:
+            problem = f"it names agent {named!r}"
+        elif name == shared.name:
+            problem = "it is our own agent's"
+        else:
+            problem = None
+        if problem is not None:
+            raise RegistrationFailed(
+                f"metadata refused: {problem}", peer=name, op="add_remote_peer"
+            )
         agent = shared.agent
         with shared.call_lock:
             old = shared.live.get(name)
-            loaded = old is not None  # NIXL holds remote agent `name` right now
-            if old is not None:
-                shared.drop_registration(old, stale=True)
-                if old.metadata != metadata or shared.is_dead(name):
-                    shared.remove_remote_agent(name)  # another incarnation: its dlists die
-                    loaded = False
-            try:
-                got = agent.add_remote_agent(metadata)
-            except Exception as exc:
-                if loaded:
-                    shared.remove_remote_agent(name)
-                raise RegistrationFailed(
-                    f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
-                ) from exc
-            got_name = got.decode() if isinstance(got, bytes) else str(got)
-            if got_name != name:
-                other = shared.live.get(got_name)
-                if other is None or other.metadata != metadata:
-                    if other is not None:  # NIXL just replaced its metadata
-                        shared.drop_registration(other, stale=True)
-                    shared.remove_remote_agent(got_name)
-                if loaded:
-                    shared.remove_remote_agent(name)
-                raise RegistrationFailed(
-                    f"metadata is for agent {got_name!r}", peer=name, op="add_remote_peer"
-                )
+            reuse = shared.reusable(name, metadata)
+            if not reuse:
+                if old is not None:  # another incarnation: its dlist dies with the agent
+                    shared.drop_registration(old, stale=True)
+                    old = None
+                try:
+                    shared.load(name, metadata)
+                except Exception as exc:
+                    raise RegistrationFailed(
+                        f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
+                    ) from exc
             try:
                 dlist = agent.prep_xfer_dlist(name, descs, "DRAM")
             except Exception as exc:
-                shared.remove_remote_agent(name)
+                if old is None:
+                    shared.unload(name)
                 raise RegistrationFailed(
                     f"preparing the peer's blocks failed: {exc!r}", peer=name, op="add_remote_peer"
                 ) from exc
+            if old is not None:  # same incarnation: its in-flight writes still complete
+                shared.drop_registration(old, stale=True)
             reg = PeerRegistration(name, layout, metadata, dlist, owner=self._state)
             shared.live[name] = reg
+            shared.parked.pop(name, None)
             shared.set_dead(name, False)
             return reg
 
@@ -537,7 +546,10 @@ class NixlTransport(DataTransport):
         with st.lock:
             peers = sum(1 for reg in st.peers if reg.usable)
             handles = len(st.handles)
-        return TransportStatistics(self.kind, st.agent_name, agents, regions, peers, handles)
+        parked = len(st.shared.parked)  # a size read: safe without call_lock
+        return TransportStatistics(
+            self.kind, st.agent_name, agents, regions, peers, handles, parked
+        )
 
     def close(self) -> None:
         """Release this transport's handles and registrations and its share of the agent.

@@ -1,0 +1,206 @@
+"""Connect/disconnect cycles keep this process's file descriptors bounded (issue 7, item 11).
+
+NIXL 1.5.1 leaves one UCX socket open on each side for every ``remove_remote_agent`` of a
+remote agent that is still alive (``notes/nixl.md``, hazard 10); the transport parks a
+departed peer's remote agent instead and reuses it when the same incarnation comes back
+(:mod:`p2pkv.transport._nixl_agent`). Both ends of every connection live in this process, so
+one connection is two fds here.
+
+Each test records the fd count after every cycle, takes the count after the first cycle as
+the steady state (the first connection opens the sockets every later cycle reuses), and
+asserts that no later cycle exceeds it by more than ``ONE_CONNECTION``: at most one
+connection (two fds) may be in flight. The leak this guards against grows by two fds per
+cycle, so it fails by the second cycle. ``P2PKV_SLOW=1`` runs 10x the cycles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from p2pkv.errors import TransportError
+from p2pkv.transport import _nixl_agent
+from p2pkv.transport.base import RegionLayout, RemotePeer, TransferState
+from p2pkv.transport.nixl import NixlTransport
+
+_HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
+pytestmark = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13 (or nixl-cu12)"),
+]
+
+CYCLES = 3000 if os.environ.get("P2PKV_SLOW") == "1" else 300
+ONE_CONNECTION = 2  # both ends of one UCX socket, in this process
+BLOCKS, BLOCK = 8, 4096
+Region = np.ndarray[tuple[int], np.dtype[np.uint8]]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def region(seed: int) -> tuple[Region, RegionLayout]:
+    array = np.random.default_rng(seed).integers(0, 256, BLOCKS * BLOCK, dtype=np.uint8)
+    return array, RegionLayout(array.ctypes.data, BLOCKS, BLOCK)
+
+
+def crc(array: Region, slot: int) -> int:
+    return zlib.crc32(array[slot * BLOCK : (slot + 1) * BLOCK].data)
+
+
+class Node:
+    """One side: a region and the transport over it (recreated to restart)."""
+
+    def __init__(self, name: str, seed: int) -> None:
+        self.name = name
+        self.array, self.layout = region(seed)
+        self.transport = NixlTransport.create(
+            agent_name=name, region=self.array, layout=self.layout
+        )
+
+    def restart(self) -> None:
+        """A new incarnation: the old agent is destroyed, a new one has new metadata."""
+        self.transport.close()
+        self.transport = NixlTransport.create(
+            agent_name=self.name, region=self.array, layout=self.layout
+        )
+
+    def register(self, other: Node) -> RemotePeer:
+        return self.transport.add_remote_peer(other.name, other.transport.metadata(), other.layout)
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[Node]]:
+    """Nodes created by the test; closed afterwards, and then every fd they opened is gone."""
+    before = open_fds()
+    made: list[Node] = []
+    yield made
+    for node in made:
+        node.transport.close()
+    if made:
+        stats = made[0].transport.statistics()
+        assert (stats.live_agents, stats.registered_regions, stats.parked_peers) == (0, 0, 0)
+    assert open_fds() <= before
+
+
+def write_and_check(src: Node, peer: RemotePeer, dst: Node, cycle: int) -> None:
+    local, remote = cycle % BLOCKS, (cycle * 3 + 1) % BLOCKS
+    src.array[local * BLOCK] = cycle % 256  # every cycle moves a block it did not move before
+    handle = src.transport.post_write(peer, [local], [remote])
+    try:
+        while (state := src.transport.poll(handle)) is TransferState.PROC:
+            dst.transport.progress()
+        assert state is TransferState.DONE
+    finally:
+        src.transport.release(handle)
+    assert crc(dst.array, remote) == crc(src.array, local)
+
+
+def cycle_pair(a: Node, b: Node, cycle: int) -> None:
+    """One session's life as the node drives it: both sides register each other, a write
+    lands byte-exact, both sides release; the released registration cannot be written to."""
+    a_to_b, b_to_a = a.register(b), b.register(a)
+    write_and_check(a, a_to_b, b, cycle)
+    a.transport.remove_remote_peer(a_to_b)
+    b.transport.remove_remote_peer(b_to_a)
+    with pytest.raises(TransportError, match="stale or released"):
+        a.transport.post_write(a_to_b, [0], [0])
+    assert a.transport.statistics().remote_peers == 0
+
+
+def assert_bounded(counts: list[int]) -> None:
+    steady = counts[0]
+    worst = max(counts)
+    assert worst <= steady + ONE_CONNECTION, (
+        f"fds grew from {steady} to {worst} (last {counts[-1]}) over {len(counts)} cycles"
+    )
+
+
+def test_the_same_peer_reconnecting_keeps_fds_bounded(nodes: list[Node]) -> None:
+    a, b = Node("fds-a", 1), Node("fds-b", 2)
+    nodes += [a, b]
+    counts = []
+    for cycle in range(CYCLES):
+        cycle_pair(a, b, cycle)
+        counts.append(open_fds())
+    assert_bounded(counts)
+    assert a.transport.statistics().parked_peers == 1
+
+
+@pytest.mark.slow  # an agent is created every cycle: ~35 ms each
+def test_a_peer_restarting_with_new_metadata_keeps_fds_bounded(nodes: list[Node]) -> None:
+    """Each restart is a new incarnation: registered fresh (its old remote agent removed,
+    dlists re-prepared, hazard 5). The old agent's sockets close as it is destroyed, so
+    this holds without parking too (measured: also bounded before parking existed)."""
+    a, b = Node("fds-c", 3), Node("fds-d", 4)
+    nodes += [a, b]
+    counts = []
+    metadata = b.transport.metadata()
+    for cycle in range(CYCLES):
+        b.restart()
+        assert b.transport.metadata() != metadata
+        metadata = b.transport.metadata()
+        cycle_pair(a, b, cycle)
+        counts.append(open_fds())
+    assert_bounded(counts)
+
+
+def test_peers_taking_turns_within_the_parking_cap_keep_fds_bounded(
+    nodes: list[Node],
+) -> None:
+    hub = Node("fds-hub", 5)
+    spokes = [Node(f"fds-spoke-{i}", 10 + i) for i in range(4)]
+    nodes += [hub, *spokes]
+    counts = []
+    for cycle in range(CYCLES):
+        cycle_pair(hub, spokes[cycle % len(spokes)], cycle)
+        if cycle >= len(spokes) - 1:
+            counts.append(open_fds())
+    assert_bounded(counts)
+    assert hub.transport.statistics().parked_peers == len(spokes)
+
+
+def test_beyond_the_cap_the_longest_parked_is_removed_and_comes_back_fresh(
+    nodes: list[Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eviction removes the remote agent (NIXL then keeps its socket open until that agent
+    is destroyed; the fixture checks every fd is gone after close); an evicted peer that
+    returns is loaded again, and its writes land byte-exact."""
+    agent_cls = _nixl_agent.load_nixl().api.nixl_agent
+    loads: list[str] = []
+    add = agent_cls.add_remote_agent
+
+    def counting_add(self: Any, metadata: bytes) -> Any:
+        if self.name == "fds-cap":
+            loads.append(_nixl_agent.metadata_agent_name(metadata) or "?")
+        return add(self, metadata)
+
+    monkeypatch.setattr(agent_cls, "add_remote_agent", counting_add)
+    monkeypatch.setattr(_nixl_agent, "MAX_PARKED", 2)
+    hub = Node("fds-cap", 6)
+    spokes = [Node(f"fds-cap-{i}", 20 + i) for i in range(3)]
+    nodes += [hub, *spokes]
+    order = spokes * 3
+    for cycle, spoke in enumerate(order):
+        cycle_pair(hub, spoke, cycle)
+        parked = list(hub.transport._state.shared.parked)
+        assert parked == [s.name for s in order[max(0, cycle - 1) : cycle + 1]]
+        assert hub.transport.statistics().parked_peers == len(parked)
+    assert loads == [s.name for s in order]  # each return found its spoke evicted: loaded anew
+
+
+def test_a_peer_seen_dead_is_removed_not_parked(nodes: list[Node]) -> None:
+    a, b = Node("fds-e", 7), Node("fds-f", 8)
+    nodes += [a, b]
+    peer = a.register(b)
+    write_and_check(a, peer, b, 0)
+    a.transport._state.shared.set_dead(b.name, True)  # as a failed transfer marks it
+    a.transport.remove_remote_peer(peer)
+    assert a.transport.statistics().parked_peers == 0
+    write_and_check(a, a.register(b), b, 1)
