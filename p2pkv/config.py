@@ -60,13 +60,21 @@ class NodeConfig:
     max_peers: int = attrs.field(default=64, validator=_positive)  # per node
     max_open_requests: int = attrs.field(default=64, validator=_positive)
     max_keys_per_request: int = attrs.field(default=65536, validator=_positive)
-    max_pinned_blocks: int = attrs.field(default=1 << 20, validator=_positive)
+    max_pinned_blocks: int = attrs.field(default=65536, validator=_positive)
     max_inflight_bytes: int = attrs.field(default=8 << 30, validator=_positive)
     max_frame_size: int = attrs.field(default=16 << 20, validator=_positive)
     max_key_len: int = attrs.field(default=128, validator=_positive)
     # Large fetches are posted as several handles of at most this many bytes, so one
     # request never holds the data plane for long and failures stay per chunk.
     transfer_chunk_bytes: int = attrs.field(default=256 << 20, validator=_positive)
+    # What one peer can make us hold: keys of its lookups being answered, its pins and the
+    # keys of its fetches being written. A lookup over it is answered all misses (nothing
+    # pinned), a fetch over it gets OVER_CAP for every key; the session stays up.
+    max_keys_held_per_peer: int = attrs.field(default=131072, validator=_positive)
+    # Fairness: a session handles at most this much of its peer's input before it sends
+    # what it has and lets the other sessions run (a big lookup is pinned in such slices).
+    max_events_per_turn: int = attrs.field(default=16, validator=_positive)
+    max_keys_per_turn: int = attrs.field(default=1024, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
         if not self.peer_id or len(self.peer_id) > 128:
