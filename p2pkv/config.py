@@ -73,7 +73,7 @@ class NodeConfig:
     max_keys_held_per_peer: int = attrs.field(default=131072, validator=_positive)
     # Fairness: a session handles at most this much of its peer's input before it sends
     # what it has and lets the other sessions run (a big lookup is pinned in such slices).
-    max_events_per_turn: int = attrs.field(default=16, validator=_positive)
+    max_events_per_turn: int = attrs.field(default=64, validator=_positive)
     max_keys_per_turn: int = attrs.field(default=1024, validator=_positive)
 
     def __attrs_post_init__(self) -> None:

@@ -256,7 +256,7 @@ async def test_a_flood_of_small_lookups_does_not_starve_another_peer() -> None:
         assert hits == [True]
         # Old behaviour: the good lookup waited for the whole 64 KiB read (~1,200 lookups)
         # the flooder's session was handling. Now each session handles at most
-        # max_events_per_turn (16) events per turn; this bound is 25 turns of slack.
+        # max_events_per_turn (64) events per turn; this bound leaves 6 turns of slack.
         assert before_good <= 400, f"the flooder got {before_good} answers first"
         await flooder.aclose()
         await good.aclose()
