@@ -71,7 +71,7 @@ class NodeConfig:
     max_peers: int = attrs.field(default=64, validator=_positive)  # per node
     max_open_requests: int = attrs.field(default=64, validator=_positive)
     max_keys_per_request: int = attrs.field(default=65536, validator=_positive)
-    max_pinned_blocks: int = attrs.field(default=1 << 20, validator=_positive)
+    max_pinned_blocks: int = attrs.field(default=65536, validator=_positive)
     max_inflight_bytes: int = attrs.field(default=8 << 30, validator=_positive)
     max_frame_size: int = attrs.field(default=16 << 20, validator=_positive)
     max_key_len: int = attrs.field(default=128, validator=_positive)
@@ -85,6 +85,14 @@ class NodeConfig:
     # session answers a ping within this time (so no one can take over a live peer's id);
     # otherwise the old session is taken to be dead and is replaced.
     probe_timeout: float = attrs.field(default=2.0, validator=_positive)
+    # What one peer can make us hold: keys of its lookups being answered, its pins and the
+    # keys of its fetches being written. A lookup over it is answered all misses (nothing
+    # pinned), a fetch over it gets OVER_CAP for every key; the session stays up.
+    max_keys_held_per_peer: int = attrs.field(default=131072, validator=_positive)
+    # Fairness: a session handles at most this much of its peer's input before it sends
+    # what it has and lets the other sessions run (a big lookup is pinned in such slices).
+    max_events_per_turn: int = attrs.field(default=64, validator=_positive)
+    max_keys_per_turn: int = attrs.field(default=1024, validator=_positive)
 
     # Optional mutual TLS of the control connection (p2pkv/tls.py): paths to PEM files of
     # this node's certificate (naming its peer id), its private key, and the CA that signs

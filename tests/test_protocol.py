@@ -519,7 +519,7 @@ def test_lookup_fetch_transfer_done_round_trip() -> None:
     assert a.out_state(req) is OutState.OPEN
     a.send_fetch(req, [K1, K3], [3, 7])
     assert a.out_state(req) is OutState.FETCH_SENT
-    assert pair.deliver(a) == [FetchRequested(req, [K1, K3], [3, 7], expired=False)]
+    assert pair.deliver(a) == [FetchRequested(req, [K1, K3], [3, 7])]
     assert b.in_state(req) is InState.WRITING and b.pins_held() == 2
     assert b.next_deadline() is None  # a writing round has no lease
     assert b.expire(1e9) == []
@@ -597,8 +597,8 @@ def test_empty_fetch_closes_an_expired_round_too() -> None:
     req = pair.lookup([K1], [True], now=0.0, lease=1.0)
     assert pair.b.expire(1.0) == [req]
     pair.a.send_fetch(req, [], [])
-    assert pair.deliver(pair.a) == [RoundClosed(req)]
-    assert pair.b.open_rounds() == []
+    assert pair.deliver(pair.a) == []  # its pins went with the lease: nothing to release
+    assert pair.b.open_rounds() == [] and pair.b.in_state(req) is None
 
 
 def _pinned_at_a(hits: list[bool]) -> tuple[ConnectionPair, int]:
@@ -661,7 +661,7 @@ def test_fetch_outside_an_open_round_is_a_protocol_error(stage: str) -> None:
     assert_protocol_error(a, encode(Fetch(req_id=req, keys=[K1], slots=[1])), "no open lookup")
 
 
-def test_lease_expiry_releases_pins_and_a_later_fetch_is_marked_expired() -> None:
+def test_lease_expiry_releases_pins_and_the_protocol_answers_a_later_fetch() -> None:
     pair = ready_pair()
     a, b = pair.a, pair.b
     r1 = pair.lookup([K1, K2], [True, True], now=10.0, lease=5.0)
@@ -673,13 +673,56 @@ def test_lease_expiry_releases_pins_and_a_later_fetch_is_marked_expired() -> Non
     assert b.in_state(r1) is InState.EXPIRED and b.pins_held() == 1
     assert b.next_deadline() == 17.0
     assert b.expire(16.0) == []  # not twice
-    assert b.open_rounds() == [r1, r2]  # the expired round waits for its fetch
+    # Only a tombstone is left: the round is no longer open and holds nothing.
+    assert b.open_rounds() == [r2] and b.tombstones() == 1 and b.keys_held() == 1
     a.send_fetch(r1, [K1, K2], [0, 1])
-    assert pair.deliver(a) == [FetchRequested(r1, [K1, K2], [0, 1], expired=True)]
+    assert pair.deliver(a) == []  # answered by the protocol: nothing for the driver
+    assert b.in_state(r1) is None and b.tombstones() == 0
     lease_expired = int(Outcome.LEASE_EXPIRED)
-    b.send_transfer_done(r1, [lease_expired, lease_expired])
     assert pair.deliver(b) == [TransferCompleted(r1, [lease_expired] * 2, None)]
+    assert a.open_requests() == [r2]
     assert b.expire(100.0) == [r2] and b.pins_held() == 0
+
+
+def test_tombstones_are_bounded_and_a_dropped_one_still_answers_lease_expired() -> None:
+    cap = 3
+    pair = ready_pair(make_info("a"), make_info("b", max_open_requests=cap))
+    a, b = pair.a, pair.b
+    reqs = [pair.lookup([K1, K2], [True, False], now=0.0, lease=1.0) for _ in range(cap)]
+    assert b.expire(1.0) == reqs
+    more = [pair.lookup([K1, K2], [True, False], now=1.0, lease=1.0) for _ in range(cap)]
+    assert b.expire(2.0) == more  # expired rounds do not count as open
+    assert b.tombstones() == cap and b.open_rounds() == [] and b.keys_held() == 0
+    assert [b.in_state(r) for r in reqs] == [None] * cap  # the oldest were dropped
+    assert [b.in_state(r) for r in more] == [InState.EXPIRED] * cap
+    lease_expired = int(Outcome.LEASE_EXPIRED)
+    for req in (reqs[0], more[-1]):  # a dropped tombstone and a kept one
+        a.send_fetch(req, [K1], [0])
+        assert pair.deliver(a) == []
+        assert pair.deliver(b) == [TransferCompleted(req, [lease_expired], None)]
+    a.send_fetch(reqs[1], [], [])  # an empty fetch closes it, nothing comes back
+    a.send_abort(more[0])
+    assert pair.deliver(a) == []
+    assert pair.deliver(b) == [AbortAcknowledged(more[0])]
+    assert b.tombstones() == cap - 2
+    # A fetch for a round that never was is still the peer's protocol error.
+    assert_protocol_error(b, encode(Fetch(req_id=99, keys=[K1], slots=[1])), "no open lookup")
+
+
+def test_keys_held_counts_answering_keys_then_pins_then_the_fetch() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = a.send_lookup([K1, K2, K3])
+    pair.deliver(a)
+    assert b.keys_held() == 3  # the driver holds the lookup's keys until it answers
+    b.send_lookup_resp(req, [True, False, False], now=0.0, lease=5.0)
+    assert b.keys_held() == 1  # then only the pinned hit
+    pair.deliver(b)
+    a.send_fetch(req, [K1, K2], [0, 1])
+    pair.deliver(a)
+    assert b.keys_held() == 3  # the pin and the fetch's two keys
+    b.send_transfer_done(req, [OK, int(Outcome.NOT_PINNED)])
+    assert b.keys_held() == 0
 
 
 def test_expire_leaves_unanswered_and_writing_rounds_alone() -> None:
@@ -698,7 +741,8 @@ def test_expire_leaves_unanswered_and_writing_rounds_alone() -> None:
 # --- aborts -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stage", ["held", "lookup_sent", "open", "fetch_sent", "expired"])
+# (An expired round is acked by the protocol at once: see the tombstone test above.)
+@pytest.mark.parametrize("stage", ["held", "lookup_sent", "open", "fetch_sent"])
 def test_abort_in_every_consumer_state_ends_with_the_abort_ack(stage: str) -> None:
     if stage == "held":
         pair = ConnectionPair()
@@ -723,15 +767,13 @@ def test_abort_in_every_consumer_state_ends_with_the_abort_ack(stage: str) -> No
             if stage == "fetch_sent":
                 pair.a.send_fetch(req, [K1, K2], [0, 1])
                 pair.deliver(pair.a)
-            if stage == "expired":
-                assert pair.b.expire(10.0) == [req]
         before = pair.a.out_state(req)
         assert before is not None
         pair.a.send_abort(req)
         assert pair.a.out_state(req) is OutState.ABORT_SENT
         assert pair.deliver(pair.a) == [AbortRequested(req)]
     a, b = pair.a, pair.b
-    pins = {"held": 0, "lookup_sent": 0, "open": 2, "fetch_sent": 2, "expired": 0}[stage]
+    pins = {"held": 0, "lookup_sent": 0, "open": 2, "fetch_sent": 2}[stage]
     assert b.in_state(req) is InState.ABORTING
     assert b.pins_held() == pins  # held until the writes are drained and the ack is sent
     # While aborting the round takes nothing but the abort_ack.

@@ -75,7 +75,10 @@ class InModel:
     pins: int = 0
     deadline: float = 0.0
     nfetch: int = 0
-    fetch_expired: bool = False
+
+    @property
+    def keys_held(self) -> int:
+        return len(self.keys) if self.state is InState.ANSWERING else self.pins + self.nfetch
 
 
 def other(s: str) -> str:
@@ -89,6 +92,8 @@ class SessionPairMachine(RuleBasedStateMachine):
         self.pipe = {s: bytearray() for s in SIDES}  # sent by s, not yet delivered
         self.out: dict[str, dict[int, OutModel]] = {s: {} for s in SIDES}
         self.rounds: dict[str, dict[int, InModel]] = {s: {} for s in SIDES}
+        # Rounds whose lease ran out (a tombstone at most) while the consumer's request lives.
+        self.expired: dict[str, set[int]] = {s: set() for s in SIDES}
         self.terminal: dict[str, dict[int, list[str]]] = {s: {} for s in SIDES}
         self.issued: dict[str, list[int]] = {s: [] for s in SIDES}
         self.seen_ids: dict[str, list[int]] = {s: [] for s in SIDES}  # peer ids, in order
@@ -134,13 +139,12 @@ class SessionPairMachine(RuleBasedStateMachine):
             m.state = OutState.OPEN
         elif isinstance(ev, FetchRequested):
             r = self.rounds[s][ev.req_id]
-            assert r.state in (InState.PINNED, InState.EXPIRED)
-            assert ev.expired == (r.state is InState.EXPIRED)
+            assert r.state is InState.PINNED
             assert ev.keys and len(set(ev.slots)) == len(ev.slots)
-            r.state, r.nfetch, r.fetch_expired = InState.WRITING, len(ev.keys), ev.expired
+            r.state, r.nfetch = InState.WRITING, len(ev.keys)
         elif isinstance(ev, RoundClosed):
             r = self.rounds[s].pop(ev.req_id)
-            assert r.state in (InState.PINNED, InState.EXPIRED)
+            assert r.state is InState.PINNED
         elif isinstance(ev, AbortRequested):
             r = self.rounds[s][ev.req_id]
             assert r.state is not InState.ABORTING
@@ -148,12 +152,18 @@ class SessionPairMachine(RuleBasedStateMachine):
         elif isinstance(ev, TransferCompleted):
             m = self.out[s].pop(ev.req_id)
             assert m.state is OutState.FETCH_SENT, "transfer_done after an abort leaked out"
-            assert ev.outcomes == self.sent_outcomes[other(s)].pop(ev.req_id)
+            sent = self.sent_outcomes[other(s)].pop(ev.req_id, None)
+            if sent is None:  # the protocol answered a fetch of an expired round itself
+                assert ev.req_id in self.expired[other(s)]
+                sent = [int(Outcome.LEASE_EXPIRED)] * m.nfetch
+            assert ev.outcomes == sent
             assert len(ev.outcomes) == m.nfetch
+            self.expired[other(s)].discard(ev.req_id)
             self.end(s, ev.req_id, "transfer_done")
         elif isinstance(ev, AbortAcknowledged):
             m = self.out[s].pop(ev.req_id)
             assert m.state is OutState.ABORT_SENT
+            self.expired[other(s)].discard(ev.req_id)
             self.end(s, ev.req_id, "abort_ack")
         elif isinstance(ev, PongReceived):
             assert ev.nonce in self.pings[s]
@@ -179,6 +189,7 @@ class SessionPairMachine(RuleBasedStateMachine):
             self.end(s, req, "closed")
         self.out[s].clear()
         self.rounds[s].clear()
+        self.expired[s].clear()
 
     # --- rules ------------------------------------------------------------------------
 
@@ -311,6 +322,7 @@ class SessionPairMachine(RuleBasedStateMachine):
         s, req = self.pick(data, self.outs(OutState.OPEN))
         self.proto[s].send_fetch(req, [], [])
         del self.out[s][req]
+        self.expired[other(s)].discard(req)
         self.end(s, req, "empty_fetch")
         self.flush(s)
 
@@ -318,12 +330,9 @@ class SessionPairMachine(RuleBasedStateMachine):
         s, req = self.pick(data, self.ins(InState.WRITING))
         r = self.rounds[s].pop(req)
         n = r.nfetch
-        if r.fetch_expired:
-            outcomes = [int(Outcome.LEASE_EXPIRED)] * n
-        else:
-            outcomes = data.draw(
-                st.lists(st.sampled_from(OUTCOMES), min_size=n, max_size=n), label="outcomes"
-            )
+        outcomes = data.draw(
+            st.lists(st.sampled_from(OUTCOMES), min_size=n, max_size=n), label="outcomes"
+        )
         sums = data.draw(
             st.none() | st.lists(st.integers(0, 2**32 - 1), min_size=n, max_size=n),
             label="checksums",
@@ -373,7 +382,8 @@ class SessionPairMachine(RuleBasedStateMachine):
         )
         assert sorted(self.proto[s].expire(self.now)) == due
         for i in due:
-            self.rounds[s][i].state, self.rounds[s][i].pins = InState.EXPIRED, 0
+            del self.rounds[s][i]
+            self.expired[s].add(i)
 
     def do_ping(self, data: st.DataObject) -> None:
         s = self.side(data)
@@ -441,12 +451,13 @@ class SessionPairMachine(RuleBasedStateMachine):
             for s, req in self.outs(OutState.OPEN):
                 self.proto[s].send_fetch(req, [], [])
                 del self.out[s][req]
+                self.expired[other(s)].discard(req)
                 self.end(s, req, "empty_fetch")
             for s, req in self.ins(InState.WRITING):
                 r = self.rounds[s].pop(req)
-                outcome = Outcome.LEASE_EXPIRED if r.fetch_expired else Outcome.ABORTED
-                self.proto[s].send_transfer_done(req, [int(outcome)] * r.nfetch)
-                self.sent_outcomes[s][req] = [int(outcome)] * r.nfetch
+                outcomes = [int(Outcome.ABORTED)] * r.nfetch
+                self.proto[s].send_transfer_done(req, outcomes)
+                self.sent_outcomes[s][req] = outcomes
             for s, req in self.ins(InState.ABORTING):
                 self.proto[s].send_abort_ack(req)
                 del self.rounds[s][req]
@@ -498,8 +509,12 @@ class SessionPairMachine(RuleBasedStateMachine):
             assert pins == sum(r.pins for r in self.rounds[s].values())
             assert sorted(p.open_rounds()) == sorted(self.rounds[s])
             assert sorted(p.open_requests()) == sorted(self.out[s])
+            assert p.keys_held() == sum(r.keys_held for r in self.rounds[s].values())
             for i, r in self.rounds[s].items():
                 assert p.in_state(i) is r.state
+            for i in self.expired[s]:  # its tombstone is kept or dropped, never more
+                assert p.in_state(i) in (InState.EXPIRED, None)
+            assert p.tombstones() <= CAP
             for i, m in self.out[s].items():
                 assert p.out_state(i) is m.state
             for req, ends in self.terminal[s].items():
@@ -518,6 +533,7 @@ class SessionPairMachine(RuleBasedStateMachine):
         for s in SIDES:
             rounds = self.rounds[other(s)]
             theirs = {i: r.state for i, r in rounds.items()}
+            theirs.update(dict.fromkeys(self.expired[other(s)], InState.EXPIRED))
             mine = {i: PRODUCER_STATES[m.state] for i, m in self.out[s].items()}
             assert set(theirs) == set(mine), f"{s}: requests {mine} vs rounds {theirs}"
             for i, st_ in theirs.items():

@@ -114,7 +114,7 @@ async def test_lookup_deadline_raises_and_aborts_the_round(
         await raw.aclose()
 
 
-async def test_fetch_deadline_fails_keys_and_quarantines_until_the_abort_ack(
+async def test_fetch_deadline_fails_keys_and_an_unsettled_write_quarantines_both_sides(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))
@@ -129,13 +129,15 @@ async def test_fetch_deadline_fails_keys_and_quarantines_until_the_abort_ack(
         assert trio.current_time() - start == pytest.approx(4.0, abs=0.5)
         assert result.loaded == [] and set(result.failed.values()) == {"timeout"}
         assert dst.statistics().quarantined_slots == 4
-        # The producer drains (abort_timeout), releases, acks; its source pins stay for
-        # the quarantine time since the write never settled.
+        # The producer's write never settles: after abort_timeout it is released, and the
+        # round is held for the quarantine (source pins kept, no abort_ack yet), so nothing
+        # frees the consumer's slots while the data plane may still write them.
         await trio.sleep(2.0)
-        assert dst.statistics().quarantined_slots == 0
+        assert dst.statistics().quarantined_slots == 4
         assert src.statistics().pinned_slots == 4
         await trio.sleep(20.0)
         assert src.statistics().pinned_slots == 0
+        assert dst.statistics().quarantined_slots == 0
         assert hanging.transport.releases == 1
         assert all(k not in dst.store for k in keys)
 

@@ -2,14 +2,23 @@
 
 Theory of operation
 -------------------
-A lookup pins its hits in the store for the round (owner ``(session token, request id)``),
-up to the per-peer pin cap; hits beyond it are answered as misses. A fetch becomes one
-task that posts the writes in chunks off the Trio thread, waits for every handle to
-settle, and only then sends ``transfer_done``. Outcomes start as failed and become OK only
+A lookup pins its hits in the store for the round (one pin owner per round, never
+reused), in slices of at most one turn's keys (:mod:`p2pkv.session.turns`), and up to the
+per-peer pin cap: hits beyond it are answered as misses. A lookup that would take the
+peer over ``max_keys_held_per_peer`` is answered all misses without touching the store,
+and a fetch that would is answered ``OVER_CAP`` for every key at once; the session stays
+up. A round keeps only its hits' source slots (the fetch repeats the keys).
+
+A fetch becomes one task that posts the writes in chunks off the Trio thread, waits for
+every handle to settle, and only then replies. Outcomes start as failed and become OK only
 when the data plane reported the chunk DONE, so no exit path (error, abort, cancellation,
 a bug of ours) can report bytes that never landed. When a write is cut short, its handles
-get ``abort_timeout`` to settle; a handle that will not is released and the round's source
-pins are held ``quarantine`` seconds longer, since the data plane may still read them.
+get ``abort_timeout`` to settle; a handle that will not is released, and since the data
+plane may keep reading the sources and writing the peer's slots for a while after that,
+the round is held open ``quarantine`` seconds more: its source pins stay, and its reply
+(``abort_ack``, or ``transfer_done``) is sent only then. Either reply therefore means "no
+write of this round can land any more". The pins are released at the quarantine's end
+even if the session is gone by then.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
 from ..errors import TransportError
@@ -32,9 +42,7 @@ from .protocol import (
     LookupRequested,
     RoundClosed,
 )
-
-if TYPE_CHECKING:
-    pass
+from .turns import Turn
 
 log = logging.getLogger("p2pkv.session")
 
@@ -45,88 +53,122 @@ def checksums(view: memoryview, block_len: int, slots: Sequence[int]) -> list[in
     return [zlib.crc32(view[s * block_len : (s + 1) * block_len]) for s in slots]
 
 
+@attrs.define(eq=False)
+class HeldRound:
+    """What the producer holds for one round of the peer's."""
+
+    owner: object = attrs.field(factory=object)  # its pins' owner in the store
+    sources: dict[bytes, int] = attrs.field(factory=dict)  # hit key -> pinned source slot
+    # A write did not settle: the pins and the reply wait for the quarantine's end.
+    quarantined: bool = False
+
+
 class ProducerSide(SessionParts):
     """Mixin of :class:`~p2pkv.session.session.PeerSession`: the producer's handlers."""
 
     if TYPE_CHECKING:  # provided by PeerSession
         inflight_bytes: int
-        _pinned: dict[int, dict[bytes, int]]
+        _pinned: dict[int, HeldRound]
         _writes: dict[int, trio.CancelScope]
         _write_done: dict[int, trio.Event]
-        _aborting: set[int]
 
-    def _on_lookup(self, ev: LookupRequested) -> None:
-        owner = (self.token, ev.req_id)
-        slots = self.node.store.pin(owner, ev.keys)
-        room = self.cfg.max_pinned_blocks - self.proto.pins_held()
-        pinned: dict[bytes, int] = {}
-        hits: list[bool] = []
-        over: list[int] = []
-        for key, slot in zip(ev.keys, slots, strict=True):
-            if slot is None:
-                hits.append(False)
-            elif key in pinned or len(pinned) < room:
-                pinned[key] = slot
-                hits.append(True)
-            else:  # over this peer's pin cap: answer as a miss, release the pin
-                over.append(slot)
-                hits.append(False)
-        if over:
-            self.node.store.unpin_keys(owner, over)
-        self._pinned[ev.req_id] = pinned
-        self.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), self.cfg.lease)
-        self._wake_lease.set()
+    async def _answer_lookup(self, ev: LookupRequested, turn: Turn) -> None:
+        cfg, store, keys = self.cfg, self.node.store, ev.keys
+        held = self._pinned[ev.req_id] = HeldRound()
+        hits = [False] * len(keys)
+        if self.proto.keys_held() <= cfg.max_keys_held_per_peer:
+            room = cfg.max_pinned_blocks - self.proto.pins_held()
+            i = 0
+            while i < len(keys) and room > 0:
+                # At most `room` keys per slice, so the pins never exceed the cap.
+                part = keys[i : i + min(room, turn.room())]
+                for j, slot in enumerate(store.pin(held.owner, part), i):
+                    if slot is not None:
+                        hits[j] = True
+                        held.sources[keys[j]] = slot
+                        room -= 1
+                i += len(part)
+                turn.charge(keys=len(part))
+                await turn.pause_if_spent()
+        if self.proto.in_state(ev.req_id) is InState.ANSWERING:
+            self.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), cfg.lease)
+            self._wake_lease.set()
 
     def _release_round(self, req: int) -> None:
-        self._pinned.pop(req, None)
-        self.node.store.unpin((self.token, req))
+        held = self._pinned.pop(req, None)
+        if held is not None and not held.quarantined:  # else the quarantine's end unpins
+            self.node.store.unpin(held.owner)
 
     def _on_round_closed(self, ev: RoundClosed) -> None:
         self._release_round(ev.req_id)
 
     def _on_abort(self, ev: AbortRequested) -> None:
         scope = self._writes.get(ev.req_id)
+        held = self._pinned.get(ev.req_id)
         if scope is not None:
-            self._aborting.add(ev.req_id)
-            scope.cancel()  # the write task drains, releases and acks
-        else:
+            scope.cancel()  # the write task drains, releases and replies
+        elif held is None or not held.quarantined:
             self._release_round(ev.req_id)
             self.proto.send_abort_ack(ev.req_id)
+        # else: the round waits for its quarantine; its reply will be the abort_ack
 
     def _on_fetch(self, ev: FetchRequested) -> None:
+        if self.proto.keys_held() > self.cfg.max_keys_held_per_peer:
+            self._release_round(ev.req_id)
+            self.proto.send_transfer_done(ev.req_id, [int(Outcome.OVER_CAP)] * len(ev.keys))
+            return
         assert self._nursery is not None
         scope = trio.CancelScope()
         self._writes[ev.req_id] = scope
         self._write_done[ev.req_id] = trio.Event()
         self._nursery.start_soon(self._serve_fetch, ev, scope)
 
+    def _reply(self, req: int, outcomes: list[int], sums: list[int] | None) -> None:
+        """No write of the round can land any more: send its terminal reply."""
+        state = self.proto.in_state(req)
+        if state is InState.ABORTING:
+            self.proto.send_abort_ack(req)
+        elif state is InState.WRITING:
+            self.proto.send_transfer_done(req, [int(o) for o in outcomes], sums)
+
+    def _quarantine_over(
+        self, req: int, held: HeldRound, outcomes: list[int], sums: list[int] | None
+    ) -> None:
+        """Runs ``quarantine`` seconds after a write was released unsettled (or at shutdown)."""
+        self.node.store.unpin(held.owner)
+        if self._pinned.get(req) is not held:
+            return  # the round is gone with its session or the peer's old incarnation
+        del self._pinned[req]
+        self._reply(req, outcomes, sums)
+        self._wake_lease.set()  # the lease timer sends it
+
     async def _serve_fetch(self, ev: FetchRequested, scope: trio.CancelScope) -> None:
-        node, bl = self.node, self.cfg.block_len
+        node, cfg, bl, req = self.node, self.cfg, self.cfg.block_len, ev.req_id
         # Pessimistic: a key is OK only once the data plane reported its write DONE, so no
         # exit path (error, cancellation, a bug) can report bytes that never landed.
         outcomes = [int(Outcome.TRANSFER_FAILED)] * len(ev.keys)
-        pinned = self._pinned.get(ev.req_id, {})
-        budget = max(0, (self.cfg.max_inflight_bytes - self.inflight_bytes) // bl)
+        held = self._pinned.setdefault(req, HeldRound())
         plan: list[tuple[int, int, int]] = []  # (index, local slot, remote slot)
-        for i, (key, dst) in enumerate(zip(ev.keys, ev.slots, strict=True)):
-            src = pinned.get(key)
-            if ev.expired:
-                outcomes[i] = Outcome.LEASE_EXPIRED
-            elif src is None:
-                outcomes[i] = Outcome.NOT_PINNED
-            elif len(plan) >= budget:
-                outcomes[i] = Outcome.OVER_CAP
-            else:
-                plan.append((i, src, dst))
-        self.inflight_bytes += len(plan) * bl
-        per_chunk = max(1, self.cfg.transfer_chunk_bytes // bl)
-        chunks = [plan[j : j + per_chunk] for j in range(0, len(plan), per_chunk)]
         posted: list[Posted] = []
         settled: set[int] = set()
         sums: list[int] | None = None
         try:
             with scope:
-                for chunk in chunks:
+                per_turn = cfg.max_keys_per_turn
+                for i, (key, dst) in enumerate(zip(ev.keys, ev.slots, strict=True)):
+                    if i and i % per_turn == 0:
+                        await trio.lowlevel.checkpoint()  # bounded work per turn
+                    src = held.sources.get(key)
+                    if src is None:
+                        outcomes[i] = Outcome.NOT_PINNED
+                    elif self.inflight_bytes + bl > cfg.max_inflight_bytes:
+                        outcomes[i] = Outcome.OVER_CAP
+                    else:
+                        plan.append((i, src, dst))
+                        self.inflight_bytes += bl
+                per_chunk = max(1, cfg.transfer_chunk_bytes // bl)
+                for j in range(0, len(plan), per_chunk):
+                    chunk = plan[j : j + per_chunk]
                     try:
                         dp, h = await node.offload(
                             self._post,
@@ -136,8 +178,6 @@ class ProducerSide(SessionParts):
                         )
                     except TransportError as exc:
                         log.warning("posting writes to %s failed: %s", self.peer_id, exc)
-                        for c in chunk:
-                            outcomes[c[0]] = Outcome.TRANSFER_FAILED
                         continue
                     posted.append((chunk, h, dp))
                 for chunk, h, dp in posted:
@@ -146,7 +186,7 @@ class ProducerSide(SessionParts):
                     if state is TransferState.DONE:
                         for c in chunk:
                             outcomes[c[0]] = Outcome.OK
-                if self.cfg.verify_checksums:  # sources are still pinned: bytes as sent
+                if cfg.verify_checksums:  # sources are still pinned: bytes as sent
                     sums = [0] * len(ev.keys)
                     got = await node.offload(
                         checksums,
@@ -161,19 +201,15 @@ class ProducerSide(SessionParts):
             with trio.CancelScope(shield=True):
                 quiet = await self._settle(posted, settled, outcomes)
                 self.inflight_bytes -= len(plan) * bl
-                self._writes.pop(ev.req_id, None)
-                self._write_done.pop(ev.req_id).set()
+                self._writes.pop(req, None)
+                self._write_done.pop(req).set()
                 if quiet:
-                    self._release_round(ev.req_id)
-                else:  # the data plane may still read the sources: hold their pins a while
-                    self._pinned.pop(ev.req_id, None)
-                    node.defer(self.cfg.quarantine, node.store.unpin, (self.token, ev.req_id))
-                if ev.req_id in self._aborting:
-                    self._aborting.discard(ev.req_id)
-                    if self.proto.in_state(ev.req_id) is InState.ABORTING:
-                        self.proto.send_abort_ack(ev.req_id)
-                elif self.proto.in_state(ev.req_id) is InState.WRITING and not scope.cancel_called:
-                    self.proto.send_transfer_done(ev.req_id, [int(o) for o in outcomes], sums)
+                    self._release_round(req)
+                    self._reply(req, outcomes, sums)
+                else:  # the data plane may still read the sources and write the peer
+                    held.quarantined = True
+                    held.sources.clear()
+                    node.defer(cfg.quarantine, self._quarantine_over, req, held, outcomes, sums)
                 if self.alive:
                     await self._flush()
 

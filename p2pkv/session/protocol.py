@@ -24,11 +24,22 @@ Requests
     Request ids are per direction and strictly increasing, so a reused id is detected in
     O(1). A consumer request goes ``LOOKUP_SENT -> OPEN -> FETCH_SENT -> done``, or to
     ``ABORT_SENT -> done`` from any of them. A producer round goes
-    ``ANSWERING -> PINNED (lease) [-> EXPIRED] -> WRITING -> done``; ``abort`` ends it once
-    the driver has drained its writes and calls :meth:`send_abort_ack`. Every request ends
-    in exactly one terminal outcome, and every round's pins are released exactly once: by
+    ``ANSWERING -> PINNED (lease) -> WRITING -> done``; ``abort`` ends it once the driver
+    has drained its writes and calls :meth:`send_abort_ack`. Every request ends in exactly
+    one terminal outcome, and every round's pins are released exactly once: by
     ``send_transfer_done``, ``send_abort_ack``, an empty fetch, lease expiry, or close —
     each of which tells the driver which round's pins to release.
+
+What a peer can make us hold
+    A producer round keeps counts, never key lists (the fetch repeats the keys), and at
+    most ``max_open_requests`` rounds are open. A round whose lease ran out is no longer
+    open: it leaves a tombstone (its id), and a fetch for it is answered here, every key
+    ``LEASE_EXPIRED``, with no event for the driver; an abort or an empty fetch just drops
+    the tombstone. At most ``max_open_requests`` tombstones are kept, oldest dropped
+    first; a round whose tombstone was dropped (its id at or below the highest dropped
+    one) is treated the same way, so a slow consumer never turns into a protocol error.
+    :meth:`SessionProtocol.keys_held` counts what the driver holds for the peer: a lookup's
+    keys until it is answered, then its pins, plus a fetch's keys while it is written.
 
 Errors
     Calling a method in the wrong state raises :class:`LocalProtocolError` and changes
@@ -69,6 +80,7 @@ from ..wire import (
     Lookup,
     LookupResp,
     Message,
+    Outcome,
     Ping,
     Pong,
     TransferDone,
@@ -124,7 +136,7 @@ class OutState(enum.Enum):
 class InState(enum.Enum):
     ANSWERING = "answering"  # lookup received, our answer not sent yet
     PINNED = "pinned"
-    EXPIRED = "expired"  # lease ran out, pins released; a fetch gets LEASE_EXPIRED
+    EXPIRED = "expired"  # a tombstone: lease ran out, pins released; a fetch gets LEASE_EXPIRED
     WRITING = "writing"
     ABORTING = "aborting"  # abort received, the driver is draining writes
 
@@ -142,11 +154,17 @@ class _OutReq:
 
 @attrs.define
 class _InReq:
+    """A producer round: counts only, so a round costs the same whatever its size."""
+
     state: InState
-    keys: list[bytes]
+    nkeys: int  # keys of the lookup: the answer has as many hits
     pins: int = 0
     deadline: float = 0.0
-    nfetch: int = 0  # FIX: keys of the fetch being written; transfer_done must match
+    nfetch: int = 0  # keys of the fetch being written; transfer_done must match
+
+    @property
+    def keys_held(self) -> int:
+        return self.nkeys if self.state is InState.ANSWERING else self.pins + self.nfetch
 
 
 # --- events -------------------------------------------------------------------------------
@@ -184,13 +202,12 @@ class LookupAnswered:
 
 @attrs.frozen
 class FetchRequested:
-    """Write ``keys`` into the peer's ``slots``. If ``expired``, the lease ran out and every
-    key must be reported ``LEASE_EXPIRED`` (no pins are held)."""
+    """Write ``keys`` into the peer's ``slots`` (a round whose lease ran out never gets
+    here: the protocol answers that fetch itself)."""
 
     req_id: int
     keys: list[bytes]
     slots: list[int]
-    expired: bool
 
 
 @attrs.frozen
@@ -292,6 +309,8 @@ class SessionProtocol:
         self._peer_last_req_id = 0
         self._out: dict[int, _OutReq] = {}
         self._in: dict[int, _InReq] = {}
+        self._expired: dict[int, None] = {}  # tombstones of expired rounds, oldest first
+        self._expired_dropped = 0  # highest request id whose tombstone was dropped
         self._ping_nonce = 0
 
     # --- introspection ----------------------------------------------------------------
@@ -307,6 +326,13 @@ class SessionProtocol:
     def pins_held(self) -> int:
         return sum(r.pins for r in self._in.values())
 
+    def keys_held(self) -> int:
+        """Keys the driver holds for the peer's open rounds (see the module docstring)."""
+        return sum(r.keys_held for r in self._in.values())
+
+    def tombstones(self) -> int:
+        return len(self._expired)
+
     def open_rounds(self) -> list[int]:
         """Producer rounds that still hold state (and maybe pins)."""
         return list(self._in)
@@ -321,7 +347,9 @@ class SessionProtocol:
 
     def in_state(self, req_id: int) -> InState | None:
         r = self._in.get(req_id)
-        return None if r is None else r.state
+        if r is None:
+            return InState.EXPIRED if req_id in self._expired else None
+        return r.state
 
     def next_deadline(self) -> float | None:
         """Earliest lease deadline of a pinned round (for the driver's timer)."""
@@ -498,6 +526,8 @@ class SessionProtocol:
         if restarted:
             # A new incarnation knows nothing of the old one's requests or acks.
             self._in.clear()
+            self._expired.clear()
+            self._expired_dropped = 0
             self._out.clear()
             self._held.clear()
             self._ack_sent = self._peer_acked = self._ready_emitted = False
@@ -628,12 +658,19 @@ class SessionProtocol:
             raise RemoteProtocolError(f"more than {self.local.max_open_requests} open requests")
         self._check_keys(m.keys)
         self._peer_last_req_id = m.req_id
-        self._in[m.req_id] = _InReq(InState.ANSWERING, m.keys)
+        self._in[m.req_id] = _InReq(InState.ANSWERING, len(m.keys))
         return LookupRequested(m.req_id, m.keys)
 
-    def _on_fetch(self, m: Fetch) -> Event:
+    def _was_expired(self, req_id: int) -> bool:
+        """The round's lease ran out (its tombstone is kept, or was dropped)."""
+        return req_id in self._expired or (
+            req_id <= self._expired_dropped and req_id not in self._in
+        )
+
+    def _on_fetch(self, m: Fetch) -> Event | None:
         r = self._in.get(m.req_id)
-        if r is None or r.state not in (InState.PINNED, InState.EXPIRED):
+        expired = self._was_expired(m.req_id)
+        if not expired and (r is None or r.state is not InState.PINNED):
             raise RemoteProtocolError(f"fetch for request {m.req_id} with no open lookup")
         self._check_keys(m.keys)
         assert self.peer is not None
@@ -642,20 +679,27 @@ class SessionProtocol:
             raise RemoteProtocolError(f"destination slot outside the peer's {n} blocks")
         if len(set(m.slots)) != len(m.slots):
             raise RemoteProtocolError("duplicate destination slot in one fetch")
+        if expired:  # nothing is pinned: answered here, the round ends
+            self._expired.pop(m.req_id, None)
+            if m.keys:
+                lease_expired = int(Outcome.LEASE_EXPIRED)
+                self._emit(TransferDone(req_id=m.req_id, outcomes=[lease_expired] * len(m.keys)))
+            return None
+        assert r is not None
         if not m.keys:
             del self._in[m.req_id]
             return RoundClosed(m.req_id)
-        expired = r.state is InState.EXPIRED
         r.state = InState.WRITING
         r.nfetch = len(m.keys)
-        return FetchRequested(m.req_id, m.keys, m.slots, expired)
+        return FetchRequested(m.req_id, m.keys, m.slots)
 
     def _on_abort(self, m: Abort) -> Event | None:
         r = self._in.get(m.req_id)
         if r is None:
             if m.req_id > self._peer_last_req_id:
                 raise RemoteProtocolError(f"abort for unknown request {m.req_id}")
-            self._emit(AbortAck(req_id=m.req_id))  # already finished: ack at once
+            self._expired.pop(m.req_id, None)
+            self._emit(AbortAck(req_id=m.req_id))  # finished or expired: ack at once
             return None
         if r.state is InState.ABORTING:
             return None
@@ -755,7 +799,7 @@ class SessionProtocol:
             r is not None and r.state is InState.ANSWERING, f"send_lookup_resp for request {req_id}"
         )
         assert r is not None
-        if len(hits) != len(r.keys):
+        if len(hits) != r.nkeys:
             raise LocalProtocolError("hit count differs from key count")
         msg = LookupResp(req_id=req_id, hits=list(hits))
         r.state = InState.PINNED
@@ -764,11 +808,16 @@ class SessionProtocol:
         self._emit(msg)
 
     def expire(self, now: float) -> list[int]:
-        """Rounds whose lease ran out: the driver releases their pins."""
+        """Rounds whose lease ran out: the driver releases their pins. Each leaves only a
+        tombstone (see the module docstring)."""
         done = [i for i, r in self._in.items() if r.state is InState.PINNED and r.deadline <= now]
         for i in done:
-            self._in[i].state = InState.EXPIRED
-            self._in[i].pins = 0
+            del self._in[i]
+            self._expired[i] = None
+        while len(self._expired) > self.local.max_open_requests:
+            oldest = next(iter(self._expired))
+            del self._expired[oldest]
+            self._expired_dropped = max(self._expired_dropped, oldest)
         return done
 
     def send_transfer_done(

@@ -54,7 +54,7 @@ from ..errors import (
 from ..transport.base import RegionLayout, RemotePeer
 from ..wire import Hello
 from .consumer import ConsumerSide, FetchResult, _Pending, _Round
-from .producer import ProducerSide
+from .producer import HeldRound, ProducerSide
 from .protocol import (
     AbortAcknowledged,
     AbortRequested,
@@ -69,6 +69,7 @@ from .protocol import (
     SessionProtocol,
     TransferCompleted,
 )
+from .turns import Turn
 
 if TYPE_CHECKING:
     from ..node import Node
@@ -126,16 +127,14 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
-        self._pinned: dict[int, dict[bytes, int]] = {}  # producer round -> key -> slot
+        self._pinned: dict[int, HeldRound] = {}  # producer round -> what it holds
         self._writes: dict[int, trio.CancelScope] = {}
         self._write_done: dict[int, trio.Event] = {}
-        self._aborting: set[int] = set()
         self._last_rx = trio.current_time()
         self._wake_lease = trio.Event()
         self._handlers: dict[type[Any], Any] = {
             HelloReceived: self._on_hello,
             Ready: self._on_ready,
-            LookupRequested: self._on_lookup,
             FetchRequested: self._on_fetch,
             RoundClosed: self._on_round_closed,
             AbortRequested: self._on_abort,
@@ -301,6 +300,10 @@ class PeerSession(ProducerSide, ConsumerSide):
                 raise
 
     async def _reader(self) -> None:
+        """Bytes in, events out; at most one turn's work between yields (see
+        :mod:`p2pkv.session.turns`), so no peer's backlog delays the other sessions."""
+        cfg = self.cfg
+        turn = Turn(cfg.max_events_per_turn, cfg.max_keys_per_turn, self._flush)
         while True:
             try:
                 data = await self.stream.receive_some(RECEIVE_SIZE)
@@ -314,11 +317,19 @@ class PeerSession(ProducerSide, ConsumerSide):
                     "transport",
                 )
                 return
+            turn.fresh()  # receiving yielded
             frames = self.proto.frames_received
             self.proto.receive_data(data)
             try:
                 while (event := self.proto.next_event()) is not None:
-                    self._handlers[type(event)](event)
+                    turn.charge(events=1)
+                    if isinstance(event, LookupRequested):
+                        await self._answer_lookup(event, turn)  # pins in slices
+                    else:
+                        if isinstance(event, FetchRequested):
+                            turn.charge(keys=len(event.keys))
+                        self._handlers[type(event)](event)
+                    await turn.pause_if_spent()
             except RemoteProtocolError as exc:
                 log.warning("protocol error from %s: %s", self.peer_id, exc)
                 self._fail(exc, f"protocol error: {exc.message}")
@@ -367,7 +378,11 @@ class PeerSession(ProducerSide, ConsumerSide):
             await trio.sleep_until(min(next_ping, self._last_rx + idle))
 
     async def _lease_timer(self) -> None:
+        """Expires producer leases and consumer rounds, and sends what other code queued
+        from a sync context (it sets ``_wake_lease``)."""
         while True:
+            # A fresh Event before anything is sent: a wake-up during the flush is kept.
+            self._wake_lease = trio.Event()
             now = trio.current_time()
             for req in self.proto.expire(now):
                 self._release_round(req)
@@ -378,7 +393,6 @@ class PeerSession(ProducerSide, ConsumerSide):
             d = self.proto.next_deadline()
             if d is not None:
                 deadlines.append(d)
-            self._wake_lease = trio.Event()
             with trio.move_on_at(min(deadlines, default=math.inf)):
                 await self._wake_lease.wait()
 
