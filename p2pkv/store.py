@@ -45,18 +45,17 @@ from __future__ import annotations
 
 import heapq
 import math
-import mmap
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, Final
+from typing import Final
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from p2pkv.errors import StoreFull
+from p2pkv.region import adopt_region, block_source
 from p2pkv.transport.base import RegionLayout
 
 __all__ = ["BlockStore", "StoreStatistics"]
@@ -65,8 +64,6 @@ _FREE: Final = 0
 _OCCUPIED: Final = 1
 _RESERVED: Final = 2
 _QUARANTINED: Final = 3
-
-_PAGE: Final = mmap.PAGESIZE
 
 
 class _HostPut:
@@ -113,7 +110,7 @@ class BlockStore:
         self.block_len: int = block_len
         self.region: object
         self.array: npt.NDArray[np.uint8]
-        self.region, self.array = _adopt_region(region, nbytes)
+        self.region, self.array = adopt_region(region, nbytes)
         self._base_addr = int(self.array.ctypes.data)
         self._ro = self.array.data.toreadonly()
 
@@ -151,7 +148,7 @@ class BlockStore:
         Raises :class:`StoreFull`, with nothing changed, if no slot can be freed.
         """
         _check_key(key)
-        src = self._source(data)
+        src = block_source(data, self.block_len)
         with self._lock:
             slot = self._map.get(key)
             if slot is not None and self._pin_count[slot] == 0:
@@ -532,19 +529,6 @@ class BlockStore:
         if not 0 <= slot < self.num_blocks:
             raise ValueError(f"slot {slot} out of range [0, {self.num_blocks})")
 
-    def _source(self, data: object) -> npt.NDArray[np.uint8]:
-        if _is_torch_tensor(data):
-            data = _torch_bytes(data, writable=False)
-        try:
-            mv = memoryview(data)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"data must be a buffer, got {type(data).__name__}") from None
-        if mv.nbytes != self.block_len:
-            raise ValueError(f"data is {mv.nbytes} bytes, block_len is {self.block_len}")
-        if not mv.c_contiguous:
-            mv = memoryview(mv.tobytes())
-        return np.frombuffer(mv.cast("B"), dtype=np.uint8)
-
     def _check_invariants(self) -> None:
         """Test hook: assert every internal structure agrees with every other."""
         with self._lock:
@@ -581,62 +565,3 @@ def _check_key(key: object) -> None:
 def _check_until(until: float) -> None:
     if not isinstance(until, int | float) or math.isnan(until):
         raise ValueError(f"until must be a number, got {until!r}")
-
-
-def _adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArray[np.uint8]]:
-    """(object to keep alive, flat uint8 view of its first nbytes); never copies."""
-    if region is None:
-        raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)  # calloc: pages committed lazily
-        offset = -raw.ctypes.data % _PAGE
-        flat = raw[offset : offset + nbytes]
-        return flat, flat
-    if _is_torch_tensor(region):
-        flat = _torch_bytes(region, writable=True)
-    elif isinstance(region, np.ndarray):
-        if region.dtype.hasobject:
-            raise ValueError("region must not hold Python objects")
-        if not region.flags.c_contiguous:
-            raise ValueError("region must be C-contiguous")
-        flat = region.reshape(-1).view(np.uint8)
-    else:
-        try:
-            mv = memoryview(region)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"region must be a buffer, got {type(region).__name__}") from None
-        if not mv.c_contiguous:
-            raise ValueError("region must be C-contiguous")
-        flat = np.frombuffer(mv.cast("B"), dtype=np.uint8)
-    if not flat.flags.writeable:
-        raise ValueError("region must be writable")
-    if flat.nbytes < nbytes:
-        raise ValueError(f"region is {flat.nbytes} bytes, need {nbytes}")
-    return region, flat[:nbytes]
-
-
-def _is_torch_tensor(obj: object) -> bool:
-    # Never import torch here: a host that hands us a tensor has already imported it.
-    return hasattr(obj, "data_ptr") and any(
-        cls.__name__ == "Tensor" and cls.__module__.partition(".")[0] == "torch"
-        for cls in type(obj).__mro__
-    )
-
-
-def _torch_bytes(tensor: Any, *, writable: bool) -> npt.NDArray[np.uint8]:
-    """A flat uint8 NumPy view of a contiguous CPU tensor's memory (no copy)."""
-    torch = sys.modules["torch"]
-    if tensor.device.type != "cpu":
-        raise ValueError(f"tensor must be on the CPU, not {tensor.device}")
-    if not tensor.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    try:
-        array: npt.NDArray[np.uint8] = flat.numpy()
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"cannot view tensor as bytes: {exc}") from exc
-    if tensor.numel() and array.ctypes.data != tensor.data_ptr():
-        raise ValueError("tensor memory cannot be viewed without a copy")
-    if writable and not array.flags.writeable:
-        raise ValueError("region must be writable")
-    return array
