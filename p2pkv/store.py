@@ -33,8 +33,10 @@ This store is the only state the host thread (the scheduler calling put/get) sha
 the engine's Trio thread, and a host call must never wait for more than one short batch of
 engine work, however many keys the engine's call carries (up to 65,536 per message).
 
-* ``_lock`` guards every structure, and every ``_check_invariants`` rule holds whenever
-  it is free. Nothing copies block bytes, calls out or waits while holding it. ``put``
+* ``_lock`` guards every structure. Nothing copies block bytes, calls out or waits while
+  holding it. The rules of ``_check_invariants`` hold whenever it is free, except for the
+  bookkeeping of the engine-side call in progress: a reserve's claim, and the 0 counts an
+  unpin leaves on entries it has dropped but not yet removed. ``put``
   reserves its destination under it, copies outside it, and publishes under it again. A
   block being written is never visible: an in-place overwrite first takes the key out of
   the map, so a reader sees a miss, never torn bytes, and nobody can pin a half-written
@@ -42,12 +44,13 @@ engine work, however many keys the engine's call carries (up to 65,536 per messa
 * Engine-side calls work in **batches** of at most ``batch_keys`` keys or slots (default
   :data:`BATCH_KEYS`) and take ``_lock`` once per batch. Checks of the caller's own input
   (key types, lengths, duplicates) run outside it.
-* **Hand-over.** A host call takes ``_turn`` and, holding it, ``_lock``; an engine batch
-  first takes and drops ``_turn``, then takes ``_lock``. So a host call that is waiting
-  gets in before the engine's next batch. A plain lock does not give that: CPython's lock
-  is not fair, and the engine thread, which holds the GIL, takes it back before the woken
-  host thread runs. Blocking on ``_turn`` also hands the host the GIL at once. A host call
-  therefore waits for at most one batch per lock section (``put`` has up to three).
+* **Hand-over.** A host call holds ``_turn`` from before it asks for ``_lock`` until it
+  lets go of it; an engine batch takes and drops ``_turn`` before it takes ``_lock``. So a
+  host call that is waiting gets in before the engine's next batch. A plain lock does not
+  give that: CPython's lock is not fair, and the engine thread, which holds the GIL, takes
+  it back before the woken host thread runs. Blocking on ``_turn`` also hands the host the
+  GIL at once. A host call therefore waits for at most one batch per lock section
+  (``put`` has two), plus the time the engine thread needs to be scheduled to finish it.
 * ``_serial`` runs engine-side calls one at a time; the host never takes it. Between two
   batches of an engine call only the host runs, and the host touches only the key map and
   LRU (put, get, evict), the free list (put, evict) and its own put reservations; never a
@@ -63,7 +66,8 @@ guarantee:
   slots if the host re-put it in between (both hold that key's block). ``present`` and
   ``commit_many`` are likewise per key, as of the key's batch.
 * ``unpin``, ``unpin_keys`` and ``release_owner`` drop pins batch by batch; a slot stays
-  pinned until its batch runs, and ``pins_of`` is exact whenever ``_lock`` is free.
+  pinned until its batch runs, and ``pins_of`` and the pinned-slot count are exact
+  whenever ``_lock`` is free.
 * All-or-nothing calls decide before their first change and cannot fail after it.
   ``commit_many``, ``release_reserved`` and ``quarantine`` check every slot's reservation
   first (only the owner's own calls change it, and ``_serial`` excludes those). ``reserve``
@@ -122,27 +126,10 @@ _ANY_OWNER: Final[Hashable] = object()
 _NO_SLOTS: Final[frozenset[int]] = frozenset()
 
 
-class _Host:
-    """``with _Host(store):`` one host-side lock section: queue on ``_turn``, so that an
-    engine call lets this thread in before its next batch, then hold ``_lock``."""
-
-    __slots__ = ("_store",)
-
-    def __init__(self, store: BlockStore) -> None:
-        self._store = store
-
-    def __enter__(self) -> None:
-        store = self._store
-        with store._turn:
-            store._lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._store._lock.release()
-
-
 class _Batch:
     """``with _Batch(store):`` one engine-side lock section: first let in a host call that
-    is waiting (it holds ``_turn``), then hold ``_lock``."""
+    is waiting (it holds ``_turn``), then hold ``_lock``. (A host section is simply
+    ``with store._turn, store._lock:``.)"""
 
     __slots__ = ("_store",)
 
@@ -211,7 +198,7 @@ class BlockStore:
         self._ro = self.array.data.toreadonly()
 
         self._lock = threading.Lock()  # guards everything below
-        self._turn = threading.Lock()  # held by a host call waiting for _lock
+        self._turn = threading.Lock()  # held by a host call waiting for or holding _lock
         self._serial = threading.Lock()  # held by an engine-side call from start to end
         self._state = [_FREE] * num_blocks
         self._slot_key: list[bytes | None] = [None] * num_blocks  # None: free/reserved/orphan
@@ -249,7 +236,7 @@ class BlockStore:
         """
         _check_key(key)
         src = block_source(data, self.block_len)
-        with _Host(self):
+        with self._turn, self._lock:
             self._check_room_locked(1, "put")
             slot = self._map.get(key)
             if slot is not None and self._pin_count[slot] == 0:
@@ -264,18 +251,18 @@ class BlockStore:
             start = slot * self.block_len
             self.array[start : start + self.block_len] = src
         except BaseException:
-            with _Host(self):
+            with self._turn, self._lock:
                 self._unreserve_locked(slot)
                 self._free_locked(slot)
             raise
-        with _Host(self):
+        with self._turn, self._lock:
             self._unreserve_locked(slot)
             self._publish_locked(slot, key)
         return slot
 
     def get(self, key: bytes) -> memoryview | None:
         """Read-only view of ``key``'s block (no copy), or None; marks it recently used."""
-        with _Host(self):
+        with self._turn, self._lock:
             slot = self._map.get(key)
             if slot is None:
                 return None
@@ -285,14 +272,14 @@ class BlockStore:
         return self._ro[start : start + self.block_len]
 
     def __contains__(self, key: object) -> bool:
-        with _Host(self):
+        with self._turn, self._lock:
             return isinstance(key, bytes) and key in self._map
 
     def __len__(self) -> int:
         return len(self._map)
 
     def slot_of(self, key: bytes) -> int | None:
-        with _Host(self):
+        with self._turn, self._lock:
             return self._map.get(key)
 
     def view(self, slot: int) -> memoryview:
@@ -302,12 +289,12 @@ class BlockStore:
         return self._ro[start : start + self.block_len]
 
     def keys(self) -> list[bytes]:
-        with _Host(self):
+        with self._turn, self._lock:
             return list(self._map)
 
     def evict(self, key: bytes) -> bool:
         """Drop ``key``'s block. False (nothing done) if it is absent or pinned."""
-        with _Host(self):
+        with self._turn, self._lock:
             slot = self._map.get(key)
             if slot is None or self._pin_count[slot]:
                 return False
@@ -317,11 +304,11 @@ class BlockStore:
             return True
 
     def pins_of(self, owner: Hashable) -> int:
-        with _Host(self):
+        with self._turn, self._lock:
             return sum(self._pins.get(owner, {}).values())
 
     def statistics(self) -> StoreStatistics:
-        with _Host(self):
+        with self._turn, self._lock:
             free = len(self._free)
             reserved = len(self._reserved)
             quarantined = len(self._quarantine)
@@ -723,20 +710,27 @@ class BlockStore:
         self._free.append(slot)
 
     def _unpin_serial(self, owner: Hashable) -> int:
-        """Drop every pin of ``owner``, in batches taken in pin order (so keys re-enter
-        the LRU in the order they were first pinned); ``_pins`` stays exact in between."""
+        """Drop every pin of ``owner`` in batches, in pin order (so keys re-enter the LRU
+        in the order they were first pinned). One iterator walks the owner's counts from
+        start to end: only engine-side calls change them, and ``_serial`` excludes those,
+        so nothing but a dropped entry's count (set to 0, keeping ``pins_of`` exact) changes
+        under it; the entry goes with the last batch."""
+        counts = self._pins.get(owner)
+        if not counts:
+            return 0
+        step, n = self.batch_keys, len(counts)
+        items = iter(counts.items())
         released = 0
-        while True:
+        for start in range(0, n, step):
             with _Batch(self):
-                counts = self._pins.get(owner)
-                if not counts:
-                    return released
-                batch = list(islice(counts.items(), self.batch_keys))
-                for slot, _ in batch:
-                    del counts[slot]
-                if not counts:
-                    del self._pins[owner]
+                batch = list(islice(items, step))
                 released += self._drop_pins_locked(batch)
+                if start + step < n:
+                    for slot, _ in batch:
+                        counts[slot] = 0
+                else:
+                    del self._pins[owner]
+        return released
 
     def _drop_pins_locked(self, drops: Iterable[tuple[int, int]]) -> int:
         """Take ``n`` pins off each ``(slot, n)``; a slot whose last pin drops becomes
@@ -766,7 +760,7 @@ class BlockStore:
     def _check_invariants(self) -> None:
         """Test hook: assert every internal structure agrees with every other (no
         engine-side call may be in progress, so it waits for one to end)."""
-        with self._serial, _Host(self):
+        with self._serial, self._turn, self._lock:
             states = self._state
             assert self._claimed == 0
             assert sorted(self._free) == [s for s, st in enumerate(states) if st == _FREE]
