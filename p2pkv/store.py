@@ -456,7 +456,7 @@ class BlockStore:
         if len(slots) != len(keys):
             raise ValueError("slots and keys differ in length")
         for key in keys:
-            if not key or not isinstance(key, bytes):
+            if not isinstance(key, bytes) or not key:
                 _check_key(key)
         if len(set(slots)) != len(slots):
             raise ValueError("a slot is listed twice (a slot commits once)")
