@@ -27,15 +27,54 @@ re-enters as most recently used on its last unpin. So eviction is O(1), and a pi
 reserved or quarantined slot can never be evicted, reused or handed out (DESIGN.md
 invariant 2): such a slot is neither on the free list nor in the LRU.
 
-Why the lock is short
----------------------
+Who waits for whom
+------------------
 This store is the only state the host thread (the scheduler calling put/get) shares with
-the engine's Trio thread. Every method takes one ``threading.Lock`` for dictionary work
-only: nothing copies block bytes, calls out or waits while holding it, so neither thread
-can stall the other for more than microseconds. ``put`` reserves its destination under the
-lock, copies outside it, and publishes under it again. A block being written is never
-visible: an in-place overwrite first takes the key out of the map, so a concurrent reader
-sees a miss, never torn bytes, and the engine can never pin a half-written block.
+the engine's Trio thread, and a host call must never wait for more than one short batch of
+engine work, however many keys the engine's call carries (up to 65,536 per message).
+
+* ``_lock`` guards every structure. Nothing copies block bytes, calls out or waits while
+  holding it. The rules of ``_check_invariants`` hold whenever it is free, except for the
+  bookkeeping of the engine-side call in progress: a reserve's claim, and the 0 counts an
+  unpin leaves on entries it has dropped but not yet removed. ``put``
+  reserves its destination under it, copies outside it, and publishes under it again. A
+  block being written is never visible: an in-place overwrite first takes the key out of
+  the map, so a reader sees a miss, never torn bytes, and nobody can pin a half-written
+  block.
+* Engine-side calls work in **batches** of at most ``batch_keys`` keys or slots (default
+  :data:`BATCH_KEYS`) and take ``_lock`` once per batch. Checks of the caller's own input
+  (key types, lengths, duplicates) run outside it.
+* **Hand-over.** A host call holds ``_turn`` from before it asks for ``_lock`` until it
+  lets go of it; an engine batch takes and drops ``_turn`` before it takes ``_lock``. So a
+  host call that is waiting gets in before the engine's next batch. A plain lock does not
+  give that: CPython's lock is not fair, and the engine thread, which holds the GIL, takes
+  it back before the woken host thread runs. Blocking on ``_turn`` also hands the host the
+  GIL at once. A host call therefore waits for at most one batch per lock section
+  (``put`` has two), plus the time the engine thread needs to be scheduled to finish it.
+* ``_serial`` runs engine-side calls one at a time; the host never takes it. Between two
+  batches of an engine call only the host runs, and the host touches only the key map and
+  LRU (put, get, evict), the free list (put, evict) and its own put reservations; never a
+  pin, another owner's reservation, the quarantine or a claim.
+
+What a host call between two batches can see and do, and the rules that keep every
+guarantee:
+
+* ``pin`` is a sequence of per-key atomic pins. A key pinned in an earlier batch cannot be
+  evicted or overwritten since it is pinned (a put moves the key to a new slot and the
+  pinned slot lives on as an orphan). A key of a later batch that the host puts or evicts
+  meanwhile is simply a hit or a miss as of its batch; so a key listed twice may pin two
+  slots if the host re-put it in between (both hold that key's block). ``present`` and
+  ``commit_many`` are likewise per key, as of the key's batch.
+* ``unpin``, ``unpin_keys`` and ``release_owner`` drop pins batch by batch; a slot stays
+  pinned until its batch runs, and ``pins_of`` and the pinned-slot count are exact
+  whenever ``_lock`` is free.
+* All-or-nothing calls decide before their first change and cannot fail after it.
+  ``commit_many``, ``release_reserved`` and ``quarantine`` check every slot's reservation
+  first (only the owner's own calls change it, and ``_serial`` excludes those). ``reserve``
+  checks that ``n`` slots are free or evictable and **claims** them: until it is done, a
+  host ``put`` counts the claimed slots as taken and raises StoreFull if nothing else is
+  left, exactly as if the reservation had completed first (it would have taken every
+  free and evictable slot, the put's own key's block included).
 
 Views returned by ``get`` and ``view`` alias the region (no copy). Their bytes are stable
 only while the slot is pinned: an unpinned block may be overwritten, evicted or reused.
@@ -45,28 +84,32 @@ from __future__ import annotations
 
 import heapq
 import math
-import mmap
-import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, Final
+from itertools import islice
+from typing import Final
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from p2pkv.errors import StoreFull
+from p2pkv.region import adopt_region, block_source
 from p2pkv.transport.base import RegionLayout
 
-__all__ = ["BlockStore", "StoreStatistics"]
+__all__ = ["BATCH_KEYS", "BlockStore", "StoreStatistics"]
+
+BATCH_KEYS: Final = 256
+"""Keys (or slots) an engine-side call handles per lock section. Per key, pin and unpin
+cost 0.4-0.6 us and reserve (evicting) or commit_many 0.6-0.8 us of CPU on the 2-core
+development VM, so one section is 0.1-0.2 ms; 1,024 doubled the host's median wait in
+``bench/store_lock.py`` and 64 cost engine throughput without shortening it."""
 
 _FREE: Final = 0
 _OCCUPIED: Final = 1
 _RESERVED: Final = 2
 _QUARANTINED: Final = 3
-
-_PAGE: Final = mmap.PAGESIZE
 
 
 class _HostPut:
@@ -80,6 +123,28 @@ class _HostPut:
 
 _HOST_PUT: Final = _HostPut()
 _ANY_OWNER: Final[Hashable] = object()
+_NO_SLOTS: Final[frozenset[int]] = frozenset()
+
+
+class _Batch:
+    """``with _Batch(store):`` one engine-side lock section: first let in a host call that
+    is waiting (it holds ``_turn``), then hold ``_lock``. (A host section is simply
+    ``with store._turn, store._lock:``.)"""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        store = self._store
+        turn = store._turn
+        turn.acquire()
+        turn.release()
+        store._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._store._lock.release()
 
 
 @attrs.frozen
@@ -102,22 +167,39 @@ class BlockStore:
     (bytearray, memoryview, mmap) of at least ``num_blocks * block_len`` bytes. It is used
     in place, never copied: ``self.array`` is a flat uint8 view over exactly the first
     ``num_blocks * block_len`` bytes, and ``self.region`` keeps the original object alive.
+
+    ``batch_keys`` bounds the keys or slots an engine-side call handles per lock section,
+    hence how long a host call can wait for one (see the module docstring).
     """
 
-    def __init__(self, num_blocks: int, block_len: int, region: object | None = None) -> None:
-        for name, value in (("num_blocks", num_blocks), ("block_len", block_len)):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_len: int,
+        region: object | None = None,
+        *,
+        batch_keys: int = BATCH_KEYS,
+    ) -> None:
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("block_len", block_len),
+            ("batch_keys", batch_keys),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         nbytes = num_blocks * block_len
         self.num_blocks: int = num_blocks
         self.block_len: int = block_len
+        self.batch_keys: int = batch_keys
         self.region: object
         self.array: npt.NDArray[np.uint8]
-        self.region, self.array = _adopt_region(region, nbytes)
+        self.region, self.array = adopt_region(region, nbytes)
         self._base_addr = int(self.array.ctypes.data)
         self._ro = self.array.data.toreadonly()
 
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards everything below
+        self._turn = threading.Lock()  # held by a host call waiting for or holding _lock
+        self._serial = threading.Lock()  # held by an engine-side call from start to end
         self._state = [_FREE] * num_blocks
         self._slot_key: list[bytes | None] = [None] * num_blocks  # None: free/reserved/orphan
         self._pin_count = [0] * num_blocks
@@ -128,6 +210,7 @@ class BlockStore:
         self._pinned_slots = 0
         self._reserved: dict[int, Hashable] = {}  # slot -> owner
         self._reserved_by: dict[Hashable, set[int]] = {}  # owner -> slots
+        self._claimed = 0  # free or evictable slots promised to a reserve() in progress
         self._quarantine: dict[int, tuple[float, Hashable]] = {}  # slot -> (until, owner)
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
         self._evictions = 0
@@ -148,11 +231,13 @@ class BlockStore:
 
         Returns the slot. An unpinned existing block is overwritten in place; a pinned one
         is left untouched (its readers keep their bytes) and the key moves to a new slot.
-        Raises :class:`StoreFull`, with nothing changed, if no slot can be freed.
+        Raises :class:`StoreFull`, with nothing changed, if no slot can be freed (slots
+        claimed by a :meth:`reserve` in progress count as taken).
         """
         _check_key(key)
-        src = self._source(data)
-        with self._lock:
+        src = block_source(data, self.block_len)
+        with self._turn, self._lock:
+            self._check_room_locked(1, "put")
             slot = self._map.get(key)
             if slot is not None and self._pin_count[slot] == 0:
                 # In place: unmap first, so nobody can read or pin it half-written.
@@ -160,24 +245,24 @@ class BlockStore:
                 del self._lru[key]
                 self._slot_key[slot] = None
             else:
-                slot = self._allocate_locked(1, "put")[0]
+                slot = self._allocate_locked(1)[0]
             self._reserve_locked(slot, _HOST_PUT)
         try:
             start = slot * self.block_len
             self.array[start : start + self.block_len] = src
         except BaseException:
-            with self._lock:
+            with self._turn, self._lock:
                 self._unreserve_locked(slot)
                 self._free_locked(slot)
             raise
-        with self._lock:
+        with self._turn, self._lock:
             self._unreserve_locked(slot)
             self._publish_locked(slot, key)
         return slot
 
     def get(self, key: bytes) -> memoryview | None:
         """Read-only view of ``key``'s block (no copy), or None; marks it recently used."""
-        with self._lock:
+        with self._turn, self._lock:
             slot = self._map.get(key)
             if slot is None:
                 return None
@@ -187,14 +272,14 @@ class BlockStore:
         return self._ro[start : start + self.block_len]
 
     def __contains__(self, key: object) -> bool:
-        with self._lock:
+        with self._turn, self._lock:
             return isinstance(key, bytes) and key in self._map
 
     def __len__(self) -> int:
         return len(self._map)
 
     def slot_of(self, key: bytes) -> int | None:
-        with self._lock:
+        with self._turn, self._lock:
             return self._map.get(key)
 
     def view(self, slot: int) -> memoryview:
@@ -204,12 +289,12 @@ class BlockStore:
         return self._ro[start : start + self.block_len]
 
     def keys(self) -> list[bytes]:
-        with self._lock:
+        with self._turn, self._lock:
             return list(self._map)
 
     def evict(self, key: bytes) -> bool:
         """Drop ``key``'s block. False (nothing done) if it is absent or pinned."""
-        with self._lock:
+        with self._turn, self._lock:
             slot = self._map.get(key)
             if slot is None or self._pin_count[slot]:
                 return False
@@ -218,210 +303,12 @@ class BlockStore:
             self._free_locked(slot)
             return True
 
-    # ---------------------------------------------------------------- engine-facing
-
-    def pin(self, owner: Hashable, keys: Sequence[bytes]) -> list[int | None]:
-        """Pin each present key once more for ``owner``; its slot, or None if absent.
-
-        A pinned slot is never evicted, overwritten or reused until unpinned.
-        """
-        out: list[int | None] = []
-        with self._lock:
-            counts = self._pins.setdefault(owner, {})
-            key_map, lru, pin_count = self._map, self._lru, self._pin_count
-            try:
-                for key in keys:
-                    slot = key_map.get(key)
-                    if slot is not None:
-                        if not pin_count[slot]:
-                            del lru[key]
-                            self._pinned_slots += 1
-                        pin_count[slot] += 1
-                        counts[slot] = counts.get(slot, 0) + 1
-                    out.append(slot)
-            finally:
-                if not counts:
-                    del self._pins[owner]
-        return out
-
-    def unpin(self, owner: Hashable) -> int:
-        """Release every pin ``owner`` holds; returns how many were released."""
-        with self._lock:
-            return self._unpin_locked(owner)
-
-    def unpin_keys(self, owner: Hashable, slots: Sequence[int]) -> int:
-        """Release one of ``owner``'s pins per listed slot; returns how many were released.
-
-        Slots ``owner`` does not pin (any more) are ignored.
-        """
-        with self._lock:
-            counts = self._pins.get(owner)
-            if not counts:
-                return 0
-            released = 0
-            for slot in slots:
-                held = counts.get(slot)
-                if not held:
-                    continue
-                if held == 1:
-                    del counts[slot]
-                else:
-                    counts[slot] = held - 1
-                self._drop_pins_locked(slot, 1)
-                released += 1
-            if not counts:
-                del self._pins[owner]
-            return released
-
     def pins_of(self, owner: Hashable) -> int:
-        with self._lock:
+        with self._turn, self._lock:
             return sum(self._pins.get(owner, {}).values())
 
-    def reserve(self, owner: Hashable, n: int) -> list[int]:
-        """``n`` slots for incoming writes, all or nothing: free slots first, then
-        evicting least recently used unpinned blocks. StoreFull, nothing changed, if the
-        store cannot supply ``n``."""
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        with self._lock:
-            slots = self._allocate_locked(n, "reserve")
-            for slot in slots:
-                self._reserve_locked(slot, owner)
-            return slots
-
-    def commit(self, owner: Hashable, slot: int, key: bytes) -> bool:
-        """Publish a slot reserved by ``owner`` (now holding the block) as ``key``'s block.
-
-        If ``key`` is already present the existing block is kept (keys are content hashes),
-        the slot is freed and False is returned. ValueError if ``owner`` does not hold the
-        reservation.
-        """
-        _check_key(key)
-        with self._lock:
-            self._check_reserved_locked(owner, (slot,))
-            self._unreserve_locked(slot)
-            if key in self._map:
-                self._free_locked(slot)
-                return False
-            self._publish_locked(slot, key)
-            return True
-
-    def commit_many(
-        self, owner: Hashable, slots: Sequence[int], keys: Sequence[bytes]
-    ) -> list[bool]:
-        """:meth:`commit` for a batch, under one lock acquisition (the landing of a fetch).
-
-        All or nothing for the reservation check: ValueError (nothing changed) if any slot
-        is not reserved by ``owner``."""
-        if len(slots) != len(keys):
-            raise ValueError("slots and keys differ in length")
-        for key in keys:
-            _check_key(key)
-        out: list[bool] = []
-        with self._lock:
-            self._check_reserved_locked(owner, slots)
-            for slot, key in zip(slots, keys, strict=True):
-                self._unreserve_locked(slot)
-                if key in self._map:
-                    self._free_locked(slot)
-                    out.append(False)
-                else:
-                    self._publish_locked(slot, key)
-                    out.append(True)
-        return out
-
-    def present(self, keys: Iterable[bytes]) -> list[bool]:
-        """``key in store`` for a batch, under one lock acquisition."""
-        with self._lock:
-            m = self._map
-            return [k in m for k in keys]
-
-    def release_reserved(self, owner: Hashable, slots: Sequence[int]) -> None:
-        """Reserved slots whose transfer settled without a block go back to FREE.
-
-        All or nothing: ValueError if any slot is not reserved by ``owner``.
-        """
-        with self._lock:
-            unique = self._check_reserved_locked(owner, slots)
-            for slot in unique:
-                self._unreserve_locked(slot)
-                self._free_locked(slot)
-
-    def quarantine(self, owner: Hashable, slots: Sequence[int], until: float) -> None:
-        """Reserved slots whose transfer did not settle stay unusable until ``until`` (a
-        value of the caller's clock) or :meth:`unquarantine`.
-
-        All or nothing: ValueError if any slot is not reserved by ``owner``.
-        """
-        _check_until(until)
-        with self._lock:
-            unique = self._check_reserved_locked(owner, slots)
-            for slot in unique:
-                self._unreserve_locked(slot)
-                self._quarantine_locked(slot, owner, until)
-
-    def release_quarantined(self, now: float) -> int:
-        """Free every quarantined slot whose deadline is ``<= now``; returns how many."""
-        released = 0
-        with self._lock:
-            heap = self._deadlines
-            while heap and heap[0][0] <= now:
-                until, slot = heapq.heappop(heap)
-                entry = self._quarantine.get(slot)
-                if entry is not None and entry[0] == until:
-                    del self._quarantine[slot]
-                    self._free_locked(slot)
-                    released += 1
-        return released
-
-    def unquarantine(self, slots: Sequence[int], *, owner: Hashable = _ANY_OWNER) -> None:
-        """The data plane confirmed these slots quiescent: quarantined -> FREE.
-
-        Slots no longer quarantined (a deadline already freed them) are ignored, so a late
-        confirmation is harmless. Pass ``owner`` to free only slots it quarantined: then a
-        confirmation that arrives after the slot was reused and quarantined again by
-        someone else cannot cut that second quarantine short.
-        """
-        any_owner = owner is _ANY_OWNER
-        with self._lock:
-            for slot in slots:
-                self._check_slot(slot)
-                entry = self._quarantine.get(slot)
-                if entry is not None and (any_owner or entry[1] == owner):
-                    del self._quarantine[slot]
-                    self._free_locked(slot)
-            if len(self._deadlines) > 2 * len(self._quarantine) + 64:
-                self._deadlines = [(u, s) for s, (u, _) in self._quarantine.items()]
-                heapq.heapify(self._deadlines)
-
-    def next_quarantine_deadline(self) -> float | None:
-        """The earliest deadline of a quarantined slot, or None if none is quarantined."""
-        with self._lock:
-            heap = self._deadlines
-            while heap:
-                until, slot = heap[0]
-                entry = self._quarantine.get(slot)
-                if entry is not None and entry[0] == until:
-                    return until
-                heapq.heappop(heap)
-            return None
-
-    def release_owner(self, owner: Hashable, *, quarantine_until: float | None) -> None:
-        """Session teardown: drop all of ``owner``'s pins; its reserved slots are freed
-        (``quarantine_until`` None) or quarantined until ``quarantine_until``."""
-        if quarantine_until is not None:
-            _check_until(quarantine_until)
-        with self._lock:
-            self._unpin_locked(owner)
-            for slot in list(self._reserved_by.get(owner, ())):
-                self._unreserve_locked(slot)
-                if quarantine_until is None:
-                    self._free_locked(slot)
-                else:
-                    self._quarantine_locked(slot, owner, quarantine_until)
-
     def statistics(self) -> StoreStatistics:
-        with self._lock:
+        with self._turn, self._lock:
             free = len(self._free)
             reserved = len(self._reserved)
             quarantined = len(self._quarantine)
@@ -436,30 +323,319 @@ class BlockStore:
                 evictions=self._evictions,
             )
 
+    # ---------------------------------------------------------------- engine-facing
+    # Each method holds _serial throughout and _lock once per batch (module docstring).
+
+    def pin(self, owner: Hashable, keys: Sequence[bytes]) -> list[int | None]:
+        """Pin each present key once more for ``owner``; its slot, or None if absent.
+
+        A pinned slot is never evicted, overwritten or reused until unpinned. Each key is
+        pinned atomically; the call as a whole is not (module docstring).
+        """
+        out: list[int | None] = []
+        append = out.append
+        lookup, lru, pin_count, pins = self._map.get, self._lru, self._pin_count, self._pins
+        step = self.batch_keys
+        it = iter(keys)
+        with self._serial:
+            for _ in range(0, len(keys), step):
+                with _Batch(self):
+                    counts = pins.get(owner)
+                    if counts is None:
+                        counts = {}
+                    count = counts.get
+                    newly = 0
+                    try:
+                        for key in islice(it, step):
+                            slot = lookup(key)
+                            if slot is not None:
+                                held = pin_count[slot]
+                                if not held:
+                                    del lru[key]
+                                    newly += 1
+                                pin_count[slot] = held + 1
+                                counts[slot] = count(slot, 0) + 1
+                            append(slot)
+                    finally:
+                        self._pinned_slots += newly
+                        if counts:
+                            pins[owner] = counts
+        return out
+
+    def unpin(self, owner: Hashable) -> int:
+        """Release every pin ``owner`` holds; returns how many were released."""
+        with self._serial:
+            return self._unpin_serial(owner)
+
+    def unpin_keys(self, owner: Hashable, slots: Sequence[int]) -> int:
+        """Release one of ``owner``'s pins per listed slot; returns how many were released.
+
+        Slots ``owner`` does not pin (any more) are ignored.
+        """
+        released = 0
+        step = self.batch_keys
+        it = iter(slots)
+        with self._serial:
+            for _ in range(0, len(slots), step):
+                with _Batch(self):
+                    counts = self._pins.get(owner)
+                    if not counts:
+                        break
+                    drop: list[tuple[int, int]] = []
+                    for slot in islice(it, step):
+                        held = counts.get(slot)
+                        if not held:
+                            continue
+                        if held == 1:
+                            del counts[slot]
+                        else:
+                            counts[slot] = held - 1
+                        drop.append((slot, 1))
+                    if not counts:
+                        del self._pins[owner]
+                    released += self._drop_pins_locked(drop)
+        return released
+
+    def reserve(self, owner: Hashable, n: int) -> list[int]:
+        """``n`` slots for incoming writes, all or nothing: free slots first, then
+        evicting least recently used unpinned blocks. StoreFull, nothing changed, if the
+        store cannot supply ``n``."""
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        out: list[int] = []
+        first = True
+        with self._serial:
+            try:
+                while first or len(out) < n:
+                    with _Batch(self):
+                        if first:
+                            self._check_room_locked(n, "reserve")
+                            self._claimed = n  # host puts now count these n as taken
+                            first = False
+                        take = min(n - len(out), self.batch_keys)
+                        self._claimed -= take
+                        slots = self._allocate_locked(take)
+                        for slot in slots:
+                            self._reserve_locked(slot, owner)
+                    out += slots
+            except BaseException:
+                with _Batch(self):
+                    self._claimed = 0
+                    for slot in out:
+                        self._unreserve_locked(slot)
+                        self._free_locked(slot)
+                raise
+        return out
+
+    def commit(self, owner: Hashable, slot: int, key: bytes) -> bool:
+        """Publish a slot reserved by ``owner`` (now holding the block) as ``key``'s block.
+
+        If ``key`` is already present the existing block is kept (keys are content hashes),
+        the slot is freed and False is returned. ValueError if ``owner`` does not hold the
+        reservation.
+        """
+        _check_key(key)
+        with self._serial, _Batch(self):
+            if slot not in self._reserved_by.get(owner, _NO_SLOTS):
+                raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
+            self._unreserve_locked(slot)
+            if key in self._map:
+                self._free_locked(slot)
+                return False
+            self._publish_locked(slot, key)
+            return True
+
+    def commit_many(
+        self, owner: Hashable, slots: Sequence[int], keys: Sequence[bytes]
+    ) -> list[bool]:
+        """:meth:`commit` for a batch (the landing of a fetch).
+
+        All or nothing: ValueError or TypeError (nothing changed) if a key is not
+        non-empty bytes, a slot is listed twice or any slot is not reserved by ``owner``.
+        """
+        if len(slots) != len(keys):
+            raise ValueError("slots and keys differ in length")
+        for key in keys:
+            if not isinstance(key, bytes) or not key:
+                _check_key(key)
+        if len(set(slots)) != len(slots):
+            raise ValueError("a slot is listed twice (a slot commits once)")
+        out: list[bool] = []
+        append = out.append
+        key_map, slot_key, state, lru = self._map, self._slot_key, self._state, self._lru
+        reserved, free = self._reserved, self._free
+        step = self.batch_keys
+        pairs = zip(slots, keys, strict=True)
+        with self._serial:
+            self._check_reserved_serial(owner, slots)
+            for _ in range(0, len(slots), step):
+                with _Batch(self):
+                    mine = self._reserved_by[owner]
+                    for slot, key in islice(pairs, step):
+                        del reserved[slot]
+                        mine.remove(slot)
+                        if key in key_map:  # keys are content hashes: keep the block we have
+                            state[slot] = _FREE
+                            slot_key[slot] = None
+                            free.append(slot)
+                            append(False)
+                        else:
+                            key_map[key] = slot
+                            slot_key[slot] = key
+                            state[slot] = _OCCUPIED
+                            lru[key] = None
+                            append(True)
+                    if not mine:
+                        del self._reserved_by[owner]
+        return out
+
+    def present(self, keys: Iterable[bytes]) -> list[bool]:
+        """``key in store`` for each key, as of that key's batch."""
+        out: list[bool] = []
+        contains = self._map.__contains__
+        step = self.batch_keys
+        it = iter(keys)
+        with self._serial:
+            while True:
+                with _Batch(self):
+                    before = len(out)
+                    out += map(contains, islice(it, step))
+                if len(out) - before < step:
+                    return out
+
+    def release_reserved(self, owner: Hashable, slots: Sequence[int]) -> None:
+        """Reserved slots whose transfer settled without a block go back to FREE.
+
+        All or nothing: ValueError if any slot is not reserved by ``owner``.
+        """
+        self._settle(owner, slots, None)
+
+    def quarantine(self, owner: Hashable, slots: Sequence[int], until: float) -> None:
+        """Reserved slots whose transfer did not settle stay unusable until ``until`` (a
+        value of the caller's clock) or :meth:`unquarantine`.
+
+        All or nothing: ValueError if any slot is not reserved by ``owner``.
+        """
+        _check_until(until)
+        self._settle(owner, slots, until)
+
+    def release_quarantined(self, now: float) -> int:
+        """Free every quarantined slot whose deadline is ``<= now``; returns how many."""
+        released = 0
+        more = True
+        with self._serial:
+            while more:
+                with _Batch(self):
+                    heap, quarantine = self._deadlines, self._quarantine
+                    for _ in range(self.batch_keys):
+                        if not heap or heap[0][0] > now:
+                            more = False
+                            break
+                        until, slot = heapq.heappop(heap)
+                        entry = quarantine.get(slot)
+                        if entry is not None and entry[0] == until:
+                            del quarantine[slot]
+                            self._free_locked(slot)
+                            released += 1
+        return released
+
+    def unquarantine(self, slots: Sequence[int], *, owner: Hashable = _ANY_OWNER) -> None:
+        """The data plane confirmed these slots quiescent: quarantined -> FREE.
+
+        Slots no longer quarantined (a deadline already freed them) are ignored, so a late
+        confirmation is harmless. Pass ``owner`` to free only slots it quarantined: then a
+        confirmation that arrives after the slot was reused and quarantined again by
+        someone else cannot cut that second quarantine short.
+        """
+        any_owner = owner is _ANY_OWNER
+        step = self.batch_keys
+        it = iter(slots)
+        with self._serial:
+            for _ in range(0, len(slots), step):
+                with _Batch(self):
+                    quarantine = self._quarantine
+                    for slot in islice(it, step):
+                        self._check_slot(slot)
+                        entry = quarantine.get(slot)
+                        if entry is not None and (any_owner or entry[1] == owner):
+                            del quarantine[slot]
+                            self._free_locked(slot)
+            if len(self._deadlines) > 2 * len(self._quarantine) + 64:
+                # Only engine-side calls touch these two, and _serial excludes them all.
+                heap = [(u, s) for s, (u, _) in self._quarantine.items()]
+                heapq.heapify(heap)
+                with _Batch(self):
+                    self._deadlines = heap
+
+    def next_quarantine_deadline(self) -> float | None:
+        """The earliest deadline of a quarantined slot, or None if none is quarantined."""
+        with self._serial:
+            while True:
+                with _Batch(self):
+                    heap, quarantine = self._deadlines, self._quarantine
+                    for _ in range(self.batch_keys):
+                        if not heap:
+                            return None
+                        until, slot = heap[0]
+                        entry = quarantine.get(slot)
+                        if entry is not None and entry[0] == until:
+                            return until
+                        heapq.heappop(heap)
+
+    def release_owner(self, owner: Hashable, *, quarantine_until: float | None) -> None:
+        """Session teardown: drop all of ``owner``'s pins; its reserved slots are freed
+        (``quarantine_until`` None) or quarantined until ``quarantine_until``."""
+        if quarantine_until is not None:
+            _check_until(quarantine_until)
+        with self._serial:
+            self._unpin_serial(owner)
+            while True:
+                with _Batch(self):
+                    mine = self._reserved_by.get(owner)
+                    if not mine:
+                        break
+                    for _ in range(min(len(mine), self.batch_keys)):
+                        slot = mine.pop()
+                        del self._reserved[slot]
+                        if quarantine_until is None:
+                            self._free_locked(slot)
+                        else:
+                            self._quarantine_locked(slot, owner, quarantine_until)
+                    if not mine:
+                        del self._reserved_by[owner]
+
     def __repr__(self) -> str:
         return f"<BlockStore {self.num_blocks}x{self.block_len} keys={len(self._map)}>"
 
     # ------------------------------------------------------------------ internals
 
-    def _allocate_locked(self, n: int, op: str) -> list[int]:
+    def _check_room_locked(self, n: int, op: str) -> None:
         # Every slot is FREE, OCCUPIED-evictable (in the LRU), or untouchable, so this
-        # check is exact: either all n are found or nothing changes.
-        if n > len(self._free) + len(self._lru):
+        # check is exact: either all n can be found or the caller changes nothing.
+        if n > len(self._free) + len(self._lru) - self._claimed:
+            claimed = f", {self._claimed} claimed by a reserve in progress" * bool(self._claimed)
             raise StoreFull(
                 f"need {n} slots, {len(self._free)} free and {len(self._lru)} evictable "
-                f"of {self.num_blocks}; the rest are pinned, reserved or quarantined",
+                f"of {self.num_blocks}{claimed}; the rest are pinned, reserved or quarantined",
                 op=op,
             )
-        out: list[int] = []
-        while len(out) < n:
-            if self._free:
-                out.append(self._free.pop())
-            else:
-                key, _ = self._lru.popitem(last=False)
-                slot = self._map.pop(key)
-                self._slot_key[slot] = None
-                self._evictions += 1
+
+    def _allocate_locked(self, n: int) -> list[int]:
+        """n slots, free ones first, then evicting; the caller checked the room."""
+        free = self._free
+        k = min(n, len(free))
+        out = free[len(free) - k :]
+        out.reverse()  # the order pop() would give
+        del free[len(free) - k :]
+        if k < n:
+            lru, key_map, slot_key = self._lru, self._map, self._slot_key
+            popitem = lru.popitem
+            for _ in range(n - k):
+                key, _ = popitem(last=False)
+                slot = key_map.pop(key)
+                slot_key[slot] = None
                 out.append(slot)
+            self._evictions += n - k
         return out
 
     def _reserve_locked(self, slot: int, owner: Hashable) -> None:
@@ -475,13 +651,40 @@ class BlockStore:
         if not slots:
             del self._reserved_by[owner]
 
-    def _check_reserved_locked(self, owner: Hashable, slots: Iterable[int]) -> list[int]:
-        unique = list(dict.fromkeys(slots))
-        held = self._reserved_by.get(owner, set())
-        for slot in unique:
-            if slot not in held:
-                raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
-        return unique
+    def _check_reserved_serial(self, owner: Hashable, slots: Sequence[int]) -> None:
+        """ValueError unless ``owner`` reserves every slot. Batched; the answer stays
+        true after it because only ``owner``'s own calls change that, and the caller holds
+        ``_serial``."""
+        it = iter(slots)
+        while batch := list(islice(it, self.batch_keys)):
+            with _Batch(self):
+                held = self._reserved_by.get(owner, _NO_SLOTS)
+                if not held.issuperset(batch):
+                    bad = next(slot for slot in batch if slot not in held)
+                    raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
+
+    def _settle(self, owner: Hashable, slots: Sequence[int], until: float | None) -> None:
+        """Reserved -> FREE (``until`` None) or QUARANTINED; duplicates are harmless."""
+        with self._serial:
+            self._check_reserved_serial(owner, slots)
+            step = self.batch_keys
+            it = iter(slots)
+            for _ in range(0, len(slots), step):
+                with _Batch(self):
+                    mine = self._reserved_by.get(owner)
+                    if mine is None:
+                        break  # all settled; the rest are duplicates
+                    for slot in islice(it, step):
+                        if slot not in mine:
+                            continue  # listed twice: already settled
+                        mine.remove(slot)
+                        del self._reserved[slot]
+                        if until is None:
+                            self._free_locked(slot)
+                        else:
+                            self._quarantine_locked(slot, owner, until)
+                    if not mine:
+                        del self._reserved_by[owner]
 
     def _quarantine_locked(self, slot: int, owner: Hashable, until: float) -> None:
         self._state[slot] = _QUARANTINED
@@ -506,25 +709,47 @@ class BlockStore:
         self._slot_key[slot] = None
         self._free.append(slot)
 
-    def _unpin_locked(self, owner: Hashable) -> int:
-        counts = self._pins.pop(owner, None)
+    def _unpin_serial(self, owner: Hashable) -> int:
+        """Drop every pin of ``owner`` in batches, in pin order (so keys re-enter the LRU
+        in the order they were first pinned). One iterator walks the owner's counts from
+        start to end: only engine-side calls change them, and ``_serial`` excludes those,
+        so nothing but a dropped entry's count (set to 0, keeping ``pins_of`` exact) changes
+        under it; the entry goes with the last batch."""
+        counts = self._pins.get(owner)
         if not counts:
             return 0
-        for slot, held in counts.items():
-            self._drop_pins_locked(slot, held)
-        return sum(counts.values())
+        step, n = self.batch_keys, len(counts)
+        items = iter(counts.items())
+        released = 0
+        for start in range(0, n, step):
+            with _Batch(self):
+                batch = list(islice(items, step))
+                released += self._drop_pins_locked(batch)
+                if start + step < n:
+                    for slot, _ in batch:
+                        counts[slot] = 0
+                else:
+                    del self._pins[owner]
+        return released
 
-    def _drop_pins_locked(self, slot: int, n: int) -> None:
-        left = self._pin_count[slot] - n
-        self._pin_count[slot] = left
-        if left:
-            return
-        self._pinned_slots -= 1
-        key = self._slot_key[slot]
-        if key is None:
-            self._free_locked(slot)  # an orphan's last pin
-        else:
-            self._lru[key] = None  # evictable again, as most recently used
+    def _drop_pins_locked(self, drops: Iterable[tuple[int, int]]) -> int:
+        """Take ``n`` pins off each ``(slot, n)``; a slot whose last pin drops becomes
+        evictable again as most recently used, or FREE if it is an orphan."""
+        pin_count, slot_key, lru = self._pin_count, self._slot_key, self._lru
+        released = unpinned = 0
+        for slot, n in drops:
+            left = pin_count[slot] - n
+            pin_count[slot] = left
+            released += n
+            if not left:
+                unpinned += 1
+                key = slot_key[slot]
+                if key is None:
+                    self._free_locked(slot)  # an orphan's last pin
+                else:
+                    lru[key] = None
+        self._pinned_slots -= unpinned
+        return released
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
@@ -532,27 +757,19 @@ class BlockStore:
         if not 0 <= slot < self.num_blocks:
             raise ValueError(f"slot {slot} out of range [0, {self.num_blocks})")
 
-    def _source(self, data: object) -> npt.NDArray[np.uint8]:
-        if _is_torch_tensor(data):
-            data = _torch_bytes(data, writable=False)
-        try:
-            mv = memoryview(data)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"data must be a buffer, got {type(data).__name__}") from None
-        if mv.nbytes != self.block_len:
-            raise ValueError(f"data is {mv.nbytes} bytes, block_len is {self.block_len}")
-        if not mv.c_contiguous:
-            mv = memoryview(mv.tobytes())
-        return np.frombuffer(mv.cast("B"), dtype=np.uint8)
-
     def _check_invariants(self) -> None:
-        """Test hook: assert every internal structure agrees with every other."""
-        with self._lock:
+        """Test hook: assert every internal structure agrees with every other (no
+        engine-side call may be in progress, so it waits for one to end)."""
+        with self._serial, self._turn, self._lock:
             states = self._state
+            assert self._claimed == 0
             assert sorted(self._free) == [s for s, st in enumerate(states) if st == _FREE]
             assert set(self._reserved) == {s for s, st in enumerate(states) if st == _RESERVED}
             assert set(self._quarantine) == {s for s, st in enumerate(states) if st == _QUARANTINED}
+            assert all(self._reserved_by.values())
             assert {s for ss in self._reserved_by.values() for s in ss} == set(self._reserved)
+            for owner, slots in self._reserved_by.items():
+                assert all(self._reserved[s] is owner or self._reserved[s] == owner for s in slots)
             for key, slot in self._map.items():
                 assert states[slot] == _OCCUPIED and self._slot_key[slot] == key
             assert list(self._lru) == [k for k in self._lru if not self._pin_count[self._map[k]]]
@@ -581,62 +798,3 @@ def _check_key(key: object) -> None:
 def _check_until(until: float) -> None:
     if not isinstance(until, int | float) or math.isnan(until):
         raise ValueError(f"until must be a number, got {until!r}")
-
-
-def _adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArray[np.uint8]]:
-    """(object to keep alive, flat uint8 view of its first nbytes); never copies."""
-    if region is None:
-        raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)  # calloc: pages committed lazily
-        offset = -raw.ctypes.data % _PAGE
-        flat = raw[offset : offset + nbytes]
-        return flat, flat
-    if _is_torch_tensor(region):
-        flat = _torch_bytes(region, writable=True)
-    elif isinstance(region, np.ndarray):
-        if region.dtype.hasobject:
-            raise ValueError("region must not hold Python objects")
-        if not region.flags.c_contiguous:
-            raise ValueError("region must be C-contiguous")
-        flat = region.reshape(-1).view(np.uint8)
-    else:
-        try:
-            mv = memoryview(region)  # type: ignore[arg-type]
-        except TypeError:
-            raise TypeError(f"region must be a buffer, got {type(region).__name__}") from None
-        if not mv.c_contiguous:
-            raise ValueError("region must be C-contiguous")
-        flat = np.frombuffer(mv.cast("B"), dtype=np.uint8)
-    if not flat.flags.writeable:
-        raise ValueError("region must be writable")
-    if flat.nbytes < nbytes:
-        raise ValueError(f"region is {flat.nbytes} bytes, need {nbytes}")
-    return region, flat[:nbytes]
-
-
-def _is_torch_tensor(obj: object) -> bool:
-    # Never import torch here: a host that hands us a tensor has already imported it.
-    return hasattr(obj, "data_ptr") and any(
-        cls.__name__ == "Tensor" and cls.__module__.partition(".")[0] == "torch"
-        for cls in type(obj).__mro__
-    )
-
-
-def _torch_bytes(tensor: Any, *, writable: bool) -> npt.NDArray[np.uint8]:
-    """A flat uint8 NumPy view of a contiguous CPU tensor's memory (no copy)."""
-    torch = sys.modules["torch"]
-    if tensor.device.type != "cpu":
-        raise ValueError(f"tensor must be on the CPU, not {tensor.device}")
-    if not tensor.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    try:
-        array: npt.NDArray[np.uint8] = flat.numpy()
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"cannot view tensor as bytes: {exc}") from exc
-    if tensor.numel() and array.ctypes.data != tensor.data_ptr():
-        raise ValueError("tensor memory cannot be viewed without a copy")
-    if writable and not array.flags.writeable:
-        raise ValueError("region must be writable")
-    return array

@@ -1,0 +1,101 @@
+"""How memory the host hands in becomes the store's region: one flat uint8 NumPy view.
+
+The store and the data plane address blocks as byte offsets into one region, so whatever
+the host gives (a NumPy array, a torch CPU tensor, any writable C-contiguous buffer) is
+viewed, never copied, as a flat ``uint8`` array; the original object is kept alive next
+to the view. ``None`` allocates a page-aligned zeroed buffer. Anything that cannot be
+viewed in place (a CUDA tensor, a strided array, a read-only buffer, too few bytes) is
+refused with ``ValueError``, and a non-buffer with ``TypeError``, before anything else is
+built on it.
+
+torch is never imported here: a host that hands in a tensor has already imported it, and
+the core package must not depend on it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["adopt_region", "block_source"]
+
+_PAGE: Final = mmap.PAGESIZE
+
+
+def adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArray[np.uint8]]:
+    """(object to keep alive, flat uint8 view of its first nbytes); never copies."""
+    if region is None:
+        raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)  # calloc: pages committed lazily
+        offset = -raw.ctypes.data % _PAGE
+        flat = raw[offset : offset + nbytes]
+        return flat, flat
+    if _is_torch_tensor(region):
+        flat = _torch_bytes(region, writable=True)
+    elif isinstance(region, np.ndarray):
+        if region.dtype.hasobject:
+            raise ValueError("region must not hold Python objects")
+        if not region.flags.c_contiguous:
+            raise ValueError("region must be C-contiguous")
+        flat = region.reshape(-1).view(np.uint8)
+    else:
+        try:
+            mv = memoryview(region)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"region must be a buffer, got {type(region).__name__}") from None
+        if not mv.c_contiguous:
+            raise ValueError("region must be C-contiguous")
+        flat = np.frombuffer(mv.cast("B"), dtype=np.uint8)
+    if not flat.flags.writeable:
+        raise ValueError("region must be writable")
+    if flat.nbytes < nbytes:
+        raise ValueError(f"region is {flat.nbytes} bytes, need {nbytes}")
+    return region, flat[:nbytes]
+
+
+def _is_torch_tensor(obj: object) -> bool:
+    # Never import torch here: a host that hands us a tensor has already imported it.
+    return hasattr(obj, "data_ptr") and any(
+        cls.__name__ == "Tensor" and cls.__module__.partition(".")[0] == "torch"
+        for cls in type(obj).__mro__
+    )
+
+
+def _torch_bytes(tensor: Any, *, writable: bool) -> npt.NDArray[np.uint8]:
+    """A flat uint8 NumPy view of a contiguous CPU tensor's memory (no copy)."""
+    torch = sys.modules["torch"]
+    if tensor.device.type != "cpu":
+        raise ValueError(f"tensor must be on the CPU, not {tensor.device}")
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    try:
+        array: npt.NDArray[np.uint8] = flat.numpy()
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"cannot view tensor as bytes: {exc}") from exc
+    if tensor.numel() and array.ctypes.data != tensor.data_ptr():
+        raise ValueError("tensor memory cannot be viewed without a copy")
+    if writable and not array.flags.writeable:
+        raise ValueError("region must be writable")
+    return array
+
+
+def block_source(data: object, block_len: int) -> npt.NDArray[np.uint8]:
+    """``data`` (exactly ``block_len`` bytes: any buffer or a CPU tensor) as a flat uint8
+    array to copy a block from; a non-contiguous buffer is copied once to make it so."""
+    if _is_torch_tensor(data):
+        data = _torch_bytes(data, writable=False)
+    try:
+        mv = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"data must be a buffer, got {type(data).__name__}") from None
+    if mv.nbytes != block_len:
+        raise ValueError(f"data is {mv.nbytes} bytes, block_len is {block_len}")
+    if not mv.c_contiguous:
+        mv = memoryview(mv.tobytes())
+    return np.frombuffer(mv.cast("B"), dtype=np.uint8)
