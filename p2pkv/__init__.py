@@ -25,7 +25,7 @@ from .errors import (
     TransportError,
 )
 from .node import Node, NodeStatistics, Peer, open_node
-from .session.session import FetchResult
+from .session.session import FetchResult, LookupRound
 from .store import BlockStore
 
 if TYPE_CHECKING:
@@ -52,6 +52,7 @@ __all__ = [
     "FetchResult",
     "HandshakeRejected",
     "LocalProtocolError",
+    "LookupRound",
     "Node",
     "NodeConfig",
     "NodeStatistics",

@@ -114,7 +114,7 @@ async def test_lookup_deadline_raises_and_aborts_the_round(
         await raw.aclose()
 
 
-async def test_fetch_deadline_fails_keys_and_quarantines_until_the_abort_ack(
+async def test_fetch_deadline_fails_keys_and_quarantines_past_the_abort_ack(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))
@@ -126,15 +126,22 @@ async def test_fetch_deadline_fails_keys_and_quarantines_until_the_abort_ack(
         peer = await dst.connect(src.address)
         start = trio.current_time()
         result = await dst.fetch(peer, keys)
-        assert trio.current_time() - start == pytest.approx(4.0, abs=0.5)
+        gave_up = trio.current_time()
+        assert gave_up - start == pytest.approx(4.0, abs=0.5)
         assert result.loaded == [] and set(result.failed.values()) == {"timeout"}
         assert dst.statistics().quarantined_slots == 4
-        # The producer drains (abort_timeout), releases, acks; its source pins stay for
-        # the quarantine time since the write never settled.
+        # The producer drains (abort_timeout), releases and acks. The ack ends the request
+        # but frees no slot (invariant 10: never on the peer's word): they stay quarantined
+        # until `quarantine` after the consumer gave up. The producer holds its source
+        # pins as long after its own release, since the write never settled.
         await trio.sleep(2.0)
-        assert dst.statistics().quarantined_slots == 0
+        assert dst.statistics().quarantined_slots == 4
         assert src.statistics().pinned_slots == 4
-        await trio.sleep(20.0)
+        await trio.sleep(gave_up + 20.0 - trio.current_time() - 0.1)
+        assert dst.statistics().quarantined_slots == 4
+        await trio.sleep(0.2)
+        assert dst.statistics().quarantined_slots == 0
+        await trio.sleep(2.0)
         assert src.statistics().pinned_slots == 0
         assert hanging.transport.releases == 1
         assert all(k not in dst.store for k in keys)

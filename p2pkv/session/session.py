@@ -36,7 +36,7 @@ from ..errors import (
     SessionClosed,
 )
 from ..transport.base import RegionLayout, RemotePeer
-from .consumer import ConsumerSide, FetchResult, _Pending, _Round
+from .consumer import ConsumerSide, FetchResult, LookupRound, _Claim, _Pending, _Round
 from .producer import ProducerSide
 from .protocol import (
     AbortAcknowledged,
@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from ..node import Node
     from ..registrar import RegistrationJob
 
-__all__ = ["FetchResult", "PeerSession"]
+__all__ = ["FetchResult", "LookupRound", "PeerSession"]
 
 log = logging.getLogger("p2pkv.session")
 RECEIVE_SIZE = 1 << 16
@@ -86,6 +86,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
+        self._fetching: dict[bytes, _Claim] = {}  # keys a fetch of ours is bringing in
         self._pinned: dict[int, dict[bytes, int]] = {}  # producer round -> key -> slot
         self._writes: dict[int, trio.CancelScope] = {}
         self._write_done: dict[int, trio.Event] = {}
