@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2pkv import (
     BlockingNode,
@@ -26,10 +28,10 @@ from p2pkv import (
     Node,
     NodeConfig,
     P2PKVError,
+    open_node,
 )
-from p2pkv import open_node as _open_node
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo
-from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested
+from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested, OutState
 from p2pkv.wire import MAX_FRAME_SIZE
 
 from .helpers import (
@@ -41,6 +43,7 @@ from .helpers import (
     inline_offload,
     wait_for,
 )
+from .protocol_helpers import make_info, ready_pair, snapshot
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
@@ -58,10 +61,8 @@ async def pair(
     runs inline on Trio's clock (for the autojump clock)."""
     offload = VirtualOffload() if virtual else None
     async with (
-        _open_node(
-            config("src", **(src_kw or {})), transport=src_transport, offload=offload
-        ) as src,
-        _open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
+        open_node(config("src", **(src_kw or {})), transport=src_transport, offload=offload) as src,
+        open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
     ):
         yield src, dst
 
@@ -270,6 +271,61 @@ async def test_many_concurrent_fetches_lookups_and_releases_keep_every_guarantee
             assert dst.statistics().peers == 1 and src.statistics().peers == 1
 
 
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["lookup", "fetch", "held_fetch", "held_fetch_vs_release", "evict"]),
+        st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(ops=_OPS)
+async def test_random_concurrent_local_calls_keep_every_guarantee(
+    ops: list[tuple[str, list[int]]],
+) -> None:
+    """Hypothesis picks the calls; they all run at once (Trio picks the interleaving)."""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 10, BLOCK) + [os.urandom(32) for _ in range(2)]
+            present = set(keys[:10])
+            peer = await dst.connect(src.address)
+            results: list[FetchResult] = []
+
+            async def run(kind: str, ks: list[bytes]) -> None:
+                if kind == "lookup":
+                    assert await dst.lookup(peer, ks) == [k in present for k in ks]
+                elif kind == "fetch":
+                    results.append(await dst.fetch(peer, ks))
+                elif kind == "evict":
+                    for k in ks:
+                        dst.store.evict(k)
+                else:
+                    rnd = await dst.lookup_round(peer, ks)
+                    async with trio.open_nursery() as n:
+                        if kind == "held_fetch_vs_release":
+                            n.start_soon(dst.release, peer, rnd)
+                        results.append(await dst.fetch(peer, ks, rounds=rnd))
+                    await dst.release(peer, rnd)
+
+            async with trio.open_nursery() as nursery:
+                for kind, idx in ops:
+                    nursery.start_soon(run, kind, [keys[i] for i in idx])
+            for r in results:
+                assert set(r.failed.values()) <= {"miss"}
+                assert all(k not in present for k in r.failed)
+                assert all(k in present for k in r.loaded)
+            st_dst = dst.statistics()
+            assert st_dst.reserved_slots == 0 and st_dst.quarantined_slots == 0
+            assert st_dst.peers == 1 and src.statistics().peers == 1
+            for k in keys[:10]:  # whatever is in the store now holds the producer's bytes
+                got = dst.store.get(k)
+                if got is not None:
+                    assert bytes(got) == bytes(src.store.get(k) or b"")
+
+
 async def test_fetch_leaks_no_reservation_when_cancelled_while_landing() -> None:
     """Cancelled between ``transfer_done`` and the commit (checksums run off the loop)."""
     entered = trio.Event()
@@ -284,8 +340,8 @@ async def test_fetch_leaks_no_reservation_when_cancelled_while_landing() -> None
 
     with trio.fail_after(BOUND):
         async with (
-            _open_node(config("src", verify_checksums=True), offload=inline_offload) as src,
-            _open_node(config("dst", verify_checksums=True), offload=consumer_offload) as dst,
+            open_node(config("src", verify_checksums=True), offload=inline_offload) as src,
+            open_node(config("dst", verify_checksums=True), offload=consumer_offload) as dst,
         ):
             keys = fill(src.store, 3, BLOCK)
             peer = await dst.connect(src.address)
@@ -354,7 +410,7 @@ async def test_requests_over_the_key_cap_are_split_transparently() -> None:
     raw = RawPeer(max_keys_per_request=100)
 
     with trio.fail_after(BOUND):
-        async with _open_node(config("dst", num_blocks=256, max_keys_per_request=100)) as dst:
+        async with open_node(config("dst", num_blocks=256, max_keys_per_request=100)) as dst:
             await raw.connect(dst.address)
             await raw.handshake()
             peer = raw.peer_id
@@ -407,6 +463,32 @@ async def test_a_70000_key_fetch_is_split_and_the_session_survives() -> None:
             assert_settled(dst)
 
 
+@pytest.mark.parametrize(
+    ("keys", "why"),
+    [
+        ([b"k" * 129], "bytes of 1..128"),
+        ([b""], "bytes of 1..128"),
+        (["text"], "bytes of 1..128"),
+        ([bytes([i % 256, i // 256]) for i in range(101)], "101 keys"),
+    ],
+)
+def test_the_protocol_refuses_our_own_over_limit_requests_before_sending(
+    keys: list[bytes], why: str
+) -> None:
+    pair = ready_pair(make_info("a", max_keys_per_request=100), make_info("b"))
+    a = pair.a
+    before = snapshot(a)
+    with pytest.raises(LocalProtocolError, match=why):
+        a.send_lookup(keys)
+    assert snapshot(a) == before and a.data_to_send() == b""
+    req = pair.lookup([b"k1", b"k2"], [True, True])
+    with pytest.raises(LocalProtocolError, match=why):
+        a.send_fetch(req, keys, list(range(min(len(keys), 16))))
+    with pytest.raises(LocalProtocolError, match="differ"):
+        a.send_fetch(req, [b"k1", b"k2"], [0])
+    assert a.out_state(req) is OutState.OPEN and a.data_to_send() == b""
+
+
 def test_request_chunks_respect_the_frame_size_too() -> None:
     from p2pkv.session.consumer import request_chunks
 
@@ -440,7 +522,7 @@ async def test_a_late_abort_ack_never_frees_another_fetchs_quarantine(
     """Invariant 10: the peer's word never ends a quarantine. Two slots only, so the
     second fetch reuses exactly the slots of the first, then the first's ack comes late."""
     raw = RawPeer()
-    async with _open_node(
+    async with open_node(
         config("a", num_blocks=2, fetch_timeout=2.0, quarantine=6.0), offload=VirtualOffload()
     ) as a:
         await raw.connect(a.address)
@@ -477,7 +559,7 @@ async def test_an_abort_ack_ends_the_request_but_not_the_quarantine(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     raw = RawPeer()
-    async with _open_node(
+    async with open_node(
         config("a", fetch_timeout=2.0, quarantine=6.0, max_open_requests=1),
         offload=VirtualOffload(),
     ) as a:
