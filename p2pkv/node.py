@@ -304,7 +304,8 @@ class Node:
     ) -> FetchResult:
         """Pull ``keys`` into :attr:`store`. Per-key failures (misses, timeouts, a peer that
         died, an invalid key) are in ``result.failed``; raises only if the peer is not
-        connected. ``rounds``: handles from :meth:`lookup_round` whose rounds this fetch
+        connected (``PeerUnavailable``) or a key is unhashable (``LocalProtocolError``).
+        ``rounds``: handles from :meth:`lookup_round` whose rounds this fetch
         may use (besides anonymous rounds from :meth:`lookup`)."""
         return await self._session(peer, "fetch").fetch(keys, self._handles(rounds))
 

@@ -106,6 +106,8 @@ class RequestLimits:
 def request_chunks(keys: Sequence[bytes], *, max_keys: int, max_bytes: int) -> list[list[bytes]]:
     """``keys`` in order, cut into requests of at most ``max_keys`` keys whose keys cost at
     most ``max_bytes`` (each key its length plus :data:`KEY_OVERHEAD`)."""
+    if len(keys) <= max_keys and len(keys) * (MAX_KEY_LEN + KEY_OVERHEAD) <= max_bytes:
+        return [list(keys)] if keys else []  # the usual case: no key can overflow a frame
     chunks: list[list[bytes]] = []
     cur: list[bytes] = []
     size = 0
@@ -368,13 +370,12 @@ class ConsumerSide(SessionParts):
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
         outcome: dict[bytes, str | None] = {}
         max_len = self._limits().max_key_len
-        valid: list[bytes] = []
-        for k in wanted:
-            problem = self._key_problem(k, max_len)
-            if problem is None:
-                valid.append(k)
-            else:
-                outcome[k] = problem
+        valid = [k for k in wanted if type(k) is bytes and 0 < len(k) <= max_len]
+        if len(valid) < len(wanted):
+            for k in wanted:
+                problem = self._key_problem(k, max_len)
+                if problem is not None:
+                    outcome[k] = problem
         store = self.node.store
         mine: list[bytes] = []
         shared: dict[_Claim, list[bytes]] = {}
