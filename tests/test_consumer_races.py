@@ -523,7 +523,8 @@ async def test_a_late_abort_ack_never_frees_another_fetchs_quarantine(
     second fetch reuses exactly the slots of the first, then the first's ack comes late."""
     raw = RawPeer()
     async with open_node(
-        config("a", num_blocks=2, fetch_timeout=2.0, quarantine=6.0), offload=VirtualOffload()
+        config("a", num_blocks=2, fetch_timeout=2.0, quarantine=6.0, max_open_requests=2),
+        offload=VirtualOffload(),
     ) as a:
         await raw.connect(a.address)
         await raw.handshake()
@@ -544,7 +545,9 @@ async def test_a_late_abort_ack_never_frees_another_fetchs_quarantine(
             for req in aborted:  # both acks, late: the first 10 s late
                 raw.proto.send_abort_ack(req)
             await raw.flush()
-            await trio.sleep(1.0)
+            # Both acks were taken: each freed its request slot (two rounds now hold them).
+            for _ in range(2):
+                assert await a.lookup(raw.peer_id, [os.urandom(32)]) == [True]
             assert a.statistics().quarantined_slots == 2
             assert a.statistics().peers == 1  # the acks were legal: the session lives
             await trio.sleep(second_done + 6.0 - trio.current_time() - 0.1)
