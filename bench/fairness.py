@@ -143,10 +143,10 @@ async def measure(
             out: list[float] = []
             for rep in range(args.warmup + n):
                 t0 = time.perf_counter()
-                hits = await node.lookup(peer, [key])
+                held = await node.lookup_round(peer, [key])
                 elapsed = time.perf_counter() - t0
-                assert hits == [True], hits
-                await node.release(peer)
+                assert held.hits == [True], held.hits
+                await node.release(peer, held)
                 if rep >= args.warmup:
                     out.append(elapsed)
                 await trio.sleep(args.interval)

@@ -26,7 +26,7 @@ from .errors import (
     TransportError,
 )
 from .node import Node, NodeStatistics, Peer, open_node
-from .session.session import FetchResult
+from .session.session import FetchResult, LookupRound
 from .store import BlockStore
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ __all__ = [
     "FetchResult",
     "HandshakeRejected",
     "LocalProtocolError",
+    "LookupRound",
     "Node",
     "NodeConfig",
     "NodeStatistics",

@@ -29,6 +29,11 @@ def _all_or_no_tls_files(inst: NodeConfig, _attr: attrs.Attribute[Any], _value: 
         raise P2PKVError(f"TLS needs tls_cert, tls_key and tls_ca together; only {given} given")
 
 
+def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    if not value >= 0:
+        raise ValueError(f"{attr.name} must be >= 0, got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class NodeConfig:
     """Everything a node needs. Immutable; every deadline is in seconds on the Trio clock.
@@ -63,7 +68,9 @@ class NodeConfig:
     idle_timeout: float = attrs.field(default=30.0, validator=_positive)
     heartbeat_interval: float = attrs.field(default=5.0, validator=_positive)
     lease: float = attrs.field(default=10.0, validator=_positive)  # pins held for a lookup
-    quarantine: float = attrs.field(default=2.0, validator=_positive)  # after an unsettled write
+    # Slots of an unsettled write stay unusable this long; must exceed abort_timeout plus
+    # landing_margin (checked below).
+    quarantine: float = attrs.field(default=5.0, validator=_positive)
     registration_timeout: float = attrs.field(default=30.0, validator=_positive)
     close_timeout: float = attrs.field(default=5.0, validator=_positive)
 
@@ -103,6 +110,12 @@ class NodeConfig:
         default=None, converter=_optional_path, validator=_all_or_no_tls_files
     )
 
+    # How long the data plane may keep writing after a transfer handle was released
+    # (NIXL: up to ~1 s, notes/nixl.md). A consumer that gave up on a fetch cannot see the
+    # producer's writes stop, so it keeps the slots quarantined for ``quarantine`` seconds:
+    # the producer's abort deadline, then this margin, must both fit inside it.
+    landing_margin: float = attrs.field(default=1.0, validator=_non_negative)
+
     def __attrs_post_init__(self) -> None:
         if not self.peer_id or len(self.peer_id) > 128:
             raise P2PKVError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
@@ -110,6 +123,12 @@ class NodeConfig:
             raise P2PKVError(f"unknown transport {self.transport!r} (use 'local' or 'nixl')")
         if self.max_key_len > 1024:
             raise P2PKVError("max_key_len must be <= 1024")
+        if not self.quarantine > self.abort_timeout + self.landing_margin:
+            raise P2PKVError(
+                f"quarantine ({self.quarantine} s) must exceed abort_timeout "
+                f"({self.abort_timeout} s) + landing_margin ({self.landing_margin} s): "
+                "a write may land until then"
+            )
 
     def compat_digest(self) -> str:
         """What must match between peers, as one short digest (for logs)."""

@@ -8,26 +8,26 @@ step. So :func:`start_node` runs :func:`~p2pkv.node.open_node` inside ``trio.run
 :class:`~p2pkv.portal.EngineThread` of its own, and :class:`BlockingNode` reaches it two
 ways, chosen by how often the host calls:
 
-* **Blocking calls** for rare operations (``connect``, ``lookup``, ``fetch``,
-  ``disconnect``, ``statistics``, ``close``) are portal round trips
+* **Blocking calls** for rare operations (``connect``, ``lookup``, ``lookup_round``,
+  ``fetch``, ``release``, ``disconnect``, ``statistics``, ``close``) are portal round trips
   (:meth:`EngineThread.call`): the *caller* keeps the timeout, so it fires even when the
   engine thread is wedged in a blocking call; a stopped or dead engine gives
   :class:`~p2pkv.errors.PortalClosed` with the engine's failure as ``__cause__``; Trio's
   ``Cancelled`` never reaches the caller; a call from the engine thread itself raises
   instead of deadlocking. A round trip costs 70-160 us, far too much for a scheduler
   that calls every step, hence:
-* **Hot-path calls** (``submit_connect``, ``submit_lookup``, ``submit_fetch``, ``poll``,
-  ``get_finished``) never wait for the engine. A submit takes a ticket on a
-  :class:`~p2pkv.tickets.TicketBoard` and posts "start this task" with
-  :meth:`EngineThread.spawn_soon`: a deque append; if the loop is waiting for I/O and no
-  wake is pending yet, also the release of a lock that the engine's waker thread waits on,
-  and the waker wakes the loop (``TrioToken.run_sync_soon``); a loop that is running
-  picks the posts up before it next waits. The host never writes to the loop's wakeup
-  socket itself: that write drops the GIL, the woken loop grabs it, and the host would
-  wait out a whole loop iteration (p99 233 us, max 8.7 ms measured on 2 cores, against
-  37 us / 67 us with the waker). The task publishes its value or exception on the board;
-  ``poll`` and ``get_finished`` read the board under one short lock. Every submitted task
-  runs under a deadline on the engine, so every ticket finishes.
+* **Hot-path calls** (``submit_connect``, ``submit_lookup``, ``submit_lookup_round``,
+  ``submit_fetch``, ``submit_release``, ``poll``, ``get_finished``) never wait for the
+  engine. A submit takes a ticket on a :class:`~p2pkv.tickets.TicketBoard` and posts "start
+  this task" with :meth:`EngineThread.spawn_soon`: a deque append; if the loop is waiting
+  for I/O and no wake is pending yet, also the release of a lock that the engine's waker
+  thread waits on, and the waker wakes the loop (``TrioToken.run_sync_soon``); a loop that
+  is running picks the posts up before it next waits. The host never writes to the loop's
+  wakeup socket itself: that write drops the GIL, the woken loop grabs it, and the host
+  would wait out a whole loop iteration (p99 233 us, max 8.7 ms measured on 2 cores,
+  against 37 us / 67 us with the waker). The task publishes its value or exception on the
+  board; ``poll`` and ``get_finished`` read the board under one short lock. Every
+  submitted task runs under a deadline on the engine, so every ticket finishes.
 
 Every ticket finishes, even when the engine does not: the engine's ``main`` fails every
 in-flight ticket with ``PortalClosed`` in its ``finally`` and seals the board (a ticket
@@ -57,7 +57,7 @@ from .errors import P2PKVTimeout, PortalClosed
 from .node import Node, NodeStatistics, Peer, TransportFactory, open_node
 from .portal import EngineContext, EngineThread
 from .registrar import Offload
-from .session.session import FetchResult
+from .session.session import FetchResult, LookupRound
 from .store import BlockStore
 from .tickets import TicketBoard
 
@@ -67,8 +67,9 @@ T = TypeVar("T")
 log = logging.getLogger("p2pkv.facade")
 
 #: What a ticket resolves to: ``submit_connect`` -> Peer, ``submit_lookup`` -> list[bool],
-#: ``submit_fetch`` -> FetchResult.
-TicketResult: TypeAlias = Peer | list[bool] | FetchResult | int
+#: ``submit_lookup_round`` -> LookupRound, ``submit_fetch`` -> FetchResult,
+#: ``submit_release`` -> int.
+TicketResult: TypeAlias = Peer | list[bool] | LookupRound | FetchResult | int
 #: An entry of :meth:`BlockingNode.get_finished`: the result, or the exception it raised.
 TicketOutcome: TypeAlias = TicketResult | BaseException
 
@@ -204,12 +205,39 @@ class BlockingNode:
             self._node.lookup, peer, list(keys), timeout=self._timeout("lookup", timeout)
         )
 
-    def fetch(
+    def lookup_round(
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
-    ) -> FetchResult:
-        """Pull ``keys`` into :attr:`store`; per-key failures are in ``result.failed``."""
+    ) -> LookupRound:
+        """:meth:`Node.lookup_round`: a lookup whose rounds stay the caller's (pass the
+        handle to :meth:`fetch` or :meth:`release`)."""
         return self._engine.call(
-            self._node.fetch, peer, list(keys), timeout=self._timeout("fetch", timeout)
+            self._node.lookup_round, peer, list(keys), timeout=self._timeout("lookup", timeout)
+        )
+
+    def fetch(
+        self,
+        peer: Peer | str,
+        keys: Sequence[bytes],
+        *,
+        rounds: LookupRound | Sequence[LookupRound] | None = None,
+        timeout: float | None = None,
+    ) -> FetchResult:
+        """Pull ``keys`` into :attr:`store`; per-key failures are in ``result.failed``.
+        ``rounds``: handles from :meth:`lookup_round` this fetch may use."""
+        return self._engine.call(
+            self._node.fetch, peer, list(keys), rounds, timeout=self._timeout("fetch", timeout)
+        )
+
+    def release(
+        self,
+        peer: Peer | str,
+        rounds: LookupRound | Sequence[LookupRound],
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """:meth:`Node.release`: give back the pins of the handles' unfetched rounds."""
+        return self._engine.call(
+            self._node.release, peer, rounds, timeout=self._timeout("release", timeout)
         )
 
     def disconnect(self, peer: Peer | str, *, timeout: float | None = None) -> None:
@@ -251,13 +279,13 @@ class BlockingNode:
     def submit_release(
         self,
         peer: Peer | str,
-        keys: Sequence[bytes] | None = None,
+        rounds: LookupRound | Sequence[LookupRound],
         *,
         timeout: float | None = None,
     ) -> int:
-        """Start :meth:`Node.release` (give back the pins of unfetched lookup rounds);
-        returns a ticket (result: the number of rounds closed)."""
-        return self._submit(self._node.release, (peer, keys), "release", timeout)
+        """Start :meth:`Node.release` (give back the pins of the handles' unfetched
+        rounds); returns a ticket (result: the number of rounds closed)."""
+        return self._submit(self._node.release, (peer, rounds), "release", timeout)
 
     def submit_connect(self, address: tuple[str, int], *, timeout: float | None = None) -> int:
         """Start :meth:`connect` on the engine; returns a ticket (result: Peer)."""
@@ -269,11 +297,22 @@ class BlockingNode:
         """Start :meth:`lookup` on the engine; returns a ticket (result: list[bool])."""
         return self._submit(self._node.lookup, (peer, list(keys)), "lookup", timeout)
 
-    def submit_fetch(
+    def submit_lookup_round(
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> int:
+        """Start :meth:`Node.lookup_round`; returns a ticket (result: LookupRound)."""
+        return self._submit(self._node.lookup_round, (peer, list(keys)), "lookup", timeout)
+
+    def submit_fetch(
+        self,
+        peer: Peer | str,
+        keys: Sequence[bytes],
+        *,
+        rounds: LookupRound | Sequence[LookupRound] | None = None,
+        timeout: float | None = None,
+    ) -> int:
         """Start :meth:`fetch` on the engine; returns a ticket (result: FetchResult)."""
-        return self._submit(self._node.fetch, (peer, list(keys)), "fetch", timeout)
+        return self._submit(self._node.fetch, (peer, list(keys), rounds), "fetch", timeout)
 
     def poll(self, ticket: int) -> TicketResult | None:
         """None while the ticket is in flight; then its result, once (raising the

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -54,7 +54,7 @@ from .errors import (
 )
 from .registrar import Offload, Registrar, RegistrarStatistics, to_thread
 from .session.protocol import LocalInfo
-from .session.session import FetchResult, PeerSession
+from .session.session import FetchResult, LookupRound, PeerSession
 from .store import BlockStore, StoreStatistics
 from .transport.base import DataTransport, RegionLayout, RemotePeer, TransportStatistics
 from .wire import Hello
@@ -355,19 +355,49 @@ class Node:
 
     async def lookup(self, peer: Peer | str, keys: Sequence[bytes]) -> list[bool]:
         """Which ``keys`` the peer holds. Hits stay pinned there for the lease, so a
-        :meth:`fetch` of them soon after reuses this round."""
-        _req, hits = await self._session(peer, "lookup").lookup(keys)
-        return hits
+        :meth:`fetch` of them soon after reuses this round (any fetch may: to keep a round
+        for one caller, use :meth:`lookup_round`). Raises ``LocalProtocolError`` for a key
+        this node could not send (not bytes, empty, over ``max_key_len``)."""
+        return (await self._session(peer, "lookup").lookup(keys)).hits
 
-    async def fetch(self, peer: Peer | str, keys: Sequence[bytes]) -> FetchResult:
+    async def lookup_round(self, peer: Peer | str, keys: Sequence[bytes]) -> LookupRound:
+        """:meth:`lookup`, keeping the round(s) for the caller: the result's ``hits`` are
+        pinned at the peer until a :meth:`fetch` that names the handle uses them, a
+        :meth:`release` of the handle, or the lease's end. No other fetch or release
+        touches them, so one request finishing never unpins another's hits."""
+        return await self._session(peer, "lookup").lookup(keys, held=True)
+
+    async def fetch(
+        self,
+        peer: Peer | str,
+        keys: Sequence[bytes],
+        rounds: LookupRound | Iterable[LookupRound] | None = None,
+    ) -> FetchResult:
         """Pull ``keys`` into :attr:`store`. Per-key failures (misses, timeouts, a peer that
-        died) are in ``result.failed``; raises only if the peer is not connected."""
-        return await self._session(peer, "fetch").fetch(keys)
+        died, an invalid key) are in ``result.failed``; raises only if the peer is not
+        connected (``PeerUnavailable``) or a key is unhashable (``LocalProtocolError``).
+        ``rounds``: handles from :meth:`lookup_round` whose rounds this fetch
+        may use (besides anonymous rounds from :meth:`lookup`)."""
+        return await self._session(peer, "fetch").fetch(keys, self._handles(rounds))
 
-    async def release(self, peer: Peer | str, keys: Sequence[bytes] | None = None) -> int:
-        """Give back the pins of open lookup rounds (those holding any of ``keys``, or all)
-        without fetching, e.g. when the request that looked them up is finished."""
-        return await self._session(peer, "release").release(keys)
+    async def release(self, peer: Peer | str, rounds: LookupRound | Iterable[LookupRound]) -> int:
+        """Give back the pins of the rounds of ``rounds`` (from :meth:`lookup_round`) that
+        no fetch used, e.g. when the request that looked them up is finished. Returns how
+        many rounds were closed; 0 if the peer's session is gone (its rounds went with it).
+        """
+        pid = peer if isinstance(peer, str) else peer.peer_id
+        session = self._by_peer.get(pid)
+        if session is None or not session.alive:
+            return 0
+        return await session.release(self._handles(rounds))
+
+    @staticmethod
+    def _handles(rounds: LookupRound | Iterable[LookupRound] | None) -> list[LookupRound]:
+        if rounds is None:
+            return []
+        if isinstance(rounds, LookupRound):
+            return [rounds]
+        return list(rounds)
 
     async def disconnect(self, peer: Peer | str) -> None:
         session = self._session(peer, "disconnect")
@@ -566,4 +596,12 @@ def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return leaves[0] if len(leaves) == 1 else group
 
 
-__all__ = ["FetchResult", "Node", "NodeStatistics", "P2PKVError", "Peer", "open_node"]
+__all__ = [
+    "FetchResult",
+    "LookupRound",
+    "Node",
+    "NodeStatistics",
+    "P2PKVError",
+    "Peer",
+    "open_node",
+]

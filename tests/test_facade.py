@@ -238,7 +238,7 @@ def test_engine_death_fails_calls_and_tickets_with_portal_closed_and_the_cause(
     nodes: Callable[..., BlockingNode],
 ) -> None:
     hanging = GatedFactory(lambda t: setattr(t, "hang", True))
-    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
     dst = nodes("dst")
     keys = fill(src.store, 4, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)
@@ -280,7 +280,7 @@ def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(
     nodes: Callable[..., BlockingNode],
 ) -> None:
     hanging = GatedFactory(lambda t: setattr(t, "hang", True))
-    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
     dst = nodes("dst", close_timeout=1.0)
     keys = fill(src.store, 4, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)

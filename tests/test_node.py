@@ -364,16 +364,17 @@ async def test_release_gives_back_pins_of_an_unfetched_round() -> None:
         async with open_node(config("src")) as src, open_node(config("dst")) as dst:
             keys = fill(src.store, 4, 4096)
             peer = await dst.connect(src.address)
-            await dst.lookup(peer, keys[:2])
-            await dst.lookup(peer, keys[2:])
+            first = await dst.lookup_round(peer, keys[:2])
+            second = await dst.lookup_round(peer, keys[2:])
             assert src.statistics().pinned_slots == 4
-            assert await dst.release(peer, keys[:1]) == 1
+            assert await dst.release(peer, first) == 1
             with trio.fail_after(5):
                 while src.statistics().pinned_slots != 2:
                     await trio.sleep(0.01)
-            assert await dst.release(peer) == 1
+            assert await dst.release(peer, [first, second]) == 1  # first is closed already
             with trio.fail_after(5):
                 while src.statistics().pinned_slots:
                     await trio.sleep(0.01)
-            # Released keys are looked up afresh by a later fetch.
-            assert sorted((await dst.fetch(peer, keys)).loaded) == sorted(keys)
+            # Released keys are looked up afresh by a later fetch, even one naming them.
+            result = await dst.fetch(peer, keys, rounds=[first, second])
+            assert sorted(result.loaded) == sorted(keys)

@@ -17,6 +17,7 @@ from p2pkv.config import PROTOCOL_MAJOR
 from p2pkv.errors import (
     CapacityExceeded,
     HandshakeRejected,
+    LocalProtocolError,
     RemoteProtocolError,
 )
 from p2pkv.session.protocol import (
@@ -1056,7 +1057,7 @@ def test_invalid_lookup_keys_raise_before_anything_changes() -> None:
     pair = ready_pair()
     a = pair.a
     before = snapshot(a)
-    with pytest.raises(ValueError):
+    with pytest.raises(LocalProtocolError):
         a.send_lookup([b""])
     assert snapshot(a) == before and a.data_to_send() == b""
     assert a.send_lookup([K1]) == 1  # the id was not consumed

@@ -126,16 +126,22 @@ async def test_fetch_deadline_fails_keys_and_an_unsettled_write_quarantines_both
         peer = await dst.connect(src.address)
         start = trio.current_time()
         result = await dst.fetch(peer, keys)
-        assert trio.current_time() - start == pytest.approx(4.0, abs=0.5)
+        gave_up = trio.current_time()
+        assert gave_up - start == pytest.approx(4.0, abs=0.5)
         assert result.loaded == [] and set(result.failed.values()) == {"timeout"}
         assert dst.statistics().quarantined_slots == 4
         # The producer's write never settles: after abort_timeout it is released, and the
-        # round is held for the quarantine (source pins kept, no abort_ack yet), so nothing
-        # frees the consumer's slots while the data plane may still write them.
+        # round is held for the quarantine (source pins kept, no abort_ack yet). Even the
+        # ack that follows frees no consumer slot (invariant 10: never on the peer's word):
+        # they stay quarantined until `quarantine` after the consumer gave up.
         await trio.sleep(2.0)
         assert dst.statistics().quarantined_slots == 4
         assert src.statistics().pinned_slots == 4
-        await trio.sleep(20.0)
+        await trio.sleep(gave_up + 20.0 - trio.current_time() - 0.1)
+        assert dst.statistics().quarantined_slots == 4
+        await trio.sleep(0.2)
+        assert dst.statistics().quarantined_slots == 0
+        await trio.sleep(2.0)
         assert src.statistics().pinned_slots == 0
         assert dst.statistics().quarantined_slots == 0
         assert hanging.transport.releases == 1

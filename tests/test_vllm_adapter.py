@@ -201,11 +201,11 @@ class SpyNode(BlockingNode):
         super().__init__(node._engine, node._board)
         self.lookups: list[list[bytes]] = []
 
-    def submit_lookup(
+    def submit_lookup_round(
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> int:
         self.lookups.append(list(keys))
-        return super().submit_lookup(peer, keys, timeout=timeout)
+        return super().submit_lookup_round(peer, keys, timeout=timeout)
 
 
 def wedge(node: BlockingNode) -> threading.Event:
@@ -305,7 +305,7 @@ def test_a_source_that_dies_mid_request_turns_lookups_into_misses_and_loads_into
     nodes: Callable[..., BlockingNode],
 ) -> None:
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
-    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
     dst = nodes("dst")
     keys = fill(src.store, 8, BLOCK)
     more = fill(src.store, 4, BLOCK)
@@ -344,7 +344,7 @@ def test_closing_the_source_mid_request_fails_its_load_and_its_next_lookups_miss
     nodes: Callable[..., BlockingNode],
 ) -> None:
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
-    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=0.2)
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
     dst = nodes("dst")
     keys = fill(src.store, 6, BLOCK)
     later = fill(src.store, 3, BLOCK)

@@ -10,8 +10,8 @@ gives p2pkv that shape without importing vLLM: the request is anything with a
 Theory of operation
 -------------------
 Nothing here waits. All peer I/O runs on the node's engine thread; the adapter only
-*submits* work (``submit_connect`` / ``submit_lookup`` / ``submit_fetch``: a ticket and a
-post, no thread hop) and *polls* tickets, so a slow, dead or wedged source costs the
+*submits* work (``submit_connect`` / ``submit_lookup_round`` / ``submit_fetch``: a ticket
+and a post, no thread hop) and *polls* tickets, so a slow, dead or wedged source costs the
 scheduler nothing, and the source's own host thread being busy in a model step does not
 matter either (its engine answers).
 
@@ -30,7 +30,7 @@ again.
 Batching rule. ``lookup`` answers a key it has seen before from the request's probe
 cache (True / False, or None while in flight). A key it has not seen joins the request's
 *open batch* and the call returns None. The open batch of a request goes out as ONE
-``submit_lookup`` (one lookup round, one wire message) at the first of:
+``submit_lookup_round`` (one lookup round, one wire message) at the first of:
 
 * a ``lookup`` call for a key of a *different* request (vLLM asks request by request, so
   this closes the batch of the request it has just finished asking about),
@@ -50,8 +50,11 @@ failed is *failed*: every key it asks afterwards misses at once (vLLM then recom
 
 What True means. True: the source held the block when asked and keeps it pinned for its
 lease (``NodeConfig.lease``), so a ``submit_load`` soon after reuses that lookup round.
-``submit_load`` consumes the probe cache for its keys (after the fetch the source may
-evict them; a later ``lookup`` asks again).
+Rounds are per request: every batch is a ``submit_lookup_round`` whose handle the request
+keeps, its loads fetch through its own handles only, and ``on_request_finished`` releases
+its own rounds only, so one request finishing never unpins another request's hits on
+a shared prefix block. ``submit_load`` consumes the probe cache for its keys (after the
+fetch the source may evict them; a later ``lookup`` asks again).
 
 Where blocks land. In the node's :class:`~p2pkv.store.BlockStore` (hand vLLM's CPU
 region to :func:`~p2pkv.start_node` as ``region`` to make that the primary tier); a
@@ -77,7 +80,7 @@ from ..config import NodeConfig
 from ..errors import PeerUnavailable, PortalClosed
 from ..facade import BlockingNode, start_node
 from ..node import Peer
-from ..session.session import FetchResult
+from ..session.session import FetchResult, LookupRound
 
 __all__ = ["JobResult", "LoadJob", "P2PTier", "RequestInfo", "RequestLike", "SourceSpec"]
 
@@ -182,6 +185,7 @@ class _Load:
     job: LoadJob
     keys: list[bytes]
     deadline: float
+    rounds: tuple[LookupRound, ...] = ()  # the request's rounds when it was submitted
 
 
 @attrs.define(eq=False)
@@ -192,6 +196,7 @@ class _Request:
     unsent: list[bytes] = attrs.field(factory=list)  # the open batch
     unsent_since: float = 0.0
     lookups: set[int] = attrs.field(factory=set)  # tickets of batches in flight
+    rounds: list[LookupRound] = attrs.field(factory=list)  # its answered batches
     waiting_loads: list[_Load] = attrs.field(factory=list)  # source still connecting
     failed: str | None = None
 
@@ -285,12 +290,12 @@ class P2PTier:
             self._fail_job(job, keys, st.failed)
             return
         wanted = set(keys)
-        for key in keys:  # the fetch consumes the probes (and closes their rounds)
+        for key in keys:  # the fetch consumes the probes (and uses the request's rounds)
             st.probes.pop(key, None)
         if st.unsent:
             st.unsent = [k for k in st.unsent if k not in wanted]
             self._flush_request(st, now)
-        load = _Load(job, keys, now + self.load_timeout)
+        load = _Load(job, keys, now + self.load_timeout, tuple(st.rounds))
         src = st.source
         if src.peer is not None:
             self._start_load(src.peer, load, now)
@@ -330,14 +335,16 @@ class P2PTier:
     def on_request_finished(self, request: RequestLike) -> None:
         """Forget the request: its open batch is dropped, its lookups in flight are
         ignored, loads still waiting for a connection fail. Loads already submitted
-        still report. Hits it looked up and never loaded are given back to the source at
-        once (``submit_release``) instead of staying pinned there until the lease ends."""
+        still report. The request's own lookup rounds that no load used are given back to
+        the source at once (``submit_release``) instead of staying pinned there until the
+        lease ends; so are the rounds of its lookups still in flight, once they answer.
+        Other requests' rounds are untouched, even where they hold the same keys."""
         st = self._requests.pop(request.request_id, None)
         if st is None:
             return
-        hits = [k for k, hit in st.probes.items() if hit]
-        if hits and st.source is not None and st.source.peer is not None:
-            self._orphans.add(self.node.submit_release(st.source.peer, hits))
+        if st.rounds and st.source is not None and st.source.peer is not None:
+            self._orphans.add(self.node.submit_release(st.source.peer, st.rounds))
+        st.rounds = []
         if self._batching is st:
             self._batching = None
         self._open.pop(st.request_id, None)
@@ -479,7 +486,7 @@ class P2PTier:
         deadline = st.unsent_since + self.lookup_timeout
         keys, st.unsent = st.unsent, []
         self._open.pop(st.request_id, None)
-        ticket = self.node.submit_lookup(src.peer, keys, timeout=max(deadline - now, 0.001))
+        ticket = self.node.submit_lookup_round(src.peer, keys, timeout=max(deadline - now, 0.001))
         self._lookups[ticket] = _Batch(st, keys, deadline)
         st.lookups.add(ticket)
 
@@ -514,8 +521,9 @@ class P2PTier:
             return
         self._lookups.pop(ticket, None)
         st.lookups.discard(ticket)
-        assert isinstance(hits, list)
-        for key, hit in zip(batch.keys, hits, strict=True):
+        assert isinstance(hits, LookupRound)
+        st.rounds.append(hits)
+        for key, hit in zip(batch.keys, hits.hits, strict=True):
             if key in st.probes:  # not consumed by a load meanwhile
                 st.probes[key] = hit
 
@@ -540,7 +548,9 @@ class P2PTier:
     # ---------------------------------------------------------------- loads
 
     def _start_load(self, peer: Peer, load: _Load, now: float) -> None:
-        ticket = self.node.submit_fetch(peer, load.keys, timeout=max(load.deadline - now, 0.001))
+        ticket = self.node.submit_fetch(
+            peer, load.keys, rounds=load.rounds, timeout=max(load.deadline - now, 0.001)
+        )
         self._loads[ticket] = load
 
     def _poll_loads(self, now: float) -> None:
@@ -575,11 +585,15 @@ class P2PTier:
         self._finished.append(JobResult(job.job_id, False, [], dict.fromkeys(keys, reason)))
 
     def _poll_orphans(self) -> None:
-        """Read (and drop) outcomes nobody waits for, so the node's board stays small."""
+        """Read (and drop) outcomes nobody waits for, so the node's board stays small. A
+        lookup whose request is gone answered with rounds nobody will fetch: release them."""
         for ticket in list(self._orphans):
             try:
-                if self.node.poll(ticket) is None:
+                outcome = self.node.poll(ticket)
+                if outcome is None:
                     continue
+                if isinstance(outcome, LookupRound) and any(outcome.hits):
+                    self._orphans.add(self.node.submit_release(outcome.peer_id, outcome))
             except Exception:  # its failure (or KeyError: read elsewhere) is nobody's concern
                 pass
             self._orphans.discard(ticket)

@@ -2,37 +2,71 @@
 
 Theory of operation
 -------------------
-``lookup`` opens a round (the producer pins its hits for a lease) and keeps it open so a
-``fetch`` soon after reuses it; rounds nobody fetched are closed with an empty fetch at
-0.9 x lease. ``fetch`` reserves destination slots, names them in the ``fetch`` message and
+Rounds. ``lookup`` opens one round per request it sends (the producer pins the hits for a
+lease) and keeps it open so that a ``fetch`` soon after reuses it; rounds nobody fetched
+are closed with an empty fetch at 0.9 x lease. A round opened through a
+:class:`LookupRound` handle is *held*: only a fetch or a release that names the handle
+uses or closes it, so one request finishing never unpins another request's hits
+(release is per round, never per key). Plain ``lookup`` rounds are anonymous: any fetch
+may use them.
+
+One round, one fetch. A fetch *claims* every round it uses by taking it out of the open
+rounds, in the same step in which it found it (no checkpoint in between), so no two
+fetches ever send on one round. Keys a round holds that its claimant does not fetch are
+looked up again by whoever needs them.
+
+One key, one transfer. A fetch registers the keys it brings in (its claim) before its
+first checkpoint. A concurrent fetch of one of those keys does not fetch it again: it
+waits for the claim and reports that fetch's outcome for the key (loaded only if that
+fetch committed it).
+
+Landing. ``fetch`` reserves destination slots, names them in the ``fetch`` message and
 waits for ``transfer_done``; only keys reported OK (and, with checksums on, whose landed
 bytes match the producer's CRC32) are committed to the store. Every other key is a
-per-key failure with a reason: ``fetch`` never raises for those. A fetch that ends without
-``transfer_done`` (deadline, cancellation, the session dying) quarantines its slots, since
-writes may still land; the producer's ``abort_ack`` frees them early.
+per-key failure with a reason: ``fetch`` never raises for those, and every reservation
+ends committed, released or quarantined, whatever happens to the caller.
+
+Quarantine (DESIGN invariant 10). A fetch that ends without ``transfer_done`` (deadline,
+cancellation, the session dying) aborts its request and quarantines its slots, since the
+producer may still be writing into them. The producer writes into *our* memory, so our
+data plane cannot see its writes stop: the slots stay quarantined until a deadline,
+``quarantine`` seconds after we gave up, which the config keeps past the producer's abort
+deadline plus the time a released write may still land. The producer's ``abort_ack`` only
+ends the request (its request slot is free again); it never frees a slot.
+
+Our own limits. Keys and requests are checked against the limits (:meth:`_limits`) before
+anything is sent: ``lookup`` raises :class:`~p2pkv.errors.LocalProtocolError` for a bad key,
+``fetch`` reports it as a per-key failure, and requests over the key or frame cap are
+split into several rounds.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import logging
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
-from ..errors import P2PKVError, P2PKVTimeout, SessionClosed, StoreFull
-from ..wire import Outcome
+from ..errors import LocalProtocolError, P2PKVError, P2PKVTimeout, SessionClosed, StoreFull
+from ..wire import MAX_FRAME_SIZE, MAX_KEY_LEN, MAX_KEYS, Outcome
 from ._parts import SessionParts
 from .producer import checksums
 from .protocol import (
     AbortAcknowledged,
     LookupAnswered,
+    OutState,
     TransferCompleted,
 )
 
-if TYPE_CHECKING:
-    pass
+log = logging.getLogger("p2pkv.session")
+
+#: Bytes a key may cost in a lookup or fetch frame beyond its own length (msgpack header
+#: of the key, a destination slot index), and what a frame needs besides its keys.
+KEY_OVERHEAD = 16
+FRAME_OVERHEAD = 4096
 
 
 @attrs.define(eq=False)
@@ -44,9 +78,55 @@ class FetchResult:
     failed: dict[bytes, str] = attrs.field(factory=dict)
 
 
+@attrs.frozen(eq=False)
+class LookupRound:
+    """A handle on the lookup round(s) of one :meth:`~p2pkv.node.Node.lookup_round`.
+
+    ``hits`` holds one flag per key asked. While the handle is held, its rounds and the
+    producer's pins for their hits belong to its holder: only a fetch or a release that
+    names it uses or closes them. The rest is opaque: the session that opened the
+    rounds and their request ids (a request larger than the key cap is several rounds).
+    """
+
+    peer_id: str
+    hits: list[bool]
+    session_token: object = attrs.field(repr=False)
+    req_ids: tuple[int, ...] = attrs.field(repr=False)
+
+
+@attrs.frozen
+class RequestLimits:
+    """What one request may hold: keys, bytes per key, and key bytes per frame."""
+
+    max_keys: int
+    max_key_len: int
+    max_bytes: int
+
+
+def request_chunks(keys: Sequence[bytes], *, max_keys: int, max_bytes: int) -> list[list[bytes]]:
+    """``keys`` in order, cut into requests of at most ``max_keys`` keys whose keys cost at
+    most ``max_bytes`` (each key its length plus :data:`KEY_OVERHEAD`)."""
+    if len(keys) <= max_keys and len(keys) * (MAX_KEY_LEN + KEY_OVERHEAD) <= max_bytes:
+        return [list(keys)] if keys else []  # the usual case: no key can overflow a frame
+    chunks: list[list[bytes]] = []
+    cur: list[bytes] = []
+    size = 0
+    for k in keys:
+        cost = len(k) + KEY_OVERHEAD
+        if cur and (len(cur) >= max_keys or size + cost > max_bytes):
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(k)
+        size += cost
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
 @attrs.define(eq=False)
 class _Pending:
-    """A consumer request waiting for the peer."""
+    """A consumer request waiting for the peer. Exactly one task (the lookup, then the
+    fetch that claimed the round) waits on it at a time."""
 
     req_id: int
     event: trio.Event = attrs.field(factory=trio.Event)
@@ -67,6 +147,15 @@ class _Round:
     req_id: int
     hits: set[bytes]
     deadline: float
+    held: bool = False  # a LookupRound handle names it: only its holder may use it
+
+
+@attrs.define(eq=False)
+class _Claim:
+    """The keys one fetch is bringing in: key -> None once committed, else why not."""
+
+    done: trio.Event = attrs.field(factory=trio.Event)
+    outcome: dict[bytes, str | None] = attrs.field(factory=dict)
 
 
 class ConsumerSide(SessionParts):
@@ -76,6 +165,9 @@ class ConsumerSide(SessionParts):
         _requests: trio.Semaphore
         _pending: dict[int, _Pending]
         _rounds: dict[int, _Round]
+        _fetching: dict[bytes, _Claim]
+
+    # --- events from the peer -------------------------------------------------------------
 
     def _on_answer(self, ev: LookupAnswered) -> None:
         p = self._pending.get(ev.req_id)
@@ -91,16 +183,50 @@ class ConsumerSide(SessionParts):
         self._request_ended(ev.req_id)
 
     def _on_abort_ack(self, ev: AbortAcknowledged) -> None:
-        p = self._pending.get(ev.req_id)
-        if p is not None and p.slots:
-            # The producer drained its writes: the quarantined slots are quiescent.
-            self.node.store.unquarantine(p.slots)
-            p.slots = []
+        # The request is over, so its request slot is free. Its slots stay quarantined:
+        # the peer's word never frees them, only their deadline does (invariant 10).
         self._request_ended(ev.req_id)
 
     def _request_ended(self, req: int) -> None:
         if self._pending.pop(req, None) is not None:
             self._requests.release()
+
+    # --- limits ---------------------------------------------------------------------------
+
+    def _limits(self) -> RequestLimits:
+        """What one of our requests may hold (never more than the wire allows)."""
+        cfg = self.cfg
+        frame = min(cfg.max_frame_size, MAX_FRAME_SIZE)
+        return RequestLimits(
+            max_keys=min(cfg.max_keys_per_request, MAX_KEYS),
+            max_key_len=min(cfg.max_key_len, MAX_KEY_LEN),
+            max_bytes=max(frame - FRAME_OVERHEAD, MAX_KEY_LEN + KEY_OVERHEAD),
+        )
+
+    def _chunks(self, keys: Sequence[bytes]) -> list[list[bytes]]:
+        lim = self._limits()
+        return request_chunks(keys, max_keys=lim.max_keys, max_bytes=lim.max_bytes)
+
+    @staticmethod
+    def _key_problem(key: object, max_len: int) -> str | None:
+        if type(key) is not bytes:
+            return "key is not bytes"
+        if not key:
+            return "empty key"
+        if len(key) > max_len:
+            return "key too long"
+        return None
+
+    def _check_keys(self, keys: Sequence[bytes], op: str) -> None:
+        max_len = self._limits().max_key_len
+        for i, k in enumerate(keys):
+            problem = self._key_problem(k, max_len)
+            if problem is not None:
+                raise LocalProtocolError(
+                    f"key {i}: {problem} (keys are 1..{max_len} bytes)", peer=self.peer_id, op=op
+                )
+
+    # --- lookup ---------------------------------------------------------------------------
 
     def _check_usable(self, op: str) -> None:
         if not self.alive:
@@ -110,9 +236,50 @@ class ConsumerSide(SessionParts):
                 "session is not ready (handshake in progress)", peer=self.peer_id, op=op
             )
 
-    async def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[bool]]:
-        """One lookup round. The round stays open (the producer pins the hits for a lease)
-        until :meth:`fetch` uses it or the lease runs out."""
+    async def lookup(self, keys: Sequence[bytes], *, held: bool = False) -> LookupRound:
+        """Which ``keys`` the peer holds; the rounds stay open (the producer pins the hits
+        for a lease) until a fetch uses them, a release closes them or the lease runs out.
+
+        ``held``: the rounds belong to the returned handle's holder (see
+        :class:`LookupRound`); otherwise any fetch may use them. A request over the key
+        cap is sent as several rounds. Raises :class:`LocalProtocolError` for a key we
+        could not send, before anything is sent."""
+        keys = list(keys)
+        self._check_keys(keys, "lookup")
+        answered: list[_Round] = []
+        hits: list[bool] = []
+        try:
+            for chunk in self._chunks(keys):
+                req, chunk_hits = await self._lookup_round(chunk)
+                hits.extend(chunk_hits)
+                answered.append(
+                    _Round(
+                        req,
+                        {k for k, h in zip(chunk, chunk_hits, strict=True) if h},
+                        trio.current_time() + self.cfg.lease * 0.9,
+                        held=held,
+                    )
+                )
+        except BaseException:
+            for rnd in answered:  # a partial answer is no answer: give the pins back
+                self._close_round(rnd.req_id)
+            self._flush_soon()
+            raise
+        # Published together, with no checkpoint since the last answer. A round without
+        # hits pins nothing and no fetch could use it: it is closed at once.
+        for rnd in answered:
+            if rnd.hits:
+                self._rounds[rnd.req_id] = rnd
+            else:
+                self._close_round(rnd.req_id)
+        if any(not rnd.hits for rnd in answered):
+            self._flush_soon()
+        self._wake_lease.set()
+        return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in answered))
+
+    async def _lookup_round(self, keys: list[bytes]) -> tuple[int, list[bool]]:
+        """One lookup request (keys already checked and within the limits). The round is
+        the caller's: it is not among the open rounds until the caller puts it there."""
         self._check_usable("lookup")
         try:  # waiting for a request slot is part of the lookup's deadline
             with trio.fail_after(self.cfg.lookup_timeout):
@@ -125,13 +292,14 @@ class ConsumerSide(SessionParts):
                 op="lookup",
             ) from None
         try:
+            self._check_usable("lookup")
             req = self.proto.send_lookup(keys)
         except BaseException:
             self._requests.release()
             raise
         p = self._pending[req] = _Pending(req)
-        await self._flush()
         try:
+            await self._flush()
             with trio.fail_after(self.cfg.lookup_timeout):
                 await p.event.wait()
         except trio.TooSlowError:
@@ -143,16 +311,10 @@ class ConsumerSide(SessionParts):
         if p.error is not None:
             raise p.error
         hits: list[bool] = p.result.hits
-        self._rounds[req] = _Round(
-            req,
-            {k for k, h in zip(keys, hits, strict=True) if h},
-            trio.current_time() + self.cfg.lease * 0.9,
-        )
-        self._wake_lease.set()
         return req, hits
 
     def _abort(self, p: _Pending) -> None:
-        """Give up on a request; the slots it named stay quarantined until the abort_ack."""
+        """Give up on a request; it ends with the peer's abort_ack."""
         self._rounds.pop(p.req_id, None)
         if p.aborted or self.proto.out_state(p.req_id) is None:
             return
@@ -169,106 +331,198 @@ class ConsumerSide(SessionParts):
             with contextlib.suppress(RuntimeError):
                 self._nursery.start_soon(self._flush)
 
-    async def release(self, keys: Sequence[bytes] | None = None) -> int:
-        """Close open lookup rounds that hold any of ``keys`` (all rounds if ``None``) without
-        fetching: the producer releases their pins now instead of at the lease's end.
-        Returns how many rounds were closed."""
-        wanted = None if keys is None else set(keys)
-        rounds = [
-            r.req_id
-            for r in self._rounds.values()
-            if wanted is None or not wanted.isdisjoint(r.hits)
-        ]
-        for req in rounds:
-            self._close_round(req)
-        await self._flush()
-        return len(rounds)
+    # --- release --------------------------------------------------------------------------
+
+    async def release(self, rounds: Iterable[LookupRound]) -> int:
+        """Close the open rounds of ``rounds`` without fetching: the producer releases
+        their pins now instead of at the lease's end. Rounds a fetch already used (or
+        that ended otherwise), and handles of another session, are skipped. Returns how
+        many rounds were closed."""
+        closed = 0
+        for handle in rounds:
+            if handle.session_token is not self.token:
+                continue
+            for req in handle.req_ids:
+                if req in self._rounds:
+                    self._close_round(req)
+                    closed += 1
+        if closed:
+            await self._flush()
+        return closed
 
     def _close_round(self, req: int) -> None:
         """Close a round nobody fetched (empty fetch): the producer releases its pins."""
         self._rounds.pop(req, None)
-        if self.alive and self.proto.out_state(req) is not None:
+        if self.alive and self.proto.out_state(req) is OutState.OPEN:
             self.proto.send_fetch(req, [], [])
             self._request_ended(req)
 
-    async def fetch(self, keys: Sequence[bytes]) -> FetchResult:
-        """Fetch ``keys`` into the local store, reusing open lookup rounds where they cover
-        a key and looking the rest up first. Never raises for per-key failures."""
-        result = FetchResult()
-        wanted = list(dict.fromkeys(keys))
-        store = self.node.store
-        here = store.present(wanted)
-        todo = [k for k, h in zip(wanted, here, strict=True) if not h]
-        result.loaded.extend(k for k, h in zip(wanted, here, strict=True) if h)
-        groups: dict[int, list[bytes]] = {}
-        uncovered: list[bytes] = []
-        for key in todo:
-            rnd = next((r for r in self._rounds.values() if key in r.hits), None)
-            if rnd is None:
-                uncovered.append(key)
-            else:
-                groups.setdefault(rnd.req_id, []).append(key)
+    # --- fetch ----------------------------------------------------------------------------
+
+    async def fetch(self, keys: Sequence[bytes], rounds: Iterable[LookupRound] = ()) -> FetchResult:
+        """Fetch ``keys`` into the local store. Uses the open rounds of the handles in
+        ``rounds`` and the anonymous open rounds where they hold a key, waits for keys
+        another fetch is bringing in right now, and looks the rest up first. Never raises
+        for per-key failures (:class:`LocalProtocolError` only for an unhashable key)."""
         try:
-            if uncovered:
-                req, hits = await self.lookup(uncovered)
-                groups[req] = [k for k, h in zip(uncovered, hits, strict=True) if h]
-                result.failed.update(
-                    (k, "miss") for k, h in zip(uncovered, hits, strict=True) if not h
-                )
-        except P2PKVError as exc:
-            for k in uncovered:
-                result.failed[k] = f"lookup failed: {exc}"
-        async with trio.open_nursery() as nursery:
-            for req, ks in groups.items():
-                nursery.start_soon(self._fetch_round, req, ks, result)
+            wanted = list(dict.fromkeys(keys))
+        except TypeError:
+            raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
+        outcome: dict[bytes, str | None] = {}
+        max_len = self._limits().max_key_len
+        valid = [k for k in wanted if type(k) is bytes and 0 < len(k) <= max_len]
+        if len(valid) < len(wanted):
+            for k in wanted:
+                problem = self._key_problem(k, max_len)
+                if problem is not None:
+                    outcome[k] = problem
+        store = self.node.store
+        mine: list[bytes] = []
+        shared: dict[_Claim, list[bytes]] = {}
+        for k, here in zip(valid, store.present(valid), strict=True):
+            if here:
+                outcome[k] = None
+            elif (other := self._fetching.get(k)) is not None:
+                shared.setdefault(other, []).append(k)
+            else:
+                mine.append(k)
+        # From here to the first checkpoint: claim the keys and the rounds.
+        claim = _Claim()
+        for k in mine:
+            self._fetching[k] = claim
+        try:
+            groups, uncovered = self._claim_rounds(mine, rounds)
+            async with trio.open_nursery() as nursery:
+                for req, ks in groups.items():
+                    nursery.start_soon(self._fetch_round, req, ks, claim.outcome)
+                for chunk in self._chunks(uncovered):
+                    nursery.start_soon(self._lookup_and_fetch, chunk, claim.outcome)
+        finally:
+            for k in mine:
+                claim.outcome.setdefault(k, "cancelled")
+                if self._fetching.get(k) is claim:
+                    del self._fetching[k]
+            claim.done.set()
+        outcome.update(claim.outcome)
+        for other, ks in shared.items():
+            await other.done.wait()  # bounded: that fetch has its own deadlines
+            for k in ks:
+                outcome[k] = other.outcome.get(k, "cancelled")
+        result = FetchResult()
+        for k in wanted:
+            why = outcome[k]
+            if why is None:
+                result.loaded.append(k)
+            else:
+                result.failed[k] = why
         return result
 
-    async def _fetch_round(self, req: int, keys: list[bytes], result: FetchResult) -> None:
-        self._rounds.pop(req, None)
-        p = self._pending.get(req)
-        if p is None or not self.alive or self.proto.out_state(req) is None:
-            result.failed.update((k, "session closed") for k in keys)
-            return
-        store, owner = self.node.store, (self.token, "dst", req)
+    def _claim_rounds(
+        self, keys: list[bytes], handles: Iterable[LookupRound]
+    ) -> tuple[dict[int, list[bytes]], list[bytes]]:
+        """Take the open rounds that hold ``keys`` out of the open rounds (sync: nobody
+        else can claim them meanwhile). The handles' rounds first, then anonymous ones;
+        another holder's rounds never. Returns (request id -> keys, keys no round holds)."""
+        named = [req for h in handles if h.session_token is self.token for req in h.req_ids]
+        candidates = [self._rounds[r] for r in named if r in self._rounds]
+        candidates += [r for r in self._rounds.values() if not r.held]
+        left = set(keys)
+        owner: dict[bytes, int] = {}
+        for rnd in candidates:
+            if not left:
+                break
+            for k in left & rnd.hits:
+                owner[k] = rnd.req_id
+            left -= rnd.hits
+        groups: dict[int, list[bytes]] = {}
+        uncovered: list[bytes] = []
+        for k in keys:
+            req = owner.get(k)
+            if req is None:
+                uncovered.append(k)
+            else:
+                groups.setdefault(req, []).append(k)
+        for req in groups:
+            del self._rounds[req]
+        return groups, uncovered
+
+    async def _lookup_and_fetch(self, keys: list[bytes], outcome: dict[bytes, str | None]) -> None:
         try:
-            slots = store.reserve(owner, len(keys)) if keys else []
-        except StoreFull as exc:
-            self._close_round(req)
-            result.failed.update((k, f"store full: {exc}") for k in keys)
+            req, hits = await self._lookup_round(keys)
+        except P2PKVError as exc:
+            outcome.update((k, f"lookup failed: {exc}") for k in keys)
+            return
+        outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
+        # No checkpoint since the answer: the round is still this fetch's alone.
+        await self._fetch_round(req, [k for k, h in zip(keys, hits, strict=True) if h], outcome)
+
+    async def _fetch_round(
+        self, req: int, keys: list[bytes], outcome: dict[bytes, str | None]
+    ) -> None:
+        """Fetch ``keys`` on the round ``req`` this task has claimed; an empty ``keys``
+        closes the round."""
+        p = self._pending.get(req)
+        if p is None or p.error is not None or not self.alive:
+            reason = str(p.error) if p is not None and p.error is not None else "session closed"
+            outcome.update((k, reason) for k in keys)
+            return
+        if self.proto.out_state(req) is not OutState.OPEN:  # e.g. the peer restarted
+            outcome.update((k, "round closed") for k in keys)
             return
         if not keys:
             self._close_round(req)
             await self._flush()
             return
+        store, owner = self.node.store, (self.token, "dst", req)
+        try:
+            slots = store.reserve(owner, len(keys))
+        except StoreFull as exc:
+            self._close_round(req)
+            outcome.update((k, f"store full: {exc}") for k in keys)
+            await self._flush()
+            return
+        try:
+            self.proto.send_fetch(req, keys, slots)
+        except LocalProtocolError as exc:  # pragma: no cover - checked above; never leak
+            log.warning("fetch on round %d refused locally: %s", req, exc)
+            store.release_reserved(owner, slots)
+            outcome.update((k, f"refused locally: {exc.message}") for k in keys)
+            return
         p.arm()
         p.slots = slots
-        self.proto.send_fetch(req, keys, slots)
         self.node.poller.add_demand()
         try:
             await self._flush()
             with trio.fail_after(self.cfg.fetch_timeout):
                 await p.event.wait()
         except trio.TooSlowError:
-            self._give_up(p, owner, keys, result, "timeout")
+            self._give_up(p, owner, keys, outcome, "timeout")
             return
         except BaseException:
-            self._give_up(p, owner, keys, result, "cancelled")
+            self._give_up(p, owner, keys, outcome, "cancelled")
             raise
         finally:
             self.node.poller.drop_demand()
         if p.error is not None:
-            self._give_up(p, owner, keys, result, str(p.error))
+            self._give_up(p, owner, keys, outcome, str(p.error))
             return
-        await self._land(p, owner, keys, p.result, result)
+        await self._land(p, owner, keys, p.result, outcome)
 
     def _give_up(
-        self, p: _Pending, owner: object, keys: list[bytes], result: FetchResult, reason: str
+        self,
+        p: _Pending,
+        owner: object,
+        keys: list[bytes],
+        outcome: dict[bytes, str | None],
+        reason: str,
     ) -> None:
-        """The writes into ``p.slots`` are unsettled: quarantine them, abort the request."""
+        """The writes into ``p.slots`` are unsettled: quarantine them until the deadline
+        (see the module docstring), abort the request."""
         self.node.store.quarantine(owner, p.slots, until=trio.current_time() + self.cfg.quarantine)
+        p.slots = []
         self.node.wake_quarantine()
         self._abort(p)
-        result.failed.update((k, reason) for k in keys)
+        outcome.update((k, reason) for k in keys)
 
     async def _land(
         self,
@@ -276,26 +530,34 @@ class ConsumerSide(SessionParts):
         owner: object,
         keys: list[bytes],
         done: TransferCompleted,
-        result: FetchResult,
+        outcome: dict[bytes, str | None],
     ) -> None:
+        """``transfer_done`` is in, so every write has settled: commit the good keys,
+        free the other slots. If cancelled while checking, every slot is freed."""
         store, bl = self.node.store, self.cfg.block_len
         ok = [i for i, o in enumerate(done.outcomes) if o == Outcome.OK]
         good = set(ok)
         reason_bad = ""
-        if self.cfg.verify_checksums:
-            if done.checksums is None:
-                good = set()
-                reason_bad = "producer sent no checksums"
-            else:
-                local = await self.node.offload(
-                    checksums,
-                    store.array.data,
-                    bl,
-                    [p.slots[i] for i in ok],
-                    limiter=self.node.cpu_limiter,
-                )
-                good = {i for i, c in zip(ok, local, strict=True) if c == done.checksums[i]}
-                reason_bad = "checksum mismatch"
+        try:
+            if self.cfg.verify_checksums:
+                if done.checksums is None:
+                    good = set()
+                    reason_bad = "producer sent no checksums"
+                else:
+                    local = await self.node.offload(
+                        checksums,
+                        store.array.data,
+                        bl,
+                        [p.slots[i] for i in ok],
+                        limiter=self.node.cpu_limiter,
+                    )
+                    good = {i for i, c in zip(ok, local, strict=True) if c == done.checksums[i]}
+                    reason_bad = "checksum mismatch"
+        except BaseException:
+            store.release_reserved(owner, p.slots)
+            p.slots = []
+            outcome.update((k, "cancelled") for k in keys)
+            raise
         release: list[int] = []
         commit_slots: list[int] = []
         commit_keys: list[bytes] = []
@@ -306,8 +568,8 @@ class ConsumerSide(SessionParts):
             else:
                 release.append(slot)
                 o = done.outcomes[i]
-                result.failed[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
+                outcome[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
         store.commit_many(owner, commit_slots, commit_keys)
-        result.loaded.extend(commit_keys)
+        outcome.update((k, None) for k in commit_keys)
         store.release_reserved(owner, release)
         p.slots = []

@@ -739,11 +739,27 @@ class SessionProtocol:
 
     # --- consumer calls -------------------------------------------------------------------
 
+    def _check_own_keys(self, keys: Sequence[bytes], op: str) -> None:
+        """Our own limits, before anything is sent: the peer would close the session."""
+        li = self.local
+        if len(keys) > li.max_keys_per_request:
+            raise LocalProtocolError(
+                f"{len(keys)} keys in one request (cap {li.max_keys_per_request})",
+                peer=self.peer_id,
+                op=op,
+            )
+        for k in keys:
+            if type(k) is not bytes or not 0 < len(k) <= li.max_key_len:
+                raise LocalProtocolError(
+                    f"every key must be bytes of 1..{li.max_key_len}", peer=self.peer_id, op=op
+                )
+
     def send_lookup(self, keys: Sequence[bytes]) -> int:
         """Start a lookup round; returns its request id."""
         self._require_open("send_lookup")
         if len(self._out) >= self.local.max_open_requests:
             raise CapacityExceeded("too many open requests", peer=self.peer_id, op="lookup")
+        self._check_own_keys(keys, "lookup")
         msg = Lookup(req_id=self._next_req_id, keys=list(keys))  # validates
         self._next_req_id += 1
         self._out[msg.req_id] = _OutReq(OutState.LOOKUP_SENT, len(msg.keys))
@@ -759,6 +775,9 @@ class SessionProtocol:
             r is not None and r.state is OutState.OPEN, f"send_fetch for request {req_id}"
         )
         assert r is not None
+        self._check_own_keys(keys, "fetch")
+        if len(slots) != len(keys):
+            raise LocalProtocolError("fetch: keys and slots differ in length")
         if any(not 0 <= s < self.local.num_blocks for s in slots):
             raise LocalProtocolError("fetch slot outside our region")
         if len(set(slots)) != len(slots):  # FIX: the peer rejects this as a protocol error

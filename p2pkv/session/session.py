@@ -53,7 +53,7 @@ from ..errors import (
 )
 from ..transport.base import RegionLayout, RemotePeer
 from ..wire import Hello
-from .consumer import ConsumerSide, FetchResult, _Pending, _Round
+from .consumer import ConsumerSide, FetchResult, LookupRound, _Claim, _Pending, _Round
 from .producer import HeldRound, ProducerSide
 from .protocol import (
     AbortAcknowledged,
@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from ..node import Node
     from ..registrar import RegistrationJob
 
-__all__ = ["FetchResult", "PeerSession"]
+__all__ = ["FetchResult", "LookupRound", "PeerSession"]
 
 log = logging.getLogger("p2pkv.session")
 RECEIVE_SIZE = 1 << 16
@@ -127,6 +127,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
+        self._fetching: dict[bytes, _Claim] = {}  # keys a fetch of ours is bringing in
         self._pinned: dict[int, HeldRound] = {}  # producer round -> what it holds
         self._writes: dict[int, trio.CancelScope] = {}
         self._write_done: dict[int, trio.Event] = {}

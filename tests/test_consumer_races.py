@@ -1,0 +1,701 @@
+"""The consumer under concurrency, hostile producers and its own limits.
+
+Two nodes in one process (in-process transport, real TCP control) unless a test needs a
+hand-driven producer (:class:`~tests.helpers.RawPeer`). Every test ends by checking the
+store: a loaded key holds the producer's bytes, and no slot is left reserved.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pkv import (
+    BlockingNode,
+    FetchResult,
+    LocalProtocolError,
+    LookupRound,
+    Node,
+    NodeConfig,
+    P2PKVError,
+    open_node,
+)
+from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo
+from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested, OutState
+from p2pkv.wire import MAX_FRAME_SIZE
+
+from .helpers import (
+    FaultFactory,
+    RawPeer,
+    VirtualOffload,
+    config,
+    fill,
+    inline_offload,
+    wait_for,
+)
+from .protocol_helpers import make_info, ready_pair, snapshot
+
+BLOCK = 4096
+BOUND = 20.0  # seconds: "this did not hang", never an expected duration
+
+
+@asynccontextmanager
+async def pair(
+    src_kw: dict[str, Any] | None = None,
+    dst_kw: dict[str, Any] | None = None,
+    *,
+    src_transport: FaultFactory | None = None,
+    virtual: bool = False,
+) -> AsyncIterator[tuple[Node, Node]]:
+    """A producer ``src`` and a consumer ``dst``; with ``virtual``, blocking data-plane work
+    runs inline on Trio's clock (for the autojump clock)."""
+    offload = VirtualOffload() if virtual else None
+    async with (
+        open_node(config("src", **(src_kw or {})), transport=src_transport, offload=offload) as src,
+        open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
+    ):
+        yield src, dst
+
+
+def dirty(store: Any, n: int) -> None:
+    """Fill ``n`` slots with junk and free them again, so that a slot reserved later holds
+    bytes that are nobody's block: a slot reported loaded but never written shows."""
+    for k in fill(store, n, BLOCK):
+        store.evict(k)
+
+
+def assert_loaded_bytes(dst: Node, src: Node, result: FetchResult) -> None:
+    for k in result.loaded:
+        got, want = dst.store.get(k), src.store.get(k)
+        assert got is not None and want is not None
+        assert bytes(got) == bytes(want), "a key reported loaded holds other bytes"
+
+
+def assert_settled(*nodes: Node) -> None:
+    for n in nodes:
+        st = n.statistics()
+        assert st.reserved_slots == 0, f"{n.config.peer_id} leaked reservations"
+
+
+async def wait_unpinned(src: Node) -> None:
+    with trio.fail_after(BOUND):
+        while src.statistics().pinned_slots:
+            await trio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- item 1: one round, one fetch
+
+
+async def test_two_fetches_of_one_open_round_load_only_the_producers_bytes() -> None:
+    """Two vLLM requests share a prefix: both fetch out of one lookup round, in one step."""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            dirty(dst.store, dst.config.num_blocks)
+            keys = fill(src.store, 8, BLOCK)
+            peer = await dst.connect(src.address)
+            assert await dst.lookup(peer, keys) == [True] * 8
+            results: dict[str, FetchResult] = {}
+
+            async def fetch(name: str, ks: list[bytes]) -> None:
+                results[name] = await dst.fetch(peer, ks)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, "a", keys[:4])
+                nursery.start_soon(fetch, "b", keys[4:])  # same length: no zip error to hide it
+            for name, ks in (("a", keys[:4]), ("b", keys[4:])):
+                r = results[name]
+                assert sorted(r.loaded) == sorted(ks), r.failed
+                assert_loaded_bytes(dst, src, r)
+            assert_settled(dst)
+            await wait_unpinned(src)
+
+
+def counting_writes(written: list[int]) -> FaultFactory:
+    """A producer transport that records the source slot of every block it writes."""
+
+    def configure(t: Any) -> None:
+        post = t.post_write
+
+        def counted(peer: Any, local: Sequence[int], remote: Sequence[int]) -> Any:
+            written.extend(local)
+            return post(peer, local, remote)
+
+        t.post_write = counted
+
+    return FaultFactory(configure)
+
+
+async def test_a_second_fetch_of_keys_in_flight_shares_the_first_ones_transfer() -> None:
+    written: list[int] = []
+    factory = counting_writes(written)
+    with trio.fail_after(BOUND):
+        async with pair(src_transport=factory) as (src, dst):
+            keys = fill(src.store, 6, BLOCK)
+            peer = await dst.connect(src.address)
+            results: list[FetchResult] = []
+
+            async def fetch(ks: list[bytes]) -> None:
+                results.append(await dst.fetch(peer, ks))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, keys)
+                nursery.start_soon(fetch, keys[2:])  # overlaps the first one
+            assert sorted(len(r.loaded) for r in results) == [4, 6]
+            for r in results:
+                assert not r.failed
+                assert_loaded_bytes(dst, src, r)
+            assert sorted(written) == sorted(set(written)) and len(written) == 6  # once each
+            assert_settled(dst)
+            await wait_unpinned(src)
+
+
+async def test_a_fetch_sharing_a_failed_fetch_reports_the_failure_not_a_load(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    written: list[int] = []
+    hanging = counting_writes(written)
+    async with pair(
+        {"abort_timeout": 1.0}, {"fetch_timeout": 4.0}, src_transport=hanging, virtual=True
+    ) as (src, dst):
+        hanging.transport.hang = True
+        keys = fill(src.store, 4, BLOCK)
+        peer = await dst.connect(src.address)
+        results: list[FetchResult] = []
+
+        async def fetch(ks: list[bytes]) -> None:
+            results.append(await dst.fetch(peer, ks))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch, keys)
+            nursery.start_soon(fetch, keys[:2])
+        assert [r.loaded for r in results] == [[], []]
+        assert {k for r in results for k in r.failed} == set(keys)
+        assert {v for r in results for v in r.failed.values()} == {"timeout"}
+        assert all(k not in dst.store for k in keys)
+        assert len(written) == 4  # the shared keys were asked for once
+        assert_settled(dst)
+
+
+async def test_a_round_claimed_by_another_fetch_is_looked_up_again_for_the_keys_it_skips() -> None:
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 4, BLOCK)
+            peer = await dst.connect(src.address)
+            await dst.lookup(peer, keys)  # one round holds all four
+            results: list[FetchResult] = []
+
+            async def fetch(ks: list[bytes]) -> None:
+                results.append(await dst.fetch(peer, ks))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, keys[:1])
+                nursery.start_soon(fetch, keys[1:])
+            assert sorted(k for r in results for k in r.loaded) == sorted(keys)
+            for r in results:
+                assert not r.failed
+                assert_loaded_bytes(dst, src, r)
+            assert_settled(dst)
+            await wait_unpinned(src)
+
+
+async def test_many_concurrent_fetches_lookups_and_releases_keep_every_guarantee() -> None:
+    """Waves of concurrent plain lookups, fetches (with and without a held round) and
+    releases racing fetches of the same round; the consumer evicts between waves."""
+    rng = random.Random(7)
+    with trio.fail_after(60):
+        async with pair(dst_kw={"num_blocks": 1024}) as (src, dst):
+            dirty(dst.store, 1024)
+            keys = fill(src.store, 48, BLOCK) + [os.urandom(32) for _ in range(8)]  # 8 misses
+            present = set(keys[:48])
+            peer = await dst.connect(src.address)
+
+            async def one(i: int, results: list[FetchResult]) -> None:
+                ks = rng.sample(keys, rng.randint(1, 12))
+                match i % 4:
+                    case 0:
+                        await dst.lookup(peer, ks)
+                    case 1:
+                        rnd = await dst.lookup_round(peer, ks)
+                        results.append(await dst.fetch(peer, ks, rounds=rnd))
+                        await dst.release(peer, rnd)  # whatever its fetch did not use
+                    case 2:
+                        rnd = await dst.lookup_round(peer, ks)
+                        async with trio.open_nursery() as n:  # a fetch and a release race
+                            n.start_soon(dst.release, peer, rnd)
+                            n.start_soon(fetch_into, ks, rnd, results)
+                    case _:
+                        results.append(await dst.fetch(peer, ks))
+
+            async def fetch_into(
+                ks: list[bytes], rnd: LookupRound, results: list[FetchResult]
+            ) -> None:
+                results.append(await dst.fetch(peer, ks, rounds=rnd))
+
+            for _wave in range(4):
+                results: list[FetchResult] = []
+                async with trio.open_nursery() as nursery:
+                    for i in range(20):
+                        nursery.start_soon(one, i, results)
+                assert len(results) == 15
+                for r in results:
+                    assert_loaded_bytes(dst, src, r)
+                    # A key the producer holds is never a miss, nor a missing key loaded.
+                    assert all(k not in present for k, why in r.failed.items() if why == "miss")
+                    assert all(k in present for k in r.loaded)
+                assert_settled(dst)
+                for k in rng.sample(keys, 16):  # the consumer evicts: keys come back by fetch
+                    dst.store.evict(k)
+            assert await dst.release(peer, []) == 0  # harmless
+            # Plain lookups' rounds are left: each fetch of every key uses (and closes) at
+            # least one round per key, so a few rounds of fetches close them all.
+            for _ in range(40):
+                if not src.statistics().pinned_slots:
+                    break
+                for k in keys:
+                    dst.store.evict(k)
+                last = await dst.fetch(peer, keys)
+                assert sorted(last.loaded) == sorted(present)
+                assert_loaded_bytes(dst, src, last)
+            await wait_unpinned(src)
+            assert_settled(dst)
+            assert dst.statistics().peers == 1 and src.statistics().peers == 1
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["lookup", "fetch", "held_fetch", "held_fetch_vs_release", "evict"]),
+        st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=15, deadline=None)
+@given(ops=_OPS)
+async def test_random_concurrent_local_calls_keep_every_guarantee(
+    ops: list[tuple[str, list[int]]],
+) -> None:
+    """Hypothesis picks the calls; they all run at once (Trio picks the interleaving)."""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 10, BLOCK) + [os.urandom(32) for _ in range(2)]
+            present = set(keys[:10])
+            peer = await dst.connect(src.address)
+            results: list[FetchResult] = []
+
+            async def run(kind: str, ks: list[bytes]) -> None:
+                if kind == "lookup":
+                    assert await dst.lookup(peer, ks) == [k in present for k in ks]
+                elif kind == "fetch":
+                    results.append(await dst.fetch(peer, ks))
+                elif kind == "evict":
+                    for k in ks:
+                        dst.store.evict(k)
+                else:
+                    rnd = await dst.lookup_round(peer, ks)
+                    async with trio.open_nursery() as n:
+                        if kind == "held_fetch_vs_release":
+                            n.start_soon(dst.release, peer, rnd)
+                        results.append(await dst.fetch(peer, ks, rounds=rnd))
+                    await dst.release(peer, rnd)
+
+            async with trio.open_nursery() as nursery:
+                for kind, idx in ops:
+                    nursery.start_soon(run, kind, [keys[i] for i in idx])
+            for r in results:
+                assert set(r.failed.values()) <= {"miss"}
+                assert all(k not in present for k in r.failed)
+                assert all(k in present for k in r.loaded)
+            st_dst = dst.statistics()
+            assert st_dst.reserved_slots == 0 and st_dst.quarantined_slots == 0
+            assert st_dst.peers == 1 and src.statistics().peers == 1
+            for k in keys[:10]:  # whatever is in the store now holds the producer's bytes
+                got = dst.store.get(k)
+                if got is not None:
+                    assert bytes(got) == bytes(src.store.get(k) or b"")
+
+
+async def test_fetch_leaks_no_reservation_when_cancelled_while_landing() -> None:
+    """Cancelled between ``transfer_done`` and the commit (checksums run off the loop)."""
+    entered = trio.Event()
+
+    async def consumer_offload(fn: Any, *args: Any, limiter: trio.CapacityLimiter) -> Any:
+        if getattr(fn, "__name__", "") == "checksums" and not entered.is_set():
+            entered.set()
+            await trio.sleep_forever()  # the landing hangs here until the caller cancels
+        async with limiter:
+            await trio.lowlevel.checkpoint()
+            return fn(*args)
+
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("src", verify_checksums=True), offload=inline_offload) as src,
+            open_node(config("dst", verify_checksums=True), offload=consumer_offload) as dst,
+        ):
+            keys = fill(src.store, 3, BLOCK)
+            peer = await dst.connect(src.address)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dst.fetch, peer, keys)
+                await entered.wait()  # transfer_done is in: the landing has begun
+                assert dst.statistics().reserved_slots == 3
+                nursery.cancel_scope.cancel()
+            assert_settled(dst)
+            assert all(k not in dst.store for k in keys)
+            # The session is fine: the next fetch works.
+            r = await dst.fetch(peer, keys)
+            assert sorted(r.loaded) == sorted(keys)
+            assert_loaded_bytes(dst, src, r)
+            assert_settled(dst)
+
+
+# ---------------------------------------------------------------- item 5: our own limits
+
+
+async def test_over_long_and_invalid_keys_fail_locally_and_the_session_lives_on() -> None:
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 3, BLOCK)
+            peer = await dst.connect(src.address)
+            long_key = b"L" * 129  # max_key_len is 128
+            bad: list[Any] = [long_key, b"", "text", b"x" * 1025]
+            r = await dst.fetch(peer, [*keys, *bad])
+            assert sorted(r.loaded) == sorted(keys)
+            assert r.failed == {
+                long_key: "key too long",
+                b"": "empty key",
+                "text": "key is not bytes",
+                b"x" * 1025: "key too long",
+            }
+            for k in (long_key, b"x" * 1025, b""):
+                with pytest.raises(LocalProtocolError, match="key"):
+                    await dst.lookup(peer, [keys[0], k])
+            with pytest.raises(LocalProtocolError, match="key"):
+                await dst.lookup(peer, ["text"])  # type: ignore[list-item]
+            with pytest.raises(LocalProtocolError, match="key"):
+                await dst.fetch(peer, [[1, 2]])  # type: ignore[list-item]
+            assert src.statistics().pinned_slots == 0  # nothing was sent
+            assert dst.statistics().peers == 1 and src.statistics().peers == 1
+            more = fill(src.store, 2, BLOCK)
+            assert sorted((await dst.fetch(peer, more)).loaded) == sorted(more)
+            assert_settled(dst)
+
+
+async def test_empty_requests_return_empty_results_and_send_nothing() -> None:
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            peer = await dst.connect(src.address)
+            assert await dst.lookup(peer, []) == []
+            r = await dst.fetch(peer, [])
+            assert r.loaded == [] and r.failed == {}
+            rnd = await dst.lookup_round(peer, [])
+            assert rnd.hits == [] and await dst.release(peer, rnd) == 0
+            assert dst.statistics().peers == 1
+            keys = fill(src.store, 2, BLOCK)
+            assert sorted((await dst.fetch(peer, keys)).loaded) == sorted(keys)
+
+
+async def test_requests_over_the_key_cap_are_split_transparently() -> None:
+    lookups: list[int] = []
+    raw = RawPeer(max_keys_per_request=100)
+
+    with trio.fail_after(BOUND):
+        async with open_node(config("dst", num_blocks=256, max_keys_per_request=100)) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            peer = raw.peer_id
+            keys = [os.urandom(32) for _ in range(250)]
+
+            async def producer() -> None:  # answers every lookup: even keys are hits
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        lookups.append(len(ev.keys))
+                        hits = [keys.index(k) % 2 == 0 for k in ev.keys]
+                        raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
+                    elif isinstance(ev, FetchRequested):  # "writes" into dst's region
+                        for k, s in zip(ev.keys, ev.slots, strict=True):
+                            dst.store.array[s * BLOCK : (s + 1) * BLOCK] = keys.index(k) % 251
+                        raw.proto.send_transfer_done(ev.req_id, [0] * len(ev.keys))
+                    await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer)
+                rnd = await dst.lookup_round(peer, keys)
+                assert rnd.hits == [i % 2 == 0 for i in range(250)]
+                assert sorted(lookups) == [50, 100, 100]
+                assert await dst.release(peer, rnd) == 3
+                lookups.clear()
+                r = await dst.fetch(peer, keys)
+                assert sorted(lookups) == [50, 100, 100]
+                assert sorted(r.loaded) == sorted(keys[::2])
+                assert set(r.failed) == set(keys[1::2])
+                assert set(r.failed.values()) == {"miss"}
+                for k in r.loaded:
+                    got = dst.store.get(k)
+                    assert got is not None and set(bytes(got)) == {keys.index(k) % 251}
+                assert dst.statistics().peers == 1
+                assert_settled(dst)
+                nursery.cancel_scope.cancel()
+    await raw.aclose()
+
+
+async def test_a_70000_key_fetch_is_split_and_the_session_survives() -> None:
+    with trio.fail_after(60):
+        async with pair() as (src, dst):
+            peer = await dst.connect(src.address)
+            keys = [os.urandom(32) for _ in range(70_000)]
+            r = await dst.fetch(peer, keys)
+            assert r.loaded == [] and len(r.failed) == 70_000
+            assert set(r.failed.values()) == {"miss"}
+            assert dst.statistics().peers == 1
+            more = fill(src.store, 2, BLOCK)
+            assert sorted((await dst.fetch(peer, more)).loaded) == sorted(more)
+            assert_settled(dst)
+
+
+@pytest.mark.parametrize(
+    ("keys", "why"),
+    [
+        ([b"k" * 129], "bytes of 1..128"),
+        ([b""], "bytes of 1..128"),
+        (["text"], "bytes of 1..128"),
+        ([bytes([i % 256, i // 256]) for i in range(101)], "101 keys"),
+    ],
+)
+def test_the_protocol_refuses_our_own_over_limit_requests_before_sending(
+    keys: list[bytes], why: str
+) -> None:
+    pair = ready_pair(make_info("a", max_keys_per_request=100), make_info("b"))
+    a = pair.a
+    before = snapshot(a)
+    with pytest.raises(LocalProtocolError, match=why):
+        a.send_lookup(keys)
+    assert snapshot(a) == before and a.data_to_send() == b""
+    req = pair.lookup([b"k1", b"k2"], [True, True])
+    with pytest.raises(LocalProtocolError, match=why):
+        a.send_fetch(req, keys, list(range(min(len(keys), 16))))
+    with pytest.raises(LocalProtocolError, match="differ"):
+        a.send_fetch(req, [b"k1", b"k2"], [0])
+    assert a.out_state(req) is OutState.OPEN and a.data_to_send() == b""
+
+
+def test_request_chunks_respect_the_frame_size_too() -> None:
+    from p2pkv.session.consumer import request_chunks
+
+    keys = [bytes([i % 256]) * 1000 + i.to_bytes(4, "big") for i in range(20_000)]
+    chunks = request_chunks(keys, max_keys=65536, max_bytes=MAX_FRAME_SIZE // 16)
+    assert [k for c in chunks for k in c] == keys
+    assert len(chunks) > 1
+    assert all(sum(len(k) + 16 for k in c) <= MAX_FRAME_SIZE // 16 for c in chunks)
+    assert request_chunks([], max_keys=10, max_bytes=100) == []
+
+
+# ---------------------------------------------------------------- item 4: quarantine
+
+
+async def _raw_producer_that_never_writes(
+    raw: RawPeer, aborts: trio.MemorySendChannel[int]
+) -> None:
+    """Answers every lookup with hits, accepts fetches, never completes one; reports the
+    request id of every abort it receives."""
+    while (ev := await raw.next_event()) is not None:
+        if isinstance(ev, LookupRequested):
+            raw.proto.send_lookup_resp(ev.req_id, [True] * len(ev.keys), trio.current_time(), 100)
+            await raw.flush()
+        elif isinstance(ev, AbortRequested):
+            await aborts.send(ev.req_id)
+
+
+async def test_a_late_abort_ack_never_frees_another_fetchs_quarantine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Invariant 10: the peer's word never ends a quarantine. Two slots only, so the
+    second fetch reuses exactly the slots of the first, then the first's ack comes late."""
+    raw = RawPeer()
+    async with open_node(
+        config("a", num_blocks=2, fetch_timeout=2.0, quarantine=6.0, max_open_requests=2),
+        offload=VirtualOffload(),
+    ) as a:
+        await raw.connect(a.address)
+        await raw.handshake()
+        aborts_in, aborts = trio.open_memory_channel[int](10)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_raw_producer_that_never_writes, raw, aborts_in)
+            keys = [os.urandom(32) for _ in range(2)]
+            r1 = await a.fetch(raw.peer_id, keys)
+            assert set(r1.failed.values()) == {"timeout"}
+            assert a.statistics().quarantined_slots == 2
+            await trio.sleep(6.5)  # the first quarantine ends at its deadline
+            assert a.statistics().quarantined_slots == 0
+            r2 = await a.fetch(raw.peer_id, keys)  # same two slots
+            second_done = trio.current_time()
+            assert set(r2.failed.values()) == {"timeout"}
+            assert a.statistics().quarantined_slots == 2
+            aborted = [await aborts.receive(), await aborts.receive()]
+            for req in aborted:  # both acks, late: the first 10 s late
+                raw.proto.send_abort_ack(req)
+            await raw.flush()
+            # Both acks were taken: each freed its request slot (two rounds now hold them).
+            for _ in range(2):
+                assert await a.lookup(raw.peer_id, [os.urandom(32)]) == [True]
+            assert a.statistics().quarantined_slots == 2
+            assert a.statistics().peers == 1  # the acks were legal: the session lives
+            await trio.sleep(second_done + 6.0 - trio.current_time() - 0.1)
+            assert a.statistics().quarantined_slots == 2
+            await trio.sleep(0.2)
+            assert a.statistics().quarantined_slots == 0
+            nursery.cancel_scope.cancel()
+    await raw.aclose()
+
+
+async def test_an_abort_ack_ends_the_request_but_not_the_quarantine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    raw = RawPeer()
+    async with open_node(
+        config("a", fetch_timeout=2.0, quarantine=6.0, max_open_requests=1),
+        offload=VirtualOffload(),
+    ) as a:
+        await raw.connect(a.address)
+        await raw.handshake()
+        log: list[Any] = []
+
+        async def acking_producer() -> None:
+            await _raw_producer_that_never_writes_but_acks(raw, log)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(acking_producer)
+            r = await a.fetch(raw.peer_id, [os.urandom(32)])
+            gave_up = trio.current_time()
+            assert set(r.failed.values()) == {"timeout"}
+            # The ack frees the only request slot: the next lookup goes out at once.
+            start = trio.current_time()
+            assert await a.lookup(raw.peer_id, [os.urandom(32)]) == [True]
+            assert trio.current_time() - start < 0.5
+            assert a.statistics().quarantined_slots == 1
+            await trio.sleep(gave_up + 6.0 - trio.current_time() - 0.1)
+            assert a.statistics().quarantined_slots == 1
+            await trio.sleep(0.2)
+            assert a.statistics().quarantined_slots == 0
+            nursery.cancel_scope.cancel()
+    await raw.aclose()
+
+
+async def _raw_producer_that_never_writes_but_acks(raw: RawPeer, log: list[Any]) -> None:
+    while (ev := await raw.next_event()) is not None:
+        log.append(ev)
+        if isinstance(ev, LookupRequested):
+            raw.proto.send_lookup_resp(ev.req_id, [True] * len(ev.keys), trio.current_time(), 100)
+        elif isinstance(ev, AbortRequested):
+            raw.proto.send_abort_ack(ev.req_id)  # at once: "trust me, nothing lands"
+        await raw.flush()
+
+
+def test_config_refuses_a_quarantine_within_the_abort_deadline_plus_landing() -> None:
+    assert NodeConfig(peer_id="a").quarantine > (
+        NodeConfig(peer_id="a").abort_timeout + NodeConfig(peer_id="a").landing_margin
+    )
+    with pytest.raises(P2PKVError, match="quarantine"):
+        NodeConfig(peer_id="a", quarantine=2.0, abort_timeout=2.0)
+    with pytest.raises(P2PKVError, match="quarantine"):
+        NodeConfig(peer_id="a", quarantine=3.0, abort_timeout=2.0, landing_margin=1.0)
+    NodeConfig(peer_id="a", quarantine=3.5, abort_timeout=2.0, landing_margin=1.0)
+    NodeConfig(peer_id="a", quarantine=0.2, abort_timeout=0.1, landing_margin=0.0)
+
+
+# ---------------------------------------------------------------- item 10: release per round
+
+
+async def test_releasing_one_round_keeps_another_rounds_pins_on_the_same_key() -> None:
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 3, BLOCK)
+            peer = await dst.connect(src.address)
+            mine = await dst.lookup_round(peer, keys[:2])
+            theirs = await dst.lookup_round(peer, keys[1:])
+            assert mine.hits == theirs.hits == [True, True]
+            assert await dst.release(peer, mine) == 1
+            assert await dst.release(peer, mine) == 0  # once
+            with trio.fail_after(BOUND):
+                while src.statistics().pinned_slots != 2:
+                    await trio.sleep(0.01)
+            assert src.store.evict(keys[0]) is True  # only the released round held it
+            assert src.store.evict(keys[1]) is False  # the other round still pins it
+            r = await dst.fetch(peer, keys[1:], rounds=theirs)
+            assert sorted(r.loaded) == sorted(keys[1:])
+            assert_loaded_bytes(dst, src, r)
+            await wait_unpinned(src)
+            assert_settled(dst)
+
+
+async def test_a_fetch_never_uses_a_round_another_caller_holds() -> None:
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 2, BLOCK)
+            peer = await dst.connect(src.address)
+            held = await dst.lookup_round(peer, keys)
+            r = await dst.fetch(peer, keys[:1])  # names no round: looks up on its own
+            assert r.loaded == keys[:1]
+            # The held round still pins both keys; its holder's fetch uses it.
+            assert src.store.evict(keys[1]) is False
+            r2 = await dst.fetch(peer, keys[1:], rounds=held)
+            assert r2.loaded == keys[1:]
+            await wait_unpinned(src)
+            assert_settled(dst)
+
+
+def _ask_until_answered(tier: P2PTier, keys: Sequence[bytes], req: RequestInfo) -> list[bool]:
+    answers: dict[bytes, bool | None] = dict.fromkeys(keys)
+    deadline = time.monotonic() + BOUND
+    while None in answers.values():  # this thread plays the scheduler, stepping
+        assert time.monotonic() < deadline
+        for k in keys:
+            if answers[k] is None:
+                answers[k] = tier.lookup(k, req)
+        tier.step()
+        time.sleep(0.005)
+    return [bool(answers[k]) for k in keys]
+
+
+def test_a_finished_request_keeps_the_pins_of_another_request_on_the_same_key(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    shared, only1, only2 = fill(src.store, 3, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=5.0, load_timeout=10.0)
+    host, port = src.address
+    params = {"remote_kv_source": {"host": host, "port": port}}
+    r1, r2 = RequestInfo("r1", params), RequestInfo("r2", params)
+    assert _ask_until_answered(tier, [shared, only1], r1) == [True, True]
+    assert _ask_until_answered(tier, [shared, only2], r2) == [True, True]
+    assert src.statistics().pinned_slots == 3
+    tier.on_request_finished(r1)
+    wait_for(lambda: src.statistics().pinned_slots <= 2)
+    # Memory pressure at the source: whatever is unpinned goes.
+    assert src.store.evict(only1) is True
+    assert src.store.evict(shared) is False, "r2's answered-True hit was unpinned"
+    tier.submit_load(LoadJob(1, "r2", [shared, only2]))
+    deadline = time.monotonic() + BOUND
+    done: list[JobResult] = []
+    while not done:
+        assert time.monotonic() < deadline
+        done = tier.get_finished_jobs()
+        time.sleep(0.005)
+    assert done[0].success, done[0].failed
+    for k in (shared, only2):
+        got, want = dst.store.get(k), src.store.get(k)
+        assert got is not None and want is not None and bytes(got) == bytes(want)
+    tier.on_request_finished(r2)
+    wait_for(lambda: src.statistics().pinned_slots == 0)
+    assert dst.statistics().reserved_slots == 0
+    tier.shutdown()
