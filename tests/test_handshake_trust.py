@@ -19,7 +19,13 @@ import trio.testing
 
 from p2pkv import open_node
 from p2pkv.node import Node
-from p2pkv.session.protocol import HelloReceived, LocalInfo, Ready, SessionProtocol
+from p2pkv.session.protocol import (
+    HelloReceived,
+    LocalInfo,
+    LookupRequested,
+    Ready,
+    SessionProtocol,
+)
 from p2pkv.wire import HEADER, Challenge, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
@@ -234,4 +240,33 @@ async def test_a_restart_while_the_first_registration_runs_keeps_the_session(
             assert a.statistics().peers == 1
             assert stats.live == 1
             assert stats.published == 1 and stats.released_stale == 1
+            await raw.aclose()
+
+
+async def test_a_consumer_splits_by_the_limits_its_peer_advertised() -> None:
+    """The hello advertises the producer's request limits: a consumer with larger ones of
+    its own splits by the peer's, so the producer never has to close the session."""
+    raw = RawPeer("small", max_keys_per_request=100, max_key_len=40)
+    lookups: list[int] = []
+    with trio.fail_after(20):
+        async with open_node(config("dst", num_blocks=256)) as dst:  # its own cap: 65,536
+            await raw.connect(dst.address)
+            await raw.handshake()
+            keys = [bytes([i % 256]) * 32 for i in range(250)]
+
+            async def producer() -> None:  # answers every lookup with misses
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        lookups.append(len(ev.keys))
+                        misses = [False] * len(ev.keys)
+                        raw.proto.send_lookup_resp(ev.req_id, misses, trio.current_time(), 60.0)
+                        await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer)
+                result = await dst.fetch("small", [*keys, b"k" * 41])
+                assert sorted(lookups) == [50, 100, 100]
+                assert "too long" in result.failed[b"k" * 41]
+                assert dst.statistics().peers == 1  # never cut off
+                nursery.cancel_scope.cancel()
             await raw.aclose()

@@ -194,12 +194,18 @@ class ConsumerSide(SessionParts):
     # --- limits ---------------------------------------------------------------------------
 
     def _limits(self) -> RequestLimits:
-        """What one of our requests may hold (never more than the wire allows)."""
-        cfg = self.cfg
+        """What one of our requests may hold: never more than the wire allows, our own
+        config, or what the peer advertised in its hello (so it never has to cut us off)."""
+        cfg, peer = self.cfg, self.proto.peer
         frame = min(cfg.max_frame_size, MAX_FRAME_SIZE)
+        max_keys = min(cfg.max_keys_per_request, MAX_KEYS)
+        max_key_len = min(cfg.max_key_len, MAX_KEY_LEN)
+        if peer is not None:
+            max_keys = min(max_keys, peer.max_keys_per_request)
+            max_key_len = min(max_key_len, peer.max_key_len)
         return RequestLimits(
-            max_keys=min(cfg.max_keys_per_request, MAX_KEYS),
-            max_key_len=min(cfg.max_key_len, MAX_KEY_LEN),
+            max_keys=max_keys,
+            max_key_len=max_key_len,
             max_bytes=max(frame - FRAME_OVERHEAD, MAX_KEY_LEN + KEY_OVERHEAD),
         )
 
