@@ -310,6 +310,29 @@ def in_thread(
     return t, out
 
 
+def is_trio_cache_thread(thread: threading.Thread) -> bool:
+    """Trio's cached worker threads ("Trio thread N", daemon) belong to no test: any run
+    reuses them, and an idle one exits on its own some seconds later, so they come and go
+    whatever the code under test does. A worker running a job carries the job's name
+    instead, so a job left running is still seen."""
+    return thread.daemon and thread.name.startswith("Trio thread ")
+
+
+def leftover_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Threads alive now that were not in ``before``, Trio's worker cache aside."""
+    return [t for t in threading.enumerate() if t not in before and not is_trio_cache_thread(t)]
+
+
+def check_no_leaked_threads() -> Iterator[None]:
+    """Body of a ``no_leaked_threads`` fixture: every thread the test started has ended."""
+    before = set(threading.enumerate())
+    yield
+    extra = leftover_threads(before)
+    for t in extra:  # a failing test may leave one: end it, then fail loudly
+        t.join(BOUND)
+    assert extra == [], f"threads left behind: {extra}"
+
+
 def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:
     """Yield the GIL until condition holds: a gate on state that no event exposes."""
     deadline = time.monotonic() + bound

@@ -32,7 +32,15 @@ from p2pkv import (
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RemotePeer, TransferHandle
 
-from .helpers import FaultTransport, config, fill, in_thread, wait_for
+from .helpers import (
+    FaultTransport,
+    check_no_leaked_threads,
+    config,
+    fill,
+    in_thread,
+    leftover_threads,
+    wait_for,
+)
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SHORT = 0.3  # seconds: a timeout that is the behaviour under test
@@ -89,24 +97,9 @@ class GatedFactory:
         return self.built[-1]
 
 
-def _leftover_threads(before: set[threading.Thread]) -> list[threading.Thread]:
-    # Trio keeps idle worker threads (daemon, "Trio thread N") cached for reuse by any later
-    # run; they belong to no node. Everything else a test starts must be gone.
-    return [
-        t
-        for t in threading.enumerate()
-        if t not in before and not (t.daemon and t.name.startswith("Trio thread"))
-    ]
-
-
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    extra = _leftover_threads(before)
-    for t in extra:  # a failing test may leave one: end it, then fail loudly
-        t.join(BOUND)
-    assert extra == [], f"threads left behind: {extra}"
+    yield from check_no_leaked_threads()
 
 
 def wait_ticket(node: BlockingNode, ticket: int) -> object:
@@ -345,7 +338,7 @@ def test_close_is_idempotent_and_leaves_no_thread_or_pin(
 ) -> None:
     before = set(threading.enumerate())
     src, dst = nodes("src"), nodes("dst")
-    names = {t.name for t in _leftover_threads(before)}
+    names = {t.name for t in leftover_threads(before)}
     assert {"p2pkv-engine-src", "p2pkv-engine-dst", "p2pkv-engine-dst-waker"} <= names
     keys = fill(src.store, 6, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)
@@ -360,7 +353,7 @@ def test_close_is_idempotent_and_leaves_no_thread_or_pin(
     wait_for(lambda: src.statistics().pinned_slots == 0 and src.statistics().sessions == 0)
     src.close(timeout=BOUND)
     src.close(timeout=BOUND)
-    assert _leftover_threads(before) == []
+    assert leftover_threads(before) == []
 
 
 def test_calls_from_the_engine_thread_raise_instead_of_deadlocking(
