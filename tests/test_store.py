@@ -6,7 +6,6 @@ import mmap
 import queue
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 
@@ -245,19 +244,18 @@ def test_pins_are_counted_per_owner() -> None:
     assert store.evict(b"k0") is True
 
 
-def test_pin_of_1024_keys_takes_well_under_a_millisecond() -> None:
+def test_pin_of_1024_keys_pins_each_and_unpin_gives_every_one_back() -> None:
+    # How long this takes: bench/host_costs.py ("store.pin").
     store = BlockStore(2048, 64)
     keys = [i.to_bytes(32, "big") for i in range(1024)]
     for key in keys:
         store.put(key, bytes(64))
-    best = float("inf")
-    for _ in range(10):
-        t0 = time.perf_counter()
-        slots = store.pin("o", keys)
-        best = min(best, time.perf_counter() - t0)
-        store.unpin("o")
-    assert None not in slots
-    assert best < 1e-3, f"pin of 1024 keys took {best * 1e6:.0f} us"
+    slots = store.pin("o", keys)
+    assert slots == [store.slot_of(k) for k in keys] and len(set(slots)) == 1024
+    assert store.statistics().pinned == 1024 and store.pins_of("o") == 1024
+    assert not any(store.evict(k) for k in keys[::97])
+    assert store.unpin("o") == 1024
+    assert store.statistics().pinned == 0
 
 
 # ------------------------------------------------------------------ reserve / commit
