@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
-import trio
 
 from p2pkv import (
     BlockingNode,
@@ -32,7 +31,15 @@ from p2pkv import (
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RemotePeer, TransferHandle
 
-from .helpers import FaultTransport, config, fill, in_thread, wait_for
+from .helpers import (
+    FaultTransport,
+    check_no_leaked_threads,
+    config,
+    fill,
+    in_thread,
+    leftover_threads,
+    wait_for,
+)
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SHORT = 0.3  # seconds: a timeout that is the behaviour under test
@@ -57,6 +64,7 @@ class GatedTransport(FaultTransport):
         self.posted = threading.Event()
         self.progress_gate: threading.Event | None = None
         self.in_progress = threading.Event()
+        self.left_progress = threading.Event()
 
     def post_write(
         self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
@@ -69,7 +77,10 @@ class GatedTransport(FaultTransport):
         gate, self.progress_gate = self.progress_gate, None  # one-shot
         if gate is not None:
             self.in_progress.set()
-            assert gate.wait(BOUND), "progress gate never opened"
+            try:
+                assert gate.wait(BOUND), "progress gate never opened"
+            finally:
+                self.left_progress.set()
 
 
 class GatedFactory:
@@ -89,24 +100,9 @@ class GatedFactory:
         return self.built[-1]
 
 
-def _leftover_threads(before: set[threading.Thread]) -> list[threading.Thread]:
-    # Trio keeps idle worker threads (daemon, "Trio thread N") cached for reuse by any later
-    # run; they belong to no node. Everything else a test starts must be gone.
-    return [
-        t
-        for t in threading.enumerate()
-        if t not in before and not (t.daemon and t.name.startswith("Trio thread"))
-    ]
-
-
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    extra = _leftover_threads(before)
-    for t in extra:  # a failing test may leave one: end it, then fail loudly
-        t.join(BOUND)
-    assert extra == [], f"threads left behind: {extra}"
+    yield from check_no_leaked_threads()
 
 
 def wait_ticket(node: BlockingNode, ticket: int) -> object:
@@ -194,8 +190,9 @@ def test_a_lookup_is_answered_while_the_producers_host_thread_is_in_a_model_step
     nodes: Callable[..., BlockingNode], step: str
 ) -> None:
     """The engine answers peers whatever the host does: the producer's host thread is
-    inside a 2 s "model step" (blocked, or computing in Python and holding the GIL between
-    switches), and a consumer still gets its lookup and its blocks in well under a second.
+    inside a "model step" (blocked, or computing in Python and holding the GIL between
+    switches) that ends only when the consumer is done, and the consumer still gets its
+    lookup and its blocks.
     """
     src, dst = nodes("src"), nodes("dst")
     in_step, step_over, step_done = threading.Event(), threading.Event(), threading.Event()
@@ -204,10 +201,11 @@ def test_a_lookup_is_answered_while_the_producers_host_thread_is_in_a_model_step
     def producer_host() -> None:
         keys.extend(fill(src.store, 32, BLOCK))
         in_step.set()
+        # The step lasts until the consumer is done (BOUND only ends a hung test).
         if step == "blocked_wait":
-            step_over.wait(2.0)
+            step_over.wait(BOUND)
         else:
-            end = time.monotonic() + 2.0
+            end = time.monotonic() + BOUND
             while not step_over.is_set() and time.monotonic() < end:
                 sum(range(1000))
         step_done.set()
@@ -215,20 +213,18 @@ def test_a_lookup_is_answered_while_the_producers_host_thread_is_in_a_model_step
     host, _ = in_thread(producer_host, name="producer-host")
     try:
         assert in_step.wait(BOUND)
-        t0 = time.monotonic()
         peer = dst.connect(src.address, timeout=BOUND)
         hits = dst.lookup(peer, keys, timeout=BOUND)
         result = dst.fetch(peer, keys, timeout=BOUND)
-        elapsed = time.monotonic() - t0
         still_in_step = not step_done.is_set()
     finally:
         step_over.set()
         host.join(BOUND)
-    assert still_in_step, "the producer's step ended before the consumer was done"
+    # How fast this is: bench/host_costs.py ("in a model step").
+    assert still_in_step, "the consumer was served only once the producer's step ended"
     assert hits == [True] * len(keys)
     assert sorted(result.loaded) == sorted(keys)
     assert_same_bytes(dst, src, keys)
-    assert elapsed < 1.0, f"connect + lookup + fetch took {elapsed:.3f} s during the step"
 
 
 # ---------------------------------------------------------------- failure and close
@@ -287,21 +283,20 @@ def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(
     caller, out = in_thread(lambda: dst.fetch(peer, keys, timeout=BOUND))
     assert hanging.transport.posted.wait(BOUND)  # the fetch is in flight and stuck
     ticket = dst.submit_fetch(peer, keys[:1])
+    wait_for(lambda: hanging.transport.posts == 2)  # the ticket's write is in flight too
     closer, closed = in_thread(lambda: dst.close(timeout=BOUND), name="closer")
     exc = out.get(timeout=BOUND)
     caller.join(BOUND)
     assert closed.get(timeout=BOUND) is None
     closer.join(BOUND)
-    assert isinstance(exc, P2PKVError), exc
-    assert not isinstance(exc, trio.Cancelled)
-    assert isinstance(exc, PortalClosed)
-    # The ticket ends too: the closing node failed its keys, or the board failed it.
+    # The blocking call was cancelled by the close: the caller gets PortalClosed, never
+    # trio.Cancelled (nor any other error).
+    assert type(exc) is PortalClosed, repr(exc)
+    # The ticket's fetch was in flight in a session: the closing node failed its key.
     outcome = wait_ticket(dst, ticket)
-    assert not isinstance(outcome, trio.Cancelled)
-    if isinstance(outcome, FetchResult):
-        assert outcome.loaded == [] and set(outcome.failed) == {keys[0]}
-    else:
-        assert isinstance(outcome, P2PKVError)
+    assert type(outcome) is FetchResult, repr(outcome)
+    assert outcome.loaded == [] and list(outcome.failed) == [keys[0]]
+    assert outcome.failed[keys[0]].startswith("session closed"), outcome.failed
     assert not dst.alive and dst.failure is None
     with pytest.raises(PortalClosed):
         dst.connect(src.address, timeout=BOUND)
@@ -319,19 +314,20 @@ def test_caller_side_timeouts_fire_while_the_engine_is_wedged_in_a_blocking_call
     try:
         fetch_t = dst.submit_fetch(peer, keys)
         assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
-        t0 = time.monotonic()
+        # The engine stays wedged until ``wedge`` is set below (or BOUND passes): a call
+        # that waited for the engine would not return before that.
         with pytest.raises(P2PKVTimeout):
             dst.lookup(peer, keys, timeout=SHORT)
         with pytest.raises(P2PKVTimeout):
             dst.statistics(timeout=SHORT)
-        assert time.monotonic() - t0 < 2 * SHORT + 0.5
         # The hot path does not care either: a submit is a post, poll reads in place.
-        t1 = time.perf_counter()
         lookup_t = dst.submit_lookup(peer, keys)
         assert dst.poll(lookup_t) is None and dst.poll(fetch_t) is None
-        assert time.perf_counter() - t1 < 0.05
+        still_wedged = not wedging.transport.left_progress.is_set()
     finally:
         wedge.set()
+    # How fast these return: bench/host_costs.py ("wedged").
+    assert still_wedged, "the calls returned only once the engine was unwedged"
     fetched = wait_ticket(dst, fetch_t)
     assert isinstance(fetched, FetchResult) and sorted(fetched.loaded) == sorted(keys)
     assert wait_ticket(dst, lookup_t) == [True] * len(keys)
@@ -345,7 +341,7 @@ def test_close_is_idempotent_and_leaves_no_thread_or_pin(
 ) -> None:
     before = set(threading.enumerate())
     src, dst = nodes("src"), nodes("dst")
-    names = {t.name for t in _leftover_threads(before)}
+    names = {t.name for t in leftover_threads(before)}
     assert {"p2pkv-engine-src", "p2pkv-engine-dst", "p2pkv-engine-dst-waker"} <= names
     keys = fill(src.store, 6, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)
@@ -360,7 +356,7 @@ def test_close_is_idempotent_and_leaves_no_thread_or_pin(
     wait_for(lambda: src.statistics().pinned_slots == 0 and src.statistics().sessions == 0)
     src.close(timeout=BOUND)
     src.close(timeout=BOUND)
-    assert _leftover_threads(before) == []
+    assert leftover_threads(before) == []
 
 
 def test_calls_from_the_engine_thread_raise_instead_of_deadlocking(

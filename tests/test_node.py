@@ -287,6 +287,9 @@ async def _gather(*aws: Any) -> list[Any]:
 
 
 async def test_simultaneous_dials_settle_on_one_session() -> None:
+    """Both sides dial at once: each connect() returns the peer (no duplicate-connection
+    error), and both sides keep the *same* connection, the one the smaller id ("a")
+    dialed, and close the other."""
     with trio.fail_after(20):
         async with open_node(config("a")) as a, open_node(config("b")) as b:
             peers: dict[str, p2pkv.Peer] = {}
@@ -297,10 +300,25 @@ async def test_simultaneous_dials_settle_on_one_session() -> None:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(dial, a, b)
                 nursery.start_soon(dial, b, a)
-            await trio.sleep(0.2)
-            assert a.statistics().peers == 1 and b.statistics().peers == 1
+            assert peers["a"].peer_id == "b" and peers["b"].peer_id == "a"
+            # The losing connection's sessions end on both sides.
+            with trio.fail_after(5):
+                while a.statistics().sessions + b.statistics().sessions > 2:
+                    await trio.sleep(0.01)
+            for node in (a, b):
+                st = node.statistics()
+                assert (st.sessions, st.peers, st.registrations.live) == (1, 1, 1), st
+            # A peer's address is the one dialed (a listening address) on the side that
+            # dialed the surviving connection, and the remote's ephemeral port on the
+            # other. So the sides agree exactly when one of them sees a listening address.
+            [b_seen_by_a] = a.peers()
+            [a_seen_by_b] = b.peers()
+            assert b_seen_by_a.address == b.address, "a does not hold the connection it dialed"
+            assert a_seen_by_b.address != a.address, "b holds a connection it dialed as well"
             keys = fill(a.store, 2, 4096)
             assert len((await b.fetch(peers["b"], keys)).loaded) == 2
+            keys = fill(b.store, 2, 4096)
+            assert len((await a.fetch(peers["a"], keys)).loaded) == 2
 
 
 async def test_region_handed_in_by_the_host_is_used_in_place() -> None:

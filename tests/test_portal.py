@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import queue
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -27,7 +26,7 @@ import trio
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PortalClosed
 from p2pkv.portal import EngineContext, EngineThread, TicketBoard
 
-from .helpers import in_thread, wait_for
+from .helpers import check_no_leaked_threads, in_thread, wait_for
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SHORT = 0.2  # seconds: a timeout that is the behaviour under test
@@ -39,13 +38,7 @@ class EngineBroke(P2PKVError):
 
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
-    before = set(threading.enumerate())
-    yield
-    extra = [t for t in threading.enumerate() if t not in before]
-    for t in extra:  # a failing test may leave one: end it, then fail loudly
-        t.join(BOUND)
-    assert extra == [], f"threads left behind: {extra}"
-    assert threading.active_count() == len(before)
+    yield from check_no_leaked_threads()
 
 
 async def serve(ctx: EngineContext[None]) -> None:
@@ -388,25 +381,16 @@ def test_interpreter_exit_closes_a_forgotten_engine() -> None:
 # ---------------------------------------------------------------- the hot path
 
 
-def _percentiles_us(samples: list[float]) -> str:
-    q = statistics.quantiles(samples, n=100)
-    return f"p50={q[49] * 1e6:.1f} us p99={q[98] * 1e6:.1f} us max={max(samples) * 1e6:.1f} us"
-
-
 def test_run_sync_soon_10000_posts_all_run_in_order() -> None:
     n = 10_000
     seen: list[int] = []
     done = threading.Event()
-    costs: list[float] = []
     with start() as engine:
         for i in range(n):
-            t0 = time.perf_counter()
             engine.run_sync_soon(functools.partial(seen.append, i))
-            costs.append(time.perf_counter() - t0)
         engine.run_sync_soon(done.set)
         assert done.wait(BOUND)
     assert seen == list(range(n))
-    print(f"\nrun_sync_soon: {_percentiles_us(costs)}")
 
 
 def test_spawn_soon_starts_every_task() -> None:
@@ -421,19 +405,6 @@ def test_spawn_soon_starts_every_task() -> None:
             engine.spawn_soon(task, i)
         got = sorted(out.get(timeout=BOUND) for _ in range(100))
     assert got == list(range(100))
-
-
-def test_call_round_trip_cost() -> None:
-    async def echo(x: int) -> int:
-        return x
-
-    costs: list[float] = []
-    with start() as engine:
-        for i in range(2_000):
-            t0 = time.perf_counter()
-            assert engine.call(echo, i, timeout=BOUND) == i
-            costs.append(time.perf_counter() - t0)
-    print(f"\ncall round trip: {_percentiles_us(costs)}")
 
 
 # ---------------------------------------------------------------- TicketBoard

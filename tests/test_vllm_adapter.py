@@ -309,33 +309,34 @@ def test_a_source_that_dies_mid_request_turns_lookups_into_misses_and_loads_into
     dst = nodes("dst")
     keys = fill(src.store, 8, BLOCK)
     more = fill(src.store, 4, BLOCK)
-    # Generous deadlines: what ends the waits below must be the death, not a deadline.
-    tier = P2PTier(dst, lookup_timeout=5.0, load_timeout=30.0, reconnect_backoff=60.0)
+    # Deadlines longer than BOUND: next_event() gives up after BOUND, so what ends the
+    # waits below must be the death, not a deadline.
+    tier = P2PTier(dst, lookup_timeout=3 * BOUND, load_timeout=3 * BOUND, reconnect_backoff=60.0)
     with Scheduler(tier) as sched:
         sched.add("r1", keys, source_params(src))
-        assert all(sched.next_event(Resolved, "r1").answers.values())
+        assert sched.next_event(Resolved, "r1").answers == dict.fromkeys(keys, True)
         wait_for(lambda: hanging.transport.posts > 0)  # r1's load is in flight, stuck
         release = wedge(src)  # the source hangs...
         try:
             sched.add("r2", more, source_params(src))
             sched.next_event(Asked, "r2")  # ...with r2's lookup sent and unanswered...
             crash_connections(src)  # ...and dies: its connections go down, unanswered.
-            t_kill = time.monotonic()
 
             r2 = sched.next_event(Resolved, "r2")
             assert r2.answers == dict.fromkeys(more, False)
             failed = sched.next_event(Finished)
             assert not failed.result.success and failed.result.loaded == []
             assert set(failed.result.failed) == set(keys)
-            assert time.monotonic() - t_kill < 5.0  # the death ended them, not a deadline
         finally:
             release.set()
 
-        # While the source is down (backing off), new requests for it miss at once.
+        # While the source is down (backing off), new requests for it miss without a
+        # connect attempt: the source answers again now, so a lookup would have hit.
         sched.add("r3", keys, source_params(src))
         r3 = sched.next_event(Resolved, "r3")
-        assert r3.answers == dict.fromkeys(keys, False) and r3.after_s < 0.5
-        assert sched.slowest_call < 0.1, "a tier call blocked the scheduler"
+        assert r3.answers == dict.fromkeys(keys, False)
+        # Only "did not hang": how long tier calls take is bench/facade_latency.py's job.
+        assert sched.slowest_call < BOUND / 2, "a tier call blocked the scheduler"
         sched.call(tier.shutdown)
     assert all(k not in dst.store for k in keys + more)
 
@@ -348,19 +349,18 @@ def test_closing_the_source_mid_request_fails_its_load_and_its_next_lookups_miss
     dst = nodes("dst")
     keys = fill(src.store, 6, BLOCK)
     later = fill(src.store, 3, BLOCK)
-    tier = P2PTier(dst, lookup_timeout=5.0, load_timeout=30.0)
+    # Deadlines longer than BOUND: what ends the waits below is the close, not a deadline.
+    tier = P2PTier(dst, lookup_timeout=3 * BOUND, load_timeout=3 * BOUND)
     with Scheduler(tier) as sched:
         sched.add("r1", keys, source_params(src))
-        assert all(sched.next_event(Resolved, "r1").answers.values())
+        assert sched.next_event(Resolved, "r1").answers == dict.fromkeys(keys, True)
         wait_for(lambda: hanging.transport.posts > 0)  # r1's load is in flight, stuck
-        t_close = time.monotonic()
         src.close(timeout=BOUND)  # the source goes away (bye) with the load in flight
         failed = sched.next_event(Finished)
         assert not failed.result.success and set(failed.result.failed) == set(keys)
         sched.add("r1", later, source_params(src))  # the same request asks for more
         r1_more = sched.next_event(Resolved, "r1")
         assert r1_more.answers == dict.fromkeys(later, False)
-        assert time.monotonic() - t_close < 5.0  # the close ended them, not a deadline
         sched.call(tier.shutdown)
     assert all(k not in dst.store for k in keys + later)
 
@@ -375,18 +375,20 @@ def test_a_hung_source_costs_the_scheduler_nothing_and_its_requests_end_by_the_d
     gate = threading.Event()
     with Scheduler(tier) as sched:
         sched.add("r1", keys, source_params(src), load_gate=gate)
-        assert all(sched.next_event(Resolved, "r1").answers.values())
-        release = wedge(src)
+        assert sched.next_event(Resolved, "r1").answers == dict.fromkeys(keys, True)
+        release = wedge(src)  # hung until released (or BOUND): only a deadline ends a wait
         try:
             sched.add("r2", more, source_params(src))
             gate.set()  # r1's load goes to the hung source
             r2 = sched.next_event(Resolved, "r2")
             assert r2.answers == dict.fromkeys(more, False)
-            assert 0.5 <= r2.after_s < 0.5 + 0.5
+            assert 0.5 <= r2.after_s < BOUND / 2  # the lookup deadline ended it
             job = sched.next_event(Finished)
             assert not job.result.success and set(job.result.failed) == set(keys)
-            assert 0.8 <= job.after_s < 0.8 + 0.5
-            assert sched.slowest_call < 0.1, "a tier call blocked the scheduler"
+            assert 0.8 <= job.after_s < BOUND / 2  # the load deadline ended it
+            # A tier call that waited on the network would have waited at least the lookup
+            # deadline; how long the calls take is bench/facade_latency.py's business.
+            assert sched.slowest_call < 0.5, "a tier call blocked the scheduler"
         finally:
             release.set()
         sched.call(tier.shutdown)
@@ -404,7 +406,7 @@ def test_shutdown_leaves_no_thread_agent_or_pin_behind(
     never = threading.Event()
     with Scheduler(tier) as sched:
         sched.add("r1", keys, source_params(src), load_gate=never)
-        assert all(sched.next_event(Resolved, "r1").answers.values())
+        assert sched.next_event(Resolved, "r1").answers == dict.fromkeys(keys, True)
         assert src.statistics().pinned_slots == 5  # the lookup round holds pins
         sched.call(tier.shutdown)
         sched.call(tier.shutdown)  # idempotent
@@ -428,9 +430,10 @@ def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:
     """Hits looked up but never loaded are released when the request finishes, instead
-    of staying pinned at the source for the whole lease (10 s here)."""
-    src = nodes("src")
-    dst = nodes("dst")
+    of staying pinned at the source for the whole lease (an hour here: only the finish
+    can release them within wait_for's BOUND)."""
+    src = nodes("src", lease=3600.0)
+    dst = nodes("dst", lease=3600.0)
     keys = fill(src.store, 5, BLOCK)
     tier = P2PTier(dst, lookup_timeout=2.0, load_timeout=5.0)
     req = RequestInfo("r-unloaded", source_params(src))
@@ -441,11 +444,9 @@ def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
         for k in keys:
             answers[k] = tier.lookup(k, req)
         tier.step()
-        time.sleep(0.005)
-    assert all(answers.values())
+        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+    assert answers == dict.fromkeys(keys, True)
     assert src.statistics().pinned_slots == 5
-    start = time.monotonic()
     tier.on_request_finished(req)
     wait_for(lambda: src.statistics().pinned_slots == 0)
-    assert time.monotonic() - start < 5.0  # well inside the 10 s lease
     tier.shutdown()
