@@ -2,7 +2,8 @@
 
 * :class:`FaultTransport` — FAKE data plane for fault injection: the in-process transport
   with scripted failures of the kinds notes/nixl.md lists (slow or failing registration,
-  refused posts, writes that never settle, late completion, corrupted bytes) and counters
+  refused posts, writes that never settle, late completion, corrupted bytes, single bit
+  flips in chosen blocks) and counters
   that prove what happened (registrations added and released, posts, releases).
 * :func:`inline_offload` / :class:`VirtualOffload` — FAKE offload for Trio's autojump
   clock: blocking work runs inline, and its "slowness" is ``trio.sleep`` on virtual time
@@ -67,6 +68,8 @@ class FaultTransport(LocalTransport):
         self.hang = False  # posted writes stay PROC until released
         self.late_polls = 0  # report PROC for this many polls, then the real state
         self.corrupt = False  # write wrong bytes but report DONE
+        # source slot -> bit index: that block lands with this one bit flipped, reported DONE
+        self.flip_bits: dict[int, int] = {}
         self.adds = 0
         self.removes = 0
         self.posts = 0
@@ -106,6 +109,13 @@ class FaultTransport(LocalTransport):
                 peer, tuple(local_slots), tuple(remote_slots), native=TransferState.DONE
             )
         h = super().post_write(peer, local_slots, remote_slots)
+        if self.flip_bits:
+            bl = self.layout.block_len
+            landed: np.ndarray = peer.native
+            for s, d in zip(local_slots, remote_slots, strict=True):
+                bit = self.flip_bits.get(s)
+                if bit is not None:
+                    landed[d * bl + bit // 8] ^= 1 << (bit % 8)
         if self.hang:
             h.native = TransferState.PROC
         return h
@@ -332,6 +342,13 @@ def check_no_leaked_threads() -> Iterator[None]:
     for t in extra:  # a failing test may leave one: end it, then fail loudly
         t.join(BOUND)
     assert extra == [], f"threads left behind: {extra}"
+
+
+async def until(condition: Callable[[], bool], poll: float = 0.005) -> None:
+    """Wait on the Trio clock until condition holds: a gate on state that no event exposes
+    (statistics of another node). Callers bound it with ``trio.fail_after``."""
+    while not condition():
+        await trio.sleep(poll)
 
 
 def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:
