@@ -278,11 +278,11 @@ def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(
     hanging = GatedFactory(lambda t: setattr(t, "hang", True))
     src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
     dst = nodes("dst", close_timeout=1.0)
-    keys = fill(src.store, 4, BLOCK)
+    keys = fill(src.store, 5, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)
-    caller, out = in_thread(lambda: dst.fetch(peer, keys, timeout=BOUND))
+    caller, out = in_thread(lambda: dst.fetch(peer, keys[1:], timeout=BOUND))
     assert hanging.transport.posted.wait(BOUND)  # the fetch is in flight and stuck
-    ticket = dst.submit_fetch(peer, keys[:1])
+    ticket = dst.submit_fetch(peer, keys[:1])  # another key: a transfer of its own
     wait_for(lambda: hanging.transport.posts == 2)  # the ticket's write is in flight too
     closer, closed = in_thread(lambda: dst.close(timeout=BOUND), name="closer")
     exc = out.get(timeout=BOUND)
