@@ -159,7 +159,15 @@ async def test_a_source_killed_mid_call_fails_its_keys_at_once_and_leaks_nothing
     with trio.fail_after(60):
         src = await children.start("k-src", num_blocks=64, block_len=BLOCK, seed=seed, count=n)
         # Deadlines far past SETTLE: only the death can end the calls in time.
-        cfg = hub_config("k-hub", 128, lookup_timeout=600, fetch_timeout=600, quarantine=0.5)
+        cfg = hub_config(
+            "k-hub",
+            128,
+            lookup_timeout=600,
+            fetch_timeout=600,
+            quarantine=0.5,
+            abort_timeout=0.2,
+            landing_margin=0.2,
+        )
         async with open_node(cfg) as hub:
             peer = await hub.connect(src.address)
             keys = [block_key(seed, i) for i in range(n)]
@@ -212,6 +220,8 @@ async def test_a_source_stopped_mid_call_fails_its_keys_by_the_deadline_then_is_
             lookup_timeout=deadline,
             fetch_timeout=deadline,
             quarantine=0.5,
+            abort_timeout=0.2,
+            landing_margin=0.2,
             idle_timeout=600,
             heartbeat_interval=300,
         )
@@ -266,7 +276,14 @@ async def test_a_source_stopped_past_the_idle_timeout_is_dropped_cleanly_and_can
     with trio.fail_after(60):
         src = await children.start("d-src", num_blocks=64, block_len=BLOCK, seed=seed, count=n)
         cfg = hub_config(
-            "d-hub", 64, fetch_timeout=600, quarantine=0.5, idle_timeout=1.0, heartbeat_interval=0.2
+            "d-hub",
+            64,
+            fetch_timeout=600,
+            quarantine=0.5,
+            abort_timeout=0.2,
+            landing_margin=0.2,
+            idle_timeout=1.0,
+            heartbeat_interval=0.2,
         )
         async with open_node(cfg) as hub:
             peer = await hub.connect(src.address)
@@ -310,7 +327,9 @@ async def test_a_consumer_killed_mid_write_costs_the_producer_only_that_peer(
     with trio.fail_after(90):
         victim = await children.start("w-victim", num_blocks=n, block_len=BLOCK, env=tcp)
         other = await children.start("w-other", num_blocks=64, block_len=BLOCK, env=tcp)
-        async with open_node(hub_config("w-hub", n, quarantine=0.5)) as hub:
+        async with open_node(
+            hub_config("w-hub", n, quarantine=0.5, abort_timeout=0.2, landing_margin=0.2)
+        ) as hub:
             for i in range(n):
                 hub.store.put(block_key(seed, i), block_bytes(seed, i, BLOCK))
             for child in (victim, other):
