@@ -21,6 +21,7 @@ a missing field is an error. No code-executing codec (pickle) is ever used.
 from __future__ import annotations
 
 import enum
+import itertools
 import struct
 from collections.abc import Callable, Iterable
 from typing import Any, Final, TypeVar
@@ -340,6 +341,66 @@ def encode_all(msgs: Iterable[Message]) -> bytes:
     return b"".join(encode(m) for m in msgs)
 
 
+_MAP_HEADERS: Final = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
+_ARRAY_HEADERS: Final = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+
+
+def _unpack_body(body: bytes) -> object:
+    """Unpack one frame body of the only shape a message has: a map of scalars and
+    lists of scalars.
+
+    msgpack allocates a list as long as its header announces before reading a single
+    element, so nested array headers (3 bytes each, announcing 65,535 elements) would make
+    a 3 KB frame cost tens of megabytes. Here the top-level map and its lists are walked
+    by hand, each list bounded by the bytes that remain (an element takes at least one),
+    and every element is unpacked by an unpacker that accepts no non-empty container at
+    all: nothing nests, and nothing is allocated that the frame does not pay for.
+    """
+    u = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        ext_hook=_reject_ext,
+        max_buffer_size=max(len(body), 1),
+        max_str_len=MAX_METADATA,
+        max_bin_len=MAX_METADATA,
+        max_array_len=0,
+        max_map_len=0,
+        max_ext_len=0,
+    )
+    u.feed(body)
+    if body[0] in _ARRAY_HEADERS:
+        raise RemoteProtocolError("frame is not a map but list")
+    if body[0] not in _MAP_HEADERS:
+        obj: object = u.unpack()  # a scalar: from_wire names its type
+    else:
+        n = u.read_map_header()
+        if n > 64:
+            raise RemoteProtocolError(f"undecodable frame: a map of {n} fields (limit 64)")
+        fields: dict[object, object] = {}
+        for _ in range(n):
+            key = u.unpack()
+            if type(key) is not str:
+                raise RemoteProtocolError("undecodable frame: a map key is not a str")
+            pos = u.tell()
+            if pos < len(body) and body[pos] in _ARRAY_HEADERS:
+                m = u.read_array_header()
+                if m > MAX_KEYS or m > len(body) - u.tell():
+                    raise RemoteProtocolError(
+                        f"undecodable frame: a list of {m} elements does not fit the frame"
+                    )
+                items = list(itertools.islice(u, m))
+                if len(items) != m:
+                    raise RemoteProtocolError("undecodable frame: it ends inside a list")
+                fields[key] = items
+            else:
+                fields[key] = u.unpack()
+        obj = fields
+    if u.tell() != len(body):
+        raise RemoteProtocolError("undecodable frame: extra bytes after its message")
+    return obj
+
+
 def _reject_ext(code: int, data: bytes) -> object:
     raise RemoteProtocolError(f"msgpack extension type {code} is not allowed")
 
@@ -387,18 +448,7 @@ class FrameDecoder:
         body = bytes(self._buf[HEADER.size : end])
         del self._buf[:end]
         try:
-            obj = msgpack.unpackb(
-                body,
-                raw=False,
-                strict_map_key=True,
-                use_list=True,
-                ext_hook=_reject_ext,
-                max_str_len=MAX_METADATA,
-                max_bin_len=MAX_METADATA,
-                max_array_len=MAX_KEYS,
-                max_map_len=64,
-                max_ext_len=0,
-            )
+            obj = _unpack_body(body)
         except RemoteProtocolError:
             raise
         except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
