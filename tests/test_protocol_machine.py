@@ -384,7 +384,10 @@ class SessionPairMachine(RuleBasedStateMachine):
         assert sorted(self.proto[s].expire(self.now)) == due
         for i in due:
             del self.rounds[s][i]
-            self.expired[s].add(i)
+            # A round whose consumer already closed it with an empty fetch (still on the
+            # wire) loses its tombstone when that fetch arrives; only open requests keep one.
+            if i in self.out[other(s)]:
+                self.expired[s].add(i)
 
     def do_ping(self, data: st.DataObject) -> None:
         s = self.side(data)
@@ -551,13 +554,9 @@ PRODUCER_STATES = {
 }
 
 TestSessionPair = SessionPairMachine.TestCase
-# Derandomized in the default run: a random search once found a sequence (an abort
-# crossing a lookup answer, then an empty fetch of an expired round) where the model and
-# the tombstone rule disagree; it is open in the tracker. P2PKV_SLOW=1 searches at random.
 TestSessionPair.settings = settings(
     max_examples=80 if os.environ.get("P2PKV_SLOW") != "1" else 800,
     stateful_step_count=80,
     deadline=None,
-    derandomize=os.environ.get("P2PKV_SLOW") != "1",
     suppress_health_check=[HealthCheck.too_slow],
 )
