@@ -85,6 +85,7 @@ from __future__ import annotations
 import heapq
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import islice
@@ -126,6 +127,9 @@ _ANY_OWNER: Final[Hashable] = object()
 _NO_SLOTS: Final[frozenset[int]] = frozenset()
 
 
+_yield_gil = time.sleep
+
+
 class _Batch:
     """``with _Batch(store):`` one engine-side lock section: first let in a host call that
     is waiting (it holds ``_turn``), then hold ``_lock``. (A host section is simply
@@ -138,6 +142,10 @@ class _Batch:
 
     def __enter__(self) -> None:
         store = self._store
+        # Drop the GIL for a moment: a host thread that the interpreter's switch interval
+        # took the GIL from (it holds no store lock, so _turn cannot help it) gets it back
+        # here, after one batch, instead of after the engine's whole switch interval.
+        _yield_gil(0)
         turn = store._turn
         turn.acquire()
         turn.release()
