@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Iterator
+import signal
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
+from p2pkv.transport import _nixl_agent
+
 from .helpers import blocking_nodes
+from .node_proc import Children
 
 if TYPE_CHECKING:
     from p2pkv.facade import BlockingNode
@@ -25,3 +31,23 @@ for _name, _value in (
 def nodes() -> Iterator[Callable[..., BlockingNode]]:
     """Start BlockingNodes (sync facade) by peer id; all are closed at the end."""
     yield from blocking_nodes()
+
+
+@pytest.fixture
+def no_agent_left() -> Iterator[None]:
+    yield
+    assert _nixl_agent.registry_counts() == (0, 0), "a NIXL agent outlived its test"
+
+
+@pytest.fixture
+async def children(tmp_path: Path, no_agent_left: None) -> AsyncIterator[Children]:
+    """Node processes (tests/node_proc.py); every one is ended at the end."""
+    kids = Children(tmp_path)
+    try:
+        yield kids
+    finally:
+        for child in kids.started:  # a stopped child would sit out aclose()'s grace
+            with contextlib.suppress(ProcessLookupError):
+                if child.proc.returncode is None:
+                    child.proc.send_signal(signal.SIGCONT)
+        await kids.aclose()

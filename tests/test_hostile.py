@@ -18,7 +18,6 @@ every loop, repetition and Hypothesis example count 10 times over.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
 import itertools
@@ -27,8 +26,6 @@ import signal
 import struct
 import threading
 import tracemalloc
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -41,7 +38,6 @@ from hypothesis import strategies as st
 from p2pkv import NodeConfig, P2PKVError, P2PKVTimeout, SessionClosed, open_node
 from p2pkv.errors import RemoteProtocolError
 from p2pkv.node import Node
-from p2pkv.transport import _nixl_agent
 from p2pkv.wire import HEADER, MAX_FRAME_SIZE, MESSAGE_TYPES, FrameDecoder, Message, encode
 
 from .helpers import FaultFactory, config, fill, is_trio_cache_thread, until
@@ -60,25 +56,6 @@ SETTLE = 10.0  # seconds: a bound for state to settle after an event, never an e
 # ================================================================ processes (real NIXL)
 
 
-@pytest.fixture
-def no_agent_left() -> Iterator[None]:
-    yield
-    assert _nixl_agent.registry_counts() == (0, 0), "a NIXL agent outlived its test"
-
-
-@pytest.fixture
-async def children(tmp_path: Path, no_agent_left: None) -> AsyncIterator[Children]:
-    kids = Children(tmp_path)
-    try:
-        yield kids
-    finally:
-        for child in kids.started:  # a stopped child would sit out aclose()'s grace
-            with contextlib.suppress(ProcessLookupError):
-                if child.proc.returncode is None:
-                    child.proc.send_signal(signal.SIGCONT)
-        await kids.aclose()
-
-
 def process_state(pid: int) -> str:
     """The kernel's one-letter state of ``pid`` ("T": stopped, "Z": zombie, ...)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -95,9 +72,18 @@ async def thaw(child: NodeProcess) -> None:
     await until(lambda: process_state(child.proc.pid) != "T")
 
 
+# Short settle times: a quarantine (and the abort deadline and landing margin it must
+# exceed) that the tests can wait out.
+SHORT_SETTLE = {"quarantine": 0.5, "abort_timeout": 0.2, "landing_margin": 0.2}
+
+
 def hub_config(peer_id: str, num_blocks: int, **kw: Any) -> NodeConfig:
     return NodeConfig(
-        peer_id=peer_id, transport="nixl", num_blocks=num_blocks, block_len=BLOCK, **kw
+        peer_id=peer_id,
+        transport="nixl",
+        num_blocks=num_blocks,
+        block_len=BLOCK,
+        **(SHORT_SETTLE | kw),
     )
 
 
@@ -164,9 +150,6 @@ async def test_a_source_killed_mid_call_fails_its_keys_at_once_and_leaks_nothing
             128,
             lookup_timeout=600,
             fetch_timeout=600,
-            quarantine=0.5,
-            abort_timeout=0.2,
-            landing_margin=0.2,
         )
         async with open_node(cfg) as hub:
             peer = await hub.connect(src.address)
@@ -219,9 +202,6 @@ async def test_a_source_stopped_mid_call_fails_its_keys_by_the_deadline_then_is_
             128,
             lookup_timeout=deadline,
             fetch_timeout=deadline,
-            quarantine=0.5,
-            abort_timeout=0.2,
-            landing_margin=0.2,
             idle_timeout=600,
             heartbeat_interval=300,
         )
@@ -279,9 +259,6 @@ async def test_a_source_stopped_past_the_idle_timeout_is_dropped_cleanly_and_can
             "d-hub",
             64,
             fetch_timeout=600,
-            quarantine=0.5,
-            abort_timeout=0.2,
-            landing_margin=0.2,
             idle_timeout=1.0,
             heartbeat_interval=0.2,
         )
@@ -327,9 +304,7 @@ async def test_a_consumer_killed_mid_write_costs_the_producer_only_that_peer(
     with trio.fail_after(90):
         victim = await children.start("w-victim", num_blocks=n, block_len=BLOCK, env=tcp)
         other = await children.start("w-other", num_blocks=64, block_len=BLOCK, env=tcp)
-        async with open_node(
-            hub_config("w-hub", n, quarantine=0.5, abort_timeout=0.2, landing_margin=0.2)
-        ) as hub:
+        async with open_node(hub_config("w-hub", n)) as hub:
             for i in range(n):
                 hub.store.put(block_key(seed, i), block_bytes(seed, i, BLOCK))
             for child in (victim, other):

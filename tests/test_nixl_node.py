@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib.util
 import random
 import signal
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,21 +60,6 @@ async def check_child_fetch(
     assert got["mismatched"] == []
     assert got["crcs"] == [block_crc(seed, i, BLOCK) for i in got["indexes"]]
     return got
-
-
-@pytest.fixture
-def no_agent_left() -> Iterator[None]:
-    yield
-    assert _nixl_agent.registry_counts() == (0, 0), "a NIXL agent outlived its test"
-
-
-@pytest.fixture
-async def children(tmp_path: Path, no_agent_left: None) -> AsyncIterator[Children]:
-    kids = Children(tmp_path)
-    try:
-        yield kids
-    finally:
-        await kids.aclose()
 
 
 async def test_fetch_from_another_process_lands_byte_exact_in_scattered_slots(
