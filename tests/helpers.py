@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -349,6 +350,41 @@ async def until(condition: Callable[[], bool], poll: float = 0.005) -> None:
     (statistics of another node). Callers bound it with ``trio.fail_after``."""
     while not condition():
         await trio.sleep(poll)
+
+
+def run_interleaved(
+    *targets: Callable[[], None],
+    on_error: Callable[[BaseException], None],
+    bound: float = 60.0,
+) -> None:
+    """Run ``targets`` on threads of their own, with the interpreter switching between
+    threads as finely as it can, so that every interleaving gets a chance. ``on_error``
+    runs in the failing thread (to wake the others); the first error is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:
+                errors.append(exc)
+                on_error(exc)
+
+        return run
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=guarded(t)) for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=bound)
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert not any(t.is_alive() for t in threads), "a thread did not finish"
+    if errors:
+        raise errors[0]
 
 
 def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:

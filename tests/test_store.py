@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import mmap
 import queue
-import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -18,6 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from p2pkv.errors import P2PKVError, StoreFull
 from p2pkv.store import BlockStore, StoreStatistics
 from p2pkv.transport.base import RegionLayout
+
+from .helpers import run_interleaved
 
 L = 16  # block_len of the small stores
 
@@ -743,7 +744,6 @@ def test_pinned_blocks_never_change_while_the_host_thread_puts() -> None:
     # that is tested and then cleared can (a set() landing between the two is erased).
     pass_wanted: queue.SimpleQueue[int] = queue.SimpleQueue()
     pass_done: queue.SimpleQueue[int] = queue.SimpleQueue()
-    errors: list[BaseException] = []
 
     def host() -> None:
         barrier.wait()
@@ -793,30 +793,11 @@ def test_pinned_blocks_never_change_while_the_host_thread_puts() -> None:
             assert store.unpin(owner) == len(held)
         stop.set()
 
-    def run(target: Callable[[], None]) -> threading.Thread:
-        def guarded() -> None:
-            try:
-                target()
-            except BaseException as exc:
-                errors.append(exc)
-                stop.set()
-                barrier.abort()
+    def wake_the_other(_exc: BaseException) -> None:
+        stop.set()
+        barrier.abort()
 
-        thread = threading.Thread(target=guarded)
-        thread.start()
-        return thread
-
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # interleave the two threads as finely as possible
-    try:
-        threads = [run(host), run(engine)]
-        for thread in threads:
-            thread.join(timeout=60)
-    finally:
-        sys.setswitchinterval(old_interval)
-    assert not any(t.is_alive() for t in threads)
-    if errors:
-        raise errors[0]
+    run_interleaved(host, engine, on_error=wake_the_other)
     store._check_invariants()
     stats = store.statistics()
     assert stats.pinned == 0 and stats.reserved == 0 and stats.quarantined == 0

@@ -15,7 +15,6 @@ import contextlib
 import itertools
 import queue
 import random
-import sys
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -28,6 +27,8 @@ from hypothesis import strategies as st
 from p2pkv import store as store_module
 from p2pkv.errors import StoreFull
 from p2pkv.store import BlockStore
+
+from .helpers import run_interleaved
 
 N = 65_536  # keys in one big engine call: the most one message may carry
 L = 16
@@ -504,7 +505,6 @@ def test_a_free_running_host_thread_never_sees_a_pinned_block_change() -> None:
     want: queue.Queue[int] = queue.Queue()
     done: queue.Queue[int] = queue.Queue()
     stop = threading.Event()
-    errors: list[BaseException] = []
 
     def host() -> None:
         rng = random.Random(1)
@@ -539,32 +539,16 @@ def test_a_free_running_host_thread_never_sees_a_pinned_block_change() -> None:
                 assert bytes(store.view(s)) == data, "a pinned block changed"
             assert store.unpin(owner) == len([s for s in slots if s is not None])
 
-    def guarded(target: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target()
-            except BaseException as exc:
-                errors.append(exc)
-                done.put(-1)  # an engine waiting for a host pass wakes up at once
-            finally:
-                if target is engine:
-                    stop.set()
+    def engine_then_stop() -> None:
+        try:
+            engine()
+        finally:
+            stop.set()
 
-        return run
+    def wake_the_engine(_exc: BaseException) -> None:
+        done.put(-1)  # an engine waiting for a host pass wakes up at once
 
-    old_interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)  # interleave the two threads as finely as possible
-    try:
-        threads = [threading.Thread(target=guarded(f)) for f in (host, engine)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        sys.setswitchinterval(old_interval)
-    assert not any(t.is_alive() for t in threads)
-    if errors:
-        raise errors[0]
+    run_interleaved(host, engine_then_stop, on_error=wake_the_engine)
     store._check_invariants()
     stats = store.statistics()
     assert stats.pinned == 0 and stats.reserved == 0 and stats.free + stats.used == n
