@@ -59,6 +59,7 @@ from .protocol import (
     LookupAnswered,
     OutState,
     TransferCompleted,
+    keys_fit,
 )
 
 log = logging.getLogger("p2pkv.session")
@@ -196,16 +197,11 @@ class ConsumerSide(SessionParts):
     def _limits(self) -> RequestLimits:
         """What one of our requests may hold: never more than the wire allows, our own
         config, or what the peer advertised in its hello (so it never has to cut us off)."""
-        cfg, peer = self.cfg, self.proto.peer
-        frame = min(cfg.max_frame_size, MAX_FRAME_SIZE)
-        max_keys = min(cfg.max_keys_per_request, MAX_KEYS)
-        max_key_len = min(cfg.max_key_len, MAX_KEY_LEN)
-        if peer is not None:
-            max_keys = min(max_keys, peer.max_keys_per_request)
-            max_key_len = min(max_key_len, peer.max_key_len)
+        frame = min(self.cfg.max_frame_size, MAX_FRAME_SIZE)
+        max_keys, max_key_len = self.proto.request_limits()
         return RequestLimits(
-            max_keys=max_keys,
-            max_key_len=max_key_len,
+            max_keys=min(max_keys, MAX_KEYS),
+            max_key_len=min(max_key_len, MAX_KEY_LEN),
             max_bytes=max(frame - FRAME_OVERHEAD, MAX_KEY_LEN + KEY_OVERHEAD),
         )
 
@@ -225,6 +221,8 @@ class ConsumerSide(SessionParts):
 
     def _check_keys(self, keys: Sequence[bytes], op: str) -> None:
         max_len = self._limits().max_key_len
+        if keys_fit(keys, max_len):
+            return  # the usual case, without a Python loop per key
         for i, k in enumerate(keys):
             problem = self._key_problem(k, max_len)
             if problem is not None:
@@ -376,11 +374,14 @@ class ConsumerSide(SessionParts):
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
         outcome: dict[bytes, str | None] = {}
         max_len = self._limits().max_key_len
-        valid = [k for k in wanted if type(k) is bytes and 0 < len(k) <= max_len]
-        if len(valid) < len(wanted):
+        valid = wanted
+        if not keys_fit(wanted, max_len):
+            valid = []
             for k in wanted:
                 problem = self._key_problem(k, max_len)
-                if problem is not None:
+                if problem is None:
+                    valid.append(k)
+                else:
                     outcome[k] = problem
         store = self.node.store
         mine: list[bytes] = []

@@ -286,6 +286,15 @@ def ack_proof(secret: bytes, acker: str, nonce: bytes) -> bytes:
 MIN_NONCE = 16  # bytes of a fresh nonce when authentication is on
 
 
+def keys_fit(keys: Sequence[object], max_key_len: int) -> bool:
+    """Every key is bytes of 1..``max_key_len``: C-level passes, no Python loop per key."""
+    return not keys or (
+        set(map(type, keys)) == {bytes}
+        and min(map(len, keys)) > 0  # type: ignore[arg-type]
+        and max(map(len, keys)) <= max_key_len  # type: ignore[arg-type]
+    )
+
+
 class SessionProtocol:
     """One side of one session. See the module docstring."""
 
@@ -739,20 +748,27 @@ class SessionProtocol:
 
     # --- consumer calls -------------------------------------------------------------------
 
+    def request_limits(self) -> tuple[int, int]:
+        """(keys per request, bytes per key) our requests must keep to: our own limits,
+        and, once its hello is in, the ones the peer advertised (it enforces those)."""
+        li, peer = self.local, self.peer
+        max_keys, max_key_len = li.max_keys_per_request, li.max_key_len
+        if peer is not None:
+            max_keys = min(max_keys, peer.max_keys_per_request)
+            max_key_len = min(max_key_len, peer.max_key_len)
+        return max_keys, max_key_len
+
     def _check_own_keys(self, keys: Sequence[bytes], op: str) -> None:
-        """Our own limits, before anything is sent: the peer would close the session."""
-        li = self.local
-        if len(keys) > li.max_keys_per_request:
+        """Our own request, before anything is sent: the peer would close the session."""
+        max_keys, max_key_len = self.request_limits()
+        if len(keys) > max_keys:
             raise LocalProtocolError(
-                f"{len(keys)} keys in one request (cap {li.max_keys_per_request})",
-                peer=self.peer_id,
-                op=op,
+                f"{len(keys)} keys in one request (cap {max_keys})", peer=self.peer_id, op=op
             )
-        for k in keys:
-            if type(k) is not bytes or not 0 < len(k) <= li.max_key_len:
-                raise LocalProtocolError(
-                    f"every key must be bytes of 1..{li.max_key_len}", peer=self.peer_id, op=op
-                )
+        if not keys_fit(keys, max_key_len):
+            raise LocalProtocolError(
+                f"every key must be bytes of 1..{max_key_len}", peer=self.peer_id, op=op
+            )
 
     def send_lookup(self, keys: Sequence[bytes]) -> int:
         """Start a lookup round; returns its request id."""
