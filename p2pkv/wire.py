@@ -305,8 +305,7 @@ def from_wire(obj: object) -> Message:
     """Structure one unpacked msgpack object into a validated message."""
     if type(obj) is not dict:
         raise RemoteProtocolError(f"frame is not a map but {type(obj).__name__}")
-    # FIX(test_wire bytes_map_key): msgpack's strict_map_key still admits bytes keys, which
-    # the structuring then silently ignored; field names are str, anything else is malformed.
+    # Field names are str; any other key (msgpack's strict_map_key admits bytes) is malformed.
     if any(type(k) is not str for k in obj):
         raise RemoteProtocolError("frame map has a key that is not a str")
     tag = obj.get("t")

@@ -146,7 +146,7 @@ class _OutReq:
     state: OutState
     nkeys: int
     nfetch: int = 0
-    # FIX: the state an abort left, so that only the reply that was really in flight when
+    # The state an abort left, so that only the reply that was really in flight when
     # we aborted (a lookup_resp after LOOKUP_SENT, a transfer_done after FETCH_SENT) is
     # swallowed; any other reply to an aborted request is still a protocol error.
     aborted_from: OutState | None = None
@@ -634,7 +634,7 @@ class SessionProtocol:
         if isinstance(msg, Abort):
             return self._on_abort(msg)
         if isinstance(msg, Ping):
-            # FIX: through _emit, like every other reply: the ping may arrive before the
+            # Through _emit, like every other reply: the ping may arrive before the
             # peer's hello_ack (the peer has our ack, we do not have its ack yet), and a pong
             # on the wire before the peer's ack was sent is a protocol error at the peer.
             self._emit(Pong(nonce=msg.nonce))
@@ -722,7 +722,7 @@ class SessionProtocol:
         if len(m.hits) != r.nkeys:
             raise RemoteProtocolError("lookup_resp: hit count differs from key count")
         if r.state is OutState.ABORT_SENT:
-            r.aborted_from = OutState.OPEN  # FIX: a second lookup_resp is an error
+            r.aborted_from = OutState.OPEN  # a second lookup_resp is an error
             return None  # crossed our abort; the abort_ack ends it
         r.state = OutState.OPEN
         return LookupAnswered(m.req_id, m.hits)
@@ -734,7 +734,7 @@ class SessionProtocol:
         if len(m.outcomes) != r.nfetch:
             raise RemoteProtocolError("transfer_done: outcome count differs from fetch")
         if r.state is OutState.ABORT_SENT:
-            r.aborted_from = OutState.OPEN  # FIX: a second transfer_done is an error
+            r.aborted_from = OutState.OPEN  # a second transfer_done is an error
             return None
         del self._out[m.req_id]
         return TransferCompleted(m.req_id, m.outcomes, m.checksums)
@@ -796,7 +796,7 @@ class SessionProtocol:
             raise LocalProtocolError("fetch: keys and slots differ in length")
         if any(not 0 <= s < self.local.num_blocks for s in slots):
             raise LocalProtocolError("fetch slot outside our region")
-        if len(set(slots)) != len(slots):  # FIX: the peer rejects this as a protocol error
+        if len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
             raise LocalProtocolError("duplicate destination slot in one fetch")
         msg = Fetch(req_id=req_id, keys=list(keys), slots=list(slots))
         self._emit(msg)
@@ -865,7 +865,7 @@ class SessionProtocol:
             r is not None and r.state is InState.WRITING, f"send_transfer_done for request {req_id}"
         )
         assert r is not None
-        if len(outcomes) != r.nfetch:  # FIX: the peer rejects this as a protocol error
+        if len(outcomes) != r.nfetch:  # the peer rejects this as a protocol error
             raise LocalProtocolError(
                 f"{len(outcomes)} outcomes for a fetch of {r.nfetch} keys", peer=self.peer_id
             )
