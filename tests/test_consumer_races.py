@@ -273,7 +273,9 @@ async def test_many_concurrent_fetches_lookups_and_releases_keep_every_guarantee
 
 _OPS = st.lists(
     st.tuples(
-        st.sampled_from(["lookup", "fetch", "held_fetch", "held_fetch_vs_release", "evict"]),
+        st.sampled_from(
+            ["lookup", "fetch", "held_fetch", "held_fetch_vs_release", "evict", "connect"]
+        ),
         st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True),
     ),
     min_size=1,
@@ -281,12 +283,13 @@ _OPS = st.lists(
 )
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=150 if os.environ.get("P2PKV_SLOW") == "1" else 15, deadline=None)
 @given(ops=_OPS)
 async def test_random_concurrent_local_calls_keep_every_guarantee(
     ops: list[tuple[str, list[int]]],
 ) -> None:
-    """Hypothesis picks the calls; they all run at once (Trio picks the interleaving)."""
+    """Hypothesis picks the calls (lookups, fetches, held rounds, releases, evictions,
+    connects); they all run at once (Trio picks the interleaving)."""
     with trio.fail_after(BOUND):
         async with pair() as (src, dst):
             keys = fill(src.store, 10, BLOCK) + [os.urandom(32) for _ in range(2)]
@@ -302,6 +305,8 @@ async def test_random_concurrent_local_calls_keep_every_guarantee(
                 elif kind == "evict":
                     for k in ks:
                         dst.store.evict(k)
+                elif kind == "connect":  # connecting again returns the live peer
+                    assert await dst.connect(src.address) == peer
                 else:
                     rnd = await dst.lookup_round(peer, ks)
                     async with trio.open_nursery() as n:
