@@ -55,6 +55,7 @@ import trio
 from .config import NodeConfig
 from .errors import P2PKVTimeout, PortalClosed
 from .node import Node, NodeStatistics, Peer, TransportFactory, open_node
+from .pins import PinSource
 from .portal import EngineContext, EngineThread
 from .registrar import Offload
 from .session.session import FetchResult, LookupRound
@@ -85,6 +86,7 @@ def start_node(
     region: object | None = None,
     transport: TransportFactory | None = None,
     offload: Offload | None = None,
+    pin_source: PinSource | None = None,
     start_timeout: float = 30.0,
 ) -> BlockingNode:
     """Run a node on a background engine thread; return once it listens.
@@ -100,7 +102,9 @@ def start_node(
     async def main(ctx: EngineContext[Node]) -> None:
         failure: BaseException | None = None
         try:
-            async with open_node(cfg, region=region, transport=transport, offload=offload) as node:
+            async with open_node(
+                cfg, region=region, transport=transport, offload=offload, pin_source=pin_source
+            ) as node:
                 ctx.started(node)
                 await ctx.wait_closing()
         except BaseException as exc:
@@ -153,6 +157,7 @@ class BlockingNode:
                 ("connect", c.connect_timeout + c.handshake_timeout),
                 ("lookup", c.lookup_timeout),
                 ("fetch", c.lookup_timeout + c.fetch_timeout),
+                ("fetch_into", c.lookup_timeout + c.fetch_timeout + c.quarantine),
                 ("disconnect", c.close_timeout),
                 ("release", c.close_timeout),
                 ("close", 2 * c.close_timeout),
@@ -313,6 +318,22 @@ class BlockingNode:
     ) -> int:
         """Start :meth:`fetch` on the engine; returns a ticket (result: FetchResult)."""
         return self._submit(self._node.fetch, (peer, list(keys), rounds), "fetch", timeout)
+
+    def submit_fetch_into(
+        self,
+        peer: Peer | str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        *,
+        rounds: LookupRound | Sequence[LookupRound] | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Start :meth:`Node.fetch_into` (land ``keys[i]`` in region slot ``slots[i]``);
+        returns a ticket (result: FetchResult, published only once no write into the
+        slots can land any more). If the ticket ends in an exception instead (deadline,
+        node closed), the slots must be kept ``config.quarantine`` seconds more."""
+        args = (peer, list(keys), list(slots), rounds)
+        return self._submit(self._node.fetch_into, args, "fetch_into", timeout)
 
     def poll(self, ticket: int) -> TicketResult | None:
         """None while the ticket is in flight; then its result, once (raising the

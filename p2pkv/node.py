@@ -52,6 +52,7 @@ from .errors import (
     P2PKVTimeout,
     PeerUnavailable,
 )
+from .pins import PinSource
 from .registrar import Offload, Registrar, RegistrarStatistics, to_thread
 from .session.protocol import LocalInfo
 from .session.session import FetchResult, LookupRound, PeerSession
@@ -133,6 +134,11 @@ class Node:
         self._closed = trio.Event()
         self._stopped = trio.Event()
         self._wake_quarantine = trio.Event()
+        # Region slots a fetch_into is landing in now (the caller owns them otherwise).
+        self.caller_slots: set[int] = set()
+        # Who pins for a lookup of ours when the host owns presence and pins (vLLM's
+        # primary tier); None: the store does.
+        self.pin_source: PinSource | None = None
 
     # --- what sessions need -------------------------------------------------------------
 
@@ -380,6 +386,29 @@ class Node:
         may use (besides anonymous rounds from :meth:`lookup`)."""
         return await self._session(peer, "fetch").fetch(keys, self._handles(rounds))
 
+    async def fetch_into(
+        self,
+        peer: Peer | str,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        rounds: LookupRound | Iterable[LookupRound] | None = None,
+    ) -> FetchResult:
+        """Pull ``keys[i]`` into region slot ``slots[i]``, bypassing :attr:`store`'s key
+        map: for a host that owns allocation and presence itself (vLLM's primary tier).
+        Returns only once no write into ``slots`` can land any more (after a give-up,
+        ``quarantine`` seconds later). Per-key failures are in ``result.failed``; raises
+        ``PeerUnavailable`` if the peer is not connected and ``LocalProtocolError`` for bad
+        arguments (see :meth:`~p2pkv.session.session.PeerSession.fetch_into`)."""
+        session = self._session(peer, "fetch")
+        return await session.fetch_into(keys, slots, self._handles(rounds))
+
+    def unpin(self, owner: object) -> None:
+        """Release the pins ``owner`` (a producer round) holds, wherever they are held."""
+        if self.pin_source is not None:
+            self.pin_source.unpin(owner)
+        else:
+            self.store.unpin(owner)
+
     async def release(self, peer: Peer | str, rounds: LookupRound | Iterable[LookupRound]) -> int:
         """Give back the pins of the rounds of ``rounds`` (from :meth:`lookup_round`) that
         no fetch used, e.g. when the request that looked them up is finished. Returns how
@@ -557,16 +586,20 @@ async def open_node(
     region: object | None = None,
     transport: TransportFactory | None = None,
     offload: Offload | None = None,
+    pin_source: PinSource | None = None,
 ) -> AsyncIterator[Node]:
     """Run a node for the duration of the ``async with`` block; listening when entered.
 
     ``region``: memory the host hands in for the block store (NumPy array, torch CPU
-    tensor, writable buffer); allocated if omitted. ``transport`` and ``offload`` are for
-    tests (a fault-injecting transport; a Trio-native offload on the autojump clock).
+    tensor, writable buffer); allocated if omitted. ``pin_source``: the host owns which
+    blocks exist and pins them for peers (:class:`~p2pkv.pins.HostPins`); the store's key
+    map is then unused. ``transport`` and ``offload`` are for tests (a fault-injecting
+    transport; a Trio-native offload on the autojump clock).
     """
     store = BlockStore(config.num_blocks, config.block_len, region)
     dp = (transport or make_transport)(config, store)
     node = Node(config, store, dp, offload or to_thread, transport or make_transport)
+    node.pin_source = pin_source
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(node._serve)

@@ -109,15 +109,19 @@ class RequestInfo:
 
 @attrs.frozen
 class LoadJob:
-    """Load ``keys`` of request ``request_id`` from its source into the node's store.
+    """Load ``keys`` of request ``request_id`` from its source.
 
-    ``request`` is only needed when the tier has not seen the request through ``lookup``.
+    Without ``slots`` the keys land in the node's store. With ``slots`` (vLLM's chunk ids:
+    the host owns the memory), ``keys[i]`` lands in region slot ``slots[i]`` and the job is
+    reported only once no write into those slots can land any more. ``request`` is only
+    needed when the tier has not seen the request through ``lookup``.
     """
 
     job_id: int
     request_id: str
     keys: Sequence[bytes]
     request: RequestLike | None = None
+    slots: Sequence[int] | None = None
 
 
 @attrs.frozen
@@ -186,6 +190,7 @@ class _Load:
     keys: list[bytes]
     deadline: float
     rounds: tuple[LookupRound, ...] = ()  # the request's rounds when it was submitted
+    slots: list[int] | None = None  # caller-owned destinations (job.slots, deduplicated)
 
 
 @attrs.define(eq=False)
@@ -221,6 +226,9 @@ class P2PTier:
         reconnect_backoff: float = 5.0,
         owns_node: bool = False,
     ) -> None:
+        # Slot loads that ended without the engine's word that their writes settled:
+        # reported only this many seconds later (the producer may still be writing).
+        self.quarantine = node.config.quarantine
         self.node = node
         self.lookup_timeout = lookup_timeout
         self.load_timeout = load_timeout
@@ -236,6 +244,7 @@ class P2PTier:
         self._loads: dict[int, _Load] = {}
         self._orphans: set[int] = set()  # tickets whose outcome nobody needs any more
         self._finished: list[JobResult] = []
+        self._holds: list[tuple[float, JobResult]] = []  # (report at, result)
         self._closed = False
 
     @classmethod
@@ -274,6 +283,10 @@ class P2PTier:
         comes out of :meth:`get_finished_jobs` as a :class:`JobResult`."""
         now = time.monotonic()
         keys = list(dict.fromkeys(job.keys))
+        slots = None if job.slots is None else [int(c) for c in job.slots]
+        if slots is not None and (len(slots) != len(job.keys) or len(keys) != len(job.keys)):
+            self._fail_job(job, keys, "keys must be distinct, one slot per key")
+            return
         if self._closed:
             self._fail_job(job, keys, "tier shut down")
             return
@@ -295,7 +308,7 @@ class P2PTier:
         if st.unsent:
             st.unsent = [k for k in st.unsent if k not in wanted]
             self._flush_request(st, now)
-        load = _Load(job, keys, now + self.load_timeout, tuple(st.rounds))
+        load = _Load(job, keys, now + self.load_timeout, tuple(st.rounds), slots)
         src = st.source
         if src.peer is not None:
             self._start_load(src.peer, load, now)
@@ -313,6 +326,7 @@ class P2PTier:
         self._batching = None
         self._poll_lookups(now)
         self._poll_loads(now)
+        self._release_holds(now)
         self._expire_unsent(now)
         self._poll_orphans()
 
@@ -329,6 +343,7 @@ class P2PTier:
             or self._connecting
             or self._lookups
             or self._loads
+            or self._holds
             or any(st.waiting_loads for st in self._requests.values())
         )
 
@@ -357,19 +372,49 @@ class P2PTier:
             self._fail_job(load.job, load.keys, "request finished")
         st.waiting_loads.clear()
 
-    def shutdown(self) -> None:
-        """Stop; idempotent. Fails what is still in flight (reported by a last
-        ``get_finished_jobs``) and, if the tier owns the node, closes it: no engine
-        thread, data-plane agent or pin at a source is left behind (closing the node
-        ends its sessions, and the sources release their pins with them)."""
+    def drain(self, timeout: float) -> bool:
+        """Block (the only call that does) until every load submitted so far is reported
+        by :meth:`get_finished_jobs`, at most ``timeout`` seconds; loads still waiting for
+        a connection fail at once. True if nothing is left in flight. The engine thread
+        does the work, so this needs nothing from the calling thread."""
+        end = time.monotonic() + timeout
+        for st in self._requests.values():
+            for load in st.waiting_loads:
+                self._fail_job(load.job, load.keys, "drained")
+            st.waiting_loads.clear()
+        while True:
+            self.step()
+            if not (self._loads or self._holds):
+                return True
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.002, left))  # the engine publishes; we only read the board
+
+    def shutdown(self, *, drain_timeout: float | None = None) -> None:
+        """Stop; idempotent. Waits for the loads in flight (:meth:`drain`, at most
+        ``drain_timeout``, default ``load_timeout + quarantine + 1 s``), then fails what
+        is left and, if the tier owns the node, closes it: no engine thread, data-plane
+        agent or pin at a source is left behind (closing the node ends its sessions, and
+        the sources release their pins with them). A slot load cut short by the close
+        makes shutdown wait out its quarantine, so that no write can land in the host's
+        memory after this returns."""
         if self._closed:
             return
+        limit = self.load_timeout + self.quarantine + 1.0
+        self.drain(limit if drain_timeout is None else drain_timeout)
         self._closed = True
+        cut_short = any(load.slots is not None for load in self._loads.values())
         for load in self._loads.values():
             self._fail_job(load.job, load.keys, "tier shut down")
         for st in self._requests.values():
             for load in st.waiting_loads:
                 self._fail_job(load.job, load.keys, "tier shut down")
+        for _, result in self._holds:
+            self._finished.append(result)
+        if self._holds:
+            cut_short = True
+        self._holds.clear()
         self._loads.clear()
         self._lookups.clear()
         self._connecting.clear()
@@ -379,6 +424,8 @@ class P2PTier:
         self._batching = None
         if self.owns_node:
             self.node.close()
+        if cut_short:
+            time.sleep(self.quarantine)
 
     # ---------------------------------------------------------------- requests and sources
 
@@ -548,9 +595,13 @@ class P2PTier:
     # ---------------------------------------------------------------- loads
 
     def _start_load(self, peer: Peer, load: _Load, now: float) -> None:
-        ticket = self.node.submit_fetch(
-            peer, load.keys, rounds=load.rounds, timeout=max(load.deadline - now, 0.001)
-        )
+        limit = max(load.deadline - now, 0.001)
+        if load.slots is None:
+            ticket = self.node.submit_fetch(peer, load.keys, rounds=load.rounds, timeout=limit)
+        else:  # the engine withholds the result until no write can land
+            ticket = self.node.submit_fetch_into(
+                peer, load.keys, load.slots, rounds=load.rounds, timeout=limit + self.quarantine
+            )
         self._loads[ticket] = load
 
     def _poll_loads(self, now: float) -> None:
@@ -559,14 +610,25 @@ class P2PTier:
                 outcome = self.node.poll(ticket)
             except Exception as exc:
                 del self._loads[ticket]
-                if isinstance(exc, PeerUnavailable | PortalClosed):
-                    st = self._requests.get(load.job.request_id)
-                    if st is not None and st.source is not None:
-                        self._source_down(st.source, f"load failed: {exc}", now)
-                self._fail_job(load.job, load.keys, str(exc) or type(exc).__name__)
+                st = self._requests.get(load.job.request_id)
+                reason = str(exc) or type(exc).__name__
+                if (
+                    isinstance(exc, PeerUnavailable | PortalClosed)
+                    and st is not None
+                    and st.source is not None
+                ):
+                    self._source_down(st.source, f"load failed: {exc}", now)
+                if st is not None and st.failed is None:
+                    self._fail_request(st, f"load failed: {reason}")
+                if load.slots is None:
+                    self._fail_job(load.job, load.keys, reason)
+                else:  # no word from the engine that the writes settled: wait them out
+                    failed = dict.fromkeys(load.keys, reason)
+                    result = JobResult(load.job.job_id, False, [], failed)
+                    self._holds.append((now + self.quarantine, result))
                 continue
             if outcome is None:
-                if now >= load.deadline:
+                if load.slots is None and now >= load.deadline:
                     del self._loads[ticket]
                     self._orphans.add(ticket)
                     self._fail_job(load.job, load.keys, "load timed out")
@@ -575,11 +637,20 @@ class P2PTier:
             assert isinstance(outcome, FetchResult)
             loaded = set(outcome.loaded)
             failed = {k: outcome.failed.get(k, "not loaded") for k in load.keys if k not in loaded}
+            st = self._requests.get(load.job.request_id)
+            if failed and st is not None and st.failed is None:
+                self._fail_request(st, "load failed")  # or vLLM asks for the keys again
             self._finished.append(
                 JobResult(
                     load.job.job_id, not failed, [k for k in load.keys if k in loaded], failed
                 )
             )
+
+    def _release_holds(self, now: float) -> None:
+        if self._holds and self._holds[0][0] <= now:
+            due = [h for h in self._holds if h[0] <= now]
+            self._holds = [h for h in self._holds if h[0] > now]
+            self._finished.extend(result for _, result in due)
 
     def _fail_job(self, job: LoadJob, keys: list[bytes], reason: str) -> None:
         self._finished.append(JobResult(job.job_id, False, [], dict.fromkeys(keys, reason)))

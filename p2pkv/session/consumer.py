@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -157,6 +158,56 @@ class _Claim:
 
     done: trio.Event = attrs.field(factory=trio.Event)
     outcome: dict[bytes, str | None] = attrs.field(factory=dict)
+
+
+class _StoreLanding:
+    """Where a :meth:`ConsumerSide.fetch` lands: slots reserved in the node's store, the
+    good keys committed, the rest released, unsettled slots quarantined in the store."""
+
+    def __init__(self, session: ConsumerSide) -> None:
+        self.store = session.node.store
+        self.session = session
+
+    def owner(self, req: int) -> object:
+        return (self.session.token, "dst", req)
+
+    def reserve(self, req: int, keys: list[bytes]) -> list[int]:
+        return self.store.reserve(self.owner(req), len(keys))
+
+    def commit(self, req: int, slots: list[int], keys: list[bytes]) -> None:
+        self.store.commit_many(self.owner(req), slots, keys)
+
+    def release(self, req: int, slots: list[int]) -> None:
+        self.store.release_reserved(self.owner(req), slots)
+
+    def quarantine(self, req: int, slots: list[int], until: float) -> None:
+        self.store.quarantine(self.owner(req), slots, until=until)
+        self.session.node.wake_quarantine()
+
+
+class _CallerSlots:
+    """Where a :meth:`ConsumerSide.fetch_into` lands: the slots the caller named. Nothing
+    is reserved or committed (the caller owns the slots); an unsettled write only pushes
+    back the moment the fetch may return (``settle_at``)."""
+
+    def __init__(self, dst: dict[bytes, int]) -> None:
+        self.dst = dst
+        self.settle_at = -math.inf
+
+    def reserve(self, req: int, keys: list[bytes]) -> list[int]:
+        return [self.dst[k] for k in keys]
+
+    def commit(self, req: int, slots: list[int], keys: list[bytes]) -> None:
+        pass
+
+    def release(self, req: int, slots: list[int]) -> None:
+        pass
+
+    def quarantine(self, req: int, slots: list[int], until: float) -> None:
+        self.settle_at = max(self.settle_at, until)
+
+
+_Landing = _StoreLanding | _CallerSlots
 
 
 class ConsumerSide(SessionParts):
@@ -399,11 +450,12 @@ class ConsumerSide(SessionParts):
             self._fetching[k] = claim
         try:
             groups, uncovered = self._claim_rounds(mine, rounds)
+            landing = _StoreLanding(self)
             async with trio.open_nursery() as nursery:
                 for req, ks in groups.items():
-                    nursery.start_soon(self._fetch_round, req, ks, claim.outcome)
+                    nursery.start_soon(self._fetch_round, req, ks, claim.outcome, landing)
                 for chunk in self._chunks(uncovered):
-                    nursery.start_soon(self._lookup_and_fetch, chunk, claim.outcome)
+                    nursery.start_soon(self._lookup_and_fetch, chunk, claim.outcome, landing)
         finally:
             for k in mine:
                 claim.outcome.setdefault(k, "cancelled")
@@ -417,6 +469,84 @@ class ConsumerSide(SessionParts):
                 outcome[k] = other.outcome.get(k, "cancelled")
         result = FetchResult()
         for k in wanted:
+            why = outcome[k]
+            if why is None:
+                result.loaded.append(k)
+            else:
+                result.failed[k] = why
+        return result
+
+    async def fetch_into(
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        rounds: Iterable[LookupRound] = (),
+    ) -> FetchResult:
+        """Fetch ``keys[i]`` into the caller's slot ``slots[i]`` of the region, bypassing the
+        store's key map (the caller owns presence, allocation and pins: vLLM's primary
+        tier). Rounds as in :meth:`fetch`; no sharing with other fetches (the caller does
+        not ask twice for a key it is already bringing in).
+
+        Returns only once no write into ``slots`` can land any more: at once when the
+        producer's ``transfer_done`` is in; after a give-up (deadline, session lost), only
+        ``quarantine`` seconds later. So whatever the result says, the caller may reuse
+        every slot when it has it. Cancelled before that, it promises nothing: the caller
+        must keep the slots ``quarantine`` seconds. Raises :class:`LocalProtocolError`,
+        before anything is sent, for mismatched lengths, a slot out of the region, a
+        slot named twice or in use by another ``fetch_into``, or a repeated key."""
+        keys, dst_slots = list(keys), [int(s) for s in slots]
+        if len(keys) != len(dst_slots):
+            raise LocalProtocolError(
+                f"{len(keys)} keys but {len(dst_slots)} slots", peer=self.peer_id, op="fetch"
+            )
+        try:
+            dst = dict(zip(keys, dst_slots, strict=True))
+        except TypeError:
+            raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
+        n = self.cfg.num_blocks
+        taken = self.node.caller_slots
+        if (
+            len(dst) != len(keys)
+            or len(set(dst_slots)) != len(dst_slots)
+            or (dst_slots and (min(dst_slots) < 0 or max(dst_slots) >= n))
+            or not taken.isdisjoint(dst_slots)
+        ):
+            raise LocalProtocolError(
+                f"keys must be distinct and slots distinct, free and in 0..{n - 1}",
+                peer=self.peer_id,
+                op="fetch",
+            )
+        outcome: dict[bytes, str | None] = {}
+        max_len = self._limits().max_key_len
+        valid = keys
+        if not keys_fit(keys, max_len):
+            valid = []
+            for k in keys:
+                problem = self._key_problem(k, max_len)
+                if problem is None:
+                    valid.append(k)
+                else:
+                    outcome[k] = problem
+        landing = _CallerSlots(dst)
+        taken.update(dst_slots)
+        try:
+            # No checkpoint between finding the rounds and claiming them.
+            groups, uncovered = self._claim_rounds(valid, rounds)
+            try:
+                async with trio.open_nursery() as nursery:
+                    for req, ks in groups.items():
+                        nursery.start_soon(self._fetch_round, req, ks, outcome, landing)
+                    for chunk in self._chunks(uncovered):
+                        nursery.start_soon(self._lookup_and_fetch, chunk, outcome, landing)
+            finally:
+                for k in valid:
+                    outcome.setdefault(k, "cancelled")
+            # A write we gave up on may still land until the quarantine's end.
+            await trio.sleep_until(landing.settle_at)
+        finally:
+            taken.difference_update(dst_slots)
+        result = FetchResult()
+        for k in keys:
             why = outcome[k]
             if why is None:
                 result.loaded.append(k)
@@ -453,7 +583,9 @@ class ConsumerSide(SessionParts):
             del self._rounds[req]
         return groups, uncovered
 
-    async def _lookup_and_fetch(self, keys: list[bytes], outcome: dict[bytes, str | None]) -> None:
+    async def _lookup_and_fetch(
+        self, keys: list[bytes], outcome: dict[bytes, str | None], landing: _Landing
+    ) -> None:
         try:
             req, hits = await self._lookup_round(keys)
         except P2PKVError as exc:
@@ -461,10 +593,11 @@ class ConsumerSide(SessionParts):
             return
         outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
         # No checkpoint since the answer: the round is still this fetch's alone.
-        await self._fetch_round(req, [k for k, h in zip(keys, hits, strict=True) if h], outcome)
+        hit_keys = [k for k, h in zip(keys, hits, strict=True) if h]
+        await self._fetch_round(req, hit_keys, outcome, landing)
 
     async def _fetch_round(
-        self, req: int, keys: list[bytes], outcome: dict[bytes, str | None]
+        self, req: int, keys: list[bytes], outcome: dict[bytes, str | None], landing: _Landing
     ) -> None:
         """Fetch ``keys`` on the round ``req`` this task has claimed; an empty ``keys``
         closes the round."""
@@ -480,9 +613,8 @@ class ConsumerSide(SessionParts):
             self._close_round(req)
             await self._flush()
             return
-        store, owner = self.node.store, (self.token, "dst", req)
         try:
-            slots = store.reserve(owner, len(keys))
+            slots = landing.reserve(req, keys)
         except StoreFull as exc:
             self._close_round(req)
             outcome.update((k, f"store full: {exc}") for k in keys)
@@ -492,7 +624,7 @@ class ConsumerSide(SessionParts):
             self.proto.send_fetch(req, keys, slots)
         except LocalProtocolError as exc:  # pragma: no cover - checked above; never leak
             log.warning("fetch on round %d refused locally: %s", req, exc)
-            store.release_reserved(owner, slots)
+            landing.release(req, slots)
             outcome.update((k, f"refused locally: {exc.message}") for k in keys)
             return
         p.arm()
@@ -503,45 +635,44 @@ class ConsumerSide(SessionParts):
             with trio.fail_after(self.cfg.fetch_timeout):
                 await p.event.wait()
         except trio.TooSlowError:
-            self._give_up(p, owner, keys, outcome, "timeout")
+            self._give_up(p, landing, keys, outcome, "timeout")
             return
         except BaseException:
-            self._give_up(p, owner, keys, outcome, "cancelled")
+            self._give_up(p, landing, keys, outcome, "cancelled")
             raise
         finally:
             self.node.poller.drop_demand()
         if p.error is not None:
-            self._give_up(p, owner, keys, outcome, str(p.error))
+            self._give_up(p, landing, keys, outcome, str(p.error))
             return
-        await self._land(p, owner, keys, p.result, outcome)
+        await self._land(p, landing, keys, p.result, outcome)
 
     def _give_up(
         self,
         p: _Pending,
-        owner: object,
+        landing: _Landing,
         keys: list[bytes],
         outcome: dict[bytes, str | None],
         reason: str,
     ) -> None:
         """The writes into ``p.slots`` are unsettled: quarantine them until the deadline
         (see the module docstring), abort the request."""
-        self.node.store.quarantine(owner, p.slots, until=trio.current_time() + self.cfg.quarantine)
+        landing.quarantine(p.req_id, p.slots, trio.current_time() + self.cfg.quarantine)
         p.slots = []
-        self.node.wake_quarantine()
         self._abort(p)
         outcome.update((k, reason) for k in keys)
 
     async def _land(
         self,
         p: _Pending,
-        owner: object,
+        landing: _Landing,
         keys: list[bytes],
         done: TransferCompleted,
         outcome: dict[bytes, str | None],
     ) -> None:
         """``transfer_done`` is in, so every write has settled: commit the good keys,
         free the other slots. If cancelled while checking, every slot is freed."""
-        store, bl = self.node.store, self.cfg.block_len
+        store, bl, req = self.node.store, self.cfg.block_len, p.req_id
         ok = [i for i, o in enumerate(done.outcomes) if o == Outcome.OK]
         good = set(ok)
         reason_bad = ""
@@ -561,7 +692,7 @@ class ConsumerSide(SessionParts):
                     good = {i for i, c in zip(ok, local, strict=True) if c == done.checksums[i]}
                     reason_bad = "checksum mismatch"
         except BaseException:
-            store.release_reserved(owner, p.slots)
+            landing.release(req, p.slots)
             p.slots = []
             outcome.update((k, "cancelled") for k in keys)
             raise
@@ -576,7 +707,7 @@ class ConsumerSide(SessionParts):
                 release.append(slot)
                 o = done.outcomes[i]
                 outcome[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
-        store.commit_many(owner, commit_slots, commit_keys)
+        landing.commit(req, commit_slots, commit_keys)
         outcome.update((k, None) for k in commit_keys)
-        store.release_reserved(owner, release)
+        landing.release(req, release)
         p.slots = []

@@ -4,7 +4,10 @@ Theory of operation
 -------------------
 A lookup pins its hits in the store for the round (one pin owner per round, never
 reused), in slices of at most one turn's keys (:mod:`p2pkv.session.turns`), and up to the
-per-peer pin cap: hits beyond it are answered as misses. A lookup that would take the
+per-peer pin cap: hits beyond it are answered as misses. A node whose host owns the
+blocks (``Node.pin_source``, e.g. :class:`~p2pkv.pins.HostPins` for vLLM) asks the host
+instead, in one request bounded by the host's answer deadline; releases go to the same
+place (``Node.unpin``). A lookup that would take the
 peer over ``max_keys_held_per_peer`` is answered all misses without touching the store,
 and a fetch that would is answered ``OVER_CAP`` for every key at once; the session stays
 up. A round keeps only its hits' source slots (the fetch repeats the keys).
@@ -76,7 +79,16 @@ class ProducerSide(SessionParts):
         cfg, store, keys = self.cfg, self.node.store, ev.keys
         held = self._pinned[ev.req_id] = HeldRound()
         hits = [False] * len(keys)
-        if self.proto.keys_held() <= cfg.max_keys_held_per_peer:
+        pins = self.node.pin_source
+        if pins is not None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
+            # The host pins, on its own thread: one request, bounded by its answer deadline.
+            room = max(cfg.max_pinned_blocks - self.proto.pins_held(), 0)
+            got = await pins.pin(held.owner, keys[:room])
+            for j, slot in enumerate(got):
+                if slot is not None:
+                    hits[j] = True
+                    held.sources[keys[j]] = slot
+        elif self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             room = cfg.max_pinned_blocks - self.proto.pins_held()
             i = 0
             while i < len(keys) and room > 0:
@@ -97,7 +109,7 @@ class ProducerSide(SessionParts):
     def _release_round(self, req: int) -> None:
         held = self._pinned.pop(req, None)
         if held is not None and not held.quarantined:  # else the quarantine's end unpins
-            self.node.store.unpin(held.owner)
+            self.node.unpin(held.owner)
 
     def _on_round_closed(self, ev: RoundClosed) -> None:
         self._release_round(ev.req_id)
@@ -135,7 +147,7 @@ class ProducerSide(SessionParts):
         self, req: int, held: HeldRound, outcomes: list[int], sums: list[int] | None
     ) -> None:
         """Runs ``quarantine`` seconds after a write was released unsettled (or at shutdown)."""
-        self.node.store.unpin(held.owner)
+        self.node.unpin(held.owner)
         if self._pinned.get(req) is not held:
             return  # the round is gone with its session or the peer's old incarnation
         del self._pinned[req]
