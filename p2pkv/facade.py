@@ -245,6 +245,12 @@ class BlockingNode:
             self._node.release, peer, rounds, timeout=self._timeout("release", timeout)
         )
 
+    def release_unused_pins(self, *, timeout: float | None = None) -> int:
+        """Blocking :meth:`Node.release_unused_pins`."""
+        return self._engine.call(
+            self._node.release_unused_pins, timeout=self._timeout("release", timeout)
+        )
+
     def disconnect(self, peer: Peer | str, *, timeout: float | None = None) -> None:
         self._engine.call(self._node.disconnect, peer, timeout=self._timeout("disconnect", timeout))
 

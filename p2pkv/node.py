@@ -409,6 +409,13 @@ class Node:
         else:
             self.store.unpin(owner)
 
+    async def release_unused_pins(self) -> int:
+        """Release every pin held for a peer's round that no write is using, in every
+        session (a host that must get its memory back, e.g. vLLM's ``reset_cache``). A
+        peer that fetches such a round later gets ``NOT_PINNED`` for its keys. Pins under
+        a write stay until it settles or its quarantine ends. Returns how many rounds."""
+        return sum(s.release_unused_pins() for s in list(self._sessions))
+
     async def release(self, peer: Peer | str, rounds: LookupRound | Iterable[LookupRound]) -> int:
         """Give back the pins of the rounds of ``rounds`` (from :meth:`lookup_round`) that
         no fetch used, e.g. when the request that looked them up is finished. Returns how

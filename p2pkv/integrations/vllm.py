@@ -278,6 +278,15 @@ class P2PTier:
         st.unsent.append(key)
         return None
 
+    def prepare(self, request: RequestLike) -> None:
+        """A new request (vLLM's ``on_new_request``): start connecting its source now, so
+        its first lookups need not wait for the dial. Never blocks."""
+        if self._closed:
+            return
+        st = self._request(request)
+        if st.source is not None and st.failed is None:
+            self._connect(st.source, time.monotonic())
+
     def submit_load(self, job: LoadJob) -> None:
         """Start loading ``job.keys`` from the request's source; never blocks. The outcome
         comes out of :meth:`get_finished_jobs` as a :class:`JobResult`."""
@@ -377,6 +386,9 @@ class P2PTier:
         by :meth:`get_finished_jobs`, at most ``timeout`` seconds; loads still waiting for
         a connection fail at once. True if nothing is left in flight. The engine thread
         does the work, so this needs nothing from the calling thread."""
+        return self._drain(timeout, slot_loads_only=False)
+
+    def _drain(self, timeout: float, *, slot_loads_only: bool) -> bool:
         end = time.monotonic() + timeout
         for st in self._requests.values():
             for load in st.waiting_loads:
@@ -384,7 +396,8 @@ class P2PTier:
             st.waiting_loads.clear()
         while True:
             self.step()
-            if not (self._loads or self._holds):
+            busy = any(ld.slots is not None or not slot_loads_only for ld in self._loads.values())
+            if not (busy or self._holds):
                 return True
             left = end - time.monotonic()
             if left <= 0:
@@ -392,8 +405,9 @@ class P2PTier:
             time.sleep(min(0.002, left))  # the engine publishes; we only read the board
 
     def shutdown(self, *, drain_timeout: float | None = None) -> None:
-        """Stop; idempotent. Waits for the loads in flight (:meth:`drain`, at most
-        ``drain_timeout``, default ``load_timeout + quarantine + 1 s``), then fails what
+        """Stop; idempotent. Waits for the slot loads in flight (as :meth:`drain` does, at
+        most ``drain_timeout``, default ``load_timeout + quarantine + 1 s``; loads into the
+        store are not waited for: the store quarantines its own slots), then fails what
         is left and, if the tier owns the node, closes it: no engine thread, data-plane
         agent or pin at a source is left behind (closing the node ends its sessions, and
         the sources release their pins with them). A slot load cut short by the close
@@ -402,7 +416,7 @@ class P2PTier:
         if self._closed:
             return
         limit = self.load_timeout + self.quarantine + 1.0
-        self.drain(limit if drain_timeout is None else drain_timeout)
+        self._drain(limit if drain_timeout is None else drain_timeout, slot_loads_only=True)
         self._closed = True
         cut_short = any(load.slots is not None for load in self._loads.values())
         for load in self._loads.values():
@@ -484,12 +498,17 @@ class P2PTier:
                     for load in loads:
                         self._start_load(peer, load, now)
 
-    def _source_down(self, src: _Source, reason: str, now: float, *, backoff: bool = True) -> None:
-        """The source is unusable: fail every request that still waits on it."""
-        if backoff:
+    def _source_down(
+        self, src: _Source, reason: str, now: float, *, backoff: bool = True, lost: bool = False
+    ) -> None:
+        """The source is unusable: fail every request that still waits on it. A failed
+        dial backs off (``backoff``); a session that was up and ended (``lost``: the source
+        died or restarted) may be dialed again by the next request at once."""
+        if backoff or lost:
             log.warning("p2p source %s:%d down: %s", *src.address, reason)
             src.peer = None
             src.error = reason
+        if backoff and not lost:
             src.retry_at = now + self.reconnect_backoff
         for st in list(self._requests.values()):
             if (
@@ -576,7 +595,7 @@ class P2PTier:
 
     def _lookup_failed(self, st: _Request, exc: Exception, now: float) -> None:
         if isinstance(exc, PeerUnavailable | PortalClosed) and st.source is not None:
-            self._source_down(st.source, f"lookup failed: {exc}", now)
+            self._source_down(st.source, f"lookup failed: {exc}", now, lost=True)
         self._fail_request(st, f"lookup failed: {exc}")
 
     def _expire_unsent(self, now: float) -> None:
@@ -617,7 +636,7 @@ class P2PTier:
                     and st is not None
                     and st.source is not None
                 ):
-                    self._source_down(st.source, f"load failed: {exc}", now)
+                    self._source_down(st.source, f"load failed: {exc}", now, lost=True)
                 if st is not None and st.failed is None:
                     self._fail_request(st, f"load failed: {reason}")
                 if load.slots is None:

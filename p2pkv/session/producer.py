@@ -83,7 +83,14 @@ class ProducerSide(SessionParts):
         if pins is not None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             # The host pins, on its own thread: one request, bounded by its answer deadline.
             room = max(cfg.max_pinned_blocks - self.proto.pins_held(), 0)
-            got = await pins.pin(held.owner, keys[:room])
+            try:
+                got = await pins.pin(held.owner, keys[:room])
+            except BaseException:
+                self.node.unpin(held.owner)  # whatever the host pinned for nobody
+                raise
+            if self._pinned.get(ev.req_id) is not held:  # released meanwhile
+                self.node.unpin(held.owner)
+                got = []
             for j, slot in enumerate(got):
                 if slot is not None:
                     hits[j] = True
@@ -110,6 +117,14 @@ class ProducerSide(SessionParts):
         held = self._pinned.pop(req, None)
         if held is not None and not held.quarantined:  # else the quarantine's end unpins
             self.node.unpin(held.owner)
+
+    def release_unused_pins(self) -> int:
+        """Release the pins of every round no write is using (a host draining its
+        memory); a fetch on such a round later gets NOT_PINNED. Returns how many."""
+        idle = [r for r, h in self._pinned.items() if r not in self._writes and not h.quarantined]
+        for req in idle:
+            self._release_round(req)
+        return len(idle)
 
     def _on_round_closed(self, ev: RoundClosed) -> None:
         self._release_round(ev.req_id)

@@ -1,0 +1,571 @@
+"""p2pkv as a vLLM 0.33 secondary tier, loaded from configuration alone.
+
+vLLM builds it from ``kv_connector_extra_config["secondary_tiers"]``::
+
+    {"type": "p2pkv", "module_path": "p2pkv.integrations.vllm_tier",
+     "host": "10.0.0.5", "port": 5710}
+
+``SecondaryTierFactory`` imports this module, takes the attribute named by ``type``
+(:data:`p2pkv`, bound to :class:`P2pkvSecondaryTier`) and constructs it with the offloading
+spec, the CPU primary tier's memory (``primary_kv_view``) and every other key as a keyword
+argument. The keys the built-in ``p2p`` tier also reads mean the same here (``host``,
+``port`` plus the data-parallel index), so switching is a one-word change; the rest are
+p2pkv's own (:class:`TierSettings`). Requests name their source as with the built-in tier:
+``kv_transfer_params["remote_kv_source"] = {"remote_host", "remote_port", "kv_request_id"}``.
+
+Theory of operation
+-------------------
+One node per tier, on its own engine thread (:func:`~p2pkv.start_node`), over vLLM's memory:
+its region *is* ``primary_kv_view`` (registered with NIXL once), and its store's key map is
+unused: vLLM's primary tier owns which blocks exist, where, and their pins.
+
+* Consumer. ``lookup``/``submit_load``/``on_request_finished`` go to a
+  :class:`~p2pkv.integrations.vllm.P2PTier` (batching, probe cache, deadlines, source
+  connections), whose loads land in the chunk ids vLLM names (``fetch_into``). HIT means the
+  source holds the key pinned for this request's round; RETRY while the probe is out; MISS
+  for a miss, and for every later key of a request once anything of it failed (vLLM frees a
+  failed key and asks again: without that, the request would loop). A load is reported only
+  once no write of it can land any more: at once when the source said every write settled,
+  otherwise ``quarantine_s`` after p2pkv gave up on it, since vLLM reuses a failed chunk at
+  once.
+* Source. A peer's lookup reaches vLLM's primary tier through :class:`~p2pkv.pins.HostPins`:
+  the engine posts it, ``serve_external_requests`` (vLLM's tier-poll thread, under vLLM's
+  lock) asks ``parent.lookup`` per key, pins the hits with ``parent.create_store_job`` in
+  the same call, and answers with their chunk ids; keys vLLM is still bringing in are asked
+  again on later calls until the request's answer deadline. The job ids are the pins'
+  token: each is reported (``get_finished_jobs``) exactly once, when the engine released the
+  round (fetched and settled, closed, lease over, quarantine over, peer gone).
+* Nothing here blocks vLLM except ``drain_jobs`` and ``shutdown``, which must: the engine
+  thread makes every bit of progress, so they wait on it without needing vLLM's lock.
+
+Thread-safety: vLLM calls every method under its one lock, from the scheduler thread or its
+tier-poll thread; the engine thread never calls into vLLM. What the two sides share is the
+facade's ticket board and :class:`HostPins`, each behind its own short lock.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import itertools
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import attrs
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    OffloadingCounterMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    ParentManager,
+    SecondaryTierManager,
+    TransferJob,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from ..config import NodeConfig
+from ..facade import start_node
+from ..pins import HostPins, PinRequest
+from .vllm import JobResult as LoadResult
+from .vllm import LoadJob, P2PTier
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+__all__ = ["P2pkvSecondaryTier", "TierSettings", "p2pkv"]
+
+log = logging.getLogger("p2pkv.vllm")
+
+_METRIC_PREFIX = "vllm:kv_offload_p2pkv_"
+_COUNTERS = {
+    "loaded_blocks": "Blocks pulled from peers into this engine's CPU tier.",
+    "loaded_bytes": "Bytes pulled from peers into this engine's CPU tier.",
+    "failed_blocks": "Blocks whose pull from a peer failed (recomputed instead).",
+    "served_blocks": "Blocks this engine pinned for peers' lookups.",
+}
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"p2pkv tier: {name} must be a number of seconds, got {value!r}")
+    out = float(value)
+    if not (math.isfinite(out) and out > 0):
+        raise ValueError(f"p2pkv tier: {name} must be positive, got {value!r}")
+    return out
+
+
+def _int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"p2pkv tier: {name} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"p2pkv tier: {name} must be an integer, got {value!r}") from None
+
+
+@attrs.frozen(kw_only=True)
+class TierSettings:
+    """The tier's configuration keys (JSON values; numbers may come as strings).
+
+    Shared with vLLM's built-in ``p2p`` tier: ``host`` (the address peers dial; default
+    ``$VLLM_P2P_SIDE_CHANNEL_HOST`` or ``localhost``), ``port`` (default
+    ``$VLLM_P2P_SIDE_CHANNEL_PORT`` or 5710; the bound port is ``port`` + the data-parallel
+    index; 0 picks a free one) and ``backends`` (ignored: p2pkv's data plane is NIXL/UCX).
+    p2pkv's own: ``peer_id`` (default ``host:port``), ``secret`` (HMAC of the handshake),
+    ``tls_cert``/``tls_key``/``tls_ca``, ``verify_checksums``, ``transport`` (``nixl`` or
+    ``local`` for in-process tests), the deadlines in seconds ``load_timeout_s`` (30, as
+    the built-in), ``lookup_timeout_s`` (5), ``connect_timeout_s`` (10),
+    ``quarantine_s`` (5), ``abort_timeout_s`` (2), ``landing_margin_s`` (1),
+    ``serve_timeout_s`` (how long a peer's lookup may wait for this engine's answer; 2),
+    ``reconnect_backoff_s`` (5), ``lease_s`` (10), and the caps ``max_peers`` (64) and
+    ``max_pinned_blocks`` (65,536 per peer).
+    """
+
+    host: str
+    port: int
+    peer_id: str
+    secret: bytes | None = attrs.field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    verify_checksums: bool = False
+    transport: str = "nixl"
+    load_timeout_s: float = 30.0
+    lookup_timeout_s: float = 5.0
+    connect_timeout_s: float = 10.0
+    quarantine_s: float = 5.0
+    abort_timeout_s: float = 2.0
+    landing_margin_s: float = 1.0
+    serve_timeout_s: float = 2.0
+    reconnect_backoff_s: float = 5.0
+    lease_s: float = 10.0
+    max_peers: int = 64
+    max_pinned_blocks: int = 65536
+
+    _SECONDS: ClassVar[tuple[str, ...]] = (
+        "load_timeout_s",
+        "lookup_timeout_s",
+        "connect_timeout_s",
+        "quarantine_s",
+        "abort_timeout_s",
+        "landing_margin_s",
+        "serve_timeout_s",
+        "reconnect_backoff_s",
+        "lease_s",
+    )
+    _IGNORED: ClassVar[frozenset[str]] = frozenset(
+        {"backends", "num_threads", "unbound_store_timeout_s", "locality"}
+    )
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any], dp_index: int = 0) -> TierSettings:
+        """Parse the tier's keyword arguments; ValueError names the bad or unknown key."""
+        kw = dict(kwargs)
+        host = str(kw.pop("host", os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST", "localhost")))
+        base = _int("port", kw.pop("port", os.environ.get("VLLM_P2P_SIDE_CHANNEL_PORT", 5710)))
+        if not 0 <= base < 65536:
+            raise ValueError(f"p2pkv tier: port must be 0..65535, got {base}")
+        port = base + dp_index if base else 0
+        out: dict[str, Any] = {"host": host, "port": port}
+        out["peer_id"] = str(kw.pop("peer_id", f"{host}:{port}" if port else ""))
+        secret = kw.pop("secret", None)
+        if secret is not None:
+            if not isinstance(secret, str | bytes) or not secret:
+                raise ValueError("p2pkv tier: secret must be a non-empty string")
+            out["secret"] = secret.encode() if isinstance(secret, str) else secret
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            if name in kw:
+                out[name] = str(kw.pop(name))
+        if "verify_checksums" in kw:
+            flag = kw.pop("verify_checksums")
+            if not isinstance(flag, bool):
+                raise ValueError("p2pkv tier: verify_checksums must be true or false")
+            out["verify_checksums"] = flag
+        if "transport" in kw:
+            transport = kw.pop("transport")
+            if transport not in ("nixl", "local"):
+                raise ValueError(f"p2pkv tier: transport must be nixl or local, not {transport!r}")
+            out["transport"] = transport
+        for name in cls._SECONDS:
+            if name in kw:
+                out[name] = _seconds(name, kw.pop(name))
+        for name in ("max_peers", "max_pinned_blocks"):
+            if name in kw:
+                value = _int(name, kw.pop(name))
+                if value <= 0:
+                    raise ValueError(f"p2pkv tier: {name} must be positive")
+                out[name] = value
+        unknown = sorted(set(kw) - cls._IGNORED)
+        if unknown:
+            raise ValueError(f"p2pkv tier: unknown configuration keys {unknown}")
+        return cls(**out)
+
+
+@attrs.define(eq=False)
+class _Request:
+    """What the consumer side keeps on vLLM's ReqContext (``set_state``)."""
+
+    request_id: str
+    kv_transfer_params: Mapping[str, Any] | None
+
+
+@attrs.define(eq=False)
+class _Serve:
+    """A peer's lookup being answered from vLLM's primary tier, over one or more calls."""
+
+    req: PinRequest
+    ctx: ReqContext
+    slots: list[int | None]
+    pending: list[int]  # indexes of keys vLLM is still bringing in (HIT_PENDING/RETRY)
+    jobs: list[int] = attrs.field(factory=list)  # store jobs pinning the hits
+
+
+@attrs.define(eq=False)
+class _LoadInfo:
+    keys: list[bytes]
+    submitted: float
+
+
+class P2pkvSecondaryTier(SecondaryTierManager):
+    """p2pkv's peer-to-peer tier for vLLM 0.33 (see the module docstring)."""
+
+    cache_hit_source = CacheHitSource.P2P
+    tolerates_off_thread_polling = True
+
+    #: Keys a peer's lookups may make one ``serve_external_requests`` call ask vLLM
+    #: about; the rest wait for the next call (about 1 ms later), so vLLM's lock is
+    #: never held long on a peer's behalf.
+    SERVE_KEYS_PER_CALL = 8192
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if backpressure_detector is not None:
+            raise ValueError("the p2pkv tier does not take a backpressure configuration")
+        super().__init__(offloading_spec, primary_kv_view, tier_type, None)
+        locality = kwargs.get("locality")
+        if locality is not None:
+            self.locality = Locality(str(locality).upper())
+        spec_cfg = offloading_spec.config
+        self.settings = TierSettings.from_kwargs(kwargs, spec_cfg.parallel.data_parallel_index)
+        s = self.settings
+        shape = primary_kv_view.shape or (0,)
+        num_chunks = int(shape[0])  # a row per chunk
+        block_len = int(self.block_size_bytes)
+        region = np.frombuffer(primary_kv_view, dtype=np.uint8)
+        if region.nbytes < num_chunks * block_len:
+            raise ValueError("primary_kv_view is smaller than num_chunks x block_size_bytes")
+        cfg = NodeConfig(
+            peer_id=s.peer_id or f"{s.host}:{os.getpid()}-{secrets.token_hex(4)}",
+            host=s.host,
+            port=s.port,
+            num_blocks=num_chunks,
+            block_len=block_len,
+            transport="nixl" if s.transport == "nixl" else "local",
+            fingerprint=_fingerprint(offloading_spec, block_len),
+            hash_algo="vllm-offload-key",
+            secret=s.secret,
+            verify_checksums=s.verify_checksums,
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+            tls_ca=s.tls_ca,
+            connect_timeout=s.connect_timeout_s,
+            lookup_timeout=s.lookup_timeout_s,
+            fetch_timeout=s.load_timeout_s,
+            abort_timeout=s.abort_timeout_s,
+            quarantine=s.quarantine_s,
+            landing_margin=s.landing_margin_s,
+            lease=s.lease_s,
+            max_peers=s.max_peers,
+            max_pinned_blocks=s.max_pinned_blocks,
+        )
+        self._pins = HostPins(num_chunks, answer_within=s.serve_timeout_s)
+        node = start_node(cfg, region=region, pin_source=self._pins)
+        try:
+            self._core = P2PTier(
+                node,
+                lookup_timeout=s.lookup_timeout_s,
+                load_timeout=s.load_timeout_s,
+                connect_timeout=s.connect_timeout_s,
+                reconnect_backoff=s.reconnect_backoff_s,
+                owns_node=True,
+            )
+        except BaseException:
+            node.close()
+            raise
+        self._node = node
+        self._ctx_names = itertools.count()
+        self._serving: list[_Serve] = []
+        self._unfinished_ctx: list[ReqContext] = []  # drained before parent was at hand
+        self._loads: dict[int, _LoadInfo] = {}
+        self._done: list[JobResult] = []
+        self._stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._shut = False
+        log.info("p2pkv tier %s listening on %s:%d", cfg.peer_id, *node.address)
+
+    # ---------------------------------------------------------------- identity
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """Where peers reach this tier (``port`` 0 in the config picks a free one)."""
+        return self._node.address
+
+    @property
+    def peer_id(self) -> str:
+        return self._node.peer_id
+
+    # ---------------------------------------------------------------- consumer side
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        view = _Request(str(req_context.req_id), req_context.kv_transfer_params)
+        req_context.set_state(view)
+        self._core.prepare(view)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        hit = self._core.lookup(key, self._view(req_context))
+        if hit is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if hit else LookupResult.MISS
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        job = job_metadata
+        keys: list[bytes] = list(job.keys)
+        self._loads[job.job_id] = _LoadInfo(keys, time.monotonic())
+        view = self._view(job.req_context)
+        self._core.submit_load(
+            LoadJob(
+                job.job_id,
+                view.request_id,
+                keys,
+                request=view,
+                slots=np.asarray(job.chunk_ids).tolist(),
+            )
+        )
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        # The blocks stay in vLLM's primary tier and are served from there.
+        self._done.append(JobResult(job_metadata.job_id, True))
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._core.step()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._core.on_request_finished(self._view(req_context))
+
+    def has_pending_work(self) -> bool:
+        return bool(
+            self._done
+            or self._serving
+            or self._loads
+            or self._core.has_pending_work()
+            or self._pins.held()
+        )
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out, self._done = self._done, []
+        for res in self._core.get_finished_jobs():
+            out.append(self._load_result(res))
+        for token in self._pins.released():
+            assert isinstance(token, tuple)
+            out.extend(JobResult(job_id, True) for job_id in token)
+        return out
+
+    def _load_result(self, res: LoadResult) -> JobResult:
+        info = self._loads.pop(res.job_id, None)
+        elapsed = time.monotonic() - info.submitted if info is not None else None
+        n_ok = len(res.loaded)
+        self._stats["loaded_blocks"] += n_ok
+        self._stats["loaded_bytes"] += n_ok * self.block_size_bytes
+        self._stats["failed_blocks"] += len(res.failed)
+        if res.failed:
+            log.debug("p2pkv load %d: %d keys failed", res.job_id, len(res.failed))
+        return JobResult(
+            res.job_id,
+            res.success,
+            successful_keys=None if res.success else [OffloadKey(k) for k in res.loaded],
+            transfer_time=elapsed,
+            transfer_bytes=n_ok * self.block_size_bytes,
+        )
+
+    @staticmethod
+    def _view(req_context: ReqContext) -> _Request:
+        view = req_context.get_state(_Request)
+        if view is None:  # a request this tier was not told about
+            view = _Request(str(req_context.req_id), req_context.kv_transfer_params)
+            req_context.set_state(view)
+        return view
+
+    # ---------------------------------------------------------------- source side
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        for ctx in self._unfinished_ctx:
+            parent.on_request_finished(ctx)
+        self._unfinished_ctx.clear()
+        budget = self.SERVE_KEYS_PER_CALL
+        if self._serving:
+            budget -= sum(len(s.pending) for s in self._serving)
+        for req in self._pins.take(limit=64) if budget > 0 else ():
+            ctx = ReqContext(req_id=f"p2pkv:serve:{next(self._ctx_names)}")
+            parent.on_new_request(ctx)
+            n = len(req.keys)
+            self._serving.append(_Serve(req, ctx, [None] * n, list(range(n))))
+            budget -= n
+        if not self._serving:
+            return
+        now = time.monotonic()
+        still: list[_Serve] = []
+        for srv in self._serving:
+            if not srv.req.abandoned:
+                self._ask(parent, srv)
+            # Answer before the engine stops waiting; keys still pending are misses.
+            if srv.pending and not srv.req.abandoned and now < srv.req.deadline - 0.05:
+                still.append(srv)
+                continue
+            parent.on_request_finished(srv.ctx)
+            self._pins.answer(srv.req, srv.slots, tuple(srv.jobs) if srv.jobs else None)
+        self._serving = still
+
+    def _ask(self, parent: ParentManager, srv: _Serve) -> None:
+        keys = srv.req.keys
+        hits: list[int] = []
+        pending: list[int] = []
+        for i in srv.pending:
+            res = parent.lookup(OffloadKey(keys[i]), srv.ctx)
+            if res is LookupResult.HIT:
+                hits.append(i)
+            elif res is not LookupResult.MISS:  # HIT_PENDING or RETRY: ask again later
+                pending.append(i)
+        srv.pending = pending
+        if hits:  # pinned in the same call that saw them HIT
+            job = parent.create_store_job([OffloadKey(keys[i]) for i in hits], srv.ctx)
+            srv.jobs.append(job.job_id)
+            for i, chunk in zip(hits, np.asarray(job.chunk_ids).tolist(), strict=True):
+                srv.slots[i] = int(chunk)
+            self._stats["served_blocks"] += len(hits)
+
+    # ---------------------------------------------------------------- drain and shutdown
+
+    def drain_jobs(self) -> None:
+        """Every job submitted so far reported or queued for ``get_finished_jobs``: loads
+        end (a write in flight is never cut: it settles or quarantines out), peers'
+        rounds no write is using give their pins back, lookups being answered are
+        answered all misses. Bounded by ``load_timeout_s + quarantine_s`` + 1 s."""
+        s = self.settings
+        end = time.monotonic() + s.load_timeout_s + s.quarantine_s + 1.0
+        self._stop_serving()
+        try:
+            self._node.release_unused_pins(timeout=max(end - time.monotonic(), 0.1))
+        except Exception as exc:  # the node is gone: its sessions released everything
+            log.warning("p2pkv tier: releasing peers' pins failed: %s", exc)
+        self._core.drain(max(end - time.monotonic(), 0.0))
+        while self._pins.held() and time.monotonic() < end:
+            # Pins under a write in flight: its settle (or quarantine) releases them.
+            time.sleep(0.002)
+        if self._pins.held() or self._core.has_pending_work():
+            log.warning("p2pkv tier: drain_jobs gave up with work in flight")
+
+    def _stop_serving(self) -> None:
+        for srv in self._serving:
+            # Without the parent at hand, the pins taken so far go straight back and the
+            # request's context is finished at the next serve.
+            self._done.extend(JobResult(job_id, True) for job_id in srv.jobs)
+            self._pins.answer(srv.req, [None] * len(srv.req.keys), None)
+            self._unfinished_ctx.append(srv.ctx)
+        self._serving = []
+
+    def shutdown(self) -> None:
+        """Drain (bounded as :meth:`drain_jobs`), close the node, and return only once
+        nothing can touch ``primary_kv_view`` any more."""
+        if self._shut:
+            return
+        self._shut = True
+        self._stop_serving()
+        try:
+            self._core.shutdown()
+        finally:
+            self._pins.release_all()
+            self._unfinished_ctx.clear()
+            # Every array over primary_kv_view goes with the node (some sit in reference
+            # cycles of the engine's objects), so vLLM can unmap the region next.
+            del self._core, self._node
+            gc.collect()
+
+    # ---------------------------------------------------------------- metrics
+
+    @classmethod
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        return {
+            _METRIC_PREFIX + name: OffloadingCounterMetadata(documentation=doc)
+            for name, doc in _COUNTERS.items()
+        }
+
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        if not any(self._stats.values()):
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        for name, value in self._stats.items():
+            if value:
+                stats.increase_counter(_METRIC_PREFIX + name, value)
+        self._stats = dict.fromkeys(_COUNTERS, 0)
+        return stats
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("transport", "peer_id")
+
+    def config_info(self) -> dict[str, str]:
+        return {"transport": self.settings.transport, "peer_id": self._node.peer_id}
+
+
+def _fingerprint(spec: OffloadingSpec, chunk_bytes: int) -> str:
+    """What two engines must share for their blocks to be interchangeable."""
+    c = spec.config
+    groups = ";".join(
+        f"{g.group_id}:{g.tokens_per_block}:{','.join(g.layer_names)}" for g in c.groups
+    )
+    parts: Sequence[object] = (
+        "vllm",
+        c.model.name,
+        c.model.dtype,
+        c.cache.tokens_per_hash,
+        c.cache.blocks_per_chunk,
+        c.parallel.world_size,
+        c.parallel.tp_size,
+        c.parallel.pp_size,
+        chunk_bytes,
+        c.worker_kv_bytes_per_block,
+        groups,
+    )
+    return hashlib.sha256("|".join(str(p) for p in parts).encode()).hexdigest()
+
+
+#: The attribute vLLM's factory looks up (``"type": "p2pkv"``).
+p2pkv = P2pkvSecondaryTier
