@@ -104,7 +104,10 @@ _COUNTERS = {
 def _seconds(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"p2pkv tier: {name} must be a number of seconds, got {value!r}")
-    out = float(value)
+    try:
+        out = float(value)
+    except ValueError:
+        raise ValueError(f"p2pkv tier: {name} must be a number of seconds, got {value!r}") from None
     if not (math.isfinite(out) and out > 0):
         raise ValueError(f"p2pkv tier: {name} must be positive, got {value!r}")
     return out

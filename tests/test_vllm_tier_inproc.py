@@ -1,0 +1,408 @@
+"""The vLLM tier inside vLLM 0.33's real tiering manager, two managers in this process.
+
+vLLM's own ``TieringOffloadingSpec`` builds the tier from its config dict (``type`` +
+``module_path``), exactly as in a serving engine; the test plays the scheduler the way
+``OffloadingConnectorScheduler`` does: one lock region per step holding the lookups and
+``on_schedule_end``, with vLLM's tier-poll thread running beside it. The steps are paced
+(2 ms), as vLLM paces them; what ends a wait is a condition checked every step, under a
+bound. The two-process tests (real processes, SIGKILL, SIGSTOP) are in test_vllm_tier.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+
+with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fix
+    warnings.simplefilter("ignore")
+    vllm_spec = pytest.importorskip(
+        "vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33 is not installed"
+    )
+    from vllm.v1.kv_offload.base import (
+        LookupResult,
+        OffloadKey,
+        ReqContext,
+        ScheduleEndContext,
+        make_offload_key,
+    )
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
+
+from p2pkv import BlockingNode, start_node
+from p2pkv.integrations import vllm_tier
+from p2pkv.integrations.vllm_tier import P2pkvSecondaryTier
+
+pytestmark = pytest.mark.vllm
+
+CHUNK = 64 * 1024
+CHUNKS = 64
+BOUND = 10.0  # seconds: "this did not hang", never an expected duration
+QUARANTINE = 1.2
+_ids = itertools.count()
+
+FAST = {  # test deadlines
+    "load_timeout_s": 2.0,
+    "lookup_timeout_s": 2.0,
+    "quarantine_s": QUARANTINE,
+    "abort_timeout_s": 0.4,
+    "landing_margin_s": 0.4,
+    "serve_timeout_s": 1.0,
+}
+
+
+def tier_config(**kw: Any) -> dict[str, Any]:
+    return {
+        "type": "p2pkv",
+        "module_path": "p2pkv.integrations.vllm_tier",
+        "host": "127.0.0.1",
+        "port": "0",  # JSON may carry ports as strings
+        "transport": "local",
+        **FAST,
+        **kw,
+    }
+
+
+def offloading_config(tier: dict[str, Any], engine_id: str) -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=CHUNK,
+        enable_kv_cache_events=False,
+        extra_config={
+            "cpu_bytes_to_use": CHUNKS * CHUNK,
+            "tier_poll_interval_s": 0.001,
+            "secondary_tiers": [tier],
+        },
+        engine_id=engine_id,
+        model=OffloadingModelConfig(name="test-model", dtype="float16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+@attrs.define
+class Engine:
+    """One vLLM engine's offloading stack: the manager and its p2pkv tier."""
+
+    mgr: TieringOffloadingManager
+    engine_id: str
+
+    @property
+    def tier(self) -> P2pkvSecondaryTier:
+        tier = self.mgr.secondary_tiers[0]
+        assert isinstance(tier, P2pkvSecondaryTier)
+        return tier
+
+    def view(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return np.frombuffer(self.tier._primary_kv_view, np.uint8).reshape(CHUNKS, CHUNK)
+
+    def fill(self, keys: list[OffloadKey]) -> None:
+        """Store ``keys`` in the primary tier with their reference bytes."""
+        ctx = ReqContext(req_id=f"fill-{next(_ids)}")
+        with self.mgr.lock:
+            self.mgr.on_new_request(ctx)
+            out = self.mgr.prepare_store(keys, ctx)
+            assert out is not None
+            view = self.view()
+            for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+                view[chunk] = expected(key)
+            del view
+            self.mgr.complete_store(out.keys_to_store, ctx)
+            self.mgr.on_request_finished(ctx)
+
+    def step(self, ctx: ReqContext, keys: list[OffloadKey]) -> list[LookupResult]:
+        """One scheduler step for one request: lookups in prefix order, then the end."""
+        with self.mgr.lock:
+            out = []
+            for key in keys:
+                res = self.mgr.lookup(key, ctx)
+                out.append(res)
+                if res is LookupResult.MISS:
+                    break
+            self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+        return out
+
+    def jobs(self) -> int:
+        with self.mgr.lock:
+            return len(self.mgr._jobs)
+
+
+def expected(key: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.frombuffer(hashlib.sha256(key).digest() * (CHUNK // 32), np.uint8)
+
+
+def make_keys(n: int, salt: str) -> list[OffloadKey]:
+    return [make_offload_key(hashlib.sha256(f"{salt}{i}".encode()).digest(), 0) for i in range(n)]
+
+
+def request(source: Engine, name: str) -> ReqContext:
+    host, port = source.tier.address
+    params = {"remote_kv_source": {"kv_request_id": name, "remote_host": host, "remote_port": port}}
+    return ReqContext(req_id=name, kv_transfer_params=params)
+
+
+def until(cond: Callable[[], bool], what: str, step: Callable[[], object] = lambda: None) -> None:
+    end = time.monotonic() + BOUND
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        step()
+        time.sleep(0.002)  # a scheduler step's pacing, not a synchronisation
+
+
+def pull(dst: Engine, ctx: ReqContext, keys: list[OffloadKey]) -> tuple[list[LookupResult], bool]:
+    """Step until every key is a primary hit (HIT) or the prefix ends at a MISS; then
+    check the loaded chunks byte for byte."""
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(ctx)
+    res: list[LookupResult] = []
+
+    def settled() -> bool:
+        nonlocal res
+        res = dst.step(ctx, keys)
+        return res[-1] is LookupResult.MISS or (
+            len(res) == len(keys) and all(r is LookupResult.HIT for r in res)
+        )
+
+    until(settled, "the request to settle")
+    exact = False
+    if all(r is LookupResult.HIT for r in res) and len(res) == len(keys):
+        with dst.mgr.lock:
+            spec = dst.mgr.prepare_load(keys, ctx)
+            view = dst.view()
+            exact = all(
+                np.array_equal(view[c], expected(k))
+                for k, c in zip(keys, spec.chunk_ids, strict=True)
+            )
+            del view
+            dst.mgr.complete_load(keys, ctx)
+    return res, exact
+
+
+@pytest.fixture
+def engines() -> Iterator[Callable[..., Engine]]:
+    built: list[Engine] = []
+
+    def build(**tier_kw: Any) -> Engine:
+        engine_id = f"p2pkvtest{os.getpid()}x{next(_ids)}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            spec = vllm_spec.TieringOffloadingSpec(
+                offloading_config(tier_config(**tier_kw), engine_id)
+            )
+            mgr = spec.get_manager()
+        assert isinstance(mgr, TieringOffloadingManager)
+        eng = Engine(mgr, engine_id)
+        built.append(eng)
+        return eng
+
+    try:
+        yield build
+    finally:
+        for eng in built:
+            with contextlib.suppress(Exception):
+                eng.mgr.shutdown()
+            for leftover in (f"/dev/shm/vllm_offload_{eng.engine_id}.mmap",):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+
+
+def engine_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("p2pkv-engine")]
+
+
+# ------------------------------------------------------------------------- loading
+
+
+def test_vllm_builds_the_tier_from_its_config_alone(engines: Callable[..., Engine]) -> None:
+    eng = engines()
+    assert type(eng.tier) is P2pkvSecondaryTier
+    assert vllm_tier.p2pkv is P2pkvSecondaryTier
+    assert not P2pkvSecondaryTier.__abstractmethods__
+    assert P2pkvSecondaryTier.tolerates_off_thread_polling
+    assert eng.tier.settings.port == 0 and eng.tier.address[1] > 0
+    assert eng.tier.config_info()["transport"] == "local"
+    assert set(P2pkvSecondaryTier.config_info_keys({})) == set(eng.tier.config_info())
+    assert "tier" not in P2pkvSecondaryTier.config_info_keys({})
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"no_such_key": 1}, "unknown configuration keys"),
+        ({"load_timeout_s": "soon"}, "load_timeout_s"),
+        ({"quarantine_s": -1}, "quarantine_s"),
+        ({"port": "http"}, "port"),
+        ({"transport": "carrier-pigeon"}, "transport"),
+        ({"backpressure": {"max_pending": 4}}, "backpressure"),
+    ],
+)
+def test_a_bad_configuration_is_refused_naming_the_key(
+    engines: Callable[..., Engine], bad: dict[str, Any], match: str
+) -> None:
+    before = engine_threads()
+    with pytest.raises(Exception, match=match):
+        engines(**bad)
+    assert engine_threads() == before  # nothing started, or it was stopped again
+
+
+# ------------------------------------------------------------------------- pulls
+
+
+@pytest.mark.parametrize("transport", ["local", pytest.param("nixl", marks=pytest.mark.nixl)])
+def test_a_pull_is_byte_exact_and_every_source_pin_is_reported_once(
+    engines: Callable[..., Engine], transport: str
+) -> None:
+    src, dst = engines(transport=transport), engines(transport=transport)
+    keys = make_keys(24, "pull")
+    src.fill(keys)
+    res, exact = pull(dst, request(src, "r1"), keys)
+    assert res == [LookupResult.HIT] * len(keys) and exact
+    # The source's pin jobs come back exactly once (a second report would trip the
+    # manager's assertion on its tier-poll thread), so its job table empties.
+    until(lambda: src.jobs() == 0 and dst.jobs() == 0, "every job to be reported")
+    with dst.mgr.lock:
+        stats = dst.tier.get_stats()
+    assert stats is not None
+    assert stats.data["data"]["vllm:kv_offload_p2pkv_loaded_blocks"][()] == len(keys)
+
+
+def test_two_requests_sharing_a_prefix_in_one_step_both_load_it(
+    engines: Callable[..., Engine],
+) -> None:
+    src, dst = engines(), engines()
+    shared, own_a, own_b = make_keys(8, "shared"), make_keys(4, "a"), make_keys(4, "b")
+    src.fill(shared + own_a + own_b)
+    a, b = request(src, "ra"), request(src, "rb")
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(a)
+        dst.mgr.on_new_request(b)
+    done: dict[str, list[LookupResult]] = {}
+
+    def both_steps() -> bool:
+        with dst.mgr.lock:  # both requests in ONE step
+            for name, ctx, keys in (("a", a, shared + own_a), ("b", b, shared + own_b)):
+                done[name] = []
+                for key in keys:
+                    r = dst.mgr.lookup(key, ctx)
+                    done[name].append(r)
+                    if r is LookupResult.MISS:
+                        break
+            dst.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+        return all(len(v) == 12 and set(v) == {LookupResult.HIT} for v in done.values())
+
+    until(both_steps, "both requests to hit")
+    for ctx, keys in ((a, shared + own_a), (b, shared + own_b)):
+        with dst.mgr.lock:
+            spec = dst.mgr.prepare_load(keys, ctx)
+            view = dst.view()
+            assert all(
+                np.array_equal(view[c], expected(k))
+                for k, c in zip(keys, spec.chunk_ids, strict=True)
+            )
+            del view
+            dst.mgr.complete_load(keys, ctx)
+    until(lambda: src.jobs() == 0 and dst.jobs() == 0, "every job to be reported")
+
+
+def test_a_failed_load_is_reported_after_the_quarantine_and_the_request_then_misses(
+    engines: Callable[..., Engine],
+) -> None:
+    src, dst = engines(), engines()
+    keys = make_keys(8, "fail")
+    src.fill(keys)
+    ctx = request(src, "r1")
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(ctx)
+    # One step sends the probe; wait for its answer without stepping (a step would
+    # turn the answer into HITs and submit the load)...
+    assert dst.step(ctx, keys) == [LookupResult.RETRY] * len(keys)
+
+    def answered() -> bool:
+        with dst.mgr.lock:
+            return dst.tier._core.lookup(keys[-1], dst.tier._view(ctx)) is True
+
+    until(answered, "the probe's answer")
+    src.mgr.shutdown()  # ...then the source goes away before the load is posted.
+    t0 = time.monotonic()
+    assert dst.step(ctx, keys) == [LookupResult.HIT_PENDING] * len(keys)  # load submitted
+    reported: list[float] = []
+
+    def load_reported() -> bool:
+        res = dst.step(ctx, keys)
+        if res[0] is LookupResult.MISS and not reported:
+            reported.append(time.monotonic() - t0)
+        return bool(reported) and dst.jobs() == 0
+
+    until(load_reported, "the failed load")
+    # vLLM frees failed chunks at once: the report waits until no write can land.
+    assert reported[0] >= QUARANTINE * 0.9
+    assert dst.step(ctx, keys) == [LookupResult.MISS]  # no loop: the request misses
+
+
+def test_reset_cache_drains_a_peers_unfetched_round_under_the_lock(
+    engines: Callable[..., Engine],
+) -> None:
+    src = engines()
+    keys = make_keys(6, "drain")
+    src.fill(keys)
+    cfg = src.tier._node.config
+    peer_cfg = attrs.evolve(cfg, peer_id="raw-peer", port=0, transport="local")
+    peer: BlockingNode = start_node(peer_cfg)
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        rnd = peer.lookup_round(remote, keys, timeout=BOUND)
+        assert rnd.hits == [True] * len(keys)
+        assert src.jobs() == 1  # the round's pins: one store job at the source
+        with src.mgr.lock:
+            src.mgr.reset_cache()  # asserts that drain_jobs left no job behind
+        assert src.jobs() == 0
+        got = peer.fetch(remote, keys, rounds=rnd, timeout=BOUND)
+        assert got.loaded == [] and set(got.failed.values()) == {"not_pinned"}
+    finally:
+        peer.close()
+
+
+@pytest.mark.nixl
+def test_shutdown_leaves_no_thread_and_lets_vllm_unmap_its_region(
+    engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
+) -> None:
+    # NIXL, not the local transport: in one process the local transport's stand-in for
+    # the peer's registration holds the peer's array, which NIXL (raw addresses) never does.
+    src, dst = engines(transport="nixl"), engines(transport="nixl")
+    keys = make_keys(4, "shut")
+    src.fill(keys)
+    assert pull(dst, request(src, "r1"), keys)[1]
+    with caplog.at_level(logging.WARNING):
+        for eng in (dst, src):
+            eng.mgr.shutdown()
+            assert not os.path.exists(f"/dev/shm/vllm_offload_{eng.engine_id}.mmap")
+    assert "still exported" not in caplog.text
+    assert engine_threads() == []
