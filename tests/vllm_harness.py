@@ -44,6 +44,8 @@ __all__ = [
     "make_key",
     "make_keys",
     "p2pkv_tier",
+    "p2pkv_tier_missing",
+    "shm_paths",
     "vllm_missing",
 ]
 
@@ -226,7 +228,8 @@ class VllmNode:
         return int(self.call("start_pull", requests=reqs)["steps_before"])
 
     def wait_pull(self, req_ids: Sequence[str], timeout_s: float = 60.0) -> list[dict[str, Any]]:
-        """Per request: ``outcome`` per key (loaded, local, miss, failed, unscanned, timeout),
+        """Per request: ``outcome`` per key (loaded, local, miss, failed, timeout; past the end
+        of the prefix: dropped if its load was in flight, else unscanned),
         ``matched`` per key (every byte equal), ``elapsed_s``, ``submits`` per key, ``scans``."""
         result: list[dict[str, Any]] = self.call(
             "wait_pull", timeout_s + 5.0, req_ids=list(req_ids), timeout_s=timeout_s
@@ -243,8 +246,10 @@ class VllmNode:
         if not self.call("wait_gate", timeout_s + 5.0, req_id=req_id, timeout_s=timeout_s):
             raise TimeoutError(f"{self.name}: {req_id} never reached its gate")
 
-    def open_gate(self, req_id: str) -> None:
-        self.call("open_gate", req_id=req_id)
+    def open_gate(self, req_id: str, timeout_s: float = 30.0) -> None:
+        """Let the gated step go on; returns once its load has been submitted."""
+        if not self.call("open_gate", timeout_s + 5.0, req_id=req_id, timeout_s=timeout_s):
+            raise TimeoutError(f"{self.name}: the step gated by {req_id} did not end")
 
     def finish(self, req_id: str) -> None:
         self.call("finish", req_id=req_id)

@@ -75,6 +75,7 @@ class _Request:
     first_step: int = -1
     gate_reached: threading.Event = field(default_factory=threading.Event)
     gate_open: threading.Event = field(default_factory=threading.Event)
+    gate_passed: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     result: dict[str, Any] = field(default_factory=dict)
 
@@ -173,6 +174,8 @@ class _Node:
                 self.steps.append(time.perf_counter() - t0 - gate_wait)
             step_no += 1
             for req in active:
+                if req.gate_reached.is_set():
+                    req.gate_passed.set()  # the step that held it has submitted its load
                 if req.done.is_set():
                     continue
                 if "outcome" in req.result:
@@ -224,8 +227,12 @@ class _Node:
             return waited
         outcome = []
         for i in range(len(req.keys)):
-            if i >= end:
-                outcome.append("failed" if req.failed[i] else ("miss" if i == end else "unscanned"))
+            if req.failed[i]:
+                outcome.append("failed")  # promoted, then freed: its load failed
+            elif i == end:
+                outcome.append("miss")
+            elif i > end:
+                outcome.append("dropped" if req.pending[i] else "unscanned")
             elif deferred:
                 outcome.append("timeout")
             else:
@@ -333,8 +340,11 @@ class _Node:
     def wait_gate(self, req_id: str, timeout_s: float) -> bool:
         return self._all[req_id].gate_reached.wait(timeout_s)
 
-    def open_gate(self, req_id: str) -> None:
-        self._all[req_id].gate_open.set()
+    def open_gate(self, req_id: str, timeout_s: float) -> bool:
+        """Let the gated step go on; returns once it has called ``on_schedule_end``."""
+        req = self._all[req_id]
+        req.gate_open.set()
+        return req.gate_passed.wait(timeout_s)
 
     def finish(self, req_id: str) -> None:
         with self.mgr.lock:
