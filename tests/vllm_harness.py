@@ -25,6 +25,7 @@ import itertools
 import multiprocessing as mp
 import multiprocessing.context
 import os
+import random
 import secrets
 import signal
 import socket
@@ -89,10 +90,19 @@ def make_keys(salt: str, n: int) -> list[bytes]:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the built-in tier binds port + DP index 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range (outgoing
+    connections of other nodes take ports from that range, so a port picked there may be
+    gone by the time a node binds it). The built-in tier binds port + DP index 0."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    while True:
+        port = random.randrange(10_000, ephemeral_low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def builtin_tier(port: int) -> dict[str, Any]:
