@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: .venv with p2pkv, the real NIXL data plane (nixl-cu13) and the test
-# tools. Re-runs are quick: nothing is reinstalled unless pyproject.toml changed.
+# Idempotent set-up: .venv with p2pkv, the real NIXL data plane (nixl-cu13), the test
+# tools and a lean vLLM 0.33.0. Re-runs are quick: each step has its own stamp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,4 +16,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
   python -m pip install -q -e ".[nixl,test]"
   echo "$want" > "$stamp"
+fi
+# vLLM 0.33.0, lean (its own stamp): only tests/test_vllm_tier.py and bench/vllm_tier.py need
+# it. P2PKV_VLLM=0 skips it; those tests then skip with the reason.
+if [ "${P2PKV_VLLM:-1}" != 0 ]; then
+  bash scripts/setup-vllm.sh .venv
 fi
