@@ -287,6 +287,13 @@ class BlockingNode:
 
     # ---------------------------------------------------------------- hot path
 
+    def is_connected(self, peer: Peer | str) -> bool:
+        """Whether a session with ``peer`` is established right now: a snapshot read in
+        place (no hop, never blocks), stale by the time the caller acts on it. For a host
+        that keeps a :class:`Peer` across requests and must notice the session ended."""
+        pid = peer if isinstance(peer, str) else peer.peer_id
+        return self._node.is_connected(pid)
+
     def submit_release(
         self,
         peer: Peer | str,

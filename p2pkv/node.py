@@ -402,6 +402,12 @@ class Node:
         session = self._session(peer, "fetch")
         return await session.fetch_into(keys, slots, self._handles(rounds))
 
+    def is_connected(self, peer_id: str) -> bool:
+        """A session with ``peer_id`` is established (safe to read from another thread:
+        one dict lookup and two attribute reads, each atomic)."""
+        session = self._by_peer.get(peer_id)
+        return session is not None and session.alive and session.ready.is_set()
+
     def unpin(self, owner: object) -> None:
         """Release the pins ``owner`` (a producer round) holds, wherever they are held."""
         if self.pin_source is not None:

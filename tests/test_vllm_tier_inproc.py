@@ -44,6 +44,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from p2pkv import BlockingNode, start_node
@@ -132,7 +133,7 @@ class Engine:
             out = self.mgr.prepare_store(keys, ctx)
             assert out is not None
             view = self.view()
-            for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+            for key, chunk in zip(out.keys_to_store, chunk_ids(out.store_spec), strict=True):
                 view[chunk] = expected(key)
             del view
             self.mgr.complete_store(out.keys_to_store, ctx)
@@ -157,6 +158,11 @@ class Engine:
 
 def expected(key: bytes) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return np.frombuffer(hashlib.sha256(key).digest() * (CHUNK // 32), np.uint8)
+
+
+def chunk_ids(spec: object) -> list[int]:
+    assert isinstance(spec, CPULoadStoreSpec)
+    return [int(c) for c in spec.chunk_ids]
 
 
 def make_keys(n: int, salt: str) -> list[OffloadKey]:
@@ -199,7 +205,7 @@ def pull(dst: Engine, ctx: ReqContext, keys: list[OffloadKey]) -> tuple[list[Loo
             view = dst.view()
             exact = all(
                 np.array_equal(view[c], expected(k))
-                for k, c in zip(keys, spec.chunk_ids, strict=True)
+                for k, c in zip(keys, chunk_ids(spec), strict=True)
             )
             del view
             dst.mgr.complete_load(keys, ctx)
@@ -325,7 +331,7 @@ def test_two_requests_sharing_a_prefix_in_one_step_both_load_it(
             view = dst.view()
             assert all(
                 np.array_equal(view[c], expected(k))
-                for k, c in zip(keys, spec.chunk_ids, strict=True)
+                for k, c in zip(keys, chunk_ids(spec), strict=True)
             )
             del view
             dst.mgr.complete_load(keys, ctx)

@@ -119,6 +119,7 @@ def p2pkv_tier(port: int, **deadlines: float) -> dict[str, Any]:
         "lookup_timeout_s": 2.0,
         "quarantine_s": 1.5,
         "abort_timeout_s": 0.5,
+        "landing_margin_s": 0.5,
     }
     config.update(deadlines)
     return config

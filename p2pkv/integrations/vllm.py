@@ -319,6 +319,8 @@ class P2PTier:
             self._flush_request(st, now)
         load = _Load(job, keys, now + self.load_timeout, tuple(st.rounds), slots)
         src = st.source
+        if src.peer is not None and not self.node.is_connected(src.peer):
+            src.peer = None  # the session ended since: the load waits for a new one
         if src.peer is not None:
             self._start_load(src.peer, load, now)
         else:
@@ -546,6 +548,8 @@ class P2PTier:
         if not st.unsent or src is None:
             self._open.pop(st.request_id, None)
             return
+        if src.peer is not None and not self.node.is_connected(src.peer):
+            src.peer = None  # the session ended since (the source died or restarted)
         if src.peer is None:
             self._connect(src, now)  # the batch waits for the connection (or fails)
             return
@@ -618,8 +622,14 @@ class P2PTier:
         if load.slots is None:
             ticket = self.node.submit_fetch(peer, load.keys, rounds=load.rounds, timeout=limit)
         else:  # the engine withholds the result until no write can land
+            # The engine gives up at the fetch deadline and returns a quarantine later: the
+            # ticket's own deadline must not cut that short (a cut means another quarantine).
             ticket = self.node.submit_fetch_into(
-                peer, load.keys, load.slots, rounds=load.rounds, timeout=limit + self.quarantine
+                peer,
+                load.keys,
+                load.slots,
+                rounds=load.rounds,
+                timeout=limit + self.quarantine + 1.0,
             )
         self._loads[ticket] = load
 
