@@ -3,5 +3,5 @@
 # Extra arguments go to `p2pkv demo` (see `p2pkv demo --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
+P2PKV_VLLM=${P2PKV_VLLM:-0} bash scripts/setup.sh  # the demo does not need vLLM
 exec .venv/bin/p2pkv demo "$@"

@@ -1,4 +1,7 @@
-"""A vLLM-shaped secondary tier over a :class:`~p2pkv.facade.BlockingNode`.
+"""The tier's consumer logic over a :class:`~p2pkv.facade.BlockingNode`, without vLLM.
+
+:mod:`p2pkv.integrations.vllm_tier` binds it to vLLM 0.33's ``SecondaryTierManager``; a host
+with a scheduler of its own can drive it directly.
 
 vLLM's tiering manager drives a secondary tier from its scheduler thread, every step:
 ``lookup(key, request)`` per block key until it stops answering None, ``submit_load`` for
@@ -56,9 +59,14 @@ its own rounds only, so one request finishing never unpins another request's hit
 a shared prefix block. ``submit_load`` consumes the probe cache for its keys (after the
 fetch the source may evict them; a later ``lookup`` asks again).
 
-Where blocks land. In the node's :class:`~p2pkv.store.BlockStore` (hand vLLM's CPU
-region to :func:`~p2pkv.start_node` as ``region`` to make that the primary tier); a
-:class:`JobResult` lists the keys that landed, with the producer's bytes.
+Where blocks land. A :class:`LoadJob` without ``slots`` lands in the node's
+:class:`~p2pkv.store.BlockStore`, and a :class:`JobResult` lists the keys that landed, with
+the producer's bytes. With ``slots`` (vLLM's chunk ids; the host owns that memory:
+:mod:`p2pkv.integrations.vllm_tier`), ``keys[i]`` lands in region slot ``slots[i]``
+(``fetch_into``) and the job is reported only once no write of it can land any more: at
+once if the source said every write settled, else ``quarantine`` seconds after the give-up,
+since the host reuses a failed slot at once. A failed load fails its request: every later
+key of it misses (a host that frees failed slots asks again, and must not loop).
 
 Threading and ownership. A :class:`P2PTier` is not thread-safe: one host thread (the
 scheduler) makes every call. The node may be shared with other code, but the tier polls
