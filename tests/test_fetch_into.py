@@ -18,11 +18,11 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import FetchResult, LocalProtocolError, Node, open_node
+from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
 from p2pkv.session.protocol import Event, FetchRequested, LookupRequested
 from p2pkv.wire import Outcome
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, wait_for
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
@@ -359,3 +359,24 @@ async def test_fetch_into_cut_short_by_the_session_ending_returns_after_the_quar
             assert ending + 6.0 <= returned <= ended + 6.0 + 0.01
             assert r.loaded == [] and set(r.failed) == set(keys)
             assert_left_no_trace(dst)
+
+
+def test_the_facade_submits_fetch_into_and_releases_unused_pins(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 3, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    ticket = dst.submit_fetch_into(peer, keys[:2], [30, 20])
+    wait_for(lambda: dst.pending() == 0)
+    [(done, result)] = dst.get_finished()
+    assert done == ticket and isinstance(result, FetchResult)
+    assert result.loaded == keys[:2] and not result.failed
+    for k, s in ((keys[0], 30), (keys[1], 20)):
+        assert bytes(dst.store.array[s * BLOCK : (s + 1) * BLOCK]) == bytes(src.store.get(k) or b"")
+    assert len(dst.store) == 0
+    rnd = dst.lookup_round(peer, keys[2:], timeout=BOUND)
+    assert rnd.hits == [True]
+    assert src.release_unused_pins(timeout=BOUND) == 1
+    assert src.statistics().pinned_slots == 0
+    assert dst.fetch(peer, keys[2:], rounds=rnd, timeout=BOUND).failed == {keys[2]: "not_pinned"}
