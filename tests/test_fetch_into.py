@@ -240,8 +240,19 @@ _K = [b"k" * 32, b"l" * 32]
         (lambda k: (k, [1, 1]), "slots distinct"),
         (lambda k: ([k[0], k[0]], [1, 2]), "keys must be distinct"),
         (lambda k: ([[1], [2]], [1, 2]), "keys must be bytes"),  # unhashable keys
+        (lambda k: (k, [1.5, 2]), "slots must be integers"),  # never truncated to slot 1
+        (lambda k: (k, ["1", 2]), "slots must be integers"),
     ],
-    ids=["lengths", "past_the_region", "negative", "slot_twice", "key_twice", "unhashable"],
+    ids=[
+        "lengths",
+        "past_the_region",
+        "negative",
+        "slot_twice",
+        "key_twice",
+        "unhashable",
+        "float_slot",
+        "str_slot",
+    ],
 )
 async def test_bad_fetch_into_is_refused_before_anything_is_sent(
     make_call: Callable[[list[bytes]], tuple[list[Any], list[int]]], why: str
