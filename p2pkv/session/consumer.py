@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -492,9 +493,16 @@ class ConsumerSide(SessionParts):
         ``quarantine`` seconds later. So whatever the result says, the caller may reuse
         every slot when it has it. Cancelled before that, it promises nothing: the caller
         must keep the slots ``quarantine`` seconds. Raises :class:`LocalProtocolError`,
-        before anything is sent, for mismatched lengths, a slot out of the region, a
-        slot named twice or in use by another ``fetch_into``, or a repeated key."""
-        keys, dst_slots = list(keys), [int(s) for s in slots]
+        before anything is sent, for mismatched lengths, a slot that is not an integer or
+        out of the region, a slot named twice or in use by another ``fetch_into``, or a
+        repeated key."""
+        keys = list(keys)
+        try:  # integers only (numpy's too): a float or a string is never rounded to a slot
+            dst_slots = [operator.index(s) for s in slots]
+        except TypeError:
+            raise LocalProtocolError(
+                "slots must be integers", peer=self.peer_id, op="fetch"
+            ) from None
         if len(keys) != len(dst_slots):
             raise LocalProtocolError(
                 f"{len(keys)} keys but {len(dst_slots)} slots", peer=self.peer_id, op="fetch"

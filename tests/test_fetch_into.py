@@ -1,0 +1,393 @@
+"""``fetch_into``: keys land in slots the caller names (vLLM owns the memory).
+
+Two nodes in one process (in-process transport, real TCP control), or a consumer node and
+a producer played by hand (:class:`~tests.helpers.RawPeer`) where a test must see exactly
+what was sent or must hold the producer's reply. Deadlines run on the autojump clock with
+:class:`~tests.helpers.VirtualOffload`, and every time is read from ``trio.current_time()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
+from p2pkv.session.protocol import Event, FetchRequested, LookupRequested
+from p2pkv.wire import Outcome
+
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, wait_for
+
+BLOCK = 4096
+BOUND = 20.0  # seconds: "this did not hang", never an expected duration
+VIRTUAL_BOUND = 120.0  # the same on the autojump clock (virtual seconds)
+
+
+@asynccontextmanager
+async def pair(
+    src_kw: dict[str, Any] | None = None,
+    dst_kw: dict[str, Any] | None = None,
+    *,
+    src_transport: FaultFactory | None = None,
+    virtual: bool = False,
+) -> AsyncIterator[tuple[Node, Node]]:
+    """A producer ``src`` and a consumer ``dst``; with ``virtual``, blocking data-plane work
+    runs inline on Trio's clock (for the autojump clock)."""
+    offload = VirtualOffload() if virtual else None
+    async with (
+        open_node(config("src", **(src_kw or {})), transport=src_transport, offload=offload) as src,
+        open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
+    ):
+        yield src, dst
+
+
+def junk_region(node: Node) -> bytes:
+    """Fill the node's whole region with random bytes; returns a copy to compare with."""
+    node.store.array[:] = np.frombuffer(os.urandom(node.store.array.nbytes), np.uint8)
+    return bytes(node.store.array)
+
+
+def slot_bytes(node: Node, slot: int) -> bytes:
+    return bytes(node.store.array[slot * BLOCK : (slot + 1) * BLOCK])
+
+
+def assert_only_slots_changed(node: Node, before: bytes, slots: Sequence[int]) -> None:
+    """Every slot outside ``slots`` still holds what it held before."""
+    now = bytes(node.store.array)
+    for s in range(node.config.num_blocks):
+        if s not in slots:
+            assert now[s * BLOCK : (s + 1) * BLOCK] == before[s * BLOCK : (s + 1) * BLOCK], (
+                f"slot {s} was written"
+            )
+
+
+def assert_left_no_trace(dst: Node) -> None:
+    """A fetch_into is over: nothing in the store's key map, no reservation, no
+    quarantine, no slot still marked in use."""
+    st = dst.statistics()
+    assert len(dst.store) == 0, "fetch_into touched the store's key map"
+    assert st.reserved_slots == 0 and st.quarantined_slots == 0
+    assert dst.caller_slots == set()
+
+
+async def wait_unpinned(src: Node) -> None:
+    with trio.fail_after(BOUND):
+        while src.statistics().pinned_slots:
+            await trio.sleep(0.01)
+
+
+# ---------------------------------------------------------------- a producer played by hand
+
+
+class HandProducer:
+    """A producer played by hand over :class:`RawPeer` (FAKE: its "data plane" writes each
+    fetched block straight into the consumer's region, as the in-process transport
+    would). Hits for the keys of ``blocks``; every event it receives is kept in ``log``.
+
+    ``hold``: a fetch is answered only once it is set. ``vanish``: on the first fetch the
+    producer closes its connection instead of answering (its process died)."""
+
+    def __init__(
+        self,
+        raw: RawPeer,
+        dst: Node,
+        blocks: dict[bytes, bytes],
+        *,
+        hold: trio.Event | None = None,
+        vanish: bool = False,
+    ) -> None:
+        self.raw, self.dst, self.blocks = raw, dst, blocks
+        self.hold, self.vanish = hold, vanish
+        self.log: list[Event] = []
+        self.fetched = trio.Event()  # the first fetch message is in
+        self.vanished_at: float | None = None
+
+    async def run(self) -> None:
+        raw = self.raw
+        while (ev := await raw.next_event()) is not None:
+            self.log.append(ev)
+            if isinstance(ev, LookupRequested):
+                hits = [k in self.blocks for k in ev.keys]
+                raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
+            elif isinstance(ev, FetchRequested) and ev.keys:
+                self.fetched.set()
+                if self.vanish:
+                    self.vanished_at = trio.current_time()
+                    assert raw.stream is not None
+                    await raw.stream.aclose()
+                    return
+                if self.hold is not None:
+                    await self.hold.wait()
+                region = self.dst.store.array
+                for k, s in zip(ev.keys, ev.slots, strict=True):
+                    region[s * BLOCK : (s + 1) * BLOCK] = np.frombuffer(self.blocks[k], np.uint8)
+                raw.proto.send_transfer_done(ev.req_id, [int(Outcome.OK)] * len(ev.keys))
+            await raw.flush()
+
+    def sent(self, kind: type[Any]) -> list[Any]:
+        return [ev for ev in self.log if isinstance(ev, kind)]
+
+
+@asynccontextmanager
+async def hand_served(
+    dst_kw: dict[str, Any] | None = None,
+    *,
+    n_blocks: int = 4,
+    virtual: bool = False,
+    **producer_kw: Any,
+) -> AsyncIterator[tuple[Node, HandProducer]]:
+    """A consumer node ``dst`` connected to a :class:`HandProducer` holding ``n_blocks``
+    random blocks; the producer runs for the duration of the block."""
+    raw = RawPeer()
+    blocks = {os.urandom(32): os.urandom(BLOCK) for _ in range(n_blocks)}
+    offload = VirtualOffload() if virtual else None
+    async with open_node(config("dst", **(dst_kw or {})), offload=offload) as dst:
+        await raw.connect(dst.address)
+        await raw.handshake()
+        producer = HandProducer(raw, dst, blocks, **producer_kw)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.run)
+                yield dst, producer
+                nursery.cancel_scope.cancel()
+        finally:
+            await raw.aclose()
+
+
+# ---------------------------------------------------------------- landing
+
+
+async def test_fetch_into_lands_the_producers_bytes_in_exactly_the_named_slots() -> None:
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 5, BLOCK)
+            slots = [9, 3, 63, 0, 40]  # scattered, out of order, both ends of the region
+            before = junk_region(dst)
+            peer = await dst.connect(src.address)
+            r = await dst.fetch_into(peer, keys, slots)
+            assert r.loaded == keys and r.failed == {}
+            for k, s in zip(keys, slots, strict=True):
+                want = src.store.get(k)
+                assert want is not None and slot_bytes(dst, s) == bytes(want)
+            assert_only_slots_changed(dst, before, slots)
+            assert_left_no_trace(dst)
+            await wait_unpinned(src)  # the producer closed the round
+
+
+async def test_fetch_into_verifies_checksums_on_the_named_slots() -> None:
+    """A block that lands with one bit flipped is a per-key failure, the others load."""
+    factory = FaultFactory()
+    with trio.fail_after(BOUND):
+        async with pair(
+            {"verify_checksums": True}, {"verify_checksums": True}, src_transport=factory
+        ) as (src, dst):
+            keys = fill(src.store, 3, BLOCK)
+            bad = src.store.slot_of(keys[1])
+            assert bad is not None
+            factory.transport.flip_bits = {bad: 77}
+            peer = await dst.connect(src.address)
+            r = await dst.fetch_into(peer, keys, [7, 8, 9])
+            assert r.loaded == [keys[0], keys[2]]
+            assert r.failed == {keys[1]: "checksum mismatch"}
+            for k, s in ((keys[0], 7), (keys[2], 9)):
+                assert slot_bytes(dst, s) == bytes(src.store.get(k) or b"")
+            assert_left_no_trace(dst)
+
+
+async def test_fetch_into_looks_up_the_keys_no_round_holds_and_a_miss_fails_that_key() -> None:
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=3) as (dst, producer):
+            k0, k1, k2 = producer.blocks
+            absent = os.urandom(32)
+            before = junk_region(dst)
+            rnd = await dst.lookup_round(producer.raw.peer_id, [k0, k1])
+            keys, slots = [k0, k1, k2, absent], [5, 6, 7, 8]
+            r = await dst.fetch_into(producer.raw.peer_id, keys, slots, rounds=rnd)
+            assert r.loaded == [k0, k1, k2]
+            assert r.failed == {absent: "miss"}
+            for k, s in zip(keys[:3], slots[:3], strict=True):
+                assert slot_bytes(dst, s) == producer.blocks[k]
+            assert_only_slots_changed(dst, before, slots[:3])  # the miss's slot untouched
+            lookups = producer.sent(LookupRequested)
+            assert [sorted(ev.keys) for ev in lookups] == [sorted([k0, k1]), sorted([k2, absent])]
+            fetches = {ev.req_id: ev for ev in producer.sent(FetchRequested) if ev.keys}
+            held = fetches[lookups[0].req_id]  # the held round served its own keys
+            assert dict(zip(held.keys, held.slots, strict=True)) == {k0: 5, k1: 6}
+            looked = fetches[lookups[1].req_id]  # the round looked up for the rest: the hit
+            assert dict(zip(looked.keys, looked.slots, strict=True)) == {k2: 7}
+            assert len(fetches) == 2
+            assert await dst.release(producer.raw.peer_id, rnd) == 0  # the fetch used it
+            assert_left_no_trace(dst)
+
+
+# ---------------------------------------------------------------- refused before sending
+
+_K = [b"k" * 32, b"l" * 32]
+
+
+@pytest.mark.parametrize(
+    ("make_call", "why"),
+    [
+        (lambda k: (k, [1]), "2 keys but 1 slots"),
+        (lambda k: (k, [1, 64]), "in 0..63"),  # 64 is past the 64-block region
+        (lambda k: (k, [-1, 1]), "in 0..63"),
+        (lambda k: (k, [1, 1]), "slots distinct"),
+        (lambda k: ([k[0], k[0]], [1, 2]), "keys must be distinct"),
+        (lambda k: ([[1], [2]], [1, 2]), "keys must be bytes"),  # unhashable keys
+        (lambda k: (k, [1.5, 2]), "slots must be integers"),  # never truncated to slot 1
+        (lambda k: (k, ["1", 2]), "slots must be integers"),
+    ],
+    ids=[
+        "lengths",
+        "past_the_region",
+        "negative",
+        "slot_twice",
+        "key_twice",
+        "unhashable",
+        "float_slot",
+        "str_slot",
+    ],
+)
+async def test_bad_fetch_into_is_refused_before_anything_is_sent(
+    make_call: Callable[[list[bytes]], tuple[list[Any], list[int]]], why: str
+) -> None:
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=2) as (dst, producer):
+            keys = list(producer.blocks)
+            peer = producer.raw.peer_id
+            bad_keys, bad_slots = make_call(keys)
+            before = junk_region(dst)
+            with pytest.raises(LocalProtocolError, match=why):
+                await dst.fetch_into(peer, bad_keys, bad_slots)
+            assert dst.caller_slots == set()  # a refused call keeps no slot
+            assert_only_slots_changed(dst, before, [])
+            # The session is usable, and the producer's first message is this fetch's
+            # lookup: nothing was sent for the refused one.
+            r = await dst.fetch_into(peer, keys, [1, 2])
+            assert r.loaded == keys
+            assert [type(ev) for ev in producer.log] == [LookupRequested, FetchRequested]
+            assert producer.sent(LookupRequested)[0].keys == keys
+            assert slot_bytes(dst, 1) == producer.blocks[keys[0]]
+            assert slot_bytes(dst, 2) == producer.blocks[keys[1]]
+            assert_left_no_trace(dst)
+
+
+async def test_a_fetch_into_naming_a_slot_another_fetch_into_lands_in_is_refused() -> None:
+    hold = trio.Event()
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=4, hold=hold) as (dst, producer):
+            keys = list(producer.blocks)
+            peer = producer.raw.peer_id
+            results: list[FetchResult] = []
+
+            async def first() -> None:
+                results.append(await dst.fetch_into(peer, keys[:2], [4, 5]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first)
+                await producer.fetched.wait()  # the first one's writes are under way
+                assert dst.caller_slots == {4, 5}
+                with pytest.raises(LocalProtocolError, match="free"):
+                    await dst.fetch_into(peer, keys[2:], [5, 6])
+                assert dst.caller_slots == {4, 5}  # the refusal freed nothing of the first
+                hold.set()
+            assert results[0].loaded == keys[:2]
+            assert slot_bytes(dst, 5) == producer.blocks[keys[1]]
+            # Nothing went out for the refused call: only the first one's lookup and fetch.
+            assert [type(ev) for ev in producer.log] == [LookupRequested, FetchRequested]
+            assert [ev.keys for ev in producer.sent(LookupRequested)] == [keys[:2]]
+            assert [ev.keys for ev in producer.sent(FetchRequested)] == [keys[:2]]
+            # Once the first one returned, the slot is free again.
+            r = await dst.fetch_into(peer, keys[2:], [5, 6])
+            assert r.loaded == keys[2:]
+            assert slot_bytes(dst, 5) == producer.blocks[keys[2]]
+            assert_left_no_trace(dst)
+
+
+# ---------------------------------------------------------------- held until no write can land
+
+
+async def test_fetch_into_from_a_producer_whose_writes_never_settle_returns_after_the_quarantine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with pair(
+            {"abort_timeout": 1.0, "quarantine": 20.0},
+            {"fetch_timeout": 4.0, "quarantine": 20.0},
+            src_transport=hanging,
+            virtual=True,
+        ) as (src, dst):
+            keys = fill(src.store, 4, BLOCK)
+            peer = await dst.connect(src.address)
+            start = trio.current_time()
+            r = await dst.fetch_into(peer, keys, [10, 11, 12, 13])
+            # Given up at the fetch deadline; returned only when the quarantine is over.
+            assert trio.current_time() - start == pytest.approx(4.0 + 20.0, abs=0.1)
+            assert r.loaded == [] and r.failed == dict.fromkeys(keys, "timeout")
+            assert hanging.transport.posts == 1
+            assert_left_no_trace(dst)
+
+
+@pytest.mark.parametrize("how", ["producer_vanishes", "we_disconnect"])
+async def test_fetch_into_cut_short_by_the_session_ending_returns_after_the_quarantine(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    vanish = how == "producer_vanishes"
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with hand_served(
+            {"fetch_timeout": 30.0, "quarantine": 6.0},
+            virtual=True,
+            vanish=vanish,
+            hold=trio.Event(),
+        ) as (dst, producer):
+            keys = list(producer.blocks)
+            peer = producer.raw.peer_id
+            results: list[tuple[float, FetchResult]] = []
+
+            async def fetch() -> None:
+                r = await dst.fetch_into(peer, keys, [1, 2, 3, 4])
+                results.append((trio.current_time(), r))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await producer.fetched.wait()
+                ending = trio.current_time()
+                if not vanish:
+                    await dst.disconnect(peer)
+                while dst.statistics().sessions:
+                    await trio.sleep(0.001)
+                ended = trio.current_time()  # the fetch gave up between ending and ended
+                assert results == []
+            returned, r = results[0]
+            # Not at the fetch deadline (30 s): the quarantine after the session's end.
+            assert ending + 6.0 <= returned <= ended + 6.0 + 0.01
+            assert r.loaded == [] and set(r.failed) == set(keys)
+            assert_left_no_trace(dst)
+
+
+def test_the_facade_submits_fetch_into_and_releases_unused_pins(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 3, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    ticket = dst.submit_fetch_into(peer, keys[:2], [30, 20])
+    wait_for(lambda: dst.pending() == 0)
+    [(done, result)] = dst.get_finished()
+    assert done == ticket and isinstance(result, FetchResult)
+    assert result.loaded == keys[:2] and not result.failed
+    for k, s in ((keys[0], 30), (keys[1], 20)):
+        assert bytes(dst.store.array[s * BLOCK : (s + 1) * BLOCK]) == bytes(src.store.get(k) or b"")
+    assert len(dst.store) == 0
+    rnd = dst.lookup_round(peer, keys[2:], timeout=BOUND)
+    assert rnd.hits == [True]
+    assert src.release_unused_pins(timeout=BOUND) == 1
+    assert src.statistics().pinned_slots == 0
+    assert dst.fetch(peer, keys[2:], rounds=rnd, timeout=BOUND).failed == {keys[2]: "not_pinned"}

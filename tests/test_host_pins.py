@@ -1,0 +1,445 @@
+"""Pins held by the host (:class:`~p2pkv.pins.HostPins`) and ``release_unused_pins``.
+
+Unit tests play both sides in one Trio task: the engine's producer (``pin``, ``unpin``) and
+the host (``take``, ``answer``, ``released``), on the autojump clock where a deadline is
+involved. The node tests put a real host thread (:class:`DictHost`, as vLLM's scheduler
+thread would be) behind a producer node serving a real consumer node, so they run on the
+real clock, gated by events and bounded by ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import FetchResult, Node, open_node
+from p2pkv.pins import HostPins, PinRequest
+from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
+
+from .helpers import FaultFactory, config, fill, until
+
+BLOCK = 4096
+N_BLOCKS = 64
+BOUND = 20.0  # seconds: "this did not hang", never an expected duration
+VIRTUAL_BOUND = 120.0  # the same on the autojump clock (virtual seconds)
+
+
+# ---------------------------------------------------------------- unit: one task, both sides
+
+
+async def pinning(
+    nursery: trio.Nursery, pins: HostPins, owner: object, keys: Sequence[bytes]
+) -> list[list[int | None]]:
+    """Start the engine's ``pin`` for ``owner``; once it is waiting for the host, return
+    the list its answer will be appended to."""
+    out: list[list[int | None]] = []
+
+    async def engine() -> None:
+        out.append(await pins.pin(owner, keys))
+
+    nursery.start_soon(engine)
+    await trio.testing.wait_all_tasks_blocked()
+    return out
+
+
+async def test_an_answer_wakes_the_engine_and_its_token_comes_back_exactly_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pins = HostPins(8, answer_within=5.0)
+    a, b, c = b"a" * 32, b"b" * 32, b"c" * 32
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with trio.open_nursery() as nursery:
+            start = trio.current_time()
+            got = await pinning(nursery, pins, "round-1", [a, b, c])
+            [req] = pins.take()
+            assert req.keys == [a, b, c] and not req.abandoned
+            assert pins.take() == []  # taken once
+            pins.answer(req, [3, None, 7], "tok-1")
+        assert got == [[3, None, 7]]
+        assert trio.current_time() == start  # woken by the answer, not by the deadline
+        assert pins.held() == 1 and pins.released() == []
+        pins.unpin("round-1")
+        pins.unpin("round-1")  # e.g. the round closed, then its session ended
+        assert pins.released() == ["tok-1"]
+        assert pins.released() == []
+        assert pins.held() == 0
+        pins.unpin("round-1")
+        assert pins.released() == []
+
+
+async def test_an_answer_without_a_token_holds_nothing_and_unpin_is_harmless() -> None:
+    pins = HostPins(8, answer_within=5.0)
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            got = await pinning(nursery, pins, "round-1", [b"a" * 32])
+            [req] = pins.take()
+            pins.answer(req, [None], None)
+        assert got == [[None]]
+        assert pins.held() == 0
+        pins.unpin("round-1")
+        assert pins.released() == []
+        assert await pins.pin("round-2", []) == []  # nothing to ask: no request
+        assert pins.take() == []
+
+
+async def test_an_answer_after_the_engine_gave_up_releases_its_token_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pins = HostPins(8, answer_within=2.0)
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with trio.open_nursery() as nursery:
+            start = trio.current_time()
+            got = await pinning(nursery, pins, "round-1", [b"a" * 32, b"b" * 32])
+            [req] = pins.take()  # the host is slow: it took the request, answers late
+            late = await pinning(nursery, pins, "round-2", [b"c" * 32])  # never taken
+        assert trio.current_time() - start == pytest.approx(2.0)
+        assert got == [[None, None]] and late == [[None]]  # all misses
+        assert req.abandoned
+        assert pins.take() == []  # an abandoned request is not handed out any more
+        pins.answer(req, [1, 2], "tok-late")
+        assert pins.released() == ["tok-late"]
+        assert pins.held() == 0
+        pins.unpin("round-1")  # the engine's release of the round finds nothing
+        assert pins.released() == []
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [[1], [1, 2, 3], [1, 8], [-1, 2], [1.0, 2], [True, 2], ["1", 2]],
+    ids=["short", "long", "past_the_region", "negative", "float", "bool", "str"],
+)
+async def test_a_malformed_answer_raises_releases_its_token_and_answers_all_misses(
+    autojump_clock: trio.testing.MockClock, slots: list[Any]
+) -> None:
+    pins = HostPins(8, answer_within=5.0)
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with trio.open_nursery() as nursery:
+            start = trio.current_time()
+            got = await pinning(nursery, pins, "round-1", [b"a" * 32, b"b" * 32])
+            [req] = pins.take()
+            with pytest.raises(ValueError, match="one slot"):
+                pins.answer(req, slots, "tok-bad")
+        assert got == [[None, None]]
+        assert trio.current_time() == start  # woken by the answer, with all misses
+        assert pins.released() == ["tok-bad"]
+        assert pins.held() == 0
+        pins.unpin("round-1")
+        assert pins.released() == []
+        with pytest.raises(ValueError, match="not taken"):  # answered already
+            pins.answer(req, [1, 2], None)
+
+
+async def test_release_all_hands_back_every_held_token_once_and_abandons_waiting_requests(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pins = HostPins(8, answer_within=3.0)
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with trio.open_nursery() as nursery:
+            for n in (1, 2):
+                await pinning(nursery, pins, f"round-{n}", [bytes([n]) * 32])
+                [req] = pins.take()
+                pins.answer(req, [n], f"tok-{n}")
+            waiting = await pinning(nursery, pins, "round-3", [b"c" * 32])
+            assert pins.held() == 2
+            pins.release_all()  # the node is gone
+            assert sorted(map(str, pins.released())) == ["tok-1", "tok-2"]
+            assert pins.held() == 0
+            assert pins.take() == []  # the waiting request was abandoned
+        assert waiting == [[None]]
+        pins.unpin("round-1")  # a release after release_all: nothing more comes back
+        pins.release_all()
+        assert pins.released() == []
+
+
+async def test_a_request_taken_when_the_engine_stops_waiting_releases_its_late_token() -> None:
+    """The engine's wait is cancelled (its node closing) while the host works on it."""
+    pins = HostPins(8, answer_within=30.0)
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            await pinning(nursery, pins, "round-1", [b"a" * 32])
+            [req] = pins.take()
+            nursery.cancel_scope.cancel()
+        assert req.abandoned
+        pins.answer(req, [4], "tok-1")
+        assert pins.released() == ["tok-1"]
+        assert pins.held() == 0
+
+
+def test_answer_within_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="answer_within"):
+        HostPins(8, answer_within=0.0)
+
+
+# ---------------------------------------------------------------- a node whose host pins
+
+
+class DictHost:
+    """FAKE host on a real thread (as vLLM's scheduler is): each step it answers every
+    request from ``blocks`` (key -> slot of the node's region), with a new token for each
+    answer that pins anything, and collects the tokens the engine hands back. With
+    ``gate``, it takes requests but answers none until the gate opens."""
+
+    def __init__(
+        self, pins: HostPins, blocks: dict[bytes, int], gate: threading.Event | None = None
+    ) -> None:
+        self.pins, self.blocks, self.gate = pins, blocks, gate
+        self.lock = threading.Lock()
+        self.given: list[str] = []  # tokens handed to the engine, in order
+        self.back: list[object] = []  # tokens the engine released, in order
+        self.taken = threading.Event()
+        self.abandoned_when_answered: list[bool] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="test-host-pins")
+
+    def _run(self) -> None:
+        waiting: list[PinRequest] = []
+        while not self._stop.is_set():
+            waiting += self.pins.take()
+            if waiting:
+                self.taken.set()
+            if self.gate is None or self.gate.is_set():
+                for req in waiting:
+                    self._answer(req)
+                waiting = []
+            back = self.pins.released()
+            if back:
+                with self.lock:
+                    self.back += back
+            self._stop.wait(0.001)  # the host's step cadence
+
+    def _answer(self, req: PinRequest) -> None:
+        slots = [self.blocks.get(k) for k in req.keys]
+        token = None
+        if any(s is not None for s in slots):
+            with self.lock:
+                token = f"tok-{len(self.given) + 1}"
+                self.given.append(token)
+        with self.lock:
+            self.abandoned_when_answered.append(req.abandoned)
+        self.pins.answer(req, slots, token)
+
+    def released(self) -> list[object]:
+        with self.lock:
+            return list(self.back)
+
+    @contextmanager
+    def running(self) -> Iterator[DictHost]:
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._stop.set()
+            self._thread.join(BOUND)
+            assert not self._thread.is_alive(), "the host thread did not stop"
+
+
+def host_region() -> np.ndarray:
+    """The host's memory (random bytes: whatever a slot holds is the host's block)."""
+    return np.frombuffer(bytearray(os.urandom(N_BLOCKS * BLOCK)), np.uint8)
+
+
+def block_at(region: np.ndarray, slot: int) -> bytes:
+    return bytes(region[slot * BLOCK : (slot + 1) * BLOCK])
+
+
+@asynccontextmanager
+async def host_pinned_pair(
+    pins: HostPins,
+    region: np.ndarray,
+    *,
+    src_transport: FaultFactory | None = None,
+) -> AsyncIterator[tuple[Node, Node]]:
+    """A producer ``src`` over the host's ``region`` whose lookups ``pins`` answers, and
+    a consumer ``dst``."""
+    async with (
+        open_node(
+            config("src", num_blocks=N_BLOCKS),
+            region=region,
+            pin_source=pins,
+            transport=src_transport,
+        ) as src,
+        open_node(config("dst", num_blocks=N_BLOCKS)) as dst,
+    ):
+        yield src, dst
+
+
+def assert_host_bytes(
+    dst: Node, region: np.ndarray, blocks: dict[bytes, int], r: FetchResult
+) -> None:
+    for k in r.loaded:
+        got = dst.store.get(k)
+        assert got is not None and bytes(got) == block_at(region, blocks[k])
+
+
+async def test_a_host_pinning_node_serves_its_hosts_blocks_and_gets_each_token_back_once() -> None:
+    keys = [os.urandom(32) for _ in range(4)]
+    blocks = dict(zip(keys, [17, 2, 40, 63], strict=True))
+    region = host_region()
+    absent = os.urandom(32)
+    pins = HostPins(N_BLOCKS, answer_within=5.0)
+    with trio.fail_after(BOUND), DictHost(pins, blocks).running() as host:
+        async with host_pinned_pair(pins, region) as (src, dst):
+            assert len(src.store) == 0  # the store's key map is not used
+            peer = await dst.connect(src.address)
+            r = await dst.fetch(peer, [*keys, absent])
+            assert sorted(r.loaded) == sorted(keys)
+            assert r.failed == {absent: "miss"}
+            assert_host_bytes(dst, region, blocks, r)
+            assert host.given == ["tok-1"]  # one lookup, one token
+            # The round closed with the transfer: its token comes back.
+            await until(lambda: host.released() == ["tok-1"])
+            assert pins.held() == 0
+            # A held round: pinned until released, then back once.
+            rnd = await dst.lookup_round(peer, keys[:2])
+            assert rnd.hits == [True, True] and host.given == ["tok-1", "tok-2"]
+            assert pins.held() == 1
+            assert await dst.release(peer, rnd) == 1
+            await until(lambda: host.released() == ["tok-1", "tok-2"])
+            await dst.disconnect(peer)  # the session's end releases nothing twice
+            await until(lambda: src.statistics().sessions == 0)
+        pins.release_all()
+        host_back = pins.released()
+    assert host_back == [] and host.released() == ["tok-1", "tok-2"]
+    assert host.abandoned_when_answered == [False, False]
+
+
+async def test_a_host_that_never_answers_in_time_gives_all_misses_and_its_late_token_back() -> None:
+    keys = [os.urandom(32) for _ in range(3)]
+    blocks = dict(zip(keys, [5, 6, 7], strict=True))
+    region = host_region()
+    gate = threading.Event()
+    # The host thread takes each request within a millisecond or so; it must have taken
+    # this one before the engine stops waiting, so the deadline leaves a wide margin.
+    pins = HostPins(N_BLOCKS, answer_within=1.0)
+    with trio.fail_after(BOUND), DictHost(pins, blocks, gate).running() as host:
+        async with host_pinned_pair(pins, region) as (src, dst):
+            peer = await dst.connect(src.address)
+            hits: list[list[bool]] = []
+
+            async def lookup() -> None:
+                hits.append(await dst.lookup(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lookup)
+                await until(host.taken.is_set)  # the host has it, and keeps it
+            assert hits == [[False, False, False]]  # the engine stopped waiting
+            gate.set()  # now it answers, too late
+            await until(lambda: host.released() == ["tok-1"])
+            assert host.abandoned_when_answered == [True]
+            assert pins.held() == 0
+            # The session lives on, and a timely answer is a hit.
+            assert await dst.lookup(peer, keys) == [True, True, True]
+
+
+# ---------------------------------------------------------------- release_unused_pins
+
+
+def gated_writes(handles: list[TransferHandle]) -> FaultFactory:
+    """A producer transport whose writes land but stay in flight (PROC) until the test
+    settles their handles (collected in ``handles``)."""
+
+    def configure(t: Any) -> None:
+        t.hang = True
+        post = t.post_write
+
+        def post_and_keep(
+            peer: RemotePeer, local: Sequence[int], remote: Sequence[int]
+        ) -> TransferHandle:
+            h: TransferHandle = post(peer, local, remote)
+            handles.append(h)
+            return h
+
+        t.post_write = post_and_keep
+
+    return FaultFactory(configure)
+
+
+async def test_release_unused_pins_gives_idle_rounds_back_and_keeps_a_rounds_under_a_write() -> (
+    None
+):
+    keys = [os.urandom(32) for _ in range(4)]
+    blocks = dict(zip(keys, [10, 11, 12, 13], strict=True))
+    region = host_region()
+    handles: list[TransferHandle] = []
+    pins = HostPins(N_BLOCKS, answer_within=5.0)
+    with trio.fail_after(BOUND), DictHost(pins, blocks).running() as host:
+        async with host_pinned_pair(pins, region, src_transport=gated_writes(handles)) as (
+            src,
+            dst,
+        ):
+            peer = await dst.connect(src.address)
+            idle = await dst.lookup_round(peer, keys[:2])  # tok-1, nobody fetches it yet
+            busy: list[FetchResult] = []
+
+            async def fetch() -> None:
+                busy.append(await dst.fetch(peer, keys[2:]))  # tok-2, its write hangs
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await until(lambda: len(handles) == 1)
+                assert host.given == ["tok-1", "tok-2"]
+                assert await src.release_unused_pins() == 1
+                assert pins.held() == 1  # at once: the idle round's token is out
+                await until(lambda: host.released() == ["tok-1"])
+                assert await src.release_unused_pins() == 0  # the write's round stays
+                assert pins.held() == 1 and busy == []
+                handles[0].native = TransferState.DONE  # the write settles
+            assert sorted(busy[0].loaded) == sorted(keys[2:])
+            assert_host_bytes(dst, region, blocks, busy[0])
+            await until(lambda: host.released() == ["tok-1", "tok-2"])
+            assert pins.held() == 0
+            # The idle round's pins are gone: fetching on it gets NOT_PINNED per key.
+            r = await dst.fetch(peer, keys[:2], rounds=idle)
+            assert r.loaded == [] and r.failed == dict.fromkeys(keys[:2], "not_pinned")
+            assert dst.statistics().peers == 1
+    assert host.released() == ["tok-1", "tok-2"]
+
+
+async def test_release_unused_pins_unpins_idle_rounds_in_the_store() -> None:
+    with trio.fail_after(BOUND):
+        async with open_node(config("src")) as src, open_node(config("dst")) as dst:
+            keys = fill(src.store, 3, BLOCK)
+            peer = await dst.connect(src.address)
+            rnd = await dst.lookup_round(peer, keys)
+            assert src.statistics().pinned_slots == 3
+            assert await src.release_unused_pins() == 1
+            assert src.statistics().pinned_slots == 0
+            assert await src.release_unused_pins() == 0
+            r = await dst.fetch(peer, keys, rounds=rnd)
+            assert r.loaded == [] and r.failed == dict.fromkeys(keys, "not_pinned")
+            assert all(k not in dst.store for k in keys)
+            assert dst.statistics().reserved_slots == 0
+
+
+async def test_release_unused_pins_while_the_host_answers_a_lookup_gives_that_token_back() -> None:
+    """The round is released while its pins are being taken: the host's answer, when it
+    comes, is released at once and the lookup is answered all misses."""
+    keys = [os.urandom(32) for _ in range(2)]
+    blocks = dict(zip(keys, [3, 4], strict=True))
+    gate = threading.Event()
+    pins = HostPins(N_BLOCKS, answer_within=10.0)
+    with trio.fail_after(BOUND), DictHost(pins, blocks, gate).running() as host:
+        async with host_pinned_pair(pins, host_region()) as (src, dst):
+            peer = await dst.connect(src.address)
+            hits: list[list[bool]] = []
+
+            async def lookup() -> None:
+                hits.append(await dst.lookup(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lookup)
+                await until(host.taken.is_set)
+                assert await src.release_unused_pins() == 1
+                gate.set()
+            assert hits == [[False, False]]
+            await until(lambda: host.released() == ["tok-1"])
+            assert host.abandoned_when_answered == [False]  # answered in time, yet released
+            assert pins.held() == 0
