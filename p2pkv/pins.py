@@ -92,6 +92,7 @@ class HostPins:
         self._inbox: deque[PinRequest] = deque()
         self._held: dict[object, object] = {}  # owner -> the host's token for its pins
         self._released: list[object] = []
+        self._closed = False  # release_all ran: every answer's token goes straight back
 
     # --- the engine's side ----------------------------------------------------------------
 
@@ -154,6 +155,8 @@ class HostPins:
         with self._lock:
             if req._state is not _State.TAKEN and req._state is not _State.ABANDONED:
                 raise ValueError(f"request is {req._state.value}, not taken")
+            if self._closed and req._state is _State.TAKEN:
+                req._state = _State.ABANDONED
             if bad or req._state is _State.ABANDONED:
                 if token is not None:
                     self._released.append(token)
@@ -192,9 +195,10 @@ class HostPins:
             return len(self._held)
 
     def release_all(self) -> None:
-        """The node is gone: every token still held is released, and waiting requests
-        are abandoned (their answers release their tokens)."""
+        """The node is gone: every token still held is released, and every request not
+        answered yet is abandoned, taken or not (its answer releases its token)."""
         with self._lock:
+            self._closed = True
             self._released.extend(self._held.values())
             self._held.clear()
             for req in self._inbox:

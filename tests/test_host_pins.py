@@ -159,6 +159,21 @@ async def test_release_all_hands_back_every_held_token_once_and_abandons_waiting
         assert pins.released() == []
 
 
+async def test_an_answer_after_release_all_to_a_request_already_taken_releases_its_token(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pins = HostPins(8, answer_within=3.0)
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with trio.open_nursery() as nursery:
+            waiting = await pinning(nursery, pins, "round-1", [b"a" * 32])
+            [req] = pins.take()  # the host is working on it...
+            pins.release_all()  # ...when the node goes away
+            pins.answer(req, [3], "tok-late")
+            assert pins.released() == ["tok-late"]
+            assert pins.held() == 0
+        assert waiting == [[None]]  # the engine never saw the slot
+
+
 async def test_a_request_taken_when_the_engine_stops_waiting_releases_its_late_token() -> None:
     """The engine's wait is cancelled (its node closing) while the host works on it."""
     pins = HostPins(8, answer_within=30.0)
