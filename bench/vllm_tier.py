@@ -16,7 +16,9 @@ processes and measures:
   while the source "runs the model" in 1 s steps (``time.sleep``; vLLM's lock is free).
 * ``idle CPU``: over ``--idle-s`` seconds with the session connected and nothing to do, the
   CPU of the tier's own threads in each process (every thread except the harness's scheduler
-  thread and command loop and vLLM's ``vllm_offload_tier_poll``), then those two separately.
+  thread and command loop and vLLM's ``vllm_offload_tier_poll``), then those two separately;
+  and the tier's own share of vLLM's poll thread: the microseconds its ``get_finished_jobs``
+  plus ``serve_external_requests`` take per idle round (vLLM runs a round every 1 ms).
 
 If p2pkv's tier does not import, only the built-in tier runs, and the output says so.
 """
@@ -97,6 +99,12 @@ def one_rep(
             for part, pct in cpu_split(b, a, args.idle_s).items():
                 out[f"idle_{role}_{part}_pct"] = pct
 
+        # The tier's share of vLLM's tier-poll thread: what one idle round asks of it, in
+        # us per call, as % of a core at the default 1 ms interval.
+        cost = dst.poll_round_cost()
+        out["idle_poll_round_us"] = sum(cost.values())
+        out["idle_poll_round_pct"] = sum(cost.values()) / 1000.0 * 100.0
+
         src.set_step(1.0, "sleep")
         cold = start("dst-cold")
         result = cold.pull(src, "cold", keys, seed=SEED, timeout_s=120.0)
@@ -115,6 +123,8 @@ ROWS = [
     ("idle_consumer_poll_pct", "idle CPU, consumer, vllm_offload_tier_poll (% core)"),
     ("idle_source_poll_pct", "idle CPU, source, vllm_offload_tier_poll (% core)"),
     ("idle_consumer_harness_pct", "idle CPU, consumer, harness scheduler loop (% core)"),
+    ("idle_poll_round_us", "tier calls of one idle tier-poll round (us)"),
+    ("idle_poll_round_pct", "the same at the 1 ms poll interval (% core)"),
 ]
 
 

@@ -183,6 +183,14 @@ class HostPins:
                 f"answer must hold one slot (0..{self.num_blocks - 1}) or None per key"
             )
 
+    def any_waiting(self) -> bool:
+        """Cheap hint, without the lock: requests may be waiting for :meth:`take`."""
+        return bool(self._inbox)
+
+    def any_released(self) -> bool:
+        """Cheap hint, without the lock: :meth:`released` may have tokens."""
+        return bool(self._released)
+
     def released(self) -> list[object]:
         """Tokens whose pins the engine released since the last call, each exactly once."""
         with self._lock:

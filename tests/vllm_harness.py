@@ -280,6 +280,10 @@ class VllmNode:
         result: list[dict[str, Any]] = self.call("thread_cpu")
         return result
 
+    def poll_round_cost(self) -> dict[str, float]:
+        result: dict[str, float] = self.call("poll_round_cost")
+        return result
+
     def shutdown(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Shut the manager down cleanly; returns what was left (threads, shm files)."""
         result: dict[str, Any] = self.call("shutdown", timeout_s)

@@ -404,6 +404,25 @@ class _Node:
             "shm_left": shm_paths(self.engine_id),
         }
 
+    def poll_round_cost(self, rounds: int = 20000) -> dict[str, float]:
+        """Microseconds per call of what vLLM's tier-poll thread asks of the secondary tier
+        each round (``get_finished_jobs``, ``serve_external_requests``), idle, under the lock."""
+        from vllm.v1.kv_offload.tiering.manager import _SecondaryTierFacingParent
+
+        tier = self.mgr.secondary_tiers[0]
+        parent = _SecondaryTierFacingParent(self.mgr, 0)
+        out: dict[str, float] = {}
+        with self.mgr.lock:
+            for name, fn in (
+                ("get_finished_jobs", tier.get_finished_jobs),
+                ("serve_external_requests", lambda: tier.serve_external_requests(parent)),
+            ):
+                t0 = time.perf_counter()
+                for _ in range(rounds):
+                    fn()
+                out[name] = (time.perf_counter() - t0) / rounds * 1e6
+        return out
+
     def serve(self, conn: Connection) -> None:
         commands: dict[str, Callable[..., Any]] = {
             "fill": self.fill,
@@ -416,6 +435,7 @@ class _Node:
             "set_step": self.set_step,
             "stats": self.stats,
             "thread_cpu": thread_cpu,
+            "poll_round_cost": self.poll_round_cost,
         }
         while True:
             try:

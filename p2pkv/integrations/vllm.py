@@ -349,6 +349,10 @@ class P2PTier:
         self._expire_unsent(now)
         self._poll_orphans()
 
+    def idle(self) -> bool:
+        """Nothing in flight, nothing to report: :meth:`step` would do nothing."""
+        return not (self._finished or self._orphans or self.has_pending_work())
+
     def get_finished_jobs(self) -> list[JobResult]:
         """Loads that finished since the last call (runs :meth:`step` first)."""
         self.step()
