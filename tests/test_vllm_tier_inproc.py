@@ -15,6 +15,7 @@ import hashlib
 import itertools
 import logging
 import os
+import socket
 import threading
 import time
 import warnings
@@ -277,6 +278,18 @@ def test_a_bad_configuration_is_refused_naming_the_key(
     with pytest.raises(Exception, match=match):
         engines(**bad)
     assert engine_threads() == before  # nothing started, or it was stopped again
+
+
+def test_a_port_in_use_fails_the_build_and_leaves_nothing_running(
+    engines: Callable[..., Engine],
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        before = engine_threads()
+        with pytest.raises(Exception, match="(?i)address|in use|bind|listen"):
+            engines(port=taken.getsockname()[1])
+        assert engine_threads() == before
 
 
 # ------------------------------------------------------------------------- pulls

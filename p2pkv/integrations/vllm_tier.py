@@ -77,6 +77,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..config import NodeConfig
+from ..errors import PortalClosed
 from ..facade import start_node
 from ..pins import HostPins, PinRequest
 from .vllm import JobResult as LoadResult
@@ -304,7 +305,11 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             max_pinned_blocks=s.max_pinned_blocks,
         )
         self._pins = HostPins(num_chunks, answer_within=s.serve_timeout_s)
-        node = start_node(cfg, region=region, pin_source=self._pins)
+        try:
+            node = start_node(cfg, region=region, pin_source=self._pins)
+        except PortalClosed as exc:  # e.g. the port is taken: say so, not "engine ended"
+            why = exc.__cause__ if exc.__cause__ is not None else exc
+            raise RuntimeError(f"p2pkv tier could not start on {s.host}:{s.port}: {why}") from exc
         try:
             self._core = P2PTier(
                 node,
