@@ -305,11 +305,16 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             max_pinned_blocks=s.max_pinned_blocks,
         )
         self._pins = HostPins(num_chunks, answer_within=s.serve_timeout_s)
+        failed = ""
         try:
             node = start_node(cfg, region=region, pin_source=self._pins)
         except PortalClosed as exc:  # e.g. the port is taken: say so, not "engine ended"
-            why = exc.__cause__ if exc.__cause__ is not None else exc
-            raise RuntimeError(f"p2pkv tier could not start on {s.host}:{s.port}: {why}") from exc
+            failed = str(exc.__cause__ if exc.__cause__ is not None else exc)
+        if failed:
+            # No traceback may keep an array over the region alive: vLLM unmaps it next.
+            del region
+            gc.collect()
+            raise RuntimeError(f"p2pkv tier could not start on {s.host}:{s.port}: {failed}")
         try:
             self._core = P2PTier(
                 node,
