@@ -404,6 +404,34 @@ def test_reset_cache_drains_a_peers_unfetched_round_under_the_lock(
         peer.close()
 
 
+def test_a_lookup_larger_than_one_serve_call_is_answered_over_several(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = engines()
+    keys = make_keys(10, "budget")
+    src.fill(keys[:7])
+    asked: list[int] = []
+    real_ask = src.tier._ask
+
+    def counting_ask(parent: Any, srv: Any, budget: int) -> int:
+        asked.append(n := real_ask(parent, srv, budget))
+        return n
+
+    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 3)
+    monkeypatch.setattr(src.tier, "_ask", counting_ask)
+    peer_cfg = attrs.evolve(src.tier._node.config, peer_id="raw-peer", port=0)
+    peer: BlockingNode = start_node(peer_cfg)
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        rnd = peer.lookup_round(remote, keys, timeout=BOUND)
+        assert rnd.hits == [True] * 7 + [False] * 3
+        assert max(asked) <= 3 and sum(asked) == 10  # vLLM's lock: 3 keys per call
+        peer.release(remote, rnd, timeout=BOUND)
+        until(lambda: src.jobs() == 0, "the pins' jobs to be reported")
+    finally:
+        peer.close()
+
+
 @pytest.mark.nixl
 def test_shutdown_leaves_no_thread_and_lets_vllm_unmap_its_region(
     engines: Callable[..., Engine], caplog: pytest.LogCaptureFixture
