@@ -315,6 +315,20 @@ def test_a_pull_is_byte_exact_and_every_source_pin_is_reported_once(
     assert stats.data["data"]["vllm:kv_offload_p2pkv_loaded_blocks"][()] == len(keys)
 
 
+def test_with_a_secret_only_engines_that_hold_it_exchange_blocks(
+    engines: Callable[..., Engine],
+) -> None:
+    src = engines(secret="fleet-secret", verify_checksums=True)
+    member = engines(secret="fleet-secret", verify_checksums=True)
+    outsider = engines(secret="another-secret", verify_checksums=True)
+    keys = make_keys(6, "secret")
+    src.fill(keys)
+    res, exact = pull(member, request(src, "r-member"), keys)
+    assert res == [LookupResult.HIT] * len(keys) and exact
+    res, exact = pull(outsider, request(src, "r-outsider"), keys)
+    assert res == [LookupResult.MISS] and not exact  # the handshake fails: a miss, no loop
+
+
 def test_two_requests_sharing_a_prefix_in_one_step_both_load_it(
     engines: Callable[..., Engine],
 ) -> None:
