@@ -21,14 +21,15 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import trio
 import trio.lowlevel
 
-from p2pkv import NodeConfig
+from p2pkv import Node, NodeConfig, open_node
 from p2pkv.errors import RegistrationFailed, TransportError
 from p2pkv.session.protocol import ByeReceived, Event, LocalInfo, SessionProtocol
 from p2pkv.store import BlockStore
@@ -393,3 +394,21 @@ def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition never held"
         time.sleep(0.001)
+
+
+@asynccontextmanager
+async def pair(
+    src_kw: dict[str, Any] | None = None,
+    dst_kw: dict[str, Any] | None = None,
+    *,
+    src_transport: FaultFactory | None = None,
+    virtual: bool = False,
+) -> AsyncIterator[tuple[Node, Node]]:
+    """A producer ``src`` and a consumer ``dst``; with ``virtual``, blocking data-plane work
+    runs inline on Trio's clock (for the autojump clock)."""
+    offload = VirtualOffload() if virtual else None
+    async with (
+        open_node(config("src", **(src_kw or {})), transport=src_transport, offload=offload) as src,
+        open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
+    ):
+        yield src, dst

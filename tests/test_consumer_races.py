@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -41,30 +40,13 @@ from .helpers import (
     config,
     fill,
     inline_offload,
+    pair,
     wait_for,
 )
 from .protocol_helpers import make_info, ready_pair, snapshot
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
-
-
-@asynccontextmanager
-async def pair(
-    src_kw: dict[str, Any] | None = None,
-    dst_kw: dict[str, Any] | None = None,
-    *,
-    src_transport: FaultFactory | None = None,
-    virtual: bool = False,
-) -> AsyncIterator[tuple[Node, Node]]:
-    """A producer ``src`` and a consumer ``dst``; with ``virtual``, blocking data-plane work
-    runs inline on Trio's clock (for the autojump clock)."""
-    offload = VirtualOffload() if virtual else None
-    async with (
-        open_node(config("src", **(src_kw or {})), transport=src_transport, offload=offload) as src,
-        open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
-    ):
-        yield src, dst
 
 
 def dirty(store: Any, n: int) -> None:

@@ -22,29 +22,11 @@ from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
 from p2pkv.session.protocol import Event, FetchRequested, LookupRequested
 from p2pkv.wire import Outcome
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, wait_for
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair, wait_for
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
 VIRTUAL_BOUND = 120.0  # the same on the autojump clock (virtual seconds)
-
-
-@asynccontextmanager
-async def pair(
-    src_kw: dict[str, Any] | None = None,
-    dst_kw: dict[str, Any] | None = None,
-    *,
-    src_transport: FaultFactory | None = None,
-    virtual: bool = False,
-) -> AsyncIterator[tuple[Node, Node]]:
-    """A producer ``src`` and a consumer ``dst``; with ``virtual``, blocking data-plane work
-    runs inline on Trio's clock (for the autojump clock)."""
-    offload = VirtualOffload() if virtual else None
-    async with (
-        open_node(config("src", **(src_kw or {})), transport=src_transport, offload=offload) as src,
-        open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
-    ):
-        yield src, dst
 
 
 def junk_region(node: Node) -> bytes:

@@ -271,6 +271,20 @@ class ConsumerSide(SessionParts):
             return "key too long"
         return None
 
+    def _sendable(self, keys: list[bytes], outcome: dict[bytes, str | None]) -> list[bytes]:
+        """The keys we could send; each other key's problem goes into ``outcome``."""
+        max_len = self._limits().max_key_len
+        if keys_fit(keys, max_len):
+            return keys  # the usual case, without a Python loop per key
+        valid = []
+        for k in keys:
+            problem = self._key_problem(k, max_len)
+            if problem is None:
+                valid.append(k)
+            else:
+                outcome[k] = problem
+        return valid
+
     def _check_keys(self, keys: Sequence[bytes], op: str) -> None:
         max_len = self._limits().max_key_len
         if keys_fit(keys, max_len):
@@ -425,16 +439,7 @@ class ConsumerSide(SessionParts):
         except TypeError:
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
         outcome: dict[bytes, str | None] = {}
-        max_len = self._limits().max_key_len
-        valid = wanted
-        if not keys_fit(wanted, max_len):
-            valid = []
-            for k in wanted:
-                problem = self._key_problem(k, max_len)
-                if problem is None:
-                    valid.append(k)
-                else:
-                    outcome[k] = problem
+        valid = self._sendable(wanted, outcome)
         store = self.node.store
         mine: list[bytes] = []
         shared: dict[_Claim, list[bytes]] = {}
@@ -525,16 +530,7 @@ class ConsumerSide(SessionParts):
                 op="fetch",
             )
         outcome: dict[bytes, str | None] = {}
-        max_len = self._limits().max_key_len
-        valid = keys
-        if not keys_fit(keys, max_len):
-            valid = []
-            for k in keys:
-                problem = self._key_problem(k, max_len)
-                if problem is None:
-                    valid.append(k)
-                else:
-                    outcome[k] = problem
+        valid = self._sendable(keys, outcome)
         landing = _CallerSlots(dst)
         taken.update(dst_slots)
         try:
