@@ -240,12 +240,6 @@ class _Serve:
     jobs: list[int] = attrs.field(factory=list)  # store jobs pinning the hits
 
 
-@attrs.define(eq=False)
-class _LoadInfo:
-    keys: list[bytes]
-    submitted: float
-
-
 class P2pkvSecondaryTier(SecondaryTierManager):
     """p2pkv's peer-to-peer tier for vLLM 0.33 (see the module docstring)."""
 
@@ -331,7 +325,7 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         self._ctx_names = itertools.count()
         self._serving: list[_Serve] = []
         self._unfinished_ctx: list[ReqContext] = []  # drained before parent was at hand
-        self._loads: dict[int, _LoadInfo] = {}
+        self._loads: dict[int, float] = {}  # load job id -> when vLLM submitted it
         self._done: list[JobResult] = []
         self._stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._shut = False
@@ -365,7 +359,7 @@ class P2pkvSecondaryTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         job = job_metadata
         keys: list[bytes] = list(job.keys)
-        self._loads[job.job_id] = _LoadInfo(keys, time.monotonic())
+        self._loads[job.job_id] = time.monotonic()
         view = self._view(job.req_context)
         self._core.submit_load(
             LoadJob(
@@ -409,8 +403,8 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         return out
 
     def _load_result(self, res: LoadResult) -> JobResult:
-        info = self._loads.pop(res.job_id, None)
-        elapsed = time.monotonic() - info.submitted if info is not None else None
+        submitted = self._loads.pop(res.job_id, None)
+        elapsed = time.monotonic() - submitted if submitted is not None else None
         n_ok = len(res.loaded)
         self._stats["loaded_blocks"] += n_ok
         self._stats["loaded_bytes"] += n_ok * self.block_size_bytes
