@@ -162,6 +162,9 @@ class _Node:
                     return
                 active = list(self._requests.values())
                 new, self._new = self._new, []
+                # Read with the snapshot: a request added during the step below bumps it,
+                # so the wait after the step returns at once instead of missing the wake-up.
+                seen = self._generation
             gate_wait = 0.0
             with self.mgr.lock:
                 t0 = time.perf_counter()
@@ -182,20 +185,17 @@ class _Node:
                     continue
                 if "outcome" in req.result:
                     self._read_back(req)
-            self._model_step(busy or bool(active))
+            self._model_step(busy or bool(active), seen)
 
-    def _model_step(self, busy: bool) -> None:
+    def _model_step(self, busy: bool, seen: int) -> None:
         if self.step_s > 0 and self.step_mode == "spin":
             end = time.perf_counter() + self.step_s
             while time.perf_counter() < end and not self._stop:
                 sum(range(1000))
             return
         with self._cond:
-            generation = self._generation
             timeout = self.step_s if self.step_s > 0 else (IDLE_TICK_S if busy else None)
-            self._cond.wait_for(
-                lambda: self._stop or self._generation != generation, timeout=timeout
-            )
+            self._cond.wait_for(lambda: self._stop or self._generation != seen, timeout=timeout)
 
     def _scan(self, req: _Request, step_no: int) -> float:
         """One prefix scan of ``req``; returns the seconds spent held at its gate."""
@@ -335,9 +335,30 @@ class _Node:
         for req_id in req_ids:
             req = self._all[req_id]
             if not req.done.wait(max(0.0, deadline - time.monotonic())):
-                raise TimeoutError(f"request {req_id} not done after {timeout_s} s")
+                raise TimeoutError(
+                    f"request {req_id} not done after {timeout_s} s\n{self._diagnosis(req)}"
+                )
             out.append(dict(req.result, req_id=req_id))
         return out
+
+    def _diagnosis(self, req: _Request) -> str:
+        """What a test that timed out needs to tell a stuck step from a request that never
+        ends: the request's scan state, the steps taken, and every thread's stack."""
+        import sys
+
+        lines = [
+            f"result so far: {req.result}",
+            f"pending {sum(req.pending)} failed {sum(req.failed)} submits {sum(req.submits)}",
+            f"steps {len(self.steps)}, max step {max(self.steps, default=0.0):.4f} s",
+        ]
+        core = getattr(self.mgr.secondary_tiers[0], "_core", None)  # p2pkv's P2PTier
+        if core is not None:
+            lines.append(f"tier: {core.debug_state()}")
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            lines.append(f"--- thread {names.get(ident, ident)}")
+            lines.extend(line.rstrip() for line in traceback.format_stack(frame)[-8:])
+        return "\n".join(lines)
 
     def wait_gate(self, req_id: str, timeout_s: float) -> bool:
         return self._all[req_id].gate_reached.wait(timeout_s)
@@ -482,7 +503,20 @@ def thread_cpu() -> list[dict[str, Any]]:
 
 
 def node_main(conn: Connection, params: dict[str, Any]) -> None:
-    """Process entry point: build the node, report, then serve commands until shutdown."""
+    """Process entry point: build the node, report, then serve commands until shutdown.
+    ``P2PKV_HARNESS_LOG=DEBUG`` (any level name) logs p2pkv to stderr, with thread names."""
+    if level := os.environ.get("P2PKV_HARNESS_LOG"):
+        import logging
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(
+            logging.Formatter(
+                "%(relativeCreated)8.1f %(process)d %(threadName)s %(name)s: %(message)s"
+            )
+        )
+        logger = logging.getLogger("p2pkv")
+        logger.addHandler(handler)
+        logger.setLevel(level)
     try:
         node = _Node(params)
     except Exception:

@@ -455,6 +455,38 @@ class P2PTier:
         if cut_short:
             time.sleep(self.quarantine)
 
+    def debug_state(self) -> dict[str, Any]:
+        """A summary of what is in flight, for diagnosing a request that never ends."""
+        now = time.monotonic()
+        return {
+            "closed": self._closed,
+            "sources": {
+                f"{h}:{p}": {
+                    "peer": None if s.peer is None else s.peer.peer_id,
+                    "connected": s.peer is not None and self.node.is_connected(s.peer),
+                    "connecting": s.connect_ticket is not None,
+                    "retry_in_s": round(s.retry_at - now, 3),
+                    "error": s.error,
+                }
+                for (h, p), s in self._sources.items()
+            },
+            "requests": {
+                rid: {
+                    "failed": st.failed,
+                    "probes": sum(1 for v in st.probes.values() if v is None),
+                    "unsent": len(st.unsent),
+                    "lookups": len(st.lookups),
+                    "waiting_loads": len(st.waiting_loads),
+                }
+                for rid, st in self._requests.items()
+            },
+            "lookups": len(self._lookups),
+            "loads": len(self._loads),
+            "holds": len(self._holds),
+            "orphans": len(self._orphans),
+            "batching": None if self._batching is None else self._batching.request_id,
+        }
+
     # ---------------------------------------------------------------- requests and sources
 
     def _request(self, request: RequestLike) -> _Request:
