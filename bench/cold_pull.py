@@ -197,6 +197,20 @@ def report(
             f"{min(values) * 1e3:8.1f}ms{max(values) * 1e3:8.1f}ms"
             f"{med[kind, mode] / base:13.2f}x{conn:>10}"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "bench": "cold_pull",
+                    "args": {k: v for k, v in vars(args).items() if k != "role"},
+                    "cores": os.cpu_count(),
+                    "load": os.getloadavg(),
+                    "times_s": {f"{kind}, {mode}": v for (kind, mode), v in times.items()},
+                    "connect_s": connects,
+                },
+                f,
+                indent=1,
+            )
     worst = 0.0
     for mode in ("spin", "sleep"):
         ratio = med["cold", mode] / base
@@ -218,6 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-len", type=int, default=2 * MiB, help="default: 2 MiB")
     parser.add_argument("--reps", type=int, default=5, help="default: %(default)s")
     parser.add_argument("--quick", action="store_true", help="128 blocks, 2 reps")
+    parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument(
         "--switch-interval-us",
         type=float,

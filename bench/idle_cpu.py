@@ -15,6 +15,7 @@ second. Target (DESIGN.md): <= 1 % of one core per engine (the upstream issue as
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import sys
@@ -60,6 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="window (default: 3)")
     parser.add_argument("--settle", type=float, default=1.0, help="before the window (s)")
     parser.add_argument("--quick", action="store_true", help="1 s window")
+    parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--role", default="bench", help=argparse.SUPPRESS)
     parser.add_argument("--connect", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -95,6 +97,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  {name:<9}{e['peers']:>6}{e['threads']:>8}{(e['cpu'] - s['cpu']) * 1e3:8.1f}ms"
             f"{share:11.2%}{(e['wakeups'] - s['wakeups']) / elapsed:12.1f}"
         )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "bench": "idle_cpu",
+                    "args": {"seconds": args.seconds, "settle": args.settle},
+                    "cores": os.cpu_count(),
+                    "load": os.getloadavg(),
+                    "processes": [
+                        {
+                            "name": name,
+                            "peers": e["peers"],
+                            "threads": e["threads"],
+                            "core_share": (e["cpu"] - s["cpu"]) / (e["t"] - s["t"]),
+                            "wakeups_per_s": (e["wakeups"] - s["wakeups"]) / (e["t"] - s["t"]),
+                        }
+                        for name, s, e in zip(("node-a", "node-b"), start, end, strict=True)
+                    ],
+                },
+                f,
+                indent=1,
+            )
     passed = worst <= TARGET
     print(
         f"{'PASS' if passed else 'FAIL'}: idle engine {worst:.2%} of a core "

@@ -1,0 +1,387 @@
+"""Run every benchmark, keep the raw results, and write docs/performance.md with plots.
+
+Reproduce::
+
+    .venv/bin/python bench/report.py run            # every bench on this machine (~25 min)
+    .venv/bin/python bench/report.py run --only cold_pull,idle_cpu --quick
+    .venv/bin/python bench/report.py render         # docs/performance.md + docs/perf/*.png
+
+``run`` calls each benchmark script with ``--json`` and files the result under
+``bench/results/<machine>/<bench>.json`` next to ``_machine.json`` (cores, CPU model, GPU,
+load average before and after, date), so every table says which machine it came from.
+A bench that fails or is not available here (vLLM not installed, no GPU) is skipped with its
+reason in ``_skipped.json``; nothing stale is kept for it. ``--machine NAME`` names the
+folder (default: ``<cores>core-<gpu or cpu>``), which is how results from the GPU machine
+(run there with ``--only ...``, brought back as files) sit beside this machine's.
+
+``render`` needs only the JSON files (and matplotlib): one section per bench, each table
+the median of its paired repetitions with min-max, the command that reproduces it, the
+machine and the date; hand-written analysis for a bench lives in ``bench/notes/<bench>.md``
+and is pasted under its table. The renderer of each bench is beside its entry in BENCHES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+NOTES = ROOT / "bench" / "notes"
+DOC = ROOT / "docs" / "performance.md"
+IMG = ROOT / "docs" / "perf"
+
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    title: str
+    argv: Callable[[bool], list[str]]  # quick -> arguments after the script path
+    render: Callable[[Json, str], str]  # (result, machine) -> markdown (may write plots)
+    needs: str = ""  # "vllm" or "gpu": skipped where missing
+    timeout_s: float = 1800.0
+
+    @property
+    def script(self) -> Path:
+        return ROOT / "bench" / f"{self.name}.py"
+
+    def command(self, quick: bool) -> str:
+        return " ".join([".venv/bin/python", f"bench/{self.name}.py", *self.argv(quick)])
+
+
+# ---------------------------------------------------------------- helpers for renderers
+
+
+def fmt_range(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> str:
+    v = [x * scale for x in values]
+    return f"{statistics.median(v):.{digits}g} [{min(v):.{digits}g}-{max(v):.{digits}g}]"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(name: str, draw: Callable[[Any], None], size: tuple[float, float] = (6.0, 3.4)) -> str:
+    """Draw with matplotlib into docs/perf/<name>.png; returns the markdown image link
+    (or a line saying why there is no plot: ``pip install -e '.[bench]'`` installs it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "(plot skipped: matplotlib is not installed; `pip install -e '.[bench]'`)"
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    IMG.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=size, dpi=110)
+    draw(ax)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(IMG / f"{name}.png")
+    plt.close(fig)
+    return f"![{name}](perf/{name}.png)"
+
+
+# ---------------------------------------------------------------- renderers
+
+
+def render_vllm_tier(res: Json, machine: str) -> str:
+    runs: dict[str, list[Json]] = res["runs"]
+    names = list(runs)
+    rows_def = [
+        ("warm_idle_s", "warm-idle pull (s)", 1.0),
+        ("cold_sleeping_s", "cold pull, source sleeping in 1 s steps (s)", 1.0),
+        ("cold_over_warm", "cold-sleeping / warm-idle", 1.0),
+        ("idle_consumer_tier_pct", "idle CPU of the tier's threads, consumer (% of a core)", 1.0),
+        ("idle_source_tier_pct", "idle CPU of the tier's threads, source (% of a core)", 1.0),
+        ("idle_poll_round_us", "tier calls in one idle tier-poll round (µs)", 1.0),
+    ]
+    rows = []
+    for key, label, scale in rows_def:
+        cells = [fmt_range([r[key] for r in runs[n]], scale) for n in names]
+        if len(names) == 2:
+            a, b = (statistics.median(r[key] for r in runs[n]) for n in names)
+            cells.append(f"{a / b:.2f}" if b else "-")
+        rows.append([label, *cells])
+    header = ["metric", *names] + (["ratio of medians"] if len(names) == 2 else [])
+    out = [table(header, rows)]
+
+    def bars(ax: Any) -> None:
+        keys = [("warm_idle_s", "warm idle"), ("cold_sleeping_s", "cold, source sleeping")]
+        width = 0.8 / len(names)
+        for i, n in enumerate(names):
+            meds = [statistics.median(r[k] for r in runs[n]) for k, _ in keys]
+            lo = [m - min(r[k] for r in runs[n]) for m, (k, _) in zip(meds, keys, strict=True)]
+            hi = [max(r[k] for r in runs[n]) - m for m, (k, _) in zip(meds, keys, strict=True)]
+            xs = [j + i * width for j in range(len(keys))]
+            ax.bar(xs, meds, width, yerr=[lo, hi], capsize=3, label=n)
+        ax.set_xticks([j + width * (len(names) - 1) / 2 for j in range(len(keys))])
+        ax.set_xticklabels([label for _, label in keys])
+        ax.set_ylabel("seconds (median, min-max)")
+        ax.set_title(f"{res['args']['n']} x {res['args']['chunk_mib']:g} MiB through vLLM")
+        ax.legend()
+
+    out.append(plot(f"vllm_tier-{machine}", bars))
+    return "\n\n".join(out)
+
+
+def render_cold_pull(res: Json, machine: str) -> str:
+    times: dict[str, list[float]] = res["times_s"]
+    base = statistics.median(times["warm, idle"])
+    a = res["args"]
+    rows = []
+    for cond, values in times.items():
+        kind, mode = cond.split(", ")
+        conn = res["connect_s"].get(mode, []) if kind == "cold" else []
+        rows.append(
+            [
+                cond,
+                fmt_range(values, 1e3) + " ms",
+                f"{statistics.median(values) / base:.2f} x",
+                fmt_range(conn, 1e3) + " ms" if conn else "",
+            ]
+        )
+    size = a["blocks"] * a["block_len"]
+    out = [
+        f"{a['blocks']:,} x {a['block_len'] // 1024} KiB = {size / 2**20:,.0f} MiB, "
+        f"{a['reps']} reps; warm idle {size / base / 1e9:.2f} GB/s.",
+        table(["condition", "time", "vs warm, idle", "connect"], rows),
+    ]
+
+    def bars(ax: Any) -> None:
+        conds = list(times)
+        meds = [statistics.median(times[c]) * 1e3 for c in conds]
+        lo = [m - min(times[c]) * 1e3 for m, c in zip(meds, conds, strict=True)]
+        hi = [max(times[c]) * 1e3 - m for m, c in zip(meds, conds, strict=True)]
+        ax.bar(range(len(conds)), meds, yerr=[lo, hi], capsize=3, color="tab:blue")
+        ax.set_xticks(range(len(conds)))
+        ax.set_xticklabels(conds, rotation=20, ha="right")
+        ax.set_ylabel("ms (median, min-max)")
+        ax.set_title("cold vs warm pull, source idle / busy")
+
+    out.append(plot(f"cold_pull-{machine}", bars))
+    return "\n\n".join(out)
+
+
+def render_idle_cpu(res: Json, machine: str) -> str:
+    rows = [
+        [p["name"], str(p["peers"]), f"{p['core_share']:.3%}", f"{p['wakeups_per_s']:.1f}"]
+        for p in res["processes"]
+    ]
+    return f"{res['args']['seconds']:g} s window, two processes connected and idle.\n\n" + table(
+        ["process", "peers", "CPU (of a core)", "wake-ups/s"], rows
+    )
+
+
+BENCHES: list[Bench] = [
+    Bench(
+        "cold_pull",
+        "Cold pull from a busy source vs warm idle pull",
+        lambda quick: ["--quick"] if quick else [],
+        render_cold_pull,
+    ),
+    Bench(
+        "idle_cpu",
+        "Idle engine",
+        lambda quick: ["--quick"] if quick else [],
+        render_idle_cpu,
+    ),
+    Bench(
+        "vllm_tier",
+        "Inside vLLM 0.33: p2pkv's tier against the built-in `p2p` tier",
+        lambda quick: ["--reps", "1", "--n", "128"] if quick else ["--reps", "5"],
+        render_vllm_tier,
+        needs="vllm",
+        timeout_s=3600.0,
+    ),
+]
+
+
+# ---------------------------------------------------------------- machine
+
+
+def machine_info() -> Json:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = ""
+    if shutil.which("nvidia-smi"):
+        q = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        done = subprocess.run(q, capture_output=True, text=True, check=False)
+        gpu = ", ".join(sorted(set(done.stdout.split("\n")) - {""}))
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "gpu": gpu,
+        "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def default_machine_name(info: Json) -> str:
+    return f"{info['cores']}core-{'gpu' if info['gpu'] else 'cpu'}"
+
+
+def missing(bench: Bench) -> str | None:
+    if not bench.script.exists():
+        return f"bench/{bench.name}.py does not exist"
+    if bench.needs == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            return "vLLM is not installed (bash scripts/setup.sh installs it)"
+    if bench.needs == "gpu":
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                return "no CUDA device"
+        except ImportError:
+            return "torch is not installed"
+    return None
+
+
+# ---------------------------------------------------------------- commands
+
+
+def run(args: argparse.Namespace) -> int:
+    info = machine_info()
+    folder = RESULTS / (args.machine or default_machine_name(info))
+    folder.mkdir(parents=True, exist_ok=True)
+    chosen = [b for b in BENCHES if not args.only or b.name in args.only.split(",")]
+    info["load_before"] = os.getloadavg()
+    skipped: Json = {}
+    failed = 0
+    for bench in chosen:
+        out = folder / f"{bench.name}.json"
+        reason = missing(bench)
+        if reason is not None:
+            skipped[bench.name] = reason
+            out.unlink(missing_ok=True)
+            print(f"skip {bench.name}: {reason}", file=sys.stderr)
+            continue
+        cmd = [sys.executable, str(bench.script), *bench.argv(args.quick), "--json", str(out)]
+        print(f"run  {bench.command(args.quick)}", file=sys.stderr, flush=True)
+        t0 = time.monotonic()
+        with open(folder / f"{bench.name}.txt", "w") as log:
+            done = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=bench.timeout_s, check=False
+            )
+        took = time.monotonic() - t0
+        if not out.exists():  # a bench exits 1 when it misses a target; no JSON is a failure
+            failed += 1
+            skipped[bench.name] = f"failed (exit {done.returncode}); see {bench.name}.txt"
+            print(f"FAIL {bench.name} after {took:.0f} s", file=sys.stderr)
+            continue
+        result = json.loads(out.read_text())
+        result["_run"] = {
+            "command": bench.command(args.quick),
+            "seconds": took,
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+        }
+        out.write_text(json.dumps(result, indent=1))
+        print(f"done {bench.name} in {took:.0f} s", file=sys.stderr)
+    info["load_after"] = os.getloadavg()
+    (folder / "_machine.json").write_text(json.dumps(info, indent=1))
+    (folder / "_skipped.json").write_text(json.dumps(skipped, indent=1))
+    return 1 if failed else 0
+
+
+def describe(info: Json) -> str:
+    gpu = f", {info['gpu']}" if info.get("gpu") else ", no GPU"
+    load = info.get("load_before", [0.0])[0], info.get("load_after", [0.0])[0]
+    return (
+        f"{info['cores']} cores ({info['cpu']}), {info['mem_gib']} GiB{gpu}; Linux "
+        f"{info['kernel']}, Python {info['python']}; {info['date']}; load average "
+        f"{load[0]:.2f} before, {load[1]:.2f} after"
+    )
+
+
+def render(args: argparse.Namespace) -> int:
+    machines = sorted(p for p in RESULTS.iterdir() if (p / "_machine.json").exists())
+    parts = [
+        "# Performance",
+        "",
+        "Generated by `bench/report.py render` from the raw results in `bench/results/`; do not",
+        "edit by hand (analysis goes in `bench/notes/<bench>.md`). These machines are shared and",
+        "noisy, so the figures that matter are **ratios measured side by side in one run**",
+        "(alternating paired repetitions; median [min-max]); absolute times are context. Each",
+        "section names the machine it ran on and the command that reproduces it. The targets and",
+        "what each script measures: [bench/README.md](../bench/README.md).",
+        "",
+        "Machines:",
+        "",
+    ]
+    infos = {}
+    for m in machines:
+        infos[m.name] = json.loads((m / "_machine.json").read_text())
+        parts.append(f"- **{m.name}**: {describe(infos[m.name])}")
+    for bench in BENCHES:
+        found = [(m, m / f"{bench.name}.json") for m in machines]
+        found = [(m, p) for m, p in found if p.exists()]
+        skipped = {
+            m.name: json.loads((m / "_skipped.json").read_text()).get(bench.name)
+            for m in machines
+            if (m / "_skipped.json").exists()
+        }
+        parts += ["", f"## {bench.title}", ""]
+        if not found:
+            why = "; ".join(f"{k}: {v}" for k, v in skipped.items() if v) or "never run"
+            parts.append(f"No results ({why}).")
+        for m, path in found:
+            res = json.loads(path.read_text())
+            run_info = res.get("_run", {})
+            parts += [
+                f"### {m.name}",
+                "",
+                f"`{run_info.get('command', bench.command(False))}` "
+                f"(via `bench/report.py run`; {run_info.get('date', '?')}, "
+                f"{run_info.get('seconds', 0):.0f} s)",
+                "",
+                bench.render(res, m.name),
+                "",
+            ]
+        note = NOTES / f"{bench.name}.md"
+        if note.exists():
+            parts += ["", note.read_text().strip()]
+    DOC.write_text("\n".join(parts).rstrip() + "\n")
+    print(f"wrote {DOC}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_run = sub.add_parser("run", help="run the benchmarks, keep their JSON")
+    p_run.add_argument("--only", help="comma-separated bench names")
+    p_run.add_argument("--quick", action="store_true", help="smoke sizes (not for the doc)")
+    p_run.add_argument("--machine", help="results folder name (default: <cores>core-<gpu|cpu>)")
+    sub.add_parser("render", help="write docs/performance.md and docs/perf/*.png")
+    args = parser.parse_args(argv)
+    return run(args) if args.cmd == "run" else render(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

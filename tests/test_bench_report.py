@@ -1,0 +1,116 @@
+"""bench/report.py: the generated docs/performance.md says what the raw results say.
+
+The renderers turn each bench's JSON into tables; a renderer that reads the wrong field or
+computes a ratio upside down would publish wrong numbers, so these check medians, ranges,
+ratios and the machine line against hand-made results. No benchmark runs here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_report() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_report"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    mod: Any = load_report()
+    monkeypatch.setattr(mod, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(mod, "NOTES", tmp_path / "notes")
+    monkeypatch.setattr(mod, "DOC", tmp_path / "performance.md")
+    monkeypatch.setattr(mod, "IMG", tmp_path / "perf")
+    # Tables only: plots are matplotlib's business and it need not be installed here.
+    monkeypatch.setattr(mod, "plot", lambda name, draw, size=None: f"[plot {name}]")
+    return mod
+
+
+def write_machine(report: Any, name: str, results: dict[str, Any], **info: Any) -> None:
+    folder = report.RESULTS / name
+    folder.mkdir(parents=True)
+    machine = {
+        "cores": 2,
+        "cpu": "Test CPU",
+        "gpu": "",
+        "mem_gib": 24,
+        "kernel": "6.0",
+        "python": "3.11",
+        "date": "2026-12-01 10:00 UTC",
+        "load_before": [1.5, 1.0, 1.0],
+        "load_after": [2.5, 1.0, 1.0],
+        **info,
+    }
+    (folder / "_machine.json").write_text(json.dumps(machine))
+    (folder / "_skipped.json").write_text(json.dumps({"idle_cpu": "vLLM is not installed"}))
+    for bench, res in results.items():
+        (folder / f"{bench}.json").write_text(json.dumps(res))
+
+
+def test_cold_pull_table_reports_medians_ranges_and_ratios(report: Any) -> None:
+    res = {
+        "args": {"blocks": 1024, "block_len": 2 << 20, "reps": 3},
+        "times_s": {"warm, idle": [0.5, 0.4, 0.6], "cold, sleep": [0.4, 0.44, 0.9]},
+        "connect_s": {"sleep": [0.02, 0.03, 0.04]},
+        "_run": {"command": "python bench/cold_pull.py", "seconds": 60, "date": "today"},
+    }
+    write_machine(report, "2core-cpu", {"cold_pull": res})
+    assert report.main(["render"]) == 0
+    doc = report.DOC.read_text()
+    assert "| warm, idle | 500 [400-600] ms | 1.00 x |  |" in doc
+    assert "| cold, sleep | 440 [400-900] ms | 0.88 x | 30 [20-40] ms |" in doc
+    assert "warm idle 4.29 GB/s" in doc  # 2 GiB in the median 0.5 s
+    assert "`python bench/cold_pull.py`" in doc
+    assert "**2core-cpu**: 2 cores (Test CPU), 24 GiB, no GPU" in doc
+    assert "load average 1.50 before, 2.50 after" in doc
+    assert "No results (2core-cpu: vLLM is not installed)" in doc  # idle_cpu was skipped
+
+
+def test_vllm_table_ratio_is_builtin_over_p2pkv_per_machine(report: Any) -> None:
+    def rep(warm: float, cold: float) -> dict[str, float]:
+        return {
+            "warm_idle_s": warm,
+            "cold_sleeping_s": cold,
+            "cold_over_warm": cold / warm,
+            "idle_consumer_tier_pct": 80.0 if warm > 1 else 0.0,
+            "idle_source_tier_pct": 80.0 if warm > 1 else 0.0,
+            "idle_poll_round_us": 40.0 if warm > 1 else 1.0,
+        }
+
+    res = {
+        "args": {"n": 1024, "chunk_mib": 2.0},
+        "runs": {
+            "built-in p2p": [rep(1.2, 1.8), rep(1.0, 1.5), rep(1.4, 2.0)],
+            "p2pkv": [rep(0.6, 0.6), rep(0.4, 0.5), rep(0.8, 0.9)],
+        },
+    }
+    write_machine(report, "16core-gpu", {"vllm_tier": res}, cores=16, gpu="H200")
+    assert report.main(["render"]) == 0
+    doc = report.DOC.read_text()
+    assert "| warm-idle pull (s) | 1.2 [1-1.4] | 0.6 [0.4-0.8] | 2.00 |" in doc
+    assert "[plot vllm_tier-16core-gpu]" in doc
+    assert "**16core-gpu**: 16 cores (Test CPU), 24 GiB, H200" in doc
+
+
+def test_notes_are_pasted_under_their_bench(report: Any) -> None:
+    write_machine(report, "m", {})
+    report.NOTES.mkdir()
+    (report.NOTES / "cold_pull.md").write_text("Why the cold pull is what it is.\n")
+    assert report.main(["render"]) == 0
+    doc = report.DOC.read_text()
+    section = doc.split("## Cold pull")[1].split("\n## ")[0]
+    assert "Why the cold pull is what it is." in section
