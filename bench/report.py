@@ -53,13 +53,15 @@ class Bench:
     render: Callable[[Json, str], str]  # (result, machine) -> markdown (may write plots)
     needs: str = ""  # "vllm" or "gpu": skipped where missing
     timeout_s: float = 1800.0
+    file: str = ""  # the script, when it is not bench/<name>.py
 
     @property
     def script(self) -> Path:
-        return ROOT / "bench" / f"{self.name}.py"
+        return ROOT / "bench" / f"{self.file or self.name}.py"
 
     def command(self, quick: bool) -> str:
-        return " ".join([".venv/bin/python", f"bench/{self.name}.py", *self.argv(quick)])
+        script = f"bench/{self.file or self.name}.py"
+        return " ".join([".venv/bin/python", script, *self.argv(quick)])
 
 
 # ---------------------------------------------------------------- helpers for renderers
@@ -180,11 +182,21 @@ def render_cold_pull(res: Json, machine: str) -> str:
 
 def render_idle_cpu(res: Json, machine: str) -> str:
     rows = [
-        [p["name"], str(p["peers"]), f"{p['core_share']:.3%}", f"{p['wakeups_per_s']:.1f}"]
+        [
+            p["name"],
+            str(p.get("nodes", 1)),
+            str(p["peers"]),
+            f"{p['core_share']:.3%}",
+            f"{p['core_share'] / p.get('nodes', 1):.3%}",
+            f"{p['wakeups_per_s']:.1f}",
+        ]
         for p in res["processes"]
     ]
-    return f"{res['args']['seconds']:g} s window, two processes connected and idle.\n\n" + table(
-        ["process", "peers", "CPU (of a core)", "wake-ups/s"], rows
+    peers = res["args"].get("peers", 1)
+    header = ["process", "nodes", "peers", "CPU (of a core)", "per node", "wake-ups/s"]
+    return (
+        f"{res['args']['seconds']:g} s window; node-a has {peers} idle peer(s) connected "
+        "(up to 16 peer nodes per process, one NIXL agent each).\n\n" + table(header, rows)
     )
 
 
@@ -200,6 +212,13 @@ BENCHES: list[Bench] = [
         "Idle engine",
         lambda quick: ["--quick"] if quick else [],
         render_idle_cpu,
+    ),
+    Bench(
+        "idle_peers",
+        "Idle engine with 64 peers connected",
+        lambda quick: ["--peers", "64"] + (["--quick"] if quick else ["--seconds", "10"]),
+        render_idle_cpu,
+        file="idle_cpu",
     ),
     Bench(
         "vllm_tier",
