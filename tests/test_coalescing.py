@@ -54,7 +54,7 @@ def test_runs_cover_exactly_the_pairs_and_are_maximal(pairs: list[tuple[int, int
     assert not ends & set(zip(starts_l.tolist(), starts_r.tolist(), strict=True))
 
 
-class CountingArray(np.ndarray):  # type: ignore[type-arg]
+class CountingArray(np.ndarray):
     """A region that counts writes into it (views share the counter)."""
 
     writes: list[int]
