@@ -11,8 +11,9 @@ process's id and a token, so metadata from another process (or a stale incarnati
 refused at registration instead of copying into the wrong memory.
 
 Coalescing (issue 9): a post copies each run of consecutive local slots mapped to
-consecutive remote slots as one slice (:mod:`._runs`); when the runs are short (small
-blocks, scattered) it falls back to one vectorised gather/scatter.
+consecutive remote slots as one slice (:mod:`._runs`; pairs ordered by local slot first,
+so runs listed apart merge). Small blocks in short runs (as listed, not reordered) go
+through one vectorised gather/scatter instead.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ class LocalTransport(DataTransport):
         ):
             raise TransportError("slot outside the region", peer=peer.agent_name)
         dst: np.ndarray = peer.native
-        src_idx, dst_idx = run_order(src_idx, dst_idx)
         src_starts, dst_starts, lengths = contiguous_runs(src_idx, dst_idx)
-        if lengths.size and src_idx.size * bl >= _SLICE_MIN_BYTES * lengths.size:
+        if bl >= _SLICE_MIN_BYTES or src_idx.size * bl >= _SLICE_MIN_BYTES * lengths.size:
+            if lengths.size > 1:  # runs listed apart become one
+                src_starts, dst_starts, lengths = contiguous_runs(*run_order(src_idx, dst_idx))
             src_flat = self._array
             for s, d, n in zip(
                 (src_starts * bl).tolist(),
