@@ -1,13 +1,13 @@
 """Data plane: p2pkv fetch throughput vs. a bare NIXL script doing the same transfers.
 
-Reproduce (about a minute on 2 cores; ``--quick`` for a smoke run)::
+Reproduce (about two minutes on 2 cores; ``--quick`` for a smoke run)::
 
-    .venv/bin/python bench/dataplane.py
+    .venv/bin/python bench/dataplane.py [--mode scattered|contiguous|both] [--json PATH]
 
 Same layout on both sides: two processes each, NIXL over loopback, the producer WRITEs
-into the consumer's region, the same block count and size, scattered source slots
-(a fixed permutation; destinations ascending), so NIXL cannot merge descriptors, and the
-same region layout (page-aligned, like the store's default, and touched).
+into the consumer's region, the same block count and size, the same region layout
+(page-aligned, like the store's default, and touched). Scattered mode: scattered source
+slots (a fixed permutation; destinations ascending), so NIXL cannot merge descriptors.
 
 * p2pkv: the consumer looks the keys up (timed apart: control plane), then
   ``node.fetch`` is timed: fetch message, the producer's posts on its worker thread,
@@ -16,11 +16,19 @@ same region layout (page-aligned, like the store's default, and touched).
   ``check_xfer_state`` until DONE + release, with dlists prepared once beforehand. No
   control message is in its window, so it is an upper bound.
 
+Contiguous mode (coalescing, issue 9): the same keys fetched in the order they are
+stored, so source and destination slots both ascend and every fetch is one run. Its
+baseline is **bare per-block NIXL**: the same contiguous slots posted one descriptor per
+block (``skip_desc_merge=True``), which is what a per-block data plane does; "bare merged"
+(NIXL merging the same list itself) is shown as the ceiling. Target: p2pkv >= 1.2 x bare
+per-block.
+
 Both pairs stay up for the whole run and alternate rep by rep (the machine is shared and
-noisy; the ratio of medians is the result). Targets (DESIGN.md): p2pkv >= 95 % of bare at
-2 MiB blocks, >= 85 % at 64 KiB; Python work <= 5 us per block, estimated as the extra
-CPU time (user + system, both processes, ``getrusage``) that a p2pkv fetch costs over the
-bare transfer, per block.
+noisy). Each ratio is the median over reps of the paired ratio (bare time / p2pkv time,
+same rep), printed with its min-max, the load average and the core count. Targets
+(DESIGN.md): p2pkv >= 95 % of bare at 2 MiB blocks, >= 85 % at 64 KiB; Python work
+<= 5 us per block, estimated as the extra CPU time (user + system, both processes,
+``getrusage``) that a p2pkv fetch costs over the bare transfer, per block (scattered).
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ from p2pkv.cli import (
 
 MiB = 1 << 20
 TARGETS = {2 * MiB: 0.95, 64 * 1024: 0.85}
+COALESCED_TARGET = 1.2  # contiguous runs: p2pkv / bare per-block NIXL
+MODES = ("scattered", "contiguous")
+VARIANTS = {"scattered": ("bare", "p2pkv"), "contiguous": ("bare", "p2pkv", "bare_merged")}
 WORK_TARGET_US = 5.0
 
 
@@ -75,7 +86,7 @@ async def node_main(args: argparse.Namespace) -> None:
     )
     region = touched_region(args.blocks * args.block_len)
     keys = demo_keys(args.blocks)
-    wanted = [keys[i] for i in order(args.blocks)]
+    wanted = {"scattered": [keys[i] for i in order(args.blocks)], "contiguous": keys}
     async with p2pkv.open_node(cfg, region=region) as node:
         if args.fill:
             fill_store(node.store, keys)
@@ -92,9 +103,9 @@ async def node_main(args: argparse.Namespace) -> None:
                 assert peer is not None
                 c0, t0 = cpu_s(), time.perf_counter()
                 if op == "lookup":
-                    done = sum(await node.lookup(peer, wanted))
+                    done = sum(await node.lookup(peer, wanted[cmd["order"]]))
                 else:
-                    result = await node.fetch(peer, wanted)
+                    result = await node.fetch(peer, wanted[cmd["order"]])
                     done = len(result.loaded)
                 t, cpu = time.perf_counter() - t0, cpu_s() - c0
                 if op == "fetch" and cmd.get("verify"):
@@ -130,8 +141,8 @@ def bare_main(args: argparse.Namespace) -> None:
     agent = bare_agent(args.role_name, region)
     local = agent.prep_xfer_dlist("", descs(region.ctypes.data, n, bl), "DRAM")
     emit({"metadata": agent.get_agent_metadata().hex(), "base": region.ctypes.data})
-    src = order(n).astype(np.int32)
     dst = np.arange(n, dtype=np.int32)
+    sources = {"scattered": order(n).astype(np.int32), "contiguous": dst}
     remote = None
     pending = b""
     while True:  # the target must make progress (wire-up), so poll stdin with a timeout
@@ -152,7 +163,10 @@ def bare_main(args: argparse.Namespace) -> None:
                 emit({"ok": True})
             elif cmd["op"] == "write":
                 c0, t0 = cpu_s(), time.perf_counter()
-                xfer = agent.make_prepped_xfer("WRITE", local, src, remote, dst)
+                src, merge = sources[cmd["order"]], cmd.get("merge", True)
+                xfer = agent.make_prepped_xfer(
+                    "WRITE", local, src, remote, dst, skip_desc_merge=not merge
+                )
                 state = agent.transfer(xfer)
                 while state == "PROC":
                     state = agent.check_xfer_state(xfer)
@@ -180,7 +194,13 @@ def spawn(args: argparse.Namespace, role: str, name: str, *extra: str) -> Child:
     return Child(argv, name=name)
 
 
-def run_size(args: argparse.Namespace) -> dict[str, Any]:
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_size(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every mode at one block size, all variants alternating rep by rep in one set of
+    processes. Returns, per mode, the raw samples per variant and the paired ratios."""
     n, bl = args.blocks, args.block_len
     with (
         spawn(args, "node", "p2pkv-src", "--fill") as src,
@@ -194,50 +214,80 @@ def run_size(args: argparse.Namespace) -> dict[str, Any]:
         ini.receive(300)
         dst.request({"op": "connect", "address": address})
         ini.request({"op": "connect", **tgt_hello})
-        res: dict[str, list[float]] = {
-            k: [] for k in ("bare", "p2pkv", "lookup", "bare_cpu", "p2pkv_cpu")
+        res: dict[str, dict[str, list[float]]] = {
+            mode: {k: [] for k in (*VARIANTS[mode], "lookup", "bare_cpu", "p2pkv_cpu")}
+            for mode in args.modes
         }
-        for rep in range(args.reps + 1):  # rep 0 warms both paths up and is not counted
-            for which in ("bare", "p2pkv") if rep % 2 else ("p2pkv", "bare"):
-                if which == "bare":
-                    c0 = tgt.request({"op": "cpu"})["cpu"]
-                    r = ini.request({"op": "write"})
-                    assert r["state"] == "DONE", r
-                    cpu = r["cpu"] + tgt.request({"op": "cpu"})["cpu"] - c0
-                else:
-                    lk = dst.request({"op": "lookup"})
-                    assert lk["n"] == n, lk
-                    c0 = src.request({"op": "cpu"})["cpu"]
-                    r = dst.request({"op": "fetch", "verify": rep == 0})
-                    assert r["n"] == n, f"only {r['n']} of {n} blocks loaded and verified"
-                    cpu = r["cpu"] + src.request({"op": "cpu"})["cpu"] - c0
+
+        def bare(mode: str, merge: bool) -> tuple[float, float]:
+            c0 = tgt.request({"op": "cpu"})["cpu"]
+            r = ini.request({"op": "write", "order": mode, "merge": merge})
+            assert r["state"] == "DONE", r
+            return r["t"], r["cpu"] + tgt.request({"op": "cpu"})["cpu"] - c0
+
+        def p2pkv_fetch(mode: str, rep: int) -> tuple[float, float, float]:
+            lk = dst.request({"op": "lookup", "order": mode})
+            assert lk["n"] == n, lk
+            c0 = src.request({"op": "cpu"})["cpu"]
+            r = dst.request({"op": "fetch", "order": mode, "verify": rep == 0})
+            assert r["n"] == n, f"only {r['n']} of {n} blocks loaded and verified"
+            return r["t"], r["cpu"] + src.request({"op": "cpu"})["cpu"] - c0, lk["t"]
+
+        for rep in range(args.reps + 1):  # rep 0 warms every path up and is not counted
+            for mode in args.modes:
+                variants = VARIANTS[mode] if rep % 2 else VARIANTS[mode][::-1]
+                for which in variants:
+                    if which == "p2pkv":
+                        t, cpu, lookup = p2pkv_fetch(mode, rep)
+                        if rep:
+                            res[mode]["lookup"].append(lookup)
+                    else:  # contiguous "bare" is per-block: NIXL must not merge it
+                        t, cpu = bare(mode, merge=which == "bare_merged" or mode == "scattered")
                     if rep:
-                        res["lookup"].append(lk["t"])
+                        res[mode][which].append(t)
+                        if which in ("bare", "p2pkv"):
+                            res[mode][which + "_cpu"].append(cpu)
                 if rep:
-                    res[which].append(r["t"])
-                    res[which + "_cpu"].append(cpu)
-            if rep:
-                print(
-                    f"  {bl // 1024} KiB rep {rep}/{args.reps}: bare {res['bare'][-1] * 1e3:.1f}"
-                    f" ms, p2pkv {res['p2pkv'][-1] * 1e3:.1f} ms",
-                    file=sys.stderr,
-                    flush=True,
-                )
-    return {k: statistics.median(v) for k, v in res.items()}
+                    r = res[mode]
+                    print(
+                        f"  {bl // 1024} KiB {mode} rep {rep}/{args.reps}: "
+                        + ", ".join(f"{v} {r[v][-1] * 1e3:.1f} ms" for v in VARIANTS[mode]),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    out: dict[str, dict[str, Any]] = {}
+    for mode, r in res.items():
+        ratios = [b / p for b, p in zip(r["bare"], r["p2pkv"], strict=True)]
+        row: dict[str, Any] = {k: spread(v) for k, v in r.items()}
+        row["ratio"] = spread(ratios)
+        if mode == "contiguous":
+            merged = [b / m for b, m in zip(r["bare"], r["bare_merged"], strict=True)]
+            row["merged_ratio"] = spread(merged)
+        row["samples"] = r
+        out[mode] = row
+    return out
+
+
+def fmt(x: dict[str, float], scale: float = 1.0, spec: str = ".2f") -> str:
+    return f"{x['median'] * scale:{spec}} [{x['min'] * scale:{spec}}-{x['max'] * scale:{spec}}]"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--reps", type=int, default=7, help="default: %(default)s")
+    parser.add_argument("--reps", type=int, default=7, help="at least 5; default: %(default)s")
     parser.add_argument(
         "--bytes",
         type=int,
         default=512 * MiB,
         help="bytes per transfer (default: 512 MiB at 2 MiB, half at 64 KiB)",
     )
-    parser.add_argument("--quick", action="store_true", help="64 MiB, 2 reps")
+    parser.add_argument(
+        "--mode", default="both", choices=[*MODES, "both"], help="default: %(default)s"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--quick", action="store_true", help="64 MiB, 2 reps (a smoke run)")
     parser.add_argument(
         "--role", default="bench", choices=["bench", "node", "bare"], help=argparse.SUPPRESS
     )
@@ -255,50 +305,94 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.quick:
         args.bytes, args.reps = 64 * MiB, 2
+    elif args.reps < 5:
+        parser.error("--reps must be at least 5 (use --quick for a smoke run)")
+    args.modes = MODES if args.mode == "both" else (args.mode,)
     rows = []
     for bl, nbytes in ((2 * MiB, args.bytes), (64 * 1024, args.bytes // 2)):
         args.block_len, args.blocks = bl, nbytes // bl
         rows.append((bl, args.blocks, run_size(args)))
+    load = os.getloadavg()
+    machine = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cores": os.cpu_count(),
+        "load_average": load,
+        "host": os.uname().nodename,
+    }
     print(
-        f"\ndata plane: 2 processes per side, NIXL over loopback, scattered order, "
-        f"medians of {args.reps} alternating reps"
+        f"\ndata plane: 2 processes per side, NIXL over loopback; medians [min-max] of "
+        f"{args.reps} alternating paired reps"
     )
     print(
-        f"  {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load average "
-        f"{os.getloadavg()[0]:.2f} (others' work shares these cores)"
-    )
-    print(
-        f"  {'block':>7}{'blocks':>8}{'bare':>10}{'p2pkv':>10}{'bare GB/s':>11}"
-        f"{'p2pkv GB/s':>12}{'ratio':>8}{'lookup':>9}{'extra CPU/blk':>15}"
+        f"  {machine['date']}, {machine['cores']} cores, load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (others' work shares these cores)"
     )
     ok = True
-    extra = []  # (blocks, extra CPU seconds per fetch)
-    for bl, n, m in rows:
-        ratio = m["bare"] / m["p2pkv"]
-        extra.append((n, m["p2pkv_cpu"] - m["bare_cpu"]))
+    if "scattered" in args.modes:
+        print("\n  scattered order (NIXL cannot merge): p2pkv / bare")
         print(
-            f"  {bl // 1024:>4} KiB{n:>8}{m['bare'] * 1e3:8.1f}ms{m['p2pkv'] * 1e3:8.1f}ms"
-            f"{n * bl / m['bare'] / 1e9:11.2f}{n * bl / m['p2pkv'] / 1e9:12.2f}"
-            f"{ratio:8.1%}{m['lookup'] * 1e3:7.1f}ms{extra[-1][1] / n * 1e6:13.1f}us"
+            f"  {'block':>7}{'blocks':>8}{'bare ms':>22}{'p2pkv ms':>22}{'bare GB/s':>11}"
+            f"{'p2pkv GB/s':>12}{'p2pkv / bare':>24}{'lookup':>9}"
         )
-        passed = ratio >= TARGETS[bl]
+        for bl, n, m in rows:
+            r = m["scattered"]
+            ratio = r["ratio"]["median"]
+            print(
+                f"  {bl // 1024:>4} KiB{n:>8}{fmt(r['bare'], 1e3, '.1f'):>22}"
+                f"{fmt(r['p2pkv'], 1e3, '.1f'):>22}{n * bl / r['bare']['median'] / 1e9:11.2f}"
+                f"{n * bl / r['p2pkv']['median'] / 1e9:12.2f}{fmt(r['ratio']):>24}"
+                f"{r['lookup']['median'] * 1e3:7.1f}ms"
+            )
+            passed = ratio >= TARGETS[bl]
+            ok &= passed
+            print(
+                f"{'PASS' if passed else 'FAIL'}: throughput {bl // 1024} KiB {ratio:.1%} "
+                f"(target >= {TARGETS[bl]:.0%} of bare)"
+            )
+        # Extra CPU = fixed per fetch + per block: two block counts give both (the copy
+        # itself is in both p2pkv's and bare's CPU, so it cancels).
+        extra = [
+            (n, m["scattered"]["p2pkv_cpu"]["median"] - m["scattered"]["bare_cpu"]["median"])
+            for _bl, n, m in rows
+        ]
+        (n1, e1), (n2, e2) = extra
+        per_block = (e2 - e1) / (n2 - n1)
+        fixed = e1 - per_block * n1
+        passed = per_block * 1e6 <= WORK_TARGET_US
         ok &= passed
         print(
-            f"{'PASS' if passed else 'FAIL'}: throughput {bl // 1024} KiB {ratio:.1%} "
-            f"(target >= {TARGETS[bl]:.0%} of bare)"
+            f"{'PASS' if passed else 'FAIL'}: Python work {per_block * 1e6:.1f} us per block "
+            f"(target <= {WORK_TARGET_US:.0f} us), plus {fixed * 1e3:.1f} ms CPU per fetch "
+            f"(extra CPU over bare, both processes, slope between {n1} and {n2} blocks)"
         )
-    # Extra CPU = fixed per fetch + per block: two block counts give both (the copy itself
-    # is in both p2pkv's and bare's CPU, so it cancels).
-    (n1, e1), (n2, e2) = extra
-    per_block = (e2 - e1) / (n2 - n1)
-    fixed = e1 - per_block * n1
-    passed = per_block * 1e6 <= WORK_TARGET_US
-    ok &= passed
-    print(
-        f"{'PASS' if passed else 'FAIL'}: Python work {per_block * 1e6:.1f} us per block "
-        f"(target <= {WORK_TARGET_US:.0f} us), plus {fixed * 1e3:.1f} ms CPU per fetch "
-        f"(extra CPU over bare, both processes, slope between {n1} and {n2} blocks)"
-    )
+    if "contiguous" in args.modes:
+        print("\n  contiguous runs (coalescing): p2pkv / bare per-block NIXL")
+        print(
+            f"  {'block':>7}{'blocks':>8}{'per-block ms':>22}{'p2pkv ms':>22}"
+            f"{'merged ms':>22}{'p2pkv / per-block':>24}{'merged / per-block':>24}"
+        )
+        for bl, n, m in rows:
+            r = m["contiguous"]
+            ratio = r["ratio"]["median"]
+            print(
+                f"  {bl // 1024:>4} KiB{n:>8}{fmt(r['bare'], 1e3, '.1f'):>22}"
+                f"{fmt(r['p2pkv'], 1e3, '.1f'):>22}{fmt(r['bare_merged'], 1e3, '.1f'):>22}"
+                f"{fmt(r['ratio']):>24}{fmt(r['merged_ratio']):>24}"
+            )
+            passed = ratio >= COALESCED_TARGET
+            ok &= passed
+            print(
+                f"{'PASS' if passed else 'FAIL'}: contiguous {bl // 1024} KiB: p2pkv "
+                f"{ratio:.2f} x bare per-block (target >= {COALESCED_TARGET})"
+            )
+    if args.json:
+        doc = {
+            "machine": machine,
+            "reps": args.reps,
+            "rows": [{"block_len": bl, "blocks": n, "modes": m} for bl, n, m in rows],
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
     return 0 if ok else 1
 
 

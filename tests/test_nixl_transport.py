@@ -145,6 +145,49 @@ def test_scattered_write_lands_byte_exact(make: MakeTransport) -> None:
     assert src.statistics().live_handles == 0
 
 
+def test_runs_reach_nixl_adjacent_and_land_byte_exact(make: MakeTransport) -> None:
+    """Pairs listed out of order are posted ordered by local slot, so NIXL sees each run of
+    consecutive slots as adjacent indices (and merges it into one descriptor)."""
+    src_array, src_layout = region(64, seed=4)
+    dst_array, dst_layout = region(48, seed=5)
+    before = dst_array.copy()
+    src = make("t1r-src", src_array, src_layout)
+    dst = make("t1r-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t1r-dst", dst.metadata(), dst_layout)
+    local = [*range(40, 44), *range(8, 14), 63]  # three runs; 63 -> 47 is the last slot
+    remote = [*range(0, 4), *range(20, 26), 47]
+    order = np.random.default_rng(6).permutation(len(local)).tolist()
+    agent = src._state.shared.agent
+    make_prepped_xfer = agent.make_prepped_xfer
+    posted: list[tuple[list[int], list[int]]] = []
+
+    def spy(op: str, local_h: Any, local_idx: Any, remote_h: Any, remote_idx: Any) -> Any:
+        posted.append((list(local_idx), list(remote_idx)))
+        return make_prepped_xfer(op, local_h, local_idx, remote_h, remote_idx)
+
+    agent.make_prepped_xfer = spy
+    try:
+        handle = src.post_write(peer, [local[i] for i in order], [remote[i] for i in order])
+        assert wait(src, handle, dst) is TransferState.DONE
+        src.release(handle)
+    finally:
+        del agent.make_prepped_xfer
+    [(sent_local, sent_remote)] = posted
+    breaks = [
+        i
+        for i in range(1, len(sent_local))
+        if (sent_local[i] - sent_local[i - 1], sent_remote[i] - sent_remote[i - 1]) != (1, 1)
+    ]
+    assert len(breaks) == 2  # three runs, each adjacent
+    assert sorted(zip(sent_local, sent_remote, strict=True)) == sorted(
+        zip(local, remote, strict=True)
+    )
+    assert handle.local_slots == tuple(local[i] for i in order)  # the caller's order
+    assert (blocks(dst_array, dst_layout)[remote] == blocks(src_array, src_layout)[local]).all()
+    untouched = np.setdiff1d(np.arange(48), remote)
+    assert (blocks(dst_array, dst_layout)[untouched] == blocks(before, dst_layout)[untouched]).all()
+
+
 def test_reconfiguration_shares_one_agent_and_one_registration(
     make: MakeTransport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -281,10 +324,20 @@ def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -
         src.add_remote_peer("t5-src", src.metadata(), src_layout)
     assert src.statistics().remote_peers == 0
     peer = src.add_remote_peer("t5-b", b.metadata(), b_layout)
-    for local, remote in (([0, 1], [0]), ([], []), ([16], [0]), ([0], [-1])):
+    b_before = b_array.copy()
+    for local, remote in (
+        ([0, 1], [0]),
+        ([], []),
+        ([16], [0]),
+        ([0], [-1]),
+        ([12, 13, 14, 15], [13, 14, 15, 16]),  # a run reaching past the peer's last slot
+        ([14, 15, 16], [0, 1, 2]),  # ... past ours
+        ([-1, 0, 1], [4, 5, 6]),
+    ):
         with pytest.raises(TransportError):
             src.post_write(peer, local, remote)
     assert src.statistics().live_handles == 0
+    assert (b_array == b_before).all()  # nothing refused was written
     write_and_check(src, src_array, peer, b, b_array)
 
 

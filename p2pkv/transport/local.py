@@ -9,6 +9,11 @@ sense: ``post_write`` does the copy (off the Trio thread, as NIXL's cma path doe
 A process-wide directory maps agent names to live regions; the metadata carries this
 process's id and a token, so metadata from another process (or a stale incarnation) is
 refused at registration instead of copying into the wrong memory.
+
+Coalescing (issue 9): a post copies each run of consecutive local slots mapped to
+consecutive remote slots as one slice (:mod:`._runs`; pairs ordered by local slot first,
+so runs listed apart merge). Small blocks in short runs (as listed, not reordered) go
+through one vectorised gather/scatter instead.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from ..errors import RegistrationFailed, TransportError
+from ._runs import contiguous_runs, run_order
 from .base import (
     DataTransport,
     RegionLayout,
@@ -29,6 +35,11 @@ from .base import (
     TransferState,
     TransportStatistics,
 )
+
+# Below this many bytes per run on average, one vectorised gather/scatter beats a Python
+# loop of slice copies (measured: 4,096 x 256 B scattered, 0.5 ms vs 10 ms); above it the
+# loop wins, by 2.7x for 4,096 x 64 KiB scattered, by 5x for one contiguous run.
+_SLICE_MIN_BYTES = 4096
 
 _directory_lock = threading.Lock()
 _directory: dict[str, tuple[bytes, np.ndarray]] = {}  # agent name -> (token, region array)
@@ -124,10 +135,22 @@ class LocalTransport(DataTransport):
         ):
             raise TransportError("slot outside the region", peer=peer.agent_name)
         dst: np.ndarray = peer.native
-        # One vectorised gather/scatter instead of a Python loop per block.
-        dst_blocks = dst[: peer.layout.nbytes].reshape(peer.layout.num_blocks, bl)
-        src_blocks = self._array.reshape(self._layout.num_blocks, bl)
-        dst_blocks[dst_idx] = src_blocks[src_idx]
+        src_starts, dst_starts, lengths = contiguous_runs(src_idx, dst_idx)
+        if bl >= _SLICE_MIN_BYTES or src_idx.size * bl >= _SLICE_MIN_BYTES * lengths.size:
+            if lengths.size > 1:  # runs listed apart become one
+                src_starts, dst_starts, lengths = contiguous_runs(*run_order(src_idx, dst_idx))
+            src_flat = self._array
+            for s, d, n in zip(
+                (src_starts * bl).tolist(),
+                (dst_starts * bl).tolist(),
+                (lengths * bl).tolist(),
+                strict=True,
+            ):
+                dst[d : d + n] = src_flat[s : s + n]  # one copy per run
+        elif src_idx.size:
+            dst_blocks = dst[: peer.layout.nbytes].reshape(peer.layout.num_blocks, bl)
+            src_blocks = self._array.reshape(self._layout.num_blocks, bl)
+            dst_blocks[dst_idx] = src_blocks[src_idx]
         handle = TransferHandle(
             peer, tuple(local_slots), tuple(remote_slots), native=TransferState.DONE
         )

@@ -33,6 +33,14 @@ complete; otherwise it is removed first and its dlists die (``notes/nixl.md``, h
 Every registration prepares its own dlist. A released registration's remote agent is parked
 (kept loaded, unusable) for reuse by the same incarnation: NIXL leaks a socket per remove
 (:mod:`._nixl_agent`).
+
+Coalescing (issue 9): a post names blocks by index into two prepared dlists, one
+descriptor per block; ``make_prepped_xfer`` merges index pairs that are adjacent in the
+list and contiguous on both sides into one descriptor, so a run of blocks becomes one
+copy (UCX's cma path then makes one ``process_vm_writev`` per 512 KiB instead of one per
+block; strace: 1,024 contiguous 64 KiB blocks, 132 calls instead of 1,028). Posts order
+their pairs by local slot (:mod:`._runs`) so that every run is adjacent. Explicit run
+descriptors (``initialize_xfer``) cost ~50 us more per post and merge nothing more.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ from ._nixl_agent import (
     registry_counts,
     release_ref,
 )
+from ._runs import run_order
 from .base import (
     DataTransport,
     RegionLayout,
@@ -148,13 +157,13 @@ def _layout_problem(layout: RegionLayout, ours: RegionLayout | None) -> str | No
     return None
 
 
-def _indices(slots: Sequence[int], num_blocks: int, side: str) -> npt.NDArray[np.int32]:
+def _indices(slots: Sequence[int], num_blocks: int, side: str) -> npt.NDArray[np.int64]:
     array = np.asarray(slots, dtype=np.int64)
     if array.ndim != 1:
         raise TransportError(f"{side} slots must be a flat sequence", op="post_write")
     if array.size and (int(array.min()) < 0 or int(array.max()) >= num_blocks):
         raise TransportError(f"{side} slot out of range 0..{num_blocks - 1}", op="post_write")
-    return array.astype(np.int32)
+    return array
 
 
 def _remove_peer(st: _State, reg: PeerRegistration, peer: RemotePeer) -> bool:
@@ -422,10 +431,12 @@ class NixlTransport(DataTransport):
             )
         shared = st.enter_or_raise("post_write", peer.agent_name)
         try:
-            native = self._post(shared, peer, reg, local, remote)
-            handle = TransferHandle(
-                peer, tuple(local.tolist()), tuple(remote.tolist()), native=native
+            handle = TransferHandle(peer, tuple(local.tolist()), tuple(remote.tolist()))
+            ordered_local, ordered_remote = run_order(local, remote)
+            native = self._post(
+                shared, peer, reg, ordered_local.astype(np.int32), ordered_remote.astype(np.int32)
             )
+            handle.native = native
             with st.lock:
                 st.handles[native] = handle
             return handle

@@ -1,0 +1,153 @@
+"""Coalescing (issue 9): runs of consecutive slots on both sides move as one piece.
+
+The run arithmetic (``p2pkv.transport._runs``) is checked against a model with Hypothesis;
+the in-process transport is checked to copy once per run, byte-exact, and never outside
+the slots named. The NIXL side lives in ``test_nixl_transport.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from p2pkv.errors import TransportError
+from p2pkv.transport._runs import contiguous_runs, run_order
+from p2pkv.transport.base import RegionLayout, TransferState
+from p2pkv.transport.local import LocalTransport
+
+Slots = np.ndarray[Any, np.dtype[np.int64]]
+
+
+def _pairs(local: Slots, remote: Slots) -> set[tuple[int, int]]:
+    return set(zip(local.tolist(), remote.tolist(), strict=True))
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60, unique_by=lambda p: p[0]
+    )
+)
+def test_runs_cover_exactly_the_pairs_and_are_maximal(pairs: list[tuple[int, int]]) -> None:
+    local = np.array([p[0] for p in pairs], dtype=np.int64)
+    remote = np.array([p[1] for p in pairs], dtype=np.int64)
+    ordered_local, ordered_remote = run_order(local, remote)
+    assert _pairs(ordered_local, ordered_remote) == _pairs(local, remote)
+    assert (np.diff(ordered_local) > 0).all()
+    starts_l, starts_r, lengths = contiguous_runs(ordered_local, ordered_remote)
+    covered = {
+        (int(s) + k, int(d) + k)
+        for s, d, n in zip(starts_l, starts_r, lengths, strict=True)
+        for k in range(int(n))
+    }
+    assert covered == _pairs(local, remote)
+    assert int(lengths.sum()) == len(pairs)
+    # Maximal: no run continues into the next one, and none could absorb any other pair.
+    ends = {
+        (int(s) + int(n), int(d) + int(n))
+        for s, d, n in zip(starts_l, starts_r, lengths, strict=True)
+    }
+    assert not ends & set(zip(starts_l.tolist(), starts_r.tolist(), strict=True))
+
+
+class CountingArray(np.ndarray):
+    """A region that counts writes into it (views share the counter)."""
+
+    writes: list[int]
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.writes = getattr(obj, "writes", [0])
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self.writes[0] += 1
+        super().__setitem__(index, value)
+
+
+BLOCK = 4096
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray]]:
+    src_array = np.random.default_rng(1).integers(0, 256, 64 * BLOCK, dtype=np.uint8)
+    dst_array = np.zeros(48 * BLOCK, dtype=np.uint8).view(CountingArray)
+    dst_array.writes = [0]
+    src = LocalTransport(agent_name="co-src", region=src_array, layout=RegionLayout(0, 64, BLOCK))
+    dst = LocalTransport(agent_name="co-dst", region=dst_array, layout=RegionLayout(0, 48, BLOCK))
+    try:
+        yield src, src_array, dst, dst_array
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_local_transport_copies_once_per_run_even_listed_out_of_order(
+    pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray],
+) -> None:
+    src, src_array, dst, dst_array = pair
+    peer = src.add_remote_peer("co-dst", dst.metadata(), dst.layout)
+    # Three runs (40..43 -> 0..3, 8..13 -> 20..25, 63 -> 47), pairs shuffled.
+    local = [*range(40, 44), *range(8, 14), 63]
+    remote = [*range(0, 4), *range(20, 26), 47]
+    order = np.random.default_rng(2).permutation(len(local)).tolist()
+    before = dst_array.writes[0]
+    handle = src.post_write(peer, [local[i] for i in order], [remote[i] for i in order])
+    assert src.poll(handle) is TransferState.DONE
+    src.release(handle)
+    assert dst_array.writes[0] - before == 3
+    got = np.asarray(dst_array).reshape(48, BLOCK)
+    want = src_array.reshape(64, BLOCK)
+    assert (got[remote] == want[local]).all()
+    untouched = np.setdiff1d(np.arange(48), remote)
+    assert not got[untouched].any()
+
+
+def test_local_transport_scattered_small_blocks_stay_exact(
+    pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray],
+) -> None:
+    _src, src_array, _dst, dst_array = pair
+    small = RegionLayout(0, 64 * BLOCK // 16, 16)
+    a = LocalTransport(agent_name="co-a", region=src_array, layout=small)
+    b = LocalTransport(
+        agent_name="co-b",
+        region=np.asarray(dst_array),
+        layout=RegionLayout(0, 48 * BLOCK // 16, 16),
+    )
+    try:
+        peer = a.add_remote_peer("co-b", b.metadata(), b.layout)
+        rng = np.random.default_rng(3)
+        local = rng.permutation(small.num_blocks)[:500]
+        remote = rng.permutation(b.layout.num_blocks)[:500]
+        handle = a.post_write(peer, local.tolist(), remote.tolist())
+        a.release(handle)
+        got = np.asarray(dst_array).reshape(-1, 16)
+        assert (got[remote] == src_array.reshape(-1, 16)[local]).all()
+        assert not got[np.setdiff1d(np.arange(b.layout.num_blocks), remote)].any()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    ("local", "remote"),
+    [
+        ([60, 61, 62, 63], [45, 46, 47, 48]),  # a run that would end past the peer's region
+        ([62, 63, 64], [0, 1, 2]),  # ... past ours
+        ([-1, 0, 1], [3, 4, 5]),
+        ([0, 1, 2], [-1, 0, 1]),
+    ],
+)
+def test_local_transport_refuses_a_run_leaving_the_region_and_writes_nothing(
+    pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray],
+    local: list[int],
+    remote: list[int],
+) -> None:
+    src, _src_array, dst, dst_array = pair
+    peer = src.add_remote_peer("co-dst", dst.metadata(), dst.layout)
+    with pytest.raises(TransportError):
+        src.post_write(peer, local, remote)
+    assert not np.asarray(dst_array).any()
+    assert src.statistics().live_handles == 0
