@@ -200,12 +200,74 @@ def render_idle_cpu(res: Json, machine: str) -> str:
     )
 
 
+def render_dataplane(res: Json, machine: str) -> str:
+    def rng(x: Json, scale: float = 1.0) -> str:
+        return f"{x['median'] * scale:.3g} [{x['min'] * scale:.3g}-{x['max'] * scale:.3g}]"
+
+    rows: list[list[str]] = []
+    series: dict[str, list[tuple[str, float, float]]] = {}
+    for row in res["rows"]:
+        bl, n = row["block_len"], row["blocks"]
+        size = f"{bl // 1024} KiB" if bl < 2**20 else f"{bl // 2**20} MiB"
+        for mode, m in row["modes"].items():
+            gbs = {k: n * bl / m[k]["median"] / 1e9 for k in ("bare", "p2pkv")}
+            extra = ""
+            if "merged_ratio" in m:
+                extra = f"NIXL merging the list: {rng(m['merged_ratio'])}"
+            rows.append(
+                [
+                    mode,
+                    size,
+                    f"{n:,}",
+                    rng(m["bare"], 1e3),
+                    rng(m["p2pkv"], 1e3),
+                    f"{gbs['bare']:.2f} / {gbs['p2pkv']:.2f}",
+                    rng(m["ratio"]),
+                    extra,
+                ]
+            )
+            series.setdefault(mode, []).append((size, gbs["bare"], gbs["p2pkv"]))
+    header = [
+        "order",
+        "block",
+        "blocks",
+        "bare per-block (ms)",
+        "p2pkv (ms)",
+        "GB/s bare / p2pkv",
+        "p2pkv / bare",
+        "",
+    ]
+    out = [f"{res['reps']} alternating paired reps.", table(header, rows)]
+
+    def bars(ax: Any) -> None:
+        labels = [f"{mode}\n{size}" for mode, pts in series.items() for size, _, _ in pts]
+        bare = [b for pts in series.values() for _, b, _ in pts]
+        p2p = [p for pts in series.values() for _, _, p in pts]
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], bare, 0.4, label="bare NIXL, one descriptor per block")
+        ax.bar([x + 0.2 for x in xs], p2p, 0.4, label="p2pkv node.fetch")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels)
+        ax.set_ylabel("GB/s (median)")
+        ax.set_title("data plane throughput by block size and slot order")
+        ax.legend(fontsize=8)
+
+    out.append(plot(f"dataplane-{machine}", bars))
+    return "\n\n".join(out)
+
+
 BENCHES: list[Bench] = [
     Bench(
         "cold_pull",
         "Cold pull from a busy source vs warm idle pull",
         lambda quick: ["--quick"] if quick else [],
         render_cold_pull,
+    ),
+    Bench(
+        "dataplane",
+        "Data plane: node.fetch against bare NIXL",
+        lambda quick: ["--quick"] if quick else [],
+        render_dataplane,
     ),
     Bench(
         "idle_cpu",
