@@ -504,15 +504,19 @@ class FrameDecoder:
             return None
         body = bytes(self._buf[HEADER.size : end])
         del self._buf[:end]
-        if (msg := _decode_hot(body)) is not None:
-            return msg
-        try:
-            obj = _unpack_body(body)
-        except RemoteProtocolError:
-            raise
-        except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
-            raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
-        return from_wire(obj)
+        msg = _decode_hot(body)
+        return _decode_general(body) if msg is None else msg
+
+
+def _decode_general(body: bytes) -> Message:
+    """Any frame body: the message, or the :class:`RemoteProtocolError` that refuses it."""
+    try:
+        obj = _unpack_body(body)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
+        raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+    return from_wire(obj)
 
 
 # --- the hot-message codec (msgspec) -------------------------------------------------------
