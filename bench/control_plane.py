@@ -16,7 +16,9 @@ very frame its answer is, over a Trio TCP stream, with nothing else on either si
 the round trip would cost with no engine at all. The two kinds alternate sample by sample
 (their order flips each time) for 1 key and for ``--keys`` keys, so both see the same
 load. The samples are split into ``--reps`` consecutive reps; each ratio (p2pkv p50 over
-bare p50) is the median of the reps' ratios with their min-max.
+bare p50) is the median of the reps' ratios with their min-max. The CPU time of the
+consumer's Trio thread per lookup is printed too: unlike a latency, it hardly depends on
+what else shares the cores.
 
 Targets (issue 9): ``--keys`` 1,024 at p50 <= 1.5 ms on a 2-core machine, <= 1 ms with
 more cores; 1 key within 1.5 x the bare round trip.
@@ -111,7 +113,8 @@ async def measure(
     keys = demo_keys(args.keys)
     counts = [args.keys, 1]
     samples: Samples = {
-        kind: {n: [[] for _ in range(args.reps)] for n in counts} for kind in ("p2pkv", "bare")
+        kind: {n: [[] for _ in range(args.reps)] for n in counts}
+        for kind in ("p2pkv", "bare", "p2pkv_cpu")
     }
     per_rep = math.ceil(args.samples / args.reps)
     async with p2pkv.open_node(cfg) as node:
@@ -119,10 +122,13 @@ async def measure(
         stream = await trio.open_tcp_stream(*bare)
         buf = bytearray()
 
+        cpu: list[float] = []
+
         async def p2pkv_lookup(n: int) -> float:
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             hits = await node.lookup(peer, keys[:n])
             elapsed = time.perf_counter() - t0
+            cpu.append(time.thread_time() - c0)
             if not all(hits):
                 raise SystemExit(f"lookup missed {hits.count(False)} keys")
             result = await node.fetch(peer, keys[:1])  # closes the round
@@ -152,6 +158,8 @@ async def measure(
                     elapsed = await sample(n)
                     if rep >= 0:
                         samples[kind][n][rep].append(elapsed)
+                if rep >= 0:
+                    samples["p2pkv_cpu"][n][rep].append(cpu[-1])
         await stream.aclose()
     return samples
 
@@ -182,12 +190,15 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
         "samples_per_kind": args.reps * len(samples["p2pkv"][1][0]),
         "p2pkv_module": os.path.dirname(p2pkv.__file__),
         "latency_s": {},
+        "consumer_cpu_s": {},
         "ratio": {},
     }
     for kind, by_n in samples.items():
-        out["latency_s"][kind] = {
-            str(n): summary([v for rep in reps for v in rep]) for n, reps in by_n.items()
-        }
+        summaries = {str(n): summary([v for r in reps for v in r]) for n, reps in by_n.items()}
+        if kind == "p2pkv_cpu":
+            out["consumer_cpu_s"] = summaries
+        else:
+            out["latency_s"][kind] = summaries
     for n in samples["p2pkv"]:
         ratios = [
             statistics.median(ours) / statistics.median(theirs)
@@ -228,6 +239,11 @@ def print_report(out: dict[str, Any]) -> None:
         for n, s in by_n.items():
             cols = [s["p50"], s["p90"], s["p99"], s["min"], s["max"]]
             print(f"  {kind:>6}{n:>6}" + "".join(f"{v * 1e3:8.3f}ms" for v in cols))
+    for n, s in out["consumer_cpu_s"].items():
+        print(
+            f"  consumer's Trio thread CPU per p2pkv lookup, {n:>5} keys: "
+            f"p50 {s['p50'] * 1e6:.0f} us, p90 {s['p90'] * 1e6:.0f} us"
+        )
     for n, r in out["ratio"].items():
         print(
             f"  p2pkv / bare, {n:>5} keys: p50 ratio {r['median']:.2f} "
