@@ -107,7 +107,7 @@ _BULK: Final = 64  # below this many elements the plain walk is the faster check
 # msgpack carries no integer above U64_MAX (and msgspec bounds only fit an int64).
 _U64 = Annotated[int, msgspec.Meta(ge=0)]
 _Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_LEN)]
-_KeyList = list[_Key]
+_Keys = Annotated[list[_Key], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 def _all(value: list[Any], tp: type[Any]) -> bool:
@@ -117,7 +117,7 @@ def _all(value: list[Any], tp: type[Any]) -> bool:
 
 def _key_lengths_ok(keys: list[bytes]) -> bool:
     try:
-        msgspec.convert(keys, _KeyList)  # bytes-likes pass too: exactness is _all's
+        msgspec.convert(keys, _Keys)  # bytes-likes pass too: exactness is _all's
     except msgspec.ValidationError:
         return False
     return True
@@ -535,10 +535,10 @@ _HOT_FIELDS: Final[dict[type[Any], Callable[[Any], dict[str, Any]]]] = {
 }
 _hot_encode: Final = msgspec.msgpack.Encoder().encode
 
-# The outcome codes are 0..N-1, so "a known code" is a range.
-assert sorted(_OUTCOMES) == list(range(len(_OUTCOMES)))
-_Code = Annotated[int, msgspec.Meta(ge=0, le=len(_OUTCOMES) - 1)]
-_Keys = Annotated[list[_Key], msgspec.Meta(max_length=MAX_KEYS)]
+# msgspec bounds a code by the range of known codes; while the codes are 0..N-1 (they
+# are), that range is the set, and no second check is needed.
+_Code = Annotated[int, msgspec.Meta(ge=0, le=max(_OUTCOMES))]
+_OUTCOMES_ARE_A_RANGE: Final = len(_OUTCOMES) == max(_OUTCOMES) + 1
 
 
 class _HotLookup(msgspec.Struct, tag_field="t", tag=Lookup.TAG):
@@ -570,6 +570,9 @@ _HotMessage = _HotLookup | _HotLookupResp | _HotFetch | _HotTransferDone
 _hot_decode: Final = msgspec.msgpack.Decoder(_HotMessage).decode
 _FIXMAP_3: Final = 0x83
 _FIXMAP_4: Final = 0x84
+# A message built from a decoded frame skips its validators: msgspec checked the same.
+_new: Final = object.__new__
+_set: Final = object.__setattr__
 
 
 def _decode_hot(body: bytes) -> Message | None:
@@ -617,6 +620,8 @@ def _decode_hot(body: bytes) -> Message | None:
             checksums = None
         elif size != _FIXMAP_4 or (checksums is not None and len(checksums) != len(hot.outcomes)):
             return None
+        if not _OUTCOMES_ARE_A_RANGE and not _OUTCOMES.issuperset(hot.outcomes):
+            return None
         msg = _new(TransferDone)
         _set(msg, "req_id", hot.req_id)
         _set(msg, "outcomes", hot.outcomes)
@@ -624,8 +629,3 @@ def _decode_hot(body: bytes) -> Message | None:
     else:
         return None
     return msg
-
-
-# A message built from a decoded frame skips its validators: msgspec checked the same.
-_new: Final = object.__new__
-_set: Final = object.__setattr__
