@@ -17,8 +17,8 @@ the round trip would cost with no engine at all. The two kinds alternate sample 
 (their order flips each time) for 1 key and for ``--keys`` keys, so both see the same
 load. The samples are split into ``--reps`` consecutive reps; each ratio (p2pkv p50 over
 bare p50) is the median of the reps' ratios with their min-max. The CPU time of the
-consumer's Trio thread per lookup is printed too: unlike a latency, it hardly depends on
-what else shares the cores.
+consumer's Trio thread per lookup is printed too: what else shares the cores moves it
+less than it moves a latency (on a busy 2-core box it still swings by a third).
 
 Targets (issue 9): ``--keys`` 1,024 at p50 <= 1.5 ms on a 2-core machine, <= 1 ms with
 more cores; 1 key within 1.5 x the bare round trip.
