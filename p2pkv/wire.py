@@ -16,6 +16,16 @@ session protocol, which knows the peer's hello.
 
 Unknown fields are ignored so that a peer with a newer *minor* version can add fields;
 a missing field is an error. No code-executing codec (pickle) is ever used.
+
+The four hot messages (``lookup``, ``lookup_resp``, ``fetch``, ``transfer_done``: their
+lists grow with the keys of a request) also have a msgspec codec that does the same job in
+C. It is an accelerator, never a second definition of the protocol: it encodes exactly the
+bytes the general path encodes (same field order, tag last), and it decodes a frame only
+when the general path would accept that frame and build an equal message; any frame it
+is not sure of (a map of another size, an unknown field, a duplicate field, any error at
+all) goes to the general path, which decides and words the error. The constraints msgspec
+checks are the same bounds written once more as msgspec types; the property tests in
+``tests/test_wire_hot.py`` hold the two paths to agreement.
 """
 
 from __future__ import annotations
@@ -24,11 +34,12 @@ import enum
 import itertools
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any, Final, TypeVar
+from typing import Annotated, Any, Final, TypeVar
 
 import attrs
 import cattrs
 import msgpack
+import msgspec
 
 from .errors import LocalProtocolError, RemoteProtocolError
 
@@ -87,9 +98,36 @@ def _opt_blob(limit: int) -> Callable[[object, attrs.Attribute[Any], Any], None]
     return check
 
 
+# The list validators run once per message we build, over every key of a request. A long
+# list is first asked one C-level question (every element of the exact type and in bounds);
+# a short one, or one where the answer is no, is walked element by element, and that walk
+# names what is wrong.
+
+_BULK: Final = 64  # below this many elements the plain walk is the faster check
+# msgpack carries no integer above U64_MAX (and msgspec bounds only fit an int64).
+_U64 = Annotated[int, msgspec.Meta(ge=0)]
+_Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_LEN)]
+_Keys = Annotated[list[_Key], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+def _all(value: list[Any], tp: type[Any]) -> bool:
+    """Every element's type is exactly ``tp`` (a subclass, bool for int, is not)."""
+    return list(map(type, value)).count(tp) == len(value)
+
+
+def _key_lengths_ok(keys: list[bytes]) -> bool:
+    try:
+        msgspec.convert(keys, _Keys)  # bytes-likes pass too: exactness is _all's
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
 def _keys(_inst: object, attr: attrs.Attribute[list[bytes]], value: list[bytes]) -> None:
     if type(value) is not list or len(value) > MAX_KEYS:
         raise ValueError(f"{attr.name}: expected a list of at most {MAX_KEYS} keys")
+    if len(value) >= _BULK and _all(value, bytes) and _key_lengths_ok(value):
+        return
     for k in value:
         if type(k) is not bytes or not 0 < len(k) <= MAX_KEY_LEN:
             raise ValueError(f"{attr.name}: every key must be 1..{MAX_KEY_LEN} bytes")
@@ -98,6 +136,8 @@ def _keys(_inst: object, attr: attrs.Attribute[list[bytes]], value: list[bytes])
 def _bools(_inst: object, attr: attrs.Attribute[list[bool]], value: list[bool]) -> None:
     if type(value) is not list or len(value) > MAX_KEYS:
         raise ValueError(f"{attr.name}: expected a list of at most {MAX_KEYS} bools")
+    if len(value) >= _BULK and _all(value, bool):
+        return
     for b in value:
         if type(b) is not bool:
             raise ValueError(f"{attr.name}: expected bools, got {type(b).__name__}")
@@ -106,9 +146,23 @@ def _bools(_inst: object, attr: attrs.Attribute[list[bool]], value: list[bool]) 
 def _u64s(_inst: object, attr: attrs.Attribute[list[int]], value: list[int]) -> None:
     if type(value) is not list or len(value) > MAX_KEYS:
         raise ValueError(f"{attr.name}: expected a list of at most {MAX_KEYS} ints")
+    if len(value) >= _BULK and _all(value, int) and min(value) >= 0 and max(value) <= U64_MAX:
+        return
     for i in value:
         if type(i) is not int or not 0 <= i <= U64_MAX:
             raise ValueError(f"{attr.name}: expected unsigned ints")
+
+
+def _outcomes(inst: object, attr: attrs.Attribute[list[int]], value: list[int]) -> None:
+    # Known codes are small ints, so a long list of known codes needs no range check.
+    if (
+        type(value) is list
+        and _BULK <= len(value) <= MAX_KEYS
+        and _all(value, int)
+        and _OUTCOMES.issuperset(value)
+    ):
+        return
+    _u64s(inst, attr, value)  # the codes themselves: TransferDone.__attrs_post_init__
 
 
 def _opt_u64s(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
@@ -190,11 +244,11 @@ class Fetch:
 class TransferDone:
     TAG = "transfer_done"
     req_id: int = attrs.field(validator=_u64)
-    outcomes: list[int] = attrs.field(validator=_u64s)
+    outcomes: list[int] = attrs.field(validator=_outcomes)
     checksums: list[int] | None = attrs.field(default=None, validator=_opt_u64s)
 
     def __attrs_post_init__(self) -> None:
-        if any(o not in _OUTCOMES for o in self.outcomes):
+        if not _OUTCOMES.issuperset(self.outcomes):
             raise ValueError("transfer_done: unknown outcome code")
         if self.checksums is not None and len(self.checksums) != len(self.outcomes):
             raise ValueError("transfer_done: checksums and outcomes differ in length")
@@ -329,7 +383,11 @@ def _describe(exc: BaseException) -> str:
 
 def encode(msg: Message) -> bytes:
     """One message as one frame (header + body)."""
-    body: bytes = msgpack.packb(to_wire(msg), use_bin_type=True)
+    hot = _HOT_FIELDS.get(type(msg))
+    if hot is not None:
+        body = _hot_encode(hot(msg))
+    else:
+        body = msgpack.packb(to_wire(msg), use_bin_type=True)
     if len(body) > MAX_FRAME_SIZE:
         raise LocalProtocolError(f"{msg.TAG} frame of {len(body)} bytes is over the limit")
     return HEADER.pack(len(body)) + body
@@ -446,10 +504,128 @@ class FrameDecoder:
             return None
         body = bytes(self._buf[HEADER.size : end])
         del self._buf[:end]
-        try:
-            obj = _unpack_body(body)
-        except RemoteProtocolError:
-            raise
-        except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
-            raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
-        return from_wire(obj)
+        msg = _decode_hot(body)
+        return _decode_general(body) if msg is None else msg
+
+
+def _decode_general(body: bytes) -> Message:
+    """Any frame body: the message, or the :class:`RemoteProtocolError` that refuses it."""
+    try:
+        obj = _unpack_body(body)
+    except RemoteProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
+        raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+    return from_wire(obj)
+
+
+# --- the hot-message codec (msgspec) -------------------------------------------------------
+# Field order and the tag's place (last) are those of ``to_wire``: the bytes are identical.
+
+_HOT_FIELDS: Final[dict[type[Any], Callable[[Any], dict[str, Any]]]] = {
+    Lookup: lambda m: {"req_id": m.req_id, "keys": m.keys, "t": Lookup.TAG},
+    LookupResp: lambda m: {"req_id": m.req_id, "hits": m.hits, "t": LookupResp.TAG},
+    Fetch: lambda m: {"req_id": m.req_id, "keys": m.keys, "slots": m.slots, "t": Fetch.TAG},
+    TransferDone: lambda m: {
+        "req_id": m.req_id,
+        "outcomes": m.outcomes,
+        "checksums": m.checksums,
+        "t": TransferDone.TAG,
+    },
+}
+_hot_encode: Final = msgspec.msgpack.Encoder().encode
+
+# msgspec bounds a code by the range of known codes; while the codes are 0..N-1 (they
+# are), that range is the set, and no second check is needed.
+_Code = Annotated[int, msgspec.Meta(ge=0, le=max(_OUTCOMES))]
+_OUTCOMES_ARE_A_RANGE: Final = len(_OUTCOMES) == max(_OUTCOMES) + 1
+
+
+class _HotLookup(msgspec.Struct, tag_field="t", tag=Lookup.TAG):
+    req_id: _U64
+    keys: _Keys
+
+
+class _HotLookupResp(msgspec.Struct, tag_field="t", tag=LookupResp.TAG):
+    req_id: _U64
+    hits: Annotated[list[bool], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+class _HotFetch(msgspec.Struct, tag_field="t", tag=Fetch.TAG):
+    req_id: _U64
+    keys: _Keys
+    slots: Annotated[list[_U64], msgspec.Meta(max_length=MAX_KEYS)]
+
+
+class _HotTransferDone(msgspec.Struct, tag_field="t", tag=TransferDone.TAG):
+    req_id: _U64
+    outcomes: Annotated[list[_Code], msgspec.Meta(max_length=MAX_KEYS)]
+    # UNSET (absent) and None (sent as nil) differ in the map's size, which is checked.
+    checksums: (
+        Annotated[list[_U64], msgspec.Meta(max_length=MAX_KEYS)] | msgspec.UnsetType | None
+    ) = msgspec.UNSET
+
+
+_HotMessage = _HotLookup | _HotLookupResp | _HotFetch | _HotTransferDone
+_hot_decode: Final = msgspec.msgpack.Decoder(_HotMessage).decode
+_FIXMAP_3: Final = 0x83
+_FIXMAP_4: Final = 0x84
+# A message built from a decoded frame skips its validators: msgspec checked the same.
+_new: Final = object.__new__
+_set: Final = object.__setattr__
+
+
+def _decode_hot(body: bytes) -> Message | None:
+    """The hot message in ``body``, or ``None`` where the general path must decide.
+
+    A hot message is a map of exactly its fields (3 or 4 with the tag), so the map's size
+    is known before msgspec reads it: a frame whose size differs from the number of known
+    fields it holds carries an unknown or a duplicate field, and goes to the general path.
+    msgspec checks every bound and exact type (a bool is not an int, a str not bytes);
+    what it cannot express (equal list lengths) is checked here. The message is then built
+    without running its validators a second time.
+    """
+    size = body[0]
+    if size != _FIXMAP_3 and size != _FIXMAP_4:
+        return None
+    try:
+        hot = _hot_decode(body)
+    except (msgspec.DecodeError, RecursionError):  # DecodeError includes ValidationError
+        return None
+    msg: Message
+    if type(hot) is _HotLookup:
+        if size != _FIXMAP_3:
+            return None
+        msg = _new(Lookup)
+        _set(msg, "req_id", hot.req_id)
+        _set(msg, "keys", hot.keys)
+    elif type(hot) is _HotLookupResp:
+        if size != _FIXMAP_3:
+            return None
+        msg = _new(LookupResp)
+        _set(msg, "req_id", hot.req_id)
+        _set(msg, "hits", hot.hits)
+    elif type(hot) is _HotFetch:
+        if size != _FIXMAP_4 or len(hot.keys) != len(hot.slots):
+            return None
+        msg = _new(Fetch)
+        _set(msg, "req_id", hot.req_id)
+        _set(msg, "keys", hot.keys)
+        _set(msg, "slots", hot.slots)
+    elif type(hot) is _HotTransferDone:
+        checksums = hot.checksums
+        if checksums is msgspec.UNSET:
+            if size != _FIXMAP_3:
+                return None
+            checksums = None
+        elif size != _FIXMAP_4 or (checksums is not None and len(checksums) != len(hot.outcomes)):
+            return None
+        if not _OUTCOMES_ARE_A_RANGE and not _OUTCOMES.issuperset(hot.outcomes):
+            return None
+        msg = _new(TransferDone)
+        _set(msg, "req_id", hot.req_id)
+        _set(msg, "outcomes", hot.outcomes)
+        _set(msg, "checksums", checksums)
+    else:
+        return None
+    return msg

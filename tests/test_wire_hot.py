@@ -1,0 +1,333 @@
+"""The hot-message codec (msgspec) against the general one (cattrs + msgpack).
+
+The hot path is an accelerator for ``lookup``, ``lookup_resp``, ``fetch`` and
+``transfer_done``; the general path stays the definition of the protocol. These tests hold
+the two together: the same bytes out for every valid message, the same message in for
+every valid frame, and for any other frame the hot path declines, so that the refusal (its
+type and its words) is the general path's.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pkv import wire
+from p2pkv.errors import RemoteProtocolError
+from p2pkv.wire import (
+    HEADER,
+    MAX_KEY_LEN,
+    MAX_KEYS,
+    U64_MAX,
+    Fetch,
+    FrameDecoder,
+    Lookup,
+    LookupResp,
+    Message,
+    Outcome,
+    TransferDone,
+    encode,
+    to_wire,
+)
+
+from .test_wire import MALFORMED, STRATEGIES
+
+HOT = ("lookup", "lookup_resp", "fetch", "transfer_done")
+
+u64 = st.integers(0, U64_MAX)
+keys = st.binary(min_size=1, max_size=40) | st.sampled_from([b"k" * MAX_KEY_LEN, b"\0"])
+outcome = st.sampled_from(list(Outcome)).map(int)
+# Lists on both sides of wire._BULK: short lists take the element walk, long ones the
+# C-level check.
+sizes = st.integers(0, 3) | st.integers(wire._BULK - 1, wire._BULK + 40)
+
+
+@st.composite
+def hot_messages(draw: st.DrawFn) -> Message:
+    tag = draw(st.sampled_from(HOT))
+    n = draw(sizes)
+    req_id = draw(u64)
+    if tag == "lookup":
+        return Lookup(req_id=req_id, keys=draw(st.lists(keys, min_size=n, max_size=n)))
+    if tag == "lookup_resp":
+        return LookupResp(req_id=req_id, hits=draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    if tag == "fetch":
+        return Fetch(
+            req_id=req_id,
+            keys=draw(st.lists(keys, min_size=n, max_size=n)),
+            slots=draw(st.lists(u64, min_size=n, max_size=n)),
+        )
+    checksums = draw(st.none() | st.lists(u64, min_size=n, max_size=n))
+    outcomes = draw(st.lists(outcome, min_size=n, max_size=n))
+    return TransferDone(req_id=req_id, outcomes=outcomes, checksums=checksums)
+
+
+def general_body(msg: Message) -> bytes:
+    body: bytes = msgpack.packb(to_wire(msg), use_bin_type=True)
+    return body
+
+
+def general_outcome(body: bytes) -> Message | tuple[type[BaseException], str]:
+    try:
+        return wire._decode_general(body)
+    except RemoteProtocolError as exc:
+        return type(exc), str(exc)
+
+
+def decoder_outcome(body: bytes) -> Message | tuple[type[BaseException], str]:
+    dec = FrameDecoder()
+    dec.feed(HEADER.pack(len(body)) + body)
+    try:
+        msg = dec.next_message()
+    except RemoteProtocolError as exc:
+        return type(exc), str(exc)
+    assert msg is not None
+    return msg
+
+
+def assert_same_types(a: Message, b: Message) -> None:
+    """Equal is not enough: a field must hold a list of exactly the same element types."""
+    assert type(a) is type(b)
+    for name in attrs_names(a):
+        x, y = getattr(a, name), getattr(b, name)
+        assert type(x) is type(y), name
+        if type(x) is list:
+            assert [type(e) for e in x] == [type(e) for e in y], name
+
+
+def attrs_names(msg: Message) -> list[str]:
+    return [f.name for f in type(msg).__attrs_attrs__]
+
+
+# --- valid messages: same bytes, same message ------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(msg=hot_messages())
+def test_hot_encoding_is_byte_for_byte_the_general_encoding(msg: Message) -> None:
+    body = general_body(msg)
+    assert encode(msg) == HEADER.pack(len(body)) + body
+
+
+@settings(max_examples=300, deadline=None)
+@given(msg=hot_messages())
+def test_hot_decoding_builds_the_message_the_general_path_builds(msg: Message) -> None:
+    body = general_body(msg)
+    hot = wire._decode_hot(body)
+    assert hot is not None  # every valid hot message takes the hot path
+    general = wire._decode_general(body)
+    assert hot == general == msg
+    assert_same_types(hot, general)
+
+
+@pytest.mark.parametrize("tag", sorted(set(STRATEGIES) - set(HOT)))
+@settings(max_examples=20, deadline=None)
+@given(data=st.data())
+def test_other_messages_are_left_to_the_general_path(tag: str, data: st.DataObject) -> None:
+    body = encode(data.draw(STRATEGIES[tag]))[HEADER.size :]
+    assert wire._decode_hot(body) is None
+
+
+# --- anything else: the general path decides ---------------------------------------------
+
+packable = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), U64_MAX)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+values = packable | st.lists(packable, max_size=4) | st.dictionaries(st.text(max_size=3), packable)
+
+
+@st.composite
+def hot_maps(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid hot message's map, then a few of the changes a hostile or newer peer makes."""
+    fields: dict[str, Any] = to_wire(draw(hot_messages()))
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["retype", "element", "drop", "add", "retag", "resize"]))
+        name = draw(st.sampled_from(sorted(fields))) if fields else "t"
+        if kind == "retype":
+            fields[name] = draw(values)
+        elif kind == "element" and type(fields.get(name)) is list and fields[name]:
+            i = draw(st.integers(0, len(fields[name]) - 1))
+            fields[name] = [*fields[name]]
+            fields[name][i] = draw(packable | st.just(b"") | st.just(b"k" * (MAX_KEY_LEN + 1)))
+        elif kind == "drop":
+            fields.pop(name, None)
+        elif kind == "add":
+            fields[draw(st.sampled_from(["x", "checksums", "slots", "hits"]))] = draw(values)
+        elif kind == "retag":
+            fields["t"] = draw(st.sampled_from([*HOT, "ping", "abort"]) | packable)
+        elif kind == "resize" and type(fields.get(name)) is list:
+            fields[name] = fields[name][: draw(st.integers(0, len(fields[name])))]
+    return fields
+
+
+@settings(max_examples=600, deadline=None)
+@given(fields=hot_maps())
+def test_a_changed_hot_frame_decodes_exactly_as_the_general_path_says(
+    fields: dict[str, Any],
+) -> None:
+    body = msgpack.packb(fields, use_bin_type=True)
+    expected = general_outcome(body)
+    got = decoder_outcome(body)
+    assert got == expected
+    if not isinstance(expected, tuple):
+        assert not isinstance(got, tuple)
+        assert_same_types(got, expected)
+    else:
+        assert wire._decode_hot(body) is None  # a refusal is always the general path's
+
+
+def fixmap(*pairs: tuple[str, Any]) -> bytes:
+    """A map with the given entries in order, duplicates kept (a dict cannot hold them)."""
+    assert len(pairs) <= 15
+    return bytes([0x80 | len(pairs)]) + b"".join(
+        msgpack.packb(k) + msgpack.packb(v, use_bin_type=True) for k, v in pairs
+    )
+
+
+# Frames msgspec alone would take (it ignores unknown fields, and a later duplicate wins)
+# that must still be the general path's call.
+HOT_EDGE: list[tuple[str, bytes]] = [
+    ("unknown_nested_map", fixmap(("t", "lookup"), ("req_id", 1), ("keys", []), ("x", {"a": 1}))),
+    ("unknown_nested_list", fixmap(("t", "lookup"), ("req_id", 1), ("keys", []), ("x", [[1]]))),
+    (
+        "unknown_field_in_place_of_checksums",
+        fixmap(("t", "transfer_done"), ("req_id", 1), ("outcomes", [0]), ("x", [[1]])),
+    ),
+    ("duplicate_tag", fixmap(("t", "lookup_resp"), ("req_id", 1), ("hits", []), ("t", "x"))),
+    (
+        "duplicate_field_in_place_of_checksums",
+        fixmap(("t", "transfer_done"), ("req_id", 1), ("outcomes", [0]), ("req_id", 2)),
+    ),
+    ("duplicate_field", fixmap(("t", "lookup"), ("req_id", 1), ("req_id", 2))),
+    (
+        "deep_unknown",
+        b"\x84\xa1t\xa6lookup\xa6req_id\x01\xa4keys\x90\xa1x" + b"\x91" * 5000 + b"\xc0",
+    ),
+    ("deep_array_headers", b"\x84\xa1t\xa6lookup\xa1x" + b"\xdc\xff\xff" * 1000),
+    (
+        "keys_over_bound",
+        msgpack.packb({"t": "lookup", "req_id": 1, "keys": [b"k"] * (MAX_KEYS + 1)}),
+    ),
+    ("list_header_over_bound", b"\x83\xa1t\xa6lookup\xa6req_id\x01\xa4keys\xdd\xff\xff\xff\xff"),
+    (
+        "checksums_length_mismatch",
+        fixmap(("t", "transfer_done"), ("req_id", 1), ("outcomes", [0]), ("checksums", [])),
+    ),
+    (
+        "fetch_length_mismatch",
+        fixmap(("t", "fetch"), ("req_id", 1), ("keys", [b"a"]), ("slots", [])),
+    ),
+    ("outcome_past_the_codes", fixmap(("t", "transfer_done"), ("req_id", 1), ("outcomes", [6]))),
+    ("tag_as_bytes", fixmap(("t", b"lookup"), ("req_id", 1), ("keys", []))),
+    ("map16_header", b"\xde\x00\x03" + fixmap(("t", "lookup"), ("req_id", 1), ("keys", []))[1:]),
+]
+
+
+@pytest.mark.parametrize("body", [pytest.param(b, id=i) for i, b in HOT_EDGE])
+def test_a_frame_msgspec_alone_might_take_is_the_general_paths_call(body: bytes) -> None:
+    expected = general_outcome(body)
+    hot = wire._decode_hot(body)
+    assert hot is None if isinstance(expected, tuple) else hot in (None, expected)
+    assert decoder_outcome(body) == expected
+
+
+@pytest.mark.parametrize(("frame", "match"), [pytest.param(f, m, id=i) for i, f, m in MALFORMED])
+def test_the_hot_path_accepts_no_frame_of_the_malformed_corpus(frame: bytes, match: str) -> None:
+    body = frame[HEADER.size :]
+    assert wire._decode_hot(body) is None
+    got = decoder_outcome(body)
+    assert isinstance(got, tuple) and got[0] is RemoteProtocolError
+    assert got == general_outcome(body)
+
+
+# --- the list validators: the C-level check and the walk agree ---------------------------
+
+
+class Code(enum.IntEnum):
+    OK = 0
+
+
+class Bytes(bytes):
+    pass
+
+
+def walk_keys(value: list[Any]) -> bool:
+    return all(type(k) is bytes and 0 < len(k) <= MAX_KEY_LEN for k in value)
+
+
+def walk_u64s(value: list[Any]) -> bool:
+    return all(type(i) is int and 0 <= i <= U64_MAX for i in value)
+
+
+odd_keys = st.sampled_from(
+    [b"", b"k" * (MAX_KEY_LEN + 1), bytearray(b"k"), Bytes(b"k"), "k", 1, None, memoryview(b"k")]
+)
+odd_ints = st.sampled_from([-1, U64_MAX + 1, True, False, Code.OK, 1.0, None, b"1"])
+
+
+@st.composite
+def long_lists(
+    draw: st.DrawFn, good: st.SearchStrategy[Any], odd: st.SearchStrategy[Any]
+) -> list[Any]:
+    """A list on either side of wire._BULK, sometimes with one odd element in it."""
+    n = draw(sizes)
+    items: list[Any] = draw(st.lists(good, min_size=n, max_size=n))
+    spoil = draw(st.booleans())
+    if items and spoil:
+        items[draw(st.integers(0, n - 1))] = draw(odd)
+    return items
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=long_lists(keys, odd_keys))
+def test_key_list_check_refuses_exactly_what_the_walk_refuses(value: list[Any]) -> None:
+    if walk_keys(value):
+        assert Lookup(req_id=1, keys=value).keys is value
+    else:
+        with pytest.raises(ValueError, match="every key must be"):
+            Lookup(req_id=1, keys=value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=long_lists(u64, odd_ints))
+def test_u64_list_check_refuses_exactly_what_the_walk_refuses(value: list[Any]) -> None:
+    keys_ = [b"k%d" % i for i in range(len(value))]
+    if walk_u64s(value):
+        assert Fetch(req_id=1, keys=keys_, slots=value).slots is value
+    else:
+        with pytest.raises(ValueError, match="slots: expected unsigned ints"):
+            Fetch(req_id=1, keys=keys_, slots=value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=long_lists(outcome, odd_ints | st.sampled_from([6, 7, U64_MAX])))
+def test_outcome_list_check_refuses_exactly_what_the_walk_refuses(value: list[Any]) -> None:
+    if not walk_u64s(value):
+        with pytest.raises(ValueError, match="outcomes: expected unsigned ints"):
+            TransferDone(req_id=1, outcomes=value)
+    elif not {int(o) for o in Outcome}.issuperset(value):
+        with pytest.raises(ValueError, match="unknown outcome code"):
+            TransferDone(req_id=1, outcomes=value)
+    else:
+        assert TransferDone(req_id=1, outcomes=value).outcomes is value
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=long_lists(st.booleans(), st.sampled_from([0, 1, None, Code.OK])))
+def test_bool_list_check_refuses_exactly_what_the_walk_refuses(value: list[Any]) -> None:
+    bad = [e for e in value if type(e) is not bool]
+    if not bad:
+        assert LookupResp(req_id=1, hits=value).hits is value
+    else:
+        with pytest.raises(ValueError, match=f"expected bools, got {type(bad[0]).__name__}$"):
+            LookupResp(req_id=1, hits=value)
