@@ -111,7 +111,7 @@ async def measure(
         peer_id="consumer", num_blocks=16, block_len=args.block_len, transport="nixl"
     )
     keys = demo_keys(args.keys)
-    counts = [args.keys, 1]
+    counts = args.counts
     samples: Samples = {
         kind: {n: [[] for _ in range(args.reps)] for n in counts}
         for kind in ("p2pkv", "bare", "p2pkv_cpu")
@@ -271,10 +271,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="30 samples")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also 16 and 128 keys (latency against key count; slower)",
+    )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.counts = sorted({1, args.keys} | ({16, 128} if args.sweep else set()), reverse=True)
     if args.bare_server:
-        trio.run(serve_bare, [args.keys, 1])
+        trio.run(serve_bare, args.counts)
         return 0
     if args.quick:
         args.samples, args.warmup = 30, 5
@@ -295,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(args.keys),
     ]
     argv_bare = [sys.executable, __file__, "--bare-server", "--keys", str(args.keys)]
+    argv_bare += ["--sweep"] if args.sweep else []
     load_before = os.getloadavg()[0]
     with (
         Child(argv_source, name="source process") as source,

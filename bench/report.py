@@ -256,6 +256,60 @@ def render_dataplane(res: Json, machine: str) -> str:
     return "\n\n".join(out)
 
 
+def render_control_plane(res: Json, machine: str) -> str:
+    lat = res["latency_s"]
+    counts = sorted(lat["p2pkv"], key=int)
+    rows = []
+    for n in counts:
+        ours, bare, cpu = lat["p2pkv"][n], lat["bare"][n], res["consumer_cpu_s"][n]
+        r = res["ratio"][n]
+        rows.append(
+            [
+                n,
+                f"{ours['p50'] * 1e3:.3f} / {ours['p99'] * 1e3:.3f}",
+                f"{bare['p50'] * 1e3:.3f} / {bare['p99'] * 1e3:.3f}",
+                f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]",
+                f"{cpu['p50'] * 1e6:.0f}",
+            ]
+        )
+    header = [
+        "keys",
+        "p2pkv p50 / p99 (ms)",
+        "bare Trio TCP p50 / p99 (ms)",
+        "p2pkv / bare (p50, per rep)",
+        "consumer Trio-thread CPU p50 (us)",
+    ]
+    verdicts = [
+        f"{'PASS' if t['pass'] else 'FAIL'} {name}: {t['got']:.3g} (target <= {t['limit']:.3g})"
+        for name, t in res["targets"].items()
+    ]
+    out = [
+        f"{res['samples_per_kind']} samples per kind in {res['reps']} alternating reps.",
+        table(header, rows),
+        "; ".join(verdicts) + ".",
+    ]
+
+    def lines(ax: Any) -> None:
+        xs = [int(n) for n in counts]
+        for kind, style in (("p2pkv", "o-"), ("bare", "s--")):
+            ax.plot(xs, [lat[kind][n]["p50"] * 1e3 for n in counts], style, label=f"{kind} p50")
+            ax.plot(
+                xs,
+                [lat[kind][n]["p99"] * 1e3 for n in counts],
+                style,
+                alpha=0.4,
+                label=f"{kind} p99",
+            )
+        ax.set_xscale("log")
+        ax.set_xlabel("keys per lookup")
+        ax.set_ylabel("round trip (ms)")
+        ax.set_title("lookup latency against key count")
+        ax.legend(fontsize=8)
+
+    out.append(plot(f"control_plane-{machine}", lines))
+    return "\n\n".join(out)
+
+
 BENCHES: list[Bench] = [
     Bench(
         "cold_pull",
@@ -268,6 +322,12 @@ BENCHES: list[Bench] = [
         "Data plane: node.fetch against bare NIXL",
         lambda quick: ["--quick"] if quick else [],
         render_dataplane,
+    ),
+    Bench(
+        "control_plane",
+        "Control plane: lookup round trip",
+        lambda quick: ["--quick"] if quick else ["--sweep"],
+        render_control_plane,
     ),
     Bench(
         "idle_cpu",
