@@ -21,7 +21,9 @@ min-max. ``--baseline PATH`` adds a third pair whose children import p2pkv from 
 (e.g. a checkout of ``main``), so old and new code are compared in the same run.
 
 Target (issue 9, done-when 1): python <= 3 us per block at 4,096 blocks, and flat from 256
-to 16,384 blocks. ``--json PATH`` writes every rep's raw numbers.
+to 16,384 blocks. ``--json PATH`` writes every rep's raw numbers. Diagnosis: with
+``PYTHON_COST_PROFILE=DIR`` set, each p2pkv child writes a cProfile of its Trio thread's
+CPU (``time.thread_time``) to ``DIR/<name>.prof``.
 """
 
 from __future__ import annotations
@@ -198,16 +200,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     set_env_defaults()
     if args.role == "node":
-        prof_dir = os.environ.get("PYTHON_COST_PROFILE")  # cProfile of the Trio thread
+        prof_dir = os.environ.get("PYTHON_COST_PROFILE")  # the Trio thread's CPU, by function
         if prof_dir:
             import cProfile
 
-            cProfile.runctx(
-                "trio.run(node_main, args)",
-                globals(),
-                {"args": args},
-                os.path.join(prof_dir, f"{args.role_name}.prof"),
-            )
+            prof = cProfile.Profile(time.thread_time)
+            prof.runcall(trio.run, node_main, args)
+            prof.dump_stats(os.path.join(prof_dir, f"{args.role_name}.prof"))
             return 0
         trio.run(node_main, args)
         return 0
