@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -54,7 +55,25 @@ def cpu_s() -> float:
     return time.process_time()
 
 
+class GcClock:
+    """Collections and their thread CPU, through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.cpu = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.count += 1
+            self.cpu += time.thread_time() - self._start
+
+
 async def node_main(args: argparse.Namespace) -> None:
+    gc_clock = GcClock()
     cfg = p2pkv.NodeConfig(
         peer_id=args.role_name, num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
     )
@@ -72,15 +91,33 @@ async def node_main(args: argparse.Namespace) -> None:
                 peer = await node.connect(tuple(cmd["address"]))
                 emit({"ok": True})
             elif op == "cpu":
-                emit({"cpu": cpu_s(), "thread": time.thread_time()})
+                emit(
+                    {
+                        "cpu": cpu_s(),
+                        "thread": time.thread_time(),
+                        "gc": gc_clock.cpu,
+                        "gcs": gc_clock.count,
+                    }
+                )
             elif op == "cycle":
                 assert peer is not None
                 c0, t0, th0 = cpu_s(), time.perf_counter(), time.thread_time()
+                gc0, gcs0 = gc_clock.cpu, gc_clock.count
                 hits = sum(await node.lookup(peer, wanted))
                 result = await node.fetch(peer, wanted)
                 t, cpu = time.perf_counter() - t0, cpu_s() - c0
                 thread = time.thread_time() - th0
-                emit({"t": t, "cpu": cpu, "thread": thread, "hits": hits, "n": len(result.loaded)})
+                emit(
+                    {
+                        "t": t,
+                        "cpu": cpu,
+                        "thread": thread,
+                        "gc": gc_clock.cpu - gc0,
+                        "gcs": gc_clock.count - gcs0,
+                        "hits": hits,
+                        "n": len(result.loaded),
+                    }
+                )
                 # Highest slot first: the next fetch gets ascending slots again.
                 slots = sorted(((node.store.slot_of(k) or 0, k) for k in keys), reverse=True)
                 for _slot, key in slots:
@@ -159,6 +196,9 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
                     if rep:  # the two Trio threads alone: the engine's Python
                         trio_cpu = r["thread"] + s1["thread"] - s0["thread"]
                         res.setdefault(f"{which}_trio", []).append(trio_cpu)
+                        gc_cpu = r["gc"] + s1["gc"] - s0["gc"]
+                        res.setdefault(f"{which}_gc", []).append(gc_cpu)
+                        res.setdefault(f"{which}_gcs", []).append(r["gcs"] + s1["gcs"] - s0["gcs"])
                 if rep:
                     res.setdefault(f"{which}_cpu", []).append(cpu)
                     res.setdefault(f"{which}_t", []).append(r["t"])
@@ -240,7 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(
         f"  {'blocks':>7} {'variant':<9} {'total':>20} {'bare copy':>20} {'python':>20}"
-        f" {'trio threads':>20}"
+        f" {'trio threads':>20} {'of it GC':>20}"
     )
     ok = True
     for size, res in raw["sizes"].items():
@@ -250,9 +290,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             total = [c / n * 1e6 for c in res[f"{v}_cpu"]]
             python = [t - b for t, b in zip(total, bare, strict=True)]
             trio_us = [c / n * 1e6 for c in res[f"{v}_trio"]]
+            gc_us = [c / n * 1e6 for c in res[f"{v}_gc"]]
             print(
                 f"  {n:>7} {v:<9} {summary(total):>20} {summary(bare):>20} "
-                f"{summary(python):>20} {summary(trio_us):>20}"
+                f"{summary(python):>20} {summary(trio_us):>20} {summary(gc_us):>20}"
             )
             if v == "p2pkv" and n == TARGET_BLOCKS:
                 ok = statistics.median(python) <= TARGET_US
