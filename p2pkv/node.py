@@ -33,11 +33,12 @@ Garbage collection. Once a node is up, :func:`open_node` calls ``gc.freeze()``: 
 object alive then (the modules, the store's tables, the transport, the host's own
 start-up state) moves to the permanent generation, so the collections that a fetch's
 allocations trigger no longer walk them (a full collection over a started process took
-17-43 ms, and ~0.9 us per block of a fetch). Frozen objects are never collected, so when
-the last node of the process closes, ``gc.unfreeze()`` hands them all back to the
-collector: a closed node's own cycles (its region included) are freed as usual. (That
-also unfreezes what the host froze itself; it only costs collection time.) A host that
-builds much long-lived state after start-up may call ``gc.freeze()`` again.
+17-43 ms, and ~0.9 us per block of a fetch). Frozen objects are never collected, so when a
+node closes, ``gc.unfreeze()`` hands them all back to the collector: the closed node's own
+cycles, its region among them, are freed as usual (vLLM unmaps its region right after). A
+process running several nodes loses the freeze when the first one closes; the next node
+to start freezes again. (The unfreeze also unfreezes what the host froze itself; that only
+costs collection time.)
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import gc
 import logging
 import math
 import secrets
-import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -628,40 +628,19 @@ async def open_node(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(node._serve)
-            _GC.hold()
+            gc.freeze()  # start-up state out of every later collection (module docstring)
             try:
                 yield node
             finally:
-                _GC.release()
-                await node.aclose()
+                try:
+                    await node.aclose()
+                finally:
+                    gc.unfreeze()
     except BaseExceptionGroup as group:
         raise _unwrap(group) from None
     finally:
         if not node._closed.is_set():  # the node failed to start, or its tasks crashed
             await node._final_cleanup()
-
-
-class _GcFreeze:
-    """``gc.freeze()`` while any node of this process is up (module docstring). Nodes may
-    run in several threads (one Trio run each), hence the lock."""
-
-    def __init__(self) -> None:
-        self.nodes = 0
-        self._lock = threading.Lock()
-
-    def hold(self) -> None:
-        with self._lock:
-            self.nodes += 1
-            gc.freeze()
-
-    def release(self) -> None:
-        with self._lock:
-            self.nodes -= 1
-            if not self.nodes:
-                gc.unfreeze()
-
-
-_GC = _GcFreeze()
 
 
 def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
