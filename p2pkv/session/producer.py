@@ -14,11 +14,12 @@ up. A round keeps only its hits' source slots (the fetch repeats the keys).
 
 A fetch becomes one task that posts the writes in chunks off the Trio thread, waits for
 every handle to settle, and only then replies; it releases the round's source pins after
-the reply is sent, so the consumer lands while the producer unpins. Outcomes start as failed and become OK only
-when the data plane reported the chunk DONE, so no exit path (error, abort, cancellation,
-a bug of ours) can report bytes that never landed. When a write is cut short, its handles
-get ``abort_timeout`` to settle; a handle that will not is released, and since the data
-plane may keep reading the sources and writing the peer's slots for a while after that,
+the reply is sent, so the consumer lands while the producer unpins. Outcomes start as
+failed and become OK only when the data plane reported the chunk DONE, so no exit path
+(error, abort, cancellation, a bug of ours) can report bytes that never landed. When a
+write is cut short, its handles get ``abort_timeout`` to settle; a handle that will not is
+released, and since the data plane may keep reading the sources and writing the peer's
+slots for a while after that,
 the round is held open ``quarantine`` seconds more: its source pins stay, and its reply
 (``abort_ack``, or ``transfer_done``) is sent only then. Either reply therefore means "no
 write of this round can land any more". The pins are released at the quarantine's end
