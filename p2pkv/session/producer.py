@@ -19,11 +19,10 @@ failed and become OK only when the data plane reported the chunk DONE, so no exi
 (error, abort, cancellation, a bug of ours) can report bytes that never landed. When a
 write is cut short, its handles get ``abort_timeout`` to settle; a handle that will not is
 released, and since the data plane may keep reading the sources and writing the peer's
-slots for a while after that,
-the round is held open ``quarantine`` seconds more: its source pins stay, and its reply
-(``abort_ack``, or ``transfer_done``) is sent only then. Either reply therefore means "no
-write of this round can land any more". The pins are released at the quarantine's end
-even if the session is gone by then.
+slots for a while after that, the round is held open ``quarantine`` seconds more: its
+source pins stay, and its reply (``abort_ack``, or ``transfer_done``) is sent only then.
+Either reply therefore means "no write of this round can land any more". The pins are
+released at the quarantine's end even if the session is gone by then.
 """
 
 from __future__ import annotations
