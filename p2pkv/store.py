@@ -412,6 +412,7 @@ class BlockStore:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         out: list[int] = []
         first = True
+        state, reserved = self._state, self._reserved
         with self._serial:
             try:
                 while first or len(out) < n:
@@ -423,8 +424,11 @@ class BlockStore:
                         take = min(n - len(out), self.batch_keys)
                         self._claimed -= take
                         slots = self._allocate_locked(take)
-                        for slot in slots:
-                            self._reserve_locked(slot, owner)
+                        if slots:
+                            for slot in slots:
+                                state[slot] = _RESERVED
+                            reserved.update(dict.fromkeys(slots, owner))
+                            self._reserved_by.setdefault(owner, set()).update(slots)
                     out += slots
             except BaseException:
                 with _Batch(self):

@@ -47,6 +47,7 @@ import logging
 import math
 import operator
 from collections.abc import Iterable, Sequence
+from itertools import compress
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -70,6 +71,8 @@ log = logging.getLogger("p2pkv.session")
 #: of the key, a destination slot index), and what a frame needs besides its keys.
 KEY_OVERHEAD = 16
 FRAME_OVERHEAD = 4096
+
+_OK = int(Outcome.OK)
 
 
 @attrs.define(eq=False)
@@ -325,7 +328,7 @@ class ConsumerSide(SessionParts):
                 answered.append(
                     _Round(
                         req,
-                        {k for k, h in zip(chunk, chunk_hits, strict=True) if h},
+                        set(compress(chunk, chunk_hits)),
                         trio.current_time() + self.cfg.lease * 0.9,
                         held=held,
                     )
@@ -440,20 +443,22 @@ class ConsumerSide(SessionParts):
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
         outcome: dict[bytes, str | None] = {}
         valid = self._sendable(wanted, outcome)
-        store = self.node.store
+        here = self.node.store.present(valid)
         mine: list[bytes] = []
         shared: dict[_Claim, list[bytes]] = {}
-        for k, here in zip(valid, store.present(valid), strict=True):
-            if here:
-                outcome[k] = None
-            elif (other := self._fetching.get(k)) is not None:
-                shared.setdefault(other, []).append(k)
-            else:
-                mine.append(k)
+        if not self._fetching and not any(here):
+            mine = valid  # the usual case: nothing here, nobody else fetching
+        else:
+            for k, is_here in zip(valid, here, strict=True):
+                if is_here:
+                    outcome[k] = None
+                elif (other := self._fetching.get(k)) is not None:
+                    shared.setdefault(other, []).append(k)
+                else:
+                    mine.append(k)
         # From here to the first checkpoint: claim the keys and the rounds.
         claim = _Claim()
-        for k in mine:
-            self._fetching[k] = claim
+        self._fetching.update(dict.fromkeys(mine, claim))
         try:
             groups, uncovered = self._claim_rounds(mine, rounds)
             landing = _StoreLanding(self)
@@ -463,24 +468,23 @@ class ConsumerSide(SessionParts):
                 for chunk in self._chunks(uncovered):
                     nursery.start_soon(self._lookup_and_fetch, chunk, claim.outcome, landing)
         finally:
-            for k in mine:
-                claim.outcome.setdefault(k, "cancelled")
-                if self._fetching.get(k) is claim:
-                    del self._fetching[k]
+            if len(claim.outcome) < len(mine):  # its keys all come from mine
+                for k in mine:
+                    claim.outcome.setdefault(k, "cancelled")
+            fetching = self._fetching
+            if len(fetching) == len(mine):
+                fetching.clear()  # only this fetch's claims: every key of mine is in it
+            else:
+                for k in mine:
+                    if fetching.get(k) is claim:
+                        del fetching[k]
             claim.done.set()
         outcome.update(claim.outcome)
         for other, ks in shared.items():
             await other.done.wait()  # bounded: that fetch has its own deadlines
             for k in ks:
                 outcome[k] = other.outcome.get(k, "cancelled")
-        result = FetchResult()
-        for k in wanted:
-            why = outcome[k]
-            if why is None:
-                result.loaded.append(k)
-            else:
-                result.failed[k] = why
-        return result
+        return _result(wanted, outcome)
 
     async def fetch_into(
         self,
@@ -549,14 +553,7 @@ class ConsumerSide(SessionParts):
             await trio.sleep_until(landing.settle_at)
         finally:
             taken.difference_update(dst_slots)
-        result = FetchResult()
-        for k in keys:
-            why = outcome[k]
-            if why is None:
-                result.loaded.append(k)
-            else:
-                result.failed[k] = why
-        return result
+        return _result(keys, outcome)
 
     def _claim_rounds(
         self, keys: list[bytes], handles: Iterable[LookupRound]
@@ -568,21 +565,29 @@ class ConsumerSide(SessionParts):
         candidates = [self._rounds[r] for r in named if r in self._rounds]
         candidates += [r for r in self._rounds.values() if not r.held]
         left = set(keys)
-        owner: dict[bytes, int] = {}
+        taken: list[tuple[int, set[bytes]]] = []
         for rnd in candidates:
             if not left:
                 break
-            for k in left & rnd.hits:
-                owner[k] = rnd.req_id
-            left -= rnd.hits
+            if got := left & rnd.hits:
+                taken.append((rnd.req_id, got))
+                left -= got
         groups: dict[int, list[bytes]] = {}
         uncovered: list[bytes] = []
-        for k in keys:
-            req = owner.get(k)
-            if req is None:
-                uncovered.append(k)
-            else:
-                groups.setdefault(req, []).append(k)
+        if len(taken) == 1 and not left:
+            groups[taken[0][0]] = keys  # the usual case: one round holds every key
+        elif not taken:
+            uncovered = keys
+        else:
+            owner: dict[bytes, int] = {}
+            for req, got in taken:
+                owner.update(dict.fromkeys(got, req))
+            for k in keys:
+                holder = owner.get(k)
+                if holder is None:
+                    uncovered.append(k)
+                else:
+                    groups.setdefault(holder, []).append(k)
         for req in groups:
             del self._rounds[req]
         return groups, uncovered
@@ -595,9 +600,12 @@ class ConsumerSide(SessionParts):
         except P2PKVError as exc:
             outcome.update((k, f"lookup failed: {exc}") for k in keys)
             return
-        outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
         # No checkpoint since the answer: the round is still this fetch's alone.
-        hit_keys = [k for k, h in zip(keys, hits, strict=True) if h]
+        if all(hits):
+            hit_keys = keys
+        else:
+            outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
+            hit_keys = list(compress(keys, hits))
         await self._fetch_round(req, hit_keys, outcome, landing)
 
     async def _fetch_round(
@@ -677,7 +685,14 @@ class ConsumerSide(SessionParts):
         """``transfer_done`` is in, so every write has settled: commit the good keys,
         free the other slots. If cancelled while checking, every slot is freed."""
         store, bl, req = self.node.store, self.cfg.block_len, p.req_id
-        ok = [i for i, o in enumerate(done.outcomes) if o == Outcome.OK]
+        outcomes = done.outcomes
+        if not self.cfg.verify_checksums and outcomes.count(_OK) == len(keys):
+            # The usual case: every key landed. No per-key work but the store's.
+            landing.commit(req, p.slots, keys)
+            outcome.update(dict.fromkeys(keys))
+            p.slots = []
+            return
+        ok = [i for i, o in enumerate(outcomes) if o == Outcome.OK]
         good = set(ok)
         reason_bad = ""
         try:
@@ -715,3 +730,17 @@ class ConsumerSide(SessionParts):
         outcome.update((k, None) for k in commit_keys)
         landing.release(req, release)
         p.slots = []
+
+
+def _result(keys: list[bytes], outcome: dict[bytes, str | None]) -> FetchResult:
+    """``keys`` in order, each loaded or failed as ``outcome`` (which holds every key) says."""
+    if list(outcome.values()).count(None) == len(keys):
+        return FetchResult(loaded=keys)  # the usual case: every key loaded
+    result = FetchResult()
+    for k in keys:
+        why = outcome[k]
+        if why is None:
+            result.loaded.append(k)
+        else:
+            result.failed[k] = why
+    return result

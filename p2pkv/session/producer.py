@@ -13,15 +13,16 @@ and a fetch that would is answered ``OVER_CAP`` for every key at once; the sessi
 up. A round keeps only its hits' source slots (the fetch repeats the keys).
 
 A fetch becomes one task that posts the writes in chunks off the Trio thread, waits for
-every handle to settle, and only then replies. Outcomes start as failed and become OK only
-when the data plane reported the chunk DONE, so no exit path (error, abort, cancellation,
-a bug of ours) can report bytes that never landed. When a write is cut short, its handles
-get ``abort_timeout`` to settle; a handle that will not is released, and since the data
-plane may keep reading the sources and writing the peer's slots for a while after that,
-the round is held open ``quarantine`` seconds more: its source pins stay, and its reply
-(``abort_ack``, or ``transfer_done``) is sent only then. Either reply therefore means "no
-write of this round can land any more". The pins are released at the quarantine's end
-even if the session is gone by then.
+every handle to settle, and only then replies; it releases the round's source pins after
+the reply is sent, so the consumer lands while the producer unpins. Outcomes start as
+failed and become OK only when the data plane reported the chunk DONE, so no exit path
+(error, abort, cancellation, a bug of ours) can report bytes that never landed. When a
+write is cut short, its handles get ``abort_timeout`` to settle; a handle that will not is
+released, and since the data plane may keep reading the sources and writing the peer's
+slots for a while after that, the round is held open ``quarantine`` seconds more: its
+source pins stay, and its reply (``abort_ack``, or ``transfer_done``) is sent only then.
+Either reply therefore means "no write of this round can land any more". The pins are
+released at the quarantine's end even if the session is gone by then.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import attrs
 import trio
@@ -49,7 +50,13 @@ from .turns import Turn
 
 log = logging.getLogger("p2pkv.session")
 
-Posted = tuple[list[tuple[int, int, int]], TransferHandle, DataTransport]
+Posted = tuple[list[int], TransferHandle, DataTransport]
+"""A posted chunk: the fetch's key indices it writes, its handle, the transport."""
+
+_OK = int(Outcome.OK)
+_ABORTED = int(Outcome.ABORTED)
+_NOT_PINNED = int(Outcome.NOT_PINNED)
+_OVER_CAP = int(Outcome.OVER_CAP)
 
 
 def checksums(view: memoryview, block_len: int, slots: Sequence[int]) -> list[int]:
@@ -101,11 +108,17 @@ class ProducerSide(SessionParts):
             while i < len(keys) and room > 0:
                 # At most `room` keys per slice, so the pins never exceed the cap.
                 part = keys[i : i + min(room, turn.room())]
-                for j, slot in enumerate(store.pin(held.owner, part), i):
-                    if slot is not None:
-                        hits[j] = True
-                        held.sources[keys[j]] = slot
-                        room -= 1
+                got = store.pin(held.owner, part)
+                if None not in got:  # the usual case: every key a hit
+                    hits[i : i + len(part)] = [True] * len(part)
+                    held.sources.update(zip(part, cast("list[int]", got), strict=True))
+                    room -= len(part)
+                else:
+                    for j, slot in enumerate(got, i):
+                        if slot is not None:
+                            hits[j] = True
+                            held.sources[keys[j]] = slot
+                            room -= 1
                 i += len(part)
                 turn.charge(keys=len(part))
                 await turn.pause_if_spent()
@@ -156,7 +169,7 @@ class ProducerSide(SessionParts):
         if state is InState.ABORTING:
             self.proto.send_abort_ack(req)
         elif state is InState.WRITING:
-            self.proto.send_transfer_done(req, [int(o) for o in outcomes], sums)
+            self.proto.send_transfer_done(req, outcomes, sums)
 
     def _quarantine_over(
         self, req: int, held: HeldRound, outcomes: list[int], sums: list[int] | None
@@ -173,72 +186,86 @@ class ProducerSide(SessionParts):
         node, cfg, bl, req = self.node, self.cfg, self.cfg.block_len, ev.req_id
         # Pessimistic: a key is OK only once the data plane reported its write DONE, so no
         # exit path (error, cancellation, a bug) can report bytes that never landed.
-        outcomes = [int(Outcome.TRANSFER_FAILED)] * len(ev.keys)
+        keys, n = ev.keys, len(ev.keys)
+        outcomes = [int(Outcome.TRANSFER_FAILED)] * n
         held = self._pinned.setdefault(req, HeldRound())
-        plan: list[tuple[int, int, int]] = []  # (index, local slot, remote slot)
+        # The plan, as parallel lists: key index, local (source) slot, remote slot.
+        plan_idx: list[int] = []
+        plan_src: list[int] = []
+        plan_dst: list[int] = []
         posted: list[Posted] = []
         settled: set[int] = set()
         sums: list[int] | None = None
         try:
             with scope:
-                per_turn = cfg.max_keys_per_turn
-                for i, (key, dst) in enumerate(zip(ev.keys, ev.slots, strict=True)):
-                    if i and i % per_turn == 0:
+                per_turn, get = cfg.max_keys_per_turn, held.sources.get
+                for start in range(0, n, per_turn):
+                    if start:
                         await trio.lowlevel.checkpoint()  # bounded work per turn
-                    src = held.sources.get(key)
-                    if src is None:
-                        outcomes[i] = Outcome.NOT_PINNED
-                    elif self.inflight_bytes + bl > cfg.max_inflight_bytes:
-                        outcomes[i] = Outcome.OVER_CAP
-                    else:
-                        plan.append((i, src, dst))
-                        self.inflight_bytes += bl
+                    stop = min(start + per_turn, n)
+                    srcs = list(map(get, keys[start:stop]))
+                    room = max((cfg.max_inflight_bytes - self.inflight_bytes) // bl, 0)
+                    if None not in srcs and len(srcs) <= room:  # the usual case
+                        plan_idx += range(start, stop)
+                        plan_src += cast("list[int]", srcs)
+                        plan_dst += ev.slots[start:stop]
+                        self.inflight_bytes += len(srcs) * bl
+                        continue
+                    for i, src in enumerate(srcs, start):
+                        if src is None:
+                            outcomes[i] = _NOT_PINNED
+                        elif self.inflight_bytes + bl > cfg.max_inflight_bytes:
+                            outcomes[i] = _OVER_CAP
+                        else:
+                            plan_idx.append(i)
+                            plan_src.append(src)
+                            plan_dst.append(ev.slots[i])
+                            self.inflight_bytes += bl
                 per_chunk = max(1, cfg.transfer_chunk_bytes // bl)
-                for j in range(0, len(plan), per_chunk):
-                    chunk = plan[j : j + per_chunk]
+                for j in range(0, len(plan_idx), per_chunk):
+                    part = slice(j, j + per_chunk)
                     try:
                         dp, h = await node.offload(
-                            self._post,
-                            [c[1] for c in chunk],
-                            [c[2] for c in chunk],
-                            limiter=node.data_limiter,
+                            self._post, plan_src[part], plan_dst[part], limiter=node.data_limiter
                         )
                     except TransportError as exc:
                         log.warning("posting writes to %s failed: %s", self.peer_id, exc)
                         continue
-                    posted.append((chunk, h, dp))
+                    posted.append((plan_idx[part], h, dp))
                 for chunk, h, dp in posted:
                     state = await node.poller.wait(h, dp)
                     settled.add(id(h))
                     if state is TransferState.DONE:
-                        for c in chunk:
-                            outcomes[c[0]] = Outcome.OK
+                        _set_all(outcomes, chunk, _OK)
                 if cfg.verify_checksums:  # sources are still pinned: bytes as sent
-                    sums = [0] * len(ev.keys)
+                    sums = [0] * n
                     got = await node.offload(
-                        checksums,
-                        node.store.array.data,
-                        bl,
-                        [c[1] for c in plan],
-                        limiter=node.cpu_limiter,
+                        checksums, node.store.array.data, bl, plan_src, limiter=node.cpu_limiter
                     )
-                    for c, crc in zip(plan, got, strict=True):
-                        sums[c[0]] = crc
+                    for i, crc in zip(plan_idx, got, strict=True):
+                        sums[i] = crc
         finally:
             with trio.CancelScope(shield=True):
                 quiet = await self._settle(posted, settled, outcomes)
-                self.inflight_bytes -= len(plan) * bl
+                self.inflight_bytes -= len(plan_idx) * bl
                 self._writes.pop(req, None)
                 self._write_done.pop(req).set()
                 if quiet:
-                    self._release_round(req)
+                    # The reply first: the consumer lands while we unpin (the sources are
+                    # read no more, so the order does not matter to anyone else).
                     self._reply(req, outcomes, sums)
+                    try:
+                        if self.alive:
+                            await self._flush()
+                    finally:  # unless a restart of the peer dropped it meanwhile
+                        if self._pinned.get(req) is held:
+                            self._release_round(req)
                 else:  # the data plane may still read the sources and write the peer
                     held.quarantined = True
                     held.sources.clear()
                     node.defer(cfg.quarantine, self._quarantine_over, req, held, outcomes, sums)
-                if self.alive:
-                    await self._flush()
+                    if self.alive:
+                        await self._flush()
 
     def _post(
         self, local: list[int], remote_slots: list[int]
@@ -252,12 +279,7 @@ class ProducerSide(SessionParts):
             raise TransportError("peer is not registered", peer=self.peer_id)
         return dp, dp.post_write(remote, local, remote_slots)
 
-    async def _settle(
-        self,
-        posted: list[tuple[list[tuple[int, int, int]], TransferHandle, DataTransport]],
-        settled: set[int],
-        outcomes: list[int],
-    ) -> bool:
+    async def _settle(self, posted: list[Posted], settled: set[int], outcomes: list[int]) -> bool:
         """Wait (bounded) for unsettled handles, release all; True if everything is quiet."""
         node, quiet = self.node, True
         for chunk, h, dp in posted:
@@ -265,11 +287,20 @@ class ProducerSide(SessionParts):
                 with trio.move_on_after(self.cfg.abort_timeout):
                     await node.poller.wait(h, dp)
                     settled.add(id(h))
-                for c in chunk:  # cut short: whatever landed is not reported as loaded
-                    outcomes[c[0]] = Outcome.ABORTED
+                # Cut short: whatever landed is not reported as loaded.
+                _set_all(outcomes, chunk, _ABORTED)
             if id(h) in settled:
                 dp.release(h)
             else:
                 quiet = False
                 await node.offload(dp.release, h, limiter=node.data_limiter)
         return quiet
+
+
+def _set_all(outcomes: list[int], indices: list[int], value: int) -> None:
+    """``outcomes[i] = value`` for each of ``indices`` (ascending key indices)."""
+    if indices and indices[-1] - indices[0] == len(indices) - 1:  # a contiguous run
+        outcomes[indices[0] : indices[-1] + 1] = [value] * len(indices)
+    else:
+        for i in indices:
+            outcomes[i] = value

@@ -1,0 +1,311 @@
+"""Python cost per block of a lookup + fetch cycle, both processes together (issue 9).
+
+Reproduce (a few minutes on 2 cores; ``--quick`` for a smoke run)::
+
+    PYTHONPATH=. .venv/bin/python bench/python_cost.py
+    PYTHONPATH=. .venv/bin/python bench/python_cost.py --baseline /work/main  # old code too
+
+Two processes per pair, NIXL over loopback, 64 KiB blocks, scattered source slots (as in
+``dataplane.py``). One cycle is what a consumer does to bring blocks in: ``node.lookup``
+of every key (a round the producer pins) and ``node.fetch`` of them all (which uses that
+round). For each cycle the CPU time of both processes (``time.process_time``: every
+thread, user + system) is taken around it, so it includes the copy itself, which the
+kernel (UCX cma, ``process_vm_writev``) does on the producer's worker thread.
+
+The copy's own CPU is measured the way ``bench/README.md`` does: a bare NIXL pair does the
+same writes (same block count, order and region layout) in the same run, and its CPU, both
+processes, is subtracted. So each rep prints, per block: ``total`` (the p2pkv pair's
+CPU), ``bare`` (the bare pair's) and ``python`` = total - bare of that rep. Pairs alternate
+rep by rep (rotating who goes first); each figure is the median of the reps with its
+min-max. ``--baseline PATH`` adds a third pair whose children import p2pkv from ``PATH``
+(e.g. a checkout of ``main``), so old and new code are compared in the same run.
+
+Target (issue 9, done-when 1): python <= 3 us per block at 4,096 blocks, and flat from 256
+to 16,384 blocks. ``--json PATH`` writes every rep's raw numbers. Diagnosis: with
+``PYTHON_COST_PROFILE=DIR`` set, each p2pkv child writes a cProfile of its Trio thread's
+CPU (``time.thread_time``) to ``DIR/<name>.prof``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import trio
+from _regions import touched_region  # bench/ is on sys.path when run as a script
+from dataplane import bare_main, order
+
+import p2pkv
+from p2pkv.cli import Child, demo_keys, emit, fill_store, receive_commands, set_env_defaults
+
+KiB = 1024
+TARGET_US = 3.0
+TARGET_BLOCKS = 4096
+
+
+def cpu_s() -> float:
+    return time.process_time()
+
+
+class GcClock:
+    """Collections and their thread CPU, through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.cpu = 0.0
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.count += 1
+            self.cpu += time.thread_time() - self._start
+
+
+async def node_main(args: argparse.Namespace) -> None:
+    gc_clock = GcClock()
+    cfg = p2pkv.NodeConfig(
+        peer_id=args.role_name, num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
+    )
+    region = touched_region(args.blocks * args.block_len)
+    keys = demo_keys(args.blocks)
+    wanted = [keys[i] for i in order(args.blocks)]
+    async with p2pkv.open_node(cfg, region=region) as node:
+        if args.fill:
+            fill_store(node.store, keys)
+        emit({"address": list(node.address)})
+        peer = None
+        async for cmd in receive_commands():
+            op = cmd["op"]
+            if op == "connect":
+                peer = await node.connect(tuple(cmd["address"]))
+                emit({"ok": True})
+            elif op == "cpu":
+                emit(
+                    {
+                        "cpu": cpu_s(),
+                        "thread": time.thread_time(),
+                        "gc": gc_clock.cpu,
+                        "gcs": gc_clock.count,
+                    }
+                )
+            elif op == "cycle":
+                assert peer is not None
+                c0, t0, th0 = cpu_s(), time.perf_counter(), time.thread_time()
+                gc0, gcs0 = gc_clock.cpu, gc_clock.count
+                hits = sum(await node.lookup(peer, wanted))
+                result = await node.fetch(peer, wanted)
+                t, cpu = time.perf_counter() - t0, cpu_s() - c0
+                thread = time.thread_time() - th0
+                emit(
+                    {
+                        "t": t,
+                        "cpu": cpu,
+                        "thread": thread,
+                        "gc": gc_clock.cpu - gc0,
+                        "gcs": gc_clock.count - gcs0,
+                        "hits": hits,
+                        "n": len(result.loaded),
+                    }
+                )
+                # Highest slot first: the next fetch gets ascending slots again.
+                slots = sorted(((node.store.slot_of(k) or 0, k) for k in keys), reverse=True)
+                for _slot, key in slots:
+                    node.store.evict(key)
+
+
+def spawn(args: argparse.Namespace, role: str, name: str, *extra: str) -> Child:
+    argv = [
+        sys.executable,
+        __file__,
+        "--role",
+        role,
+        "--role-name",
+        name,
+        "--blocks",
+        str(args.blocks),
+        "--block-len",
+        str(args.block_len),
+        *extra,
+    ]
+    return Child(argv, name=name)
+
+
+@contextlib.contextmanager
+def pythonpath(path: str | None) -> Iterator[None]:
+    """Children spawned inside import p2pkv from ``path`` (None: as we do)."""
+    old = os.environ.get("PYTHONPATH")
+    if path is not None:
+        os.environ["PYTHONPATH"] = os.path.abspath(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Raw per-rep results for one block count: CPU seconds and wall seconds per pair."""
+    n = args.blocks
+    variants = ["p2pkv"] + (["baseline"] if args.baseline else [])
+    with contextlib.ExitStack() as stack:
+        pairs: dict[str, tuple[Child, Child]] = {}
+        for v in variants:
+            with pythonpath(args.baseline if v == "baseline" else None):
+                src = stack.enter_context(spawn(args, "node", f"{v}-src", "--fill"))
+                dst = stack.enter_context(spawn(args, "node", f"{v}-dst"))
+            pairs[v] = (src, dst)
+        tgt = stack.enter_context(spawn(args, "bare", "bare-target"))
+        ini = stack.enter_context(spawn(args, "bare", "bare-initiator"))
+        for src, dst in pairs.values():
+            address = src.receive(600)["address"]
+            dst.receive(600)
+            dst.request({"op": "connect", "address": address})
+        tgt_hello = tgt.receive(600)
+        ini.receive(600)
+        ini.request({"op": "connect", **tgt_hello})
+        order_ = [*variants, "bare"]
+        res: dict[str, list[float]] = {}
+        for rep in range(args.reps + 1):  # rep 0 warms every path up and is not counted
+            k = rep % len(order_)
+            for which in order_[k:] + order_[:k]:
+                if which == "bare":
+                    c0 = tgt.request({"op": "cpu"})["cpu"]
+                    r = ini.request({"op": "write"})
+                    assert r["state"] == "DONE", r
+                    cpu = r["cpu"] + tgt.request({"op": "cpu"})["cpu"] - c0
+                else:
+                    src, dst = pairs[which]
+                    s0 = src.request({"op": "cpu"})
+                    r = dst.request({"op": "cycle"})
+                    assert r["hits"] == n and r["n"] == n, f"{which}: {r} of {n} blocks"
+                    s1 = src.request({"op": "cpu"})
+                    cpu = r["cpu"] + s1["cpu"] - s0["cpu"]
+                    if rep:  # the two Trio threads alone: the engine's Python
+                        trio_cpu = r["thread"] + s1["thread"] - s0["thread"]
+                        res.setdefault(f"{which}_trio", []).append(trio_cpu)
+                        gc_cpu = r["gc"] + s1["gc"] - s0["gc"]
+                        res.setdefault(f"{which}_gc", []).append(gc_cpu)
+                        res.setdefault(f"{which}_gcs", []).append(r["gcs"] + s1["gcs"] - s0["gcs"])
+                if rep:
+                    res.setdefault(f"{which}_cpu", []).append(cpu)
+                    res.setdefault(f"{which}_t", []).append(r["t"])
+            if rep:
+                msg = ", ".join(f"{v} {res[f'{v}_cpu'][-1] / n * 1e6:.1f}" for v in order_)
+                print(
+                    f"  {n} blocks rep {rep}/{args.reps}: CPU us/block {msg}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return res
+
+
+def summary(values: Sequence[float]) -> str:
+    return f"{statistics.median(values):6.2f} [{min(values):.2f}-{max(values):.2f}]"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--reps", type=int, default=5, help="default: %(default)s")
+    parser.add_argument(
+        "--sizes",
+        default="256,1024,4096,16384",
+        help="blocks per fetch, comma-separated (default: %(default)s)",
+    )
+    parser.add_argument("--block-kib", type=int, default=64, help="default: %(default)s")
+    parser.add_argument("--baseline", help="also run children importing p2pkv from this path")
+    parser.add_argument("--json", help="write the raw per-rep results here")
+    parser.add_argument("--quick", action="store_true", help="256 and 1,024 blocks, 2 reps")
+    parser.add_argument(
+        "--role", default="bench", choices=["bench", "node", "bare"], help=argparse.SUPPRESS
+    )
+    parser.add_argument("--role-name", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--block-len", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--fill", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    set_env_defaults()
+    if args.role == "node":
+        prof_dir = os.environ.get("PYTHON_COST_PROFILE")  # the Trio thread's CPU, by function
+        if prof_dir:
+            import cProfile
+
+            prof = cProfile.Profile(time.thread_time)
+            prof.runcall(trio.run, node_main, args)
+            prof.dump_stats(os.path.join(prof_dir, f"{args.role_name}.prof"))
+            return 0
+        trio.run(node_main, args)
+        return 0
+    if args.role == "bare":
+        bare_main(args)
+        return 0
+    if args.quick:
+        args.sizes, args.reps = "256,1024", 2
+    args.block_len = args.block_kib * KiB
+    raw: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cores": os.cpu_count(),
+        "block_len": args.block_len,
+        "reps": args.reps,
+        "baseline": args.baseline,
+        "sizes": {},
+    }
+    for size in (int(s) for s in args.sizes.split(",")):
+        args.blocks = size
+        raw["sizes"][str(size)] = run_size(args)
+    raw["loadavg"] = os.getloadavg()
+    variants = ["p2pkv"] + (["baseline"] if args.baseline else [])
+    print(
+        f"\nPython CPU per block of a lookup + fetch cycle, both processes, "
+        f"{args.block_kib} KiB blocks, NIXL over loopback; median [min-max] of {args.reps} "
+        f"alternating reps, us per block"
+    )
+    print(
+        f"  {raw['date']}, {raw['cores']} cores, load average "
+        f"{' '.join(f'{x:.2f}' for x in raw['loadavg'])} (others' work shares these cores)"
+    )
+    print(
+        f"  {'blocks':>7} {'variant':<9} {'total':>20} {'bare copy':>20} {'python':>20}"
+        f" {'trio threads':>20} {'of it GC':>20}"
+    )
+    ok = True
+    for size, res in raw["sizes"].items():
+        n = int(size)
+        bare = [c / n * 1e6 for c in res["bare_cpu"]]
+        for v in variants:
+            total = [c / n * 1e6 for c in res[f"{v}_cpu"]]
+            python = [t - b for t, b in zip(total, bare, strict=True)]
+            trio_us = [c / n * 1e6 for c in res[f"{v}_trio"]]
+            gc_us = [c / n * 1e6 for c in res[f"{v}_gc"]]
+            print(
+                f"  {n:>7} {v:<9} {summary(total):>20} {summary(bare):>20} "
+                f"{summary(python):>20} {summary(trio_us):>20} {summary(gc_us):>20}"
+            )
+            if v == "p2pkv" and n == TARGET_BLOCKS:
+                ok = statistics.median(python) <= TARGET_US
+                print(
+                    f"{'PASS' if ok else 'FAIL'}: python {statistics.median(python):.2f} us per "
+                    f"block at {n} blocks (target <= {TARGET_US:.0f} us)"
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(raw, f, indent=1)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""``bench/python_cost.py``'s own arithmetic and bookkeeping (its numbers come from real
+runs, never from here)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+import python_cost  # bench/ is a folder of scripts, not a package
+
+
+def test_summary_is_the_median_and_the_range() -> None:
+    assert python_cost.summary([3.0, 1.0, 2.0]).split() == ["2.00", "[1.00-3.00]"]
+
+
+def test_pythonpath_is_set_for_the_children_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/ours")
+    with python_cost.pythonpath("/old/checkout"):
+        assert os.environ["PYTHONPATH"] == "/old/checkout"
+    assert os.environ["PYTHONPATH"] == "/ours"
+    monkeypatch.delenv("PYTHONPATH")
+    with python_cost.pythonpath(None):
+        assert "PYTHONPATH" not in os.environ
+    with python_cost.pythonpath("/old/checkout"):
+        pass
+    assert "PYTHONPATH" not in os.environ
+
+
+def test_gc_clock_counts_each_collection() -> None:
+    clock = python_cost.GcClock()
+    try:
+        gc.collect()
+        gc.collect(0)
+        assert clock.count == 2 and clock.cpu >= 0.0
+    finally:
+        gc.callbacks.remove(clock._callback)
