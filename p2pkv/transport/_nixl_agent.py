@@ -42,8 +42,8 @@ across reconfigurations). A remote peer's memory type and device are not in the 
 are read from its agent metadata once it is loaded (:meth:`SharedAgent.remote_memory` asks
 NIXL which (type, device) covers the peer's whole region). Between two processes on one
 GPU host, VRAM to VRAM goes over UCX cuda_ipc, zero-copy for WRITE; READ is zero-copy only
-with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (UCX turns it off without NVLink), so that is one
-of the environment defaults. Two agents in one process never move VRAM fast (UCX emulates
+with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (UCX turns it off without NVLink), so an agent
+over VRAM sets it (``GPU_ENV_DEFAULTS``) unless the user did. Two agents in one process never move VRAM fast (UCX emulates
 over tcp), so a process has one peer-mode agent per region and local GPU<->host copies go
 through :mod:`p2pkv.staging`'s loopback agent instead.
 
@@ -77,6 +77,10 @@ ENV_DEFAULTS = {
     "UCX_MEM_MMAP_HOOK_MODE": "none",  # first agent: 0.43 s -> 16-40 ms
     "UCX_NET_DEVICES": "lo",
     "NIXL_LOG_LEVEL": "WARN",  # nixl's Python logger prints INFO to stdout otherwise
+}
+# Set before an agent over VRAM creates its UCX backend (UCX reads its environment then),
+# where the user has not set them; not earlier: without CUDA, UCX warns about them.
+GPU_ENV_DEFAULTS = {
     # GPU<-GPU READ over cuda_ipc is zero-copy only with this (WRITE always is).
     "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
 }
@@ -250,6 +254,9 @@ class SharedAgent:
         self.agent: Any = agent
         self.local_dlist: Any = None
         self._reg_descs: Any = None
+        if self.mem_type == "VRAM":
+            for key, value in GPU_ENV_DEFAULTS.items():
+                os.environ.setdefault(key, value)
         try:
             agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
             self._reg_descs = agent.register_memory(
