@@ -49,9 +49,13 @@ def _source(torch: Any, seed: int, n: int, block_len: int, device: str) -> Any:
 def _transport(
     torch: Any, name: str, seed: int, n: int, block_len: int, device: str
 ) -> tuple[Any, Any]:
+    from p2pkv.transport import _nixl_agent
     from p2pkv.transport.base import RegionLayout
     from p2pkv.transport.nixl import NixlTransport
 
+    threads = os.environ.get("P2PKV_BENCH_GPU_THREADS")
+    if threads:
+        _nixl_agent.GPU_BACKEND_PARAMS["num_threads"] = threads
     region = _source(torch, seed, n, block_len, device)
     layout = RegionLayout(int(region.data_ptr()), n, block_len)
     return region, NixlTransport.create(agent_name=name, region=region, layout=layout)
@@ -200,7 +204,25 @@ def _time_graph(torch: Any, g: Any, reps: int) -> float:
     return STAGE_BYTES / statistics.median(times[2:]) / 1e9
 
 
-def staging_vs_torch(reps: int) -> dict[str, Any]:
+def _stage(src: Any, s: list[int], dst: Any, d: list[int], op: str) -> None:
+    """dst[d[i]] <- src[s[i]] through the loopback agent; ``op`` READ pulls (the
+    destination is the local side) instead of pushing (:meth:`LoopbackAgent.copy`)."""
+    if op == "WRITE":
+        src.agent.copy(src, s, dst, d)
+        return
+    agent = src.agent
+    with agent.lock:
+        nx = agent.agent
+        x = nx.make_prepped_xfer("READ", dst.local_dlist, d, src.loop_dlist, s)
+        state = nx.transfer(x)
+        while state == "PROC":
+            state = nx.check_xfer_state(x)
+        nx.release_xfer_handle(x)
+    if state != "DONE":
+        raise RuntimeError(f"staging READ ended {state}")
+
+
+def staging_vs_torch(reps: int, op: str) -> dict[str, Any]:
     import torch
 
     from p2pkv import staging
@@ -230,7 +252,7 @@ def staging_vs_torch(reps: int) -> dict[str, Any]:
                 times = []
                 for _ in range(reps + 2):
                     t0 = time.perf_counter()
-                    src.agent.copy(src, perm, dst, ident)
+                    _stage(src, perm, dst, ident, op)
                     times.append(time.perf_counter() - t0)
                 row[f"nixl_{name}_GBps"] = STAGE_BYTES / statistics.median(times[2:]) / 1e9
         finally:
@@ -251,6 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--skip-cross", action="store_true")
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of part 1 only")
+    parser.add_argument("--skip-staging", action="store_true")
+    parser.add_argument(
+        "--gpu-threads", type=int, default=0, help="UCX num_threads of the agents over VRAM"
+    )
+    parser.add_argument(
+        "--op", choices=("WRITE", "READ"), default="WRITE", help="staging: NIXL operation"
+    )
     args = parser.parse_args(argv)
     for key, value in (("UCX_MEM_MMAP_HOOK_MODE", "none"), ("NIXL_LOG_LEVEL", "WARN")):
         os.environ.setdefault(key, value)
@@ -264,13 +293,18 @@ def main(argv: list[str] | None = None) -> int:
         "env": {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "NIXL_"))},
     }
     ok = True
+    if args.gpu_threads:  # the spawned child reads it too
+        os.environ["P2PKV_BENCH_GPU_THREADS"] = str(args.gpu_threads)
     if not args.skip_cross:
         result["cross_process"] = cross = cross_process(args.reps, args.device)
         for block_len, row in cross.items():
             print(f"cross-process {int(block_len) // 1024} KiB: " + json.dumps(row), flush=True)
         big = cross[f"{2 * MiB}"]
         ok &= min(big["a_to_b_write_GBps"], big["b_to_a_write_GBps"]) >= CROSS_TARGET_GBS
-    stage = staging_vs_torch(args.reps) if args.device == "cuda" else {}
+    result["gpu_threads"] = args.gpu_threads
+    result["staging_op"] = args.op
+    staged = args.device == "cuda" and not args.skip_staging
+    stage = staging_vs_torch(args.reps, args.op) if staged else {}
     result["staging"] = stage
     for block_len, row in stage.items():
         print(f"staging {int(block_len) // 1024} KiB: " + json.dumps(row), flush=True)

@@ -43,9 +43,9 @@ are read from its agent metadata once it is loaded (:meth:`SharedAgent.remote_me
 NIXL which (type, device) covers the peer's whole region). Between two processes on one
 GPU host, VRAM to VRAM goes over UCX cuda_ipc, zero-copy for WRITE; READ is zero-copy only
 with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (UCX turns it off without NVLink), so an agent
-over VRAM sets it (``GPU_ENV_DEFAULTS``) unless the user did. Two agents in one process never move VRAM fast (UCX emulates
-over tcp), so a process has one peer-mode agent per region and local GPU<->host copies go
-through :mod:`p2pkv.staging`'s loopback agent instead.
+over VRAM sets it (``GPU_ENV_DEFAULTS``) unless the user did. Two agents in one process
+never move VRAM fast (UCX emulates over tcp), so a process has one peer-mode agent per
+region and local GPU<->host copies go through :mod:`p2pkv.staging`'s loopback agent.
 
 A registration's name is read from the metadata bytes (:func:`metadata_agent_name`)
 *before* NIXL sees them: ``add_remote_agent`` with metadata naming an agent that is already
@@ -84,6 +84,9 @@ GPU_ENV_DEFAULTS = {
     # GPU<-GPU READ over cuda_ipc is zero-copy only with this (WRITE always is).
     "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
 }
+# Extra UCX backend parameters for an agent over VRAM (e.g. {"num_threads": "4"}); empty by
+# default. Never for host memory or the loopback agent (extra workers break self-transfers).
+GPU_BACKEND_PARAMS: dict[str, str] = {}
 # Devices probed for a peer's VRAM region (its own CUDA index, which may exceed ours).
 MAX_REMOTE_DEVICES = 64
 # cu13, then cu12, then the meta package: bare ``import nixl`` imports torch (2 s).
@@ -257,8 +260,11 @@ class SharedAgent:
         if self.mem_type == "VRAM":
             for key, value in GPU_ENV_DEFAULTS.items():
                 os.environ.setdefault(key, value)
+        params = {"ucx_error_handling_mode": "peer"}
+        if self.mem_type == "VRAM":
+            params.update(GPU_BACKEND_PARAMS)
         try:
-            agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+            agent.create_backend("UCX", params)
             self._reg_descs = agent.register_memory(
                 [(layout.base_addr, layout.nbytes, self.device, "")], self.mem_type
             )
