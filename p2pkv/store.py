@@ -183,6 +183,8 @@ class BlockStore:
     (bytearray, memoryview, mmap) of at least ``num_blocks * block_len`` bytes. It is used
     in place, never copied: ``self.array`` is a flat uint8 view over exactly the first
     ``num_blocks * block_len`` bytes, and ``self.region`` keeps the original object alive.
+    A contiguous torch CUDA tensor makes a device region (``device_region``; see the module
+    docstring): no ``array``, and ``buffer`` is a flat uint8 CUDA view instead.
 
     ``batch_keys`` bounds the keys or slots an engine-side call handles per lock section,
     hence how long a host call can wait for one (see the module docstring).
