@@ -101,10 +101,15 @@ class NodeStatistics:
 
 
 def make_transport(cfg: NodeConfig, store: BlockStore) -> DataTransport:
+    if store.device_region and (cfg.transport != "nixl" or cfg.verify_checksums):
+        # Checksums and the local transport read the region through a host view.
+        raise P2PKVError("a GPU region needs transport='nixl' and verify_checksums=False")
     if cfg.transport == "nixl":
         from .transport.nixl import NixlTransport
 
-        return NixlTransport.create(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
+        return NixlTransport.create(
+            agent_name=cfg.peer_id, region=store.buffer, layout=store.layout
+        )
     from .transport.local import LocalTransport
 
     return LocalTransport.create(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
@@ -616,7 +621,8 @@ async def open_node(
     """Run a node for the duration of the ``async with`` block; listening when entered.
 
     ``region``: memory the host hands in for the block store (NumPy array, torch CPU
-    tensor, writable buffer); allocated if omitted. ``pin_source``: the host owns which
+    tensor, writable buffer, or a torch CUDA tensor with ``transport="nixl"``); allocated
+    if omitted. ``pin_source``: the host owns which
     blocks exist and pins them for peers (:class:`~p2pkv.pins.HostPins`); the store's key
     map is then unused. ``transport`` and ``offload`` are for tests (a fault-injecting
     transport; a Trio-native offload on the autojump clock).

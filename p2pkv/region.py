@@ -1,12 +1,16 @@
-"""How memory the host hands in becomes the store's region: one flat uint8 NumPy view.
+"""How memory the host hands in becomes the store's region: one flat uint8 view.
 
 The store and the data plane address blocks as byte offsets into one region, so whatever
 the host gives (a NumPy array, a torch CPU tensor, any writable C-contiguous buffer) is
 viewed, never copied, as a flat ``uint8`` array; the original object is kept alive next
 to the view. ``None`` allocates a page-aligned zeroed buffer. Anything that cannot be
-viewed in place (a CUDA tensor, a strided array, a read-only buffer, too few bytes) is
-refused with ``ValueError``, and a non-buffer with ``TypeError``, before anything else is
-built on it.
+viewed in place (a strided array, a read-only buffer, too few bytes) is refused with
+``ValueError``, and a non-buffer with ``TypeError``, before anything else is built on it.
+
+A torch CUDA tensor is a *device region* (:func:`adopt_device_region`): it is viewed as a
+flat ``uint8`` CUDA tensor of the same memory (there is no host view of it), and
+:func:`region_memory` names what the data plane registers: NIXL memory type ``"VRAM"``
+and the tensor's own device index (``"DRAM"`` and 0 for host memory).
 
 torch is never imported here: a host that hands in a tensor has already imported it, and
 the core package must not depend on it.
@@ -21,7 +25,13 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["adopt_region", "block_source"]
+__all__ = [
+    "adopt_device_region",
+    "adopt_region",
+    "block_source",
+    "is_device_region",
+    "region_memory",
+]
 
 _PAGE: Final = mmap.PAGESIZE
 
@@ -33,6 +43,8 @@ def adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArra
         offset = -raw.ctypes.data % _PAGE
         flat = raw[offset : offset + nbytes]
         return flat, flat
+    if is_device_region(region):
+        raise ValueError("a CUDA tensor is a device region: use adopt_device_region")
     if _is_torch_tensor(region):
         flat = _torch_bytes(region, writable=True)
     elif isinstance(region, np.ndarray):
@@ -53,6 +65,37 @@ def adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArra
         raise ValueError("region must be writable")
     if flat.nbytes < nbytes:
         raise ValueError(f"region is {flat.nbytes} bytes, need {nbytes}")
+    return region, flat[:nbytes]
+
+
+def is_device_region(region: object) -> bool:
+    """True for a torch tensor that lives on a GPU (a device region)."""
+    return _is_torch_tensor(region) and region.device.type == "cuda"  # type: ignore[attr-defined]
+
+
+def region_memory(region: object) -> tuple[str, int]:
+    """(NIXL memory type, device index) of a region: ("VRAM", n) for a tensor on cuda:n,
+    ("DRAM", 0) for host memory."""
+    if is_device_region(region):
+        return "VRAM", int(region.device.index or 0)  # type: ignore[attr-defined]
+    return "DRAM", 0
+
+
+def adopt_device_region(region: object, nbytes: int) -> tuple[object, Any]:
+    """(object to keep alive, flat uint8 CUDA tensor over its first nbytes); never copies.
+
+    ``region`` must be a contiguous torch CUDA tensor of at least ``nbytes`` bytes."""
+    if not is_device_region(region):
+        raise ValueError(f"not a CUDA tensor: {type(region).__name__}")
+    tensor: Any = region
+    torch = sys.modules["torch"]
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    if flat.numel() < nbytes:
+        raise ValueError(f"region is {flat.numel()} bytes, need {nbytes}")
     return region, flat[:nbytes]
 
 

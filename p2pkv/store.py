@@ -78,25 +78,33 @@ guarantee:
 
 Views returned by ``get`` and ``view`` alias the region (no copy). Their bytes are stable
 only while the slot is pinned: an unpinned block may be overwritten, evicted or reused.
+
+A **device region** (a torch CUDA tensor) keeps every rule above; only the bytes live on
+the GPU. There is no host view of them: ``array``, ``get`` and ``view`` refuse with
+``TypeError``, and ``get_tensor`` / ``view_tensor`` return ``uint8`` CUDA tensor views
+instead. ``put`` copies on the caller's current CUDA stream and waits for that copy, so a
+block is complete on the GPU before it is published (the data plane copies on its own
+streams and cannot wait for ours). ``buffer`` is what the data plane registers either way.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import islice
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import numpy as np
 import numpy.typing as npt
 
 from p2pkv.errors import StoreFull
-from p2pkv.region import adopt_region, block_source
+from p2pkv.region import adopt_device_region, adopt_region, block_source, is_device_region
 from p2pkv.transport.base import RegionLayout
 
 __all__ = ["BATCH_KEYS", "BlockStore", "StoreStatistics"]
@@ -175,6 +183,8 @@ class BlockStore:
     (bytearray, memoryview, mmap) of at least ``num_blocks * block_len`` bytes. It is used
     in place, never copied: ``self.array`` is a flat uint8 view over exactly the first
     ``num_blocks * block_len`` bytes, and ``self.region`` keeps the original object alive.
+    A contiguous torch CUDA tensor makes a device region (``device_region``; see the module
+    docstring): no ``array``, and ``buffer`` is a flat uint8 CUDA view instead.
 
     ``batch_keys`` bounds the keys or slots an engine-side call handles per lock section,
     hence how long a host call can wait for one (see the module docstring).
@@ -200,10 +210,20 @@ class BlockStore:
         self.block_len: int = block_len
         self.batch_keys: int = batch_keys
         self.region: object
-        self.array: npt.NDArray[np.uint8]
-        self.region, self.array = adopt_region(region, nbytes)
-        self._base_addr = int(self.array.ctypes.data)
-        self._ro = self.array.data.toreadonly()
+        self.device_region: bool = region is not None and is_device_region(region)
+        self._array: npt.NDArray[np.uint8] | None = None
+        self._tensor: Any = None
+        self.buffer: object  # the flat uint8 view the data plane registers
+        if self.device_region:
+            self.region, self._tensor = adopt_device_region(region, nbytes)
+            self.buffer = self._tensor
+            self._base_addr = int(self._tensor.data_ptr())
+            self._ro = memoryview(b"")
+        else:
+            self.region, self._array = adopt_region(region, nbytes)
+            self.buffer = self._array
+            self._base_addr = int(self._array.ctypes.data)
+            self._ro = self._array.data.toreadonly()
 
         self._lock = threading.Lock()  # guards everything below
         self._turn = threading.Lock()  # held by a host call waiting for or holding _lock
@@ -222,6 +242,13 @@ class BlockStore:
         self._quarantine: dict[int, tuple[float, Hashable]] = {}  # slot -> (until, owner)
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
         self._evictions = 0
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The flat uint8 host view of the region (``TypeError`` for a device region)."""
+        if self._array is None:
+            raise TypeError("a device region has no host view: use get_tensor / view_tensor")
+        return self._array
 
     @property
     def base_addr(self) -> int:
@@ -243,7 +270,11 @@ class BlockStore:
         claimed by a :meth:`reserve` in progress count as taken).
         """
         _check_key(key)
-        src = block_source(data, self.block_len)
+        src: Any = (
+            _device_source(data, self.block_len)
+            if self.device_region
+            else block_source(data, self.block_len)
+        )
         with self._turn, self._lock:
             self._check_room_locked(1, "put")
             slot = self._map.get(key)
@@ -257,7 +288,11 @@ class BlockStore:
             self._reserve_locked(slot, _HOST_PUT)
         try:
             start = slot * self.block_len
-            self.array[start : start + self.block_len] = src
+            if self._array is not None:
+                self._array[start : start + self.block_len] = src
+            else:
+                self._tensor[start : start + self.block_len].copy_(src)
+                _torch().cuda.current_stream(self._tensor.device).synchronize()
         except BaseException:
             with self._turn, self._lock:
                 self._unreserve_locked(slot)
@@ -270,14 +305,37 @@ class BlockStore:
 
     def get(self, key: bytes) -> memoryview | None:
         """Read-only view of ``key``'s block (no copy), or None; marks it recently used."""
-        with self._turn, self._lock:
-            slot = self._map.get(key)
-            if slot is None:
-                return None
-            if self._pin_count[slot] == 0:
-                self._lru.move_to_end(key)
+        self._host_only("get")
+        slot = self._touch(key)
+        if slot is None:
+            return None
         start = slot * self.block_len
         return self._ro[start : start + self.block_len]
+
+    def get_tensor(self, key: bytes) -> Any | None:
+        """Device region: a uint8 CUDA tensor view of ``key``'s block (no copy), or None;
+        marks it recently used."""
+        slot = self._touch(key)
+        return None if slot is None else self.view_tensor(slot)
+
+    def view_tensor(self, slot: int) -> Any:
+        """Device region: a uint8 CUDA tensor view of one slot, whatever its state."""
+        if self._tensor is None:
+            raise TypeError("a host region has no CUDA view: use get / view")
+        self._check_slot(slot)
+        start = slot * self.block_len
+        return self._tensor[start : start + self.block_len]
+
+    def _touch(self, key: bytes) -> int | None:
+        with self._turn, self._lock:
+            slot = self._map.get(key)
+            if slot is not None and self._pin_count[slot] == 0:
+                self._lru.move_to_end(key)
+            return slot
+
+    def _host_only(self, op: str) -> None:
+        if self.device_region:
+            raise TypeError(f"{op}: a device region has no host view; use {op}_tensor")
 
     def __contains__(self, key: object) -> bool:
         with self._turn, self._lock:
@@ -292,6 +350,7 @@ class BlockStore:
 
     def view(self, slot: int) -> memoryview:
         """Read-only view of one slot's bytes, whatever its state."""
+        self._host_only("view")
         self._check_slot(slot)
         start = slot * self.block_len
         return self._ro[start : start + self.block_len]
@@ -810,3 +869,24 @@ def _check_key(key: object) -> None:
 def _check_until(until: float) -> None:
     if not isinstance(until, int | float) or math.isnan(until):
         raise ValueError(f"until must be a number, got {until!r}")
+
+
+def _torch() -> Any:
+    # A store over a CUDA tensor exists only once the host has imported torch.
+    return sys.modules["torch"]
+
+
+def _device_source(data: Any, block_len: int) -> Any:
+    """``data`` (a tensor anywhere, or any buffer) as a flat uint8 tensor to copy a block
+    from; host bytes reach the GPU through the caller's ``copy_``."""
+    torch = _torch()
+    if isinstance(data, torch.Tensor):
+        if not data.is_contiguous():
+            data = data.contiguous()
+        flat = data.detach().reshape(-1).view(torch.uint8)
+    else:
+        host = block_source(data, block_len)
+        flat = torch.from_numpy(host if host.flags.writeable else host.copy())
+    if flat.numel() != block_len:
+        raise ValueError(f"data is {flat.numel()} bytes, block_len is {block_len}")
+    return flat

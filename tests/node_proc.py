@@ -8,6 +8,8 @@ is no use for control (UCX logs there), so the child talks over the inherited so
 at a time, each ``{"op": ..., ...}`` with ``{"ok": true, ...}`` or ``{"ok": false,
 "error": ...}``:
 
+With ``--device cuda:N`` the node's region is a torch CUDA tensor on that device.
+
 * ``connect`` ``address``: dial a peer; answers its ``peer`` id;
 * ``scatter`` ``count``: put ``count`` filler blocks and evict every other one, so the
   slots a later fetch reserves are scattered;
@@ -121,12 +123,12 @@ async def _handle(node: Any, cmd: dict[str, Any]) -> dict[str, Any]:
         slots: list[int | None] = []
         mismatched: list[int] = []
         for key, i in zip(keys, indexes, strict=True):
-            view = node.store.get(key) if key in loaded else None
-            if view is None:
+            got_or_none = stored_bytes(node.store, key) if key in loaded else None
+            if got_or_none is None:
                 crcs.append(None)
                 slots.append(None)
                 continue
-            got = bytes(view)
+            got = got_or_none
             crcs.append(zlib.crc32(got))
             slots.append(node.store.slot_of(key))
             if got != block_bytes(seed, i, node.store.block_len):
@@ -148,6 +150,15 @@ async def _handle(node: Any, cmd: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown op {op!r}")
 
 
+def stored_bytes(store: Any, key: bytes) -> bytes | None:
+    """A copy of ``key``'s block, from a host or a GPU region (None if absent)."""
+    if store.device_region:
+        tensor = store.get_tensor(key)
+        return None if tensor is None else bytes(tensor.cpu().numpy())
+    view = store.get(key)
+    return None if view is None else bytes(view)
+
+
 def _stats(node: Any) -> dict[str, Any]:
     return {"stats": attrs.asdict(node.statistics()), "peers": [p.peer_id for p in node.peers()]}
 
@@ -166,7 +177,14 @@ async def child_main(args: argparse.Namespace) -> None:
         block_len=args.block_len,
         **json.loads(args.config),
     )
-    async with open_node(cfg) as node:
+    region = None
+    if args.device:  # a GPU region: a torch CUDA tensor
+        import torch
+
+        region = torch.zeros(
+            args.num_blocks * args.block_len, dtype=torch.uint8, device=args.device
+        )
+    async with open_node(cfg, region=region) as node:
         for i in range(args.count):
             node.store.put(block_key(args.seed, i), block_bytes(args.seed, i, args.block_len))
         await channel.send({"event": "ready", "address": list(node.address), "pid": os.getpid()})
@@ -192,6 +210,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--count", type=int, default=0)
     parser.add_argument("--config", default="{}", help="extra NodeConfig fields, JSON")
+    parser.add_argument("--device", default="", help="region on this torch device (cuda:N)")
     return parser.parse_args(argv)
 
 
@@ -225,6 +244,7 @@ class NodeProcess:
         env: dict[str, str] | None = None,
         prefix: Sequence[str] = (),
         ready_timeout: float = 30.0,
+        device: str = "",
     ) -> NodeProcess:
         ours, theirs = socket.socketpair()
         log_path = log_dir / f"{peer_id}-{os.getpid()}-{theirs.fileno()}.log"
@@ -240,6 +260,7 @@ class NodeProcess:
             f"--seed={seed}",
             f"--count={count}",
             f"--config={json.dumps(config or {})}",
+            f"--device={device}",
         ]
         try:
             with log_path.open("wb") as log:

@@ -35,6 +35,18 @@ metadata (a restart) removes it first; a peer seen dead is removed, not parked. 
 one socket per side for as long as that agent lives (upstream limit; a dead agent's socket
 is closed by UCX once it sees the disconnect).
 
+**GPU regions.** The region's memory type and device come from the region itself
+(:func:`p2pkv.region.region_memory`: ``"VRAM"`` and the tensor's device index for a torch
+CUDA tensor, ``"DRAM"`` and 0 otherwise); the same rules hold (one agent, one registration,
+across reconfigurations). A remote peer's memory type and device are not in the hello: they
+are read from its agent metadata once it is loaded (:meth:`SharedAgent.remote_memory` asks
+NIXL which (type, device) covers the peer's whole region). Between two processes on one
+GPU host, VRAM to VRAM goes over UCX cuda_ipc, zero-copy for WRITE; READ is zero-copy only
+with ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y`` (UCX turns it off without NVLink), so an agent
+over VRAM sets it (``GPU_ENV_DEFAULTS``) unless the user did. Two agents in one process
+never move VRAM fast (UCX emulates over tcp), so a process has one peer-mode agent per
+region and local GPU<->host copies go through :mod:`p2pkv.staging`'s loopback agent.
+
 A registration's name is read from the metadata bytes (:func:`metadata_agent_name`)
 *before* NIXL sees them: ``add_remote_agent`` with metadata naming an agent that is already
 loaded replaces that agent's entry, so a check after the call would come too late.
@@ -55,6 +67,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import TransportError
+from ..region import region_memory
 from .base import RegionLayout
 
 _log = logging.getLogger("p2pkv.transport.nixl")
@@ -65,6 +78,17 @@ ENV_DEFAULTS = {
     "UCX_NET_DEVICES": "lo",
     "NIXL_LOG_LEVEL": "WARN",  # nixl's Python logger prints INFO to stdout otherwise
 }
+# Set before an agent over VRAM creates its UCX backend (UCX reads its environment then),
+# where the user has not set them; not earlier: without CUDA, UCX warns about them.
+GPU_ENV_DEFAULTS = {
+    # GPU<-GPU READ over cuda_ipc is zero-copy only with this (WRITE always is).
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+}
+# Extra UCX backend parameters for an agent over VRAM (e.g. {"num_threads": "4"}); empty by
+# default. Never for host memory or the loopback agent (extra workers break self-transfers).
+GPU_BACKEND_PARAMS: dict[str, str] = {}
+# Devices probed for a peer's VRAM region (its own CUDA index, which may exceed ours).
+MAX_REMOTE_DEVICES = 64
 # cu13, then cu12, then the meta package: bare ``import nixl`` imports torch (2 s).
 _CANDIDATES = ("nixl_cu13._api", "nixl_cu12._api", "nixl._api")
 # Departed remote agents kept loaded for reuse, per agent (the node's default peer cap).
@@ -146,13 +170,15 @@ def metadata_agent_name(metadata: bytes) -> str | None:
         return None
 
 
-def block_descs(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:
+def block_descs(
+    base_addr: int, num_blocks: int, block_len: int, device: int = 0
+) -> npt.NDArray[np.uint64]:
     """One (addr, len, dev) row per block: the Nx3 uint64 form is 10x faster than tuples."""
     descs = np.empty((num_blocks, 3), dtype=np.uint64)
     descs[:, 0] = np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_len)
     descs[:, 0] += np.uint64(base_addr)
     descs[:, 1] = block_len
-    descs[:, 2] = 0
+    descs[:, 2] = device
     return descs
 
 
@@ -203,6 +229,7 @@ class SharedAgent:
         self.name = name
         self.layout = layout
         self._region = region  # keep it mapped while the agent lives (notes, hazard 6)
+        self.mem_type, self.device = region_memory(region)
         self._log = _log
         self.registry = _registry
         self.refs = 0
@@ -230,18 +257,34 @@ class SharedAgent:
         self.agent: Any = agent
         self.local_dlist: Any = None
         self._reg_descs: Any = None
+        if self.mem_type == "VRAM":
+            for key, value in GPU_ENV_DEFAULTS.items():
+                os.environ.setdefault(key, value)
+        params = {"ucx_error_handling_mode": "peer"}
+        if self.mem_type == "VRAM":
+            params.update(GPU_BACKEND_PARAMS)
         try:
-            agent.create_backend("UCX", {"ucx_error_handling_mode": "peer"})
+            agent.create_backend("UCX", params)
             self._reg_descs = agent.register_memory(
-                [(layout.base_addr, layout.nbytes, 0, "")], "DRAM"
+                [(layout.base_addr, layout.nbytes, self.device, "")], self.mem_type
             )
             self.registered = True
-            descs = block_descs(layout.base_addr, layout.num_blocks, layout.block_len)
-            self.local_dlist = agent.prep_xfer_dlist("", descs, "DRAM")
+            descs = block_descs(layout.base_addr, layout.num_blocks, layout.block_len, self.device)
+            self.local_dlist = agent.prep_xfer_dlist("", descs, self.mem_type)
             self.metadata = bytes(agent.get_agent_metadata())  # fixed: nothing else registers
         except BaseException:
             self.teardown()
             raise
+
+    def remote_memory(self, name: str, layout: RegionLayout) -> tuple[str, int] | None:
+        """(memory type, device) under which loaded remote agent ``name`` registered the
+        whole of ``layout``'s region, or None. Caller holds ``call_lock``."""
+        candidates = [("DRAM", 0)] + [("VRAM", d) for d in range(MAX_REMOTE_DEVICES)]
+        for mem_type, device in candidates:
+            descs = self.agent.get_xfer_descs([(layout.base_addr, layout.nbytes, device)], mem_type)
+            if self.agent.check_remote_metadata(name, descs):
+                return mem_type, device
+        return None
 
     def is_dead(self, name: str) -> bool:
         with self.lock:

@@ -132,11 +132,12 @@ class _State:
 
 
 def _region_span(region: object) -> tuple[int, int]:
-    """(address, size) of a CPU numpy array, torch tensor, array-interface or buffer."""
+    """(address, size) of a numpy array, CPU or CUDA torch tensor, array-interface or
+    buffer."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(region, torch.Tensor):
-        if region.device.type != "cpu" or not region.is_contiguous():
-            raise TransportError("the region must be a contiguous CPU tensor", op="create")
+        if region.device.type not in ("cpu", "cuda") or not region.is_contiguous():
+            raise TransportError("the region must be a contiguous CPU or CUDA tensor", op="create")
         return int(region.data_ptr()), int(region.numel() * region.element_size())
     try:
         array = region if isinstance(region, np.ndarray) else np.asarray(region)
@@ -320,10 +321,9 @@ class NixlTransport(DataTransport):
         problem = _layout_problem(layout, st.layout)
         if problem is not None:
             raise RegistrationFailed(problem, peer=agent_name, op="add_remote_peer")
-        descs = block_descs(layout.base_addr, layout.num_blocks, layout.block_len)
         shared = st.enter_or_raise("add_remote_peer", agent_name)
         try:
-            reg = self._register(shared, agent_name, bytes(metadata), layout, descs)
+            reg = self._register(shared, agent_name, bytes(metadata), layout)
             peer = RemotePeer(agent_name=agent_name, layout=layout, native=reg)
             with st.lock:
                 st.peers[reg] = peer
@@ -337,7 +337,6 @@ class NixlTransport(DataTransport):
         name: str,
         metadata: bytes,
         layout: RegionLayout,
-        descs: npt.NDArray[np.uint64],
     ) -> PeerRegistration:
         """Register ``name``; touches no other name's registration or remote agent."""
         named = metadata_agent_name(metadata)
@@ -368,7 +367,10 @@ class NixlTransport(DataTransport):
                         f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
                     ) from exc
             try:
-                dlist = agent.prep_xfer_dlist(name, descs, "DRAM")
+                # The peer's memory type and device: read from its metadata (VRAM or DRAM).
+                mem_type, device = shared.remote_memory(name, layout) or ("DRAM", 0)
+                descs = block_descs(layout.base_addr, layout.num_blocks, layout.block_len, device)
+                dlist = agent.prep_xfer_dlist(name, descs, mem_type)
             except Exception as exc:
                 if old is None:
                     shared.unload(name)
