@@ -28,22 +28,10 @@ peer; a refused duplicate dial also returns the live peer.
 
 Closing is idempotent: sessions say bye and drain, the nursery is cancelled, every
 registration still published is released, and the transport is closed.
-
-Garbage collection. Once a node is up, :func:`open_node` calls ``gc.freeze()``: every
-object alive then (the modules, the store's tables, the transport, the host's own
-start-up state) moves to the permanent generation, so the collections that a fetch's
-allocations trigger no longer walk them (a full collection over a started process took
-17-43 ms, and ~0.9 us per block of a fetch). Frozen objects are never collected, so when a
-node closes, ``gc.unfreeze()`` hands them all back to the collector: the closed node's own
-cycles, its region among them, are freed as usual (vLLM unmaps its region right after). A
-process running several nodes loses the freeze when the first one closes; the next node
-to start freezes again. (The unfreeze also unfreezes what the host froze itself; that only
-costs collection time.)
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import secrets
@@ -634,14 +622,10 @@ async def open_node(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(node._serve)
-            gc.freeze()  # start-up state out of every later collection (module docstring)
             try:
                 yield node
             finally:
-                try:
-                    await node.aclose()
-                finally:
-                    gc.unfreeze()
+                await node.aclose()
     except BaseExceptionGroup as group:
         raise _unwrap(group) from None
     finally:

@@ -6,7 +6,6 @@ while a node is up. (What they cost is measured by ``bench/python_cost.py``, nev
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 from typing import Any
 
@@ -14,11 +13,10 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pkv import open_node
 from p2pkv.errors import StoreFull
 from p2pkv.store import BlockStore
 
-from .helpers import config, fill, pair
+from .helpers import fill, pair
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
@@ -105,20 +103,6 @@ def test_reserve_of_n_is_n_reserves_of_one(ops: list[tuple[str, int]], n: int) -
     batch._check_invariants()
     batch.commit_many("me", got, [os.urandom(6) for _ in got])
     batch._check_invariants()
-
-
-async def test_gc_leaves_start_up_state_alone_while_a_node_is_up() -> None:
-    gc.unfreeze()
-    assert gc.get_freeze_count() == 0
-    async with open_node(config("a")):
-        assert gc.get_freeze_count() > 0
-    # Closed: everything is the collector's again, so the node's cycles (its region
-    # among them) can be freed, even while another node of the process is up.
-    assert gc.get_freeze_count() == 0
-    async with open_node(config("b")):
-        async with open_node(config("c")):
-            assert gc.get_freeze_count() > 0
-        assert gc.get_freeze_count() == 0
 
 
 async def test_the_producer_replies_before_it_unpins() -> None:
