@@ -39,6 +39,15 @@ CROSS_TARGET_GBS = 250.0
 STAGE_TARGET = 0.8
 
 
+def _order(torch: Any, n: int, seed: int) -> list[int]:
+    """Which source block goes to slot i: a fixed permutation (``scattered``, the default:
+    one descriptor per block), or the identity (``contiguous``: NIXL merges the adjacent
+    descriptors of a run). Spawned children read the choice from the environment."""
+    if os.environ.get("P2PKV_BENCH_ORDER", "scattered") == "contiguous":
+        return list(range(n))
+    return list(torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist())
+
+
 def _source(torch: Any, seed: int, n: int, block_len: int, device: str) -> Any:
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randint(
@@ -107,7 +116,7 @@ def _peer_side(
         conn.send((tp.agent_name, tp.metadata(), tp.layout.base_addr))
         name, metadata, base = conn.recv()
         peer = tp.add_remote_peer(name, metadata, RegionLayout(base, n, block_len))
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(block_len)).tolist()
+        perm = _order(torch, n, block_len)
         ident = list(range(n))
         for turn in ("a", "b"):
             if turn == role:
@@ -233,7 +242,7 @@ def staging_vs_torch(reps: int, op: str) -> dict[str, Any]:
         host = torch.randint(0, 256, (STAGE_BYTES,), dtype=torch.uint8).pin_memory()
         back = torch.zeros(STAGE_BYTES, dtype=torch.uint8).pin_memory()
         gpu = torch.zeros(STAGE_BYTES, dtype=torch.uint8, device="cuda")
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(7)).tolist()
+        perm = _order(torch, n, 7)
         ident = list(range(n))
         hv, gv, bv = (t.view(n, block_len) for t in (host, gpu, back))
 
@@ -280,7 +289,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--op", choices=("WRITE", "READ"), default="WRITE", help="staging: NIXL operation"
     )
+    parser.add_argument(
+        "--order",
+        choices=("scattered", "contiguous"),
+        default="scattered",
+        help="slot order of every transfer (default: scattered, one descriptor per block)",
+    )
     args = parser.parse_args(argv)
+    os.environ["P2PKV_BENCH_ORDER"] = args.order  # the spawned children read it too
     for key, value in (("UCX_MEM_MMAP_HOOK_MODE", "none"), ("NIXL_LOG_LEVEL", "WARN")):
         os.environ.setdefault(key, value)
     import torch
@@ -302,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         big = cross[f"{2 * MiB}"]
         ok &= min(big["a_to_b_write_GBps"], big["b_to_a_write_GBps"]) >= CROSS_TARGET_GBS
     result["gpu_threads"] = args.gpu_threads
+    result["order"] = args.order
     result["staging_op"] = args.op
     staged = args.device == "cuda" and not args.skip_staging
     stage = staging_vs_torch(args.reps, args.op) if staged else {}

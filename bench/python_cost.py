@@ -183,7 +183,7 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
             for which in order_[k:] + order_[:k]:
                 if which == "bare":
                     c0 = tgt.request({"op": "cpu"})["cpu"]
-                    r = ini.request({"op": "write"})
+                    r = ini.request({"op": "write", "order": "scattered"})
                     assert r["state"] == "DONE", r
                     cpu = r["cpu"] + tgt.request({"op": "cpu"})["cpu"] - c0
                 else:

@@ -310,6 +310,77 @@ def render_control_plane(res: Json, machine: str) -> str:
     return "\n\n".join(out)
 
 
+def render_python_cost(res: Json, machine: str) -> str:
+    sizes = sorted(res["sizes"], key=int)
+    variants = ["p2pkv"] + (["baseline"] if res.get("baseline") else [])
+    per_block: dict[str, list[float]] = {v: [] for v in variants}
+    rows = []
+    for size in sizes:
+        n, r = int(size), res["sizes"][size]
+        bare = [c / n * 1e6 for c in r["bare_cpu"]]
+        for v in variants:
+            total = [c / n * 1e6 for c in r[f"{v}_cpu"]]
+            python = [t - b for t, b in zip(total, bare, strict=True)]
+            per_block[v].append(statistics.median(python))
+            rows.append([f"{n:,}", v, fmt_range(python), fmt_range(total), fmt_range(bare)])
+    header = [
+        "blocks",
+        "code",
+        "Python us per block",
+        "total CPU us per block",
+        "bare NIXL pair's CPU us per block",
+    ]
+    out = [
+        f"{res['block_len'] // 1024} KiB blocks, {res['reps']} alternating reps; Python = "
+        "both processes' CPU for a lookup + fetch cycle minus a bare NIXL pair's CPU for the "
+        "same copy. Target (issue 9): <= 3 us per block at 4,096 blocks, flat from 256 to 16,384.",
+        table(header, rows),
+    ]
+
+    def lines(ax: Any) -> None:
+        xs = [int(s) for s in sizes]
+        for v, ys in per_block.items():
+            ax.plot(xs, ys, "o-", label=v)
+        ax.axhline(3.0, color="gray", linestyle=":", label="target")
+        ax.set_xscale("log")
+        ax.set_xlabel("blocks per fetch")
+        ax.set_ylabel("Python us per block (median)")
+        ax.set_title("engine Python cost per block")
+        ax.legend(fontsize=8)
+
+    out.append(plot(f"python_cost-{machine}", lines))
+    return "\n\n".join(out)
+
+
+def render_gpu(res: Json, machine: str) -> str:
+    rows = []
+    for bl, r in sorted(res.get("cross_process", {}).items(), key=lambda kv: -int(kv[0])):
+        size = f"{int(bl) // 1024} KiB" if int(bl) < 2**20 else f"{int(bl) // 2**20} MiB"
+        rows.append(
+            [
+                f"cross-process {size}, WRITE A->B / B->A (GB/s)",
+                f"{r['a_to_b_write_GBps']:.1f} / {r['b_to_a_write_GBps']:.1f}",
+                ">= 250 at 2 MiB" if int(bl) == 2**21 else "",
+            ]
+        )
+    for bl, r in sorted(res.get("staging", {}).items(), key=lambda kv: -int(kv[0])):
+        size = f"{int(bl) // 1024} KiB" if int(bl) < 2**20 else f"{int(bl) // 2**20} MiB"
+        for d in ("h2d", "d2h"):
+            rows.append(
+                [
+                    f"staging {size} {d.upper()}: p2pkv / torch CUDA graph (GB/s)",
+                    f"{r[f'nixl_{d}_GBps']:.1f} / {r[f'torch_{d}_GBps']:.1f} "
+                    f"({r[f'{d}_ratio']:.2f} x)",
+                    ">= 0.8 x",
+                ]
+            )
+    return (
+        f"{res.get('gpu', '?')}, torch {res.get('torch', '?')}, slot order "
+        f"{res.get('order', 'scattered')}; medians of the bench's repetitions.\n\n"
+        + table(["what", "measured", "target"], rows)
+    )
+
+
 BENCHES: list[Bench] = [
     Bench(
         "cold_pull",
@@ -328,6 +399,27 @@ BENCHES: list[Bench] = [
         "Control plane: lookup round trip",
         lambda quick: ["--quick"] if quick else ["--sweep"],
         render_control_plane,
+    ),
+    Bench(
+        "python_cost",
+        "Python CPU per block of a lookup + fetch",
+        lambda quick: ["--quick"] if quick else ["--reps", "5"],
+        render_python_cost,
+    ),
+    Bench(
+        "gpu",
+        "GPU regions: cross-process GPU->GPU and local staging (scattered blocks)",
+        lambda quick: ["--reps", "3"] if quick else ["--reps", "20"],
+        render_gpu,
+        needs="gpu",
+    ),
+    Bench(
+        "gpu_contiguous",
+        "GPU regions: the same with contiguous runs (coalesced descriptors)",
+        lambda quick: ["--order", "contiguous"] + (["--reps", "3"] if quick else ["--reps", "20"]),
+        render_gpu,
+        needs="gpu",
+        file="gpu",
     ),
     Bench(
         "idle_cpu",
