@@ -177,10 +177,13 @@ def bare_main(args: argparse.Namespace) -> None:
 # --- the orchestrator ---------------------------------------------------------------------
 
 
-def spawn(args: argparse.Namespace, role: str, name: str, *extra: str) -> Child:
+def spawn(
+    args: argparse.Namespace, role: str, name: str, *extra: str, script: str = __file__
+) -> Child:
+    """A child process of ``script`` (this one, or a bench that reuses its roles)."""
     argv = [
         sys.executable,
-        __file__,
+        script,
         "--role",
         role,
         "--role-name",

@@ -41,7 +41,7 @@ from typing import Any
 
 import trio
 from _regions import touched_region  # bench/ is on sys.path when run as a script
-from dataplane import bare_main, order
+from dataplane import bare_main, order, spawn
 
 import p2pkv
 from p2pkv.cli import Child, demo_keys, emit, fill_store, receive_commands, set_env_defaults
@@ -124,23 +124,6 @@ async def node_main(args: argparse.Namespace) -> None:
                     node.store.evict(key)
 
 
-def spawn(args: argparse.Namespace, role: str, name: str, *extra: str) -> Child:
-    argv = [
-        sys.executable,
-        __file__,
-        "--role",
-        role,
-        "--role-name",
-        name,
-        "--blocks",
-        str(args.blocks),
-        "--block-len",
-        str(args.block_len),
-        *extra,
-    ]
-    return Child(argv, name=name)
-
-
 @contextlib.contextmanager
 def pythonpath(path: str | None) -> Iterator[None]:
     """Children spawned inside import p2pkv from ``path`` (None: as we do)."""
@@ -164,11 +147,12 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
         pairs: dict[str, tuple[Child, Child]] = {}
         for v in variants:
             with pythonpath(args.baseline if v == "baseline" else None):
-                src = stack.enter_context(spawn(args, "node", f"{v}-src", "--fill"))
-                dst = stack.enter_context(spawn(args, "node", f"{v}-dst"))
+                src = spawn(args, "node", f"{v}-src", "--fill", script=__file__)
+                src = stack.enter_context(src)
+                dst = stack.enter_context(spawn(args, "node", f"{v}-dst", script=__file__))
             pairs[v] = (src, dst)
-        tgt = stack.enter_context(spawn(args, "bare", "bare-target"))
-        ini = stack.enter_context(spawn(args, "bare", "bare-initiator"))
+        tgt = stack.enter_context(spawn(args, "bare", "bare-target", script=__file__))
+        ini = stack.enter_context(spawn(args, "bare", "bare-initiator", script=__file__))
         for src, dst in pairs.values():
             address = src.receive(600)["address"]
             dst.receive(600)

@@ -332,6 +332,28 @@ class NodeProcess:
             await self.proc.wait()
 
 
+def count_agent_calls(monkeypatch: Any) -> dict[str, int]:
+    """Count NIXL agents created and ``register_memory`` calls in this process from now on
+    (through ``monkeypatch``, so the count ends with the test)."""
+    from p2pkv.transport import _nixl_agent
+
+    agent_cls = _nixl_agent.load_nixl().api.nixl_agent
+    calls = {"agents": 0, "register_memory": 0}
+    real_init, real_register = agent_cls.__init__, agent_cls.register_memory
+
+    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        calls["agents"] += 1
+        real_init(self, *args, **kwargs)
+
+    def counting_register(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["register_memory"] += 1
+        return real_register(self, *args, **kwargs)
+
+    monkeypatch.setattr(agent_cls, "__init__", counting_init)
+    monkeypatch.setattr(agent_cls, "register_memory", counting_register)
+    return calls
+
+
 @attrs.define(eq=False)
 class Children:
     """Every :class:`NodeProcess` a test starts; :meth:`aclose` kills and reaps them all."""

@@ -19,9 +19,16 @@ import trio
 
 from p2pkv import NodeConfig, open_node, staging
 from p2pkv.node import Node
-from p2pkv.transport import _nixl_agent
 
-from .node_proc import ROOT, Children, block_bytes, block_crc, block_key, stored_bytes
+from .node_proc import (
+    ROOT,
+    Children,
+    block_bytes,
+    block_crc,
+    block_key,
+    count_agent_calls,
+    stored_bytes,
+)
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 # Cheap pre-check (no torch import): a machine without the NVIDIA driver has no GPU.
@@ -186,20 +193,7 @@ async def test_remote_gpu_block_reaches_host_memory_in_two_legs(
 async def test_reconfigurations_over_a_gpu_region_register_it_once(
     children: Children, cuda: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    agent_cls = _nixl_agent.load_nixl().api.nixl_agent
-    calls = {"agents": 0, "register_memory": 0}
-    real_init, real_register = agent_cls.__init__, agent_cls.register_memory
-
-    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        calls["agents"] += 1
-        real_init(self, *args, **kwargs)
-
-    def counting_register(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls["register_memory"] += 1
-        return real_register(self, *args, **kwargs)
-
-    monkeypatch.setattr(agent_cls, "__init__", counting_init)
-    monkeypatch.setattr(agent_cls, "register_memory", counting_register)
+    calls = count_agent_calls(monkeypatch)
     seeds = {"r-a": 71, "r-b": 72}
     with trio.fail_after(180):
         sources = {n: await start_gpu_child(children, n, s, 64) for n, s in seeds.items()}

@@ -21,7 +21,14 @@ from p2pkv import NodeConfig, PeerUnavailable, open_node
 from p2pkv.node import Node
 from p2pkv.transport import _nixl_agent
 
-from .node_proc import Children, NodeProcess, block_bytes, block_crc, block_key
+from .node_proc import (
+    Children,
+    NodeProcess,
+    block_bytes,
+    block_crc,
+    block_key,
+    count_agent_calls,
+)
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 pytestmark = [
@@ -254,20 +261,7 @@ def transport_counts(st: Any) -> tuple[int, int, int, int]:
 async def test_reconfigurations_keep_one_agent_and_one_registration(
     children: Children, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    agent_cls = _nixl_agent.load_nixl().api.nixl_agent
-    calls = {"agents": 0, "register_memory": 0}
-    real_init, real_register = agent_cls.__init__, agent_cls.register_memory
-
-    def counting_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        calls["agents"] += 1
-        real_init(self, *args, **kwargs)
-
-    def counting_register(self: Any, *args: Any, **kwargs: Any) -> Any:
-        calls["register_memory"] += 1
-        return real_register(self, *args, **kwargs)
-
-    monkeypatch.setattr(agent_cls, "__init__", counting_init)
-    monkeypatch.setattr(agent_cls, "register_memory", counting_register)
+    calls = count_agent_calls(monkeypatch)
     seeds = {"g-a": 61, "g-b": 62, "g-c": 63}
     own_seed = 64
     with trio.fail_after(90):
