@@ -67,9 +67,14 @@ class Bench:
 # ---------------------------------------------------------------- helpers for renderers
 
 
+def num(x: float, digits: int = 3) -> str:
+    """``digits`` significant digits, but never an exponent: 1,399 rather than 1.4e+03."""
+    return f"{x:,.0f}" if abs(x) >= 10 ** (digits - 1) else f"{x:.{digits}g}"
+
+
 def fmt_range(values: Sequence[float], scale: float = 1.0, digits: int = 3) -> str:
     v = [x * scale for x in values]
-    return f"{statistics.median(v):.{digits}g} [{min(v):.{digits}g}-{max(v):.{digits}g}]"
+    return f"{num(statistics.median(v), digits)} [{num(min(v), digits)}-{num(max(v), digits)}]"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -542,12 +547,15 @@ def run(args: argparse.Namespace) -> int:
 
 def describe(info: Json) -> str:
     gpu = f", {info['gpu']}" if info.get("gpu") else ", no GPU"
-    load = info.get("load_before", [0.0])[0], info.get("load_after", [0.0])[0]
-    return (
+    out = (
         f"{info['cores']} cores ({info['cpu']}), {info['mem_gib']} GiB{gpu}; Linux "
-        f"{info['kernel']}, Python {info['python']}; {info['date']}; load average "
-        f"{load[0]:.2f} before, {load[1]:.2f} after"
+        f"{info['kernel']}, Python {info['python']}; {info['date']}"
     )
+    if "load_before" in info:
+        out += (
+            f"; load average {info['load_before'][0]:.2f} before, {info['load_after'][0]:.2f} after"
+        )
+    return out + (f"; {info['note']}" if info.get("note") else "")
 
 
 def render(args: argparse.Namespace) -> int:
