@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import trio
@@ -396,3 +396,28 @@ async def test_release_gives_back_pins_of_an_unfetched_round() -> None:
             # Released keys are looked up afresh by a later fetch, even one naming them.
             result = await dst.fetch(peer, keys, rounds=[first, second])
             assert sorted(result.loaded) == sorted(keys)
+
+
+@pytest.mark.parametrize(
+    ("transport", "verify_checksums"), [("local", False), ("local", True), ("nixl", True)]
+)
+def test_a_gpu_region_is_refused_where_only_a_host_view_would_work(
+    transport: Literal["local", "nixl"], verify_checksums: bool
+) -> None:
+    """The local transport and checksums read blocks through a host view, which a GPU
+    region does not have: the node refuses that combination before building a transport.
+    (A real CUDA tensor is only on the GPU machine; the store is marked as one here.)"""
+    from p2pkv.node import make_transport
+    from p2pkv.store import BlockStore
+
+    store = BlockStore(4, 4096)
+    store.device_region = True
+    cfg = p2pkv.NodeConfig(
+        peer_id="gpu",
+        num_blocks=4,
+        block_len=4096,
+        transport=transport,
+        verify_checksums=verify_checksums,
+    )
+    with pytest.raises(p2pkv.P2PKVError, match="GPU region needs transport='nixl'"):
+        make_transport(cfg, store)
