@@ -136,12 +136,19 @@ _NO_SLOTS: Final[frozenset[int]] = frozenset()
 
 
 _yield_gil = time.sleep
+_clock = time.perf_counter
+
+GIL_OFFER_AFTER_S: Final = 0.5e-3
+"""An engine-side call offers the GIL to other threads once it has run this long since it
+began or last offered it (checked at each batch). ``time.sleep(0)`` is what lets a thread
+that is waiting for the GIL in (``os.sched_yield`` does not), and on Linux it sleeps for
+the timer slack, about 55 us; offering at every batch cost a 1,024-key lookup four of
+those. A call shorter than this never sleeps; a long one sleeps ~55 us per 0.5 ms."""
 
 
-class _Batch:
-    """``with _Batch(store):`` one engine-side lock section: first let in a host call that
-    is waiting (it holds ``_turn``), then hold ``_lock``. (A host section is simply
-    ``with store._turn, store._lock:``.)"""
+class _Serial:
+    """``with _Serial(store):`` one engine-side call: hold ``_serial`` from start to end
+    and start the call's GIL-offer clock."""
 
     __slots__ = ("_store",)
 
@@ -150,10 +157,33 @@ class _Batch:
 
     def __enter__(self) -> None:
         store = self._store
-        # Drop the GIL for a moment: a host thread that the interpreter's switch interval
-        # took the GIL from (it holds no store lock, so _turn cannot help it) gets it back
-        # here, after one batch, instead of after the engine's whole switch interval.
-        _yield_gil(0)
+        store._serial.acquire()
+        store._offered_at = _clock()
+
+    def __exit__(self, *exc: object) -> None:
+        self._store._serial.release()
+
+
+class _Batch:
+    """``with _Batch(store):`` one engine-side lock section, inside a ``_Serial`` call:
+    first, if the call has run for :data:`GIL_OFFER_AFTER_S`, drop the GIL for a moment;
+    then let in a host call that is waiting (it holds ``_turn``); then hold ``_lock``.
+    (A host section is simply ``with store._turn, store._lock:``.)"""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: BlockStore) -> None:
+        self._store = store
+
+    def __enter__(self) -> None:
+        store = self._store
+        # A host thread that the interpreter's switch interval took the GIL from (it holds
+        # no store lock, so _turn cannot help it) gets it back here, within about
+        # GIL_OFFER_AFTER_S of engine work, instead of after the whole switch interval.
+        now = _clock()
+        if now - store._offered_at >= GIL_OFFER_AFTER_S:
+            _yield_gil(0)
+            store._offered_at = _clock()
         turn = store._turn
         turn.acquire()
         turn.release()
@@ -228,6 +258,7 @@ class BlockStore:
         self._lock = threading.Lock()  # guards everything below
         self._turn = threading.Lock()  # held by a host call waiting for or holding _lock
         self._serial = threading.Lock()  # held by an engine-side call from start to end
+        self._offered_at = 0.0  # when the engine-side call in progress began or offered the GIL
         self._state = [_FREE] * num_blocks
         self._slot_key: list[bytes | None] = [None] * num_blocks  # None: free/reserved/orphan
         self._pin_count = [0] * num_blocks
@@ -404,7 +435,7 @@ class BlockStore:
         lookup, lru, pin_count, pins = self._map.get, self._lru, self._pin_count, self._pins
         step = self.batch_keys
         it = iter(keys)
-        with self._serial:
+        with _Serial(self):
             for _ in range(0, len(keys), step):
                 with _Batch(self):
                     counts = pins.get(owner)
@@ -431,7 +462,7 @@ class BlockStore:
 
     def unpin(self, owner: Hashable) -> int:
         """Release every pin ``owner`` holds; returns how many were released."""
-        with self._serial:
+        with _Serial(self):
             return self._unpin_serial(owner)
 
     def unpin_keys(self, owner: Hashable, slots: Sequence[int]) -> int:
@@ -442,7 +473,7 @@ class BlockStore:
         released = 0
         step = self.batch_keys
         it = iter(slots)
-        with self._serial:
+        with _Serial(self):
             for _ in range(0, len(slots), step):
                 with _Batch(self):
                     counts = self._pins.get(owner)
@@ -472,7 +503,7 @@ class BlockStore:
         out: list[int] = []
         first = True
         state, reserved = self._state, self._reserved
-        with self._serial:
+        with _Serial(self):
             try:
                 while first or len(out) < n:
                     with _Batch(self):
@@ -506,7 +537,7 @@ class BlockStore:
         reservation.
         """
         _check_key(key)
-        with self._serial, _Batch(self):
+        with _Serial(self), _Batch(self):
             if slot not in self._reserved_by.get(owner, _NO_SLOTS):
                 raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
             self._unreserve_locked(slot)
@@ -537,7 +568,7 @@ class BlockStore:
         reserved, free = self._reserved, self._free
         step = self.batch_keys
         pairs = zip(slots, keys, strict=True)
-        with self._serial:
+        with _Serial(self):
             self._check_reserved_serial(owner, slots)
             for _ in range(0, len(slots), step):
                 with _Batch(self):
@@ -566,7 +597,7 @@ class BlockStore:
         contains = self._map.__contains__
         step = self.batch_keys
         it = iter(keys)
-        with self._serial:
+        with _Serial(self):
             while True:
                 with _Batch(self):
                     before = len(out)
@@ -594,7 +625,7 @@ class BlockStore:
         """Free every quarantined slot whose deadline is ``<= now``; returns how many."""
         released = 0
         more = True
-        with self._serial:
+        with _Serial(self):
             while more:
                 with _Batch(self):
                     heap, quarantine = self._deadlines, self._quarantine
@@ -621,7 +652,7 @@ class BlockStore:
         any_owner = owner is _ANY_OWNER
         step = self.batch_keys
         it = iter(slots)
-        with self._serial:
+        with _Serial(self):
             for _ in range(0, len(slots), step):
                 with _Batch(self):
                     quarantine = self._quarantine
@@ -640,7 +671,7 @@ class BlockStore:
 
     def next_quarantine_deadline(self) -> float | None:
         """The earliest deadline of a quarantined slot, or None if none is quarantined."""
-        with self._serial:
+        with _Serial(self):
             while True:
                 with _Batch(self):
                     heap, quarantine = self._deadlines, self._quarantine
@@ -658,7 +689,7 @@ class BlockStore:
         (``quarantine_until`` None) or quarantined until ``quarantine_until``."""
         if quarantine_until is not None:
             _check_until(quarantine_until)
-        with self._serial:
+        with _Serial(self):
             self._unpin_serial(owner)
             while True:
                 with _Batch(self):
@@ -736,7 +767,7 @@ class BlockStore:
 
     def _settle(self, owner: Hashable, slots: Sequence[int], until: float | None) -> None:
         """Reserved -> FREE (``until`` None) or QUARANTINED; duplicates are harmless."""
-        with self._serial:
+        with _Serial(self):
             self._check_reserved_serial(owner, slots)
             step = self.batch_keys
             it = iter(slots)

@@ -282,21 +282,56 @@ def test_batch_keys_sets_the_bound() -> None:
             BlockStore(4, L, batch_keys=bad)  # type: ignore[arg-type]
 
 
-def test_every_engine_batch_offers_the_gil_to_a_waiting_host_thread(
+class TickClock:
+    """A fake ``store._clock``: each reading is ``step`` seconds after the one before."""
+
+    def __init__(self, step: float) -> None:
+        self.now = 0.0
+        self.step = step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_long_engine_call_offers_the_gil_at_its_batches(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A host thread that lost the GIL to the switch interval holds no store lock, so only
-    the engine dropping the GIL lets it back in before the interval ends: each batch
-    does (bench/store_lock.py shows what it does to the host's p99)."""
+    the engine dropping the GIL lets it back in before the interval ends: a call that has
+    run for GIL_OFFER_AFTER_S offers it at its next batch (bench/store_lock.py shows what it
+    does to the host's p99). Here every clock reading is that long after the last one."""
+    store = full_store(1_000, batch_keys=100)
     offers: list[float] = []
     monkeypatch.setattr(store_module, "_yield_gil", offers.append)
-    store = full_store(1_000, batch_keys=100)
+    monkeypatch.setattr(store_module, "_clock", TickClock(store_module.GIL_OFFER_AFTER_S))
     keys = [key(i) for i in range(1_000)]
     store.pin("o", keys)
-    assert len(offers) >= 10 and set(offers) == {0}  # at least one per 100 keys
+    assert len(offers) == 10 and set(offers) == {0}  # one per batch of 100 keys
     offers.clear()
     store.unpin("o")
-    assert len(offers) >= 10
+    assert len(offers) == 10
+
+
+def test_a_short_engine_call_never_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``time.sleep(0)`` sleeps ~55 us on Linux (the timer slack): a call that ends within
+    GIL_OFFER_AFTER_S, however many batches it has, must not pay it. The clock here
+    advances a tenth of that per reading, so 1,000 keys in 10 batches offer nothing and
+    a 100-batch call offers the GIL a few times (about every 0.5 ms of its time)."""
+    store = full_store(1_000, batch_keys=100)
+    small = full_store(1_000, batch_keys=1)  # 1,000 batches per 1,000-key call
+    offers: list[float] = []
+    monkeypatch.setattr(store_module, "_yield_gil", offers.append)
+    monkeypatch.setattr(store_module, "_clock", TickClock(store_module.GIL_OFFER_AFTER_S / 100))
+    keys = [key(i) for i in range(1_000)]
+    assert store.pin("o", keys[:100]) == list(range(100))  # one batch
+    store.unpin("o")
+    assert offers == []
+    store.pin("o", keys)  # ten batches, each a hundredth of the offer interval
+    assert offers == []
+    store.unpin("o")
+    small.pin("o", keys)
+    assert 5 <= len(offers) <= 20  # 2,000 readings of 1/100 interval: about one per 50
 
 
 # ------------------------------------------------------------------ one thread sees no batches
