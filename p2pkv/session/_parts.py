@@ -26,6 +26,8 @@ class SessionParts:
         _nursery: trio.Nursery | None
         _wake_lease: trio.Event
 
+        def _rearm_lease_timer(self, deadline: float) -> None: ...
+
         @property
         def peer_id(self) -> str | None: ...
         @property

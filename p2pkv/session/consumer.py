@@ -347,7 +347,8 @@ class ConsumerSide(SessionParts):
                 self._close_round(rnd.req_id)
         if any(not rnd.hits for rnd in answered):
             self._flush_soon()
-        self._wake_lease.set()
+        if deadlines := [rnd.deadline for rnd in answered if rnd.hits]:
+            self._rearm_lease_timer(min(deadlines))
         return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in answered))
 
     async def _lookup_round(self, keys: list[bytes]) -> tuple[int, list[bool]]:
@@ -355,15 +356,9 @@ class ConsumerSide(SessionParts):
         the caller's: it is not among the open rounds until the caller puts it there."""
         self._check_usable("lookup")
         try:  # waiting for a request slot is part of the lookup's deadline
-            with trio.fail_after(self.cfg.lookup_timeout):
-                await self._requests.acquire()
-        except trio.TooSlowError:
-            raise P2PKVTimeout(
-                f"no request slot free within the lookup deadline "
-                f"({self.cfg.max_open_requests} open)",
-                peer=self.peer_id,
-                op="lookup",
-            ) from None
+            self._requests.acquire_nowait()  # the usual case: a slot is free, no checkpoint
+        except trio.WouldBlock:
+            await self._wait_for_request_slot()
         try:
             self._check_usable("lookup")
             req = self.proto.send_lookup(keys)
@@ -385,6 +380,18 @@ class ConsumerSide(SessionParts):
             raise p.error
         hits: list[bool] = p.result.hits
         return req, hits
+
+    async def _wait_for_request_slot(self) -> None:
+        try:
+            with trio.fail_after(self.cfg.lookup_timeout):
+                await self._requests.acquire()
+        except trio.TooSlowError:
+            raise P2PKVTimeout(
+                f"no request slot free within the lookup deadline "
+                f"({self.cfg.max_open_requests} open)",
+                peer=self.peer_id,
+                op="lookup",
+            ) from None
 
     def _abort(self, p: _Pending) -> None:
         """Give up on a request; it ends with the peer's abort_ack."""

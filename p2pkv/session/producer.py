@@ -123,8 +123,9 @@ class ProducerSide(SessionParts):
                 turn.charge(keys=len(part))
                 await turn.pause_if_spent()
         if self.proto.in_state(ev.req_id) is InState.ANSWERING:
-            self.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), cfg.lease)
-            self._wake_lease.set()
+            now = trio.current_time()
+            self.proto.send_lookup_resp(ev.req_id, hits, now, cfg.lease)
+            self._rearm_lease_timer(now + cfg.lease)
 
     def _release_round(self, req: int) -> None:
         held = self._pinned.pop(req, None)

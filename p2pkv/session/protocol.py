@@ -367,6 +367,10 @@ class SessionProtocol:
 
     # --- output -------------------------------------------------------------------------
 
+    def has_data_to_send(self) -> bool:
+        """Whether :meth:`data_to_send` would return anything (no copy, no change)."""
+        return bool(self._outbox)
+
     def data_to_send(self) -> bytes:
         """Every frame that may go on the wire now, coalesced; clears the outbox."""
         data = b"".join(self._outbox)

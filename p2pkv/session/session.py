@@ -133,6 +133,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._write_done: dict[int, trio.Event] = {}
         self._last_rx = trio.current_time()
         self._wake_lease = trio.Event()
+        self._timer_at = -math.inf  # the lease timer's wake-up time (not started: any)
         self._handlers: dict[type[Any], Any] = {
             HelloReceived: self._on_hello,
             Ready: self._on_ready,
@@ -284,8 +285,22 @@ class PeerSession(ProducerSide, ConsumerSide):
     async def _flush(self, *, final: bool = False) -> None:
         """Send what the protocol has queued. Once closing, only the shielded final flush
         sends: a send cut by cancellation would leave the stream undefined (and lose the
-        bye), so nothing is taken from the protocol that might not go out whole."""
-        async with self._send_lock:
+        bye), so nothing is taken from the protocol that might not go out whole.
+
+        With nothing queued it returns at once, without a checkpoint: a flush is called
+        after every event and most have nothing to send, and each checkpoint is a trip
+        through the scheduler. What is queued later is sent by whoever queues it."""
+        if not final and not self.proto.has_data_to_send():
+            return
+        lock = self._send_lock
+        # A free lock is taken without the scheduler trip of ``acquire`` (the send yields
+        # anyway); a cancelled caller still raises here, before anything is taken.
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
             if self._send_broken or (self._cancel.cancel_called and not final):
                 return
             data = self.proto.data_to_send()
@@ -299,6 +314,8 @@ class PeerSession(ProducerSide, ConsumerSide):
             except BaseException:
                 self._send_broken = True  # a cancelled send leaves the stream undefined
                 raise
+        finally:
+            lock.release()
 
     async def _reader(self) -> None:
         """Bytes in, events out; at most one turn's work between yields (see
@@ -378,9 +395,18 @@ class PeerSession(ProducerSide, ConsumerSide):
             # Both wake-ups lie in the future here, so this loop never spins.
             await trio.sleep_until(min(next_ping, self._last_rx + idle))
 
+    def _rearm_lease_timer(self, deadline: float) -> None:
+        """A lease or round ending at ``deadline`` was added: wake the lease timer only if
+        it would otherwise sleep past it (a lookup's new deadline is usually later than one
+        already armed, and a wake-up is a trip through the scheduler and a scan)."""
+        if deadline < self._timer_at:
+            self._timer_at = deadline  # kept if the round is gone by the time it runs
+            self._wake_lease.set()
+
     async def _lease_timer(self) -> None:
         """Expires producer leases and consumer rounds, and sends what other code queued
-        from a sync context (it sets ``_wake_lease``)."""
+        from a sync context (it sets ``_wake_lease``). ``_timer_at`` is when its current
+        sleep ends; a deadline added before that wakes it (``_rearm_lease_timer``)."""
         while True:
             # A fresh Event before anything is sent: a wake-up during the flush is kept.
             self._wake_lease = trio.Event()
@@ -394,7 +420,12 @@ class PeerSession(ProducerSide, ConsumerSide):
             d = self.proto.next_deadline()
             if d is not None:
                 deadlines.append(d)
-            with trio.move_on_at(min(deadlines, default=math.inf)):
+            # With nothing left to expire, keep a wake-up still ahead rather than sleep for
+            # ever: a lookup's round usually ends before the timer even runs, and the next
+            # one's deadline then falls after it, so it needs no wake-up of its own.
+            armed = self._timer_at if self._timer_at > now else math.inf
+            self._timer_at = min(deadlines, default=armed)
+            with trio.move_on_at(self._timer_at):
                 await self._wake_lease.wait()
 
     # --- handshake ----------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""The lookup round trip's scheduling (issue 9, done-when 3): a lookup costs the sends and
+receives it needs and no more trips through Trio's scheduler, and none of the shortcuts
+changes what the session guarantees (leases still end on time, a cancelled flush loses
+nothing). Latency itself is measured by ``bench/control_plane.py``, never here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import open_node
+from p2pkv.session.protocol import LookupAnswered, SessionProtocol
+from p2pkv.session.session import PeerSession
+
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+
+BL = 4096
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type[Any], name: str) -> Callable[[], int]:
+    calls = 0
+    original = getattr(cls, name)
+
+    def counted(self: Any, *args: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(cls, name, counted)
+    return lambda: calls
+
+
+async def test_back_to_back_lookups_do_not_wake_the_lease_timer_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each lookup adds a lease (producer) and a round (consumer) that end after the one the
+    timer is already armed for, so neither side's timer needs waking: the timer's scans
+    (``expire``, once per wake-up on each side) stay at a handful for 30 lookups, where
+    waking it per lookup made 60 or more."""
+    with trio.fail_after(30):
+        async with (
+            open_node(config("src", block_len=BL)) as src,
+            open_node(config("dst", block_len=BL)) as dst,
+        ):
+            keys = fill(src.store, 4, BL)
+            peer = await dst.connect(src.address)
+            await dst.release(peer, await dst.lookup_round(peer, keys))  # arms both timers
+            scans = count_calls(monkeypatch, SessionProtocol, "expire")
+            for _ in range(30):
+                handle = await dst.lookup_round(peer, keys)
+                assert handle.hits == [True] * 4
+                assert await dst.release(peer, handle) == 1
+            assert scans() <= 4
+
+
+async def test_a_lease_still_ends_on_time_when_the_timer_was_armed_for_an_earlier_round(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The timer keeps the wake-up of a round that ended before it ran; a lease added after
+    that (no wake-up of its own) must still end at its own deadline, not later, not never."""
+    async with open_node(
+        config("src", block_len=BL, lease=4.0), offload=VirtualOffload(), transport=FaultFactory()
+    ) as src:
+        keys = fill(src.store, 2, BL)
+        raw = RawPeer()
+        await raw.connect(src.address)
+        await raw.handshake()
+        first = raw.proto.send_lookup(keys[:1])
+        await raw.flush()
+        assert isinstance(await raw.next_event(), LookupAnswered)
+        raw.proto.send_fetch(first, [], [])  # closes the round: its pins go at once
+        await raw.flush()
+        await trio.sleep(1.0)
+        assert src.statistics().pinned_slots == 0
+        raw.proto.send_lookup(keys[1:])  # at t=1: its lease ends at t=5
+        await raw.flush()
+        ev = await raw.next_event()
+        assert isinstance(ev, LookupAnswered) and ev.hits == [True]
+        assert src.statistics().pinned_slots == 1
+        await trio.sleep(3.5)  # t=4.5: past the first round's deadline, before this one's
+        assert src.statistics().pinned_slots == 1
+        await trio.sleep(1.0)  # t=5.5
+        assert src.statistics().pinned_slots == 0
+        await raw.aclose()
+
+
+async def test_an_empty_flush_is_no_checkpoint_and_a_cancelled_one_loses_nothing() -> None:
+    """Flushing after an event that queued nothing costs no trip through the scheduler (it
+    does not even see a cancellation). With something queued, a cancelled flush raises
+    before it takes anything from the protocol: the frames stay queued, the stream is not
+    marked broken, and the next flush sends them."""
+    with trio.fail_after(10):
+        async with (
+            open_node(config("src", block_len=BL)) as src,
+            open_node(config("dst", block_len=BL)) as dst,
+        ):
+            await dst.connect(src.address)
+            (session,) = dst._sessions
+            assert isinstance(session, PeerSession)
+            assert not session.proto.has_data_to_send()
+            with trio.CancelScope() as cs:
+                cs.cancel()
+                await session._flush()
+            assert not cs.cancelled_caught
+            session.proto.send_ping()
+            with trio.CancelScope() as cs:
+                cs.cancel()
+                await session._flush()
+            assert cs.cancelled_caught
+            assert session.proto.has_data_to_send() and not session._send_broken
+            await session._flush()
+            assert not session.proto.has_data_to_send()
+            assert await session.probe(5.0)
