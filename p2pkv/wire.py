@@ -31,9 +31,10 @@ checks are the same bounds written once more as msgspec types; the property test
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any, Final, TypeVar
 
 import attrs
@@ -118,6 +119,26 @@ def _all(value: list[Any], tp: type[Any]) -> bool:
 def _key_lengths_ok(keys: list[bytes]) -> bool:
     try:
         msgspec.convert(keys, _Keys)  # bytes-likes pass too: exactness is _all's
+    except msgspec.ValidationError:
+        return False
+    return True
+
+
+@functools.cache
+def _key_list_type(max_key_len: int) -> Any:
+    return list[Annotated[bytes, msgspec.Meta(min_length=1, max_length=max_key_len)]]
+
+
+def keys_ok(keys: Sequence[object], max_key_len: int) -> bool:
+    """Every key is exactly ``bytes`` of 1..``max_key_len`` bytes. A long list is asked in
+    two C-level passes (types; then lengths, by msgspec), about 30 ns a key where
+    ``min``/``max`` over ``map(len, ...)`` took 80."""
+    if len(keys) < _BULK:
+        return all(type(k) is bytes and 0 < len(k) <= max_key_len for k in keys)
+    if list(map(type, keys)).count(bytes) != len(keys):
+        return False
+    try:
+        msgspec.convert(keys, _key_list_type(max_key_len))
     except msgspec.ValidationError:
         return False
     return True
@@ -379,6 +400,32 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return "; ".join(_describe(e) for e in exc.exceptions)
     return str(exc)
+
+
+_M = TypeVar("_M")
+
+
+_FIELD_NAMES: dict[type[Any], frozenset[str]] = {}
+
+
+def _field_names(cls: type[Any]) -> frozenset[str]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(a.name for a in attrs.fields(cls))
+    return names
+
+
+def trusted(cls: type[_M], **fields: Any) -> _M:
+    """A message of fields that this process built and has just checked itself, made
+    without running the validators a second time (the hot messages: a 1,024-key lookup
+    spent more time validating its keys again than encoding them). Every field must be
+    given. Whatever arrives from a peer goes through :func:`decode` instead."""
+    if fields.keys() != _field_names(cls):
+        raise TypeError(f"{cls.__name__}: trusted() needs exactly its fields")
+    msg = object.__new__(cls)
+    for name, value in fields.items():
+        object.__setattr__(msg, name, value)
+    return msg
 
 
 def encode(msg: Message) -> bytes:

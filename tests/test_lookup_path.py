@@ -13,10 +13,13 @@ import trio
 import trio.testing
 
 from p2pkv import open_node
+from p2pkv.errors import LocalProtocolError
 from p2pkv.session.protocol import LookupAnswered, SessionProtocol
 from p2pkv.session.session import PeerSession
+from p2pkv.wire import Fetch, Lookup
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .protocol_helpers import decode_frames, make_info, ready_pair
 
 BL = 4096
 
@@ -115,3 +118,40 @@ async def test_an_empty_flush_is_no_checkpoint_and_a_cancelled_one_loses_nothing
             await session._flush()
             assert not session.proto.has_data_to_send()
             assert await session.probe(5.0)
+
+
+# --- our own requests: checked once, exactly ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [[0, True], [0, 1.0], [0, -1], [0, 16], [0, None]],
+    ids=["bool", "float", "negative", "past-the-region", "none"],
+)
+def test_a_fetch_of_slots_that_are_not_ours_is_refused_before_anything_is_queued(
+    slots: list[Any],
+) -> None:
+    """The message is built without a second validation, so the protocol's own check must
+    refuse what the validator would have: anything but an int inside our region."""
+    pair = ready_pair(make_info("a", num_blocks=16), make_info("b", num_blocks=16))
+    keys = [b"k0", b"k1"]
+    req = pair.lookup(keys, [True, True])
+    with pytest.raises(LocalProtocolError, match="fetch slot outside our region"):
+        pair.a.send_fetch(req, keys, slots)
+    assert not pair.a.has_data_to_send()
+    pair.a.send_fetch(req, keys, [3, 4])  # the round is still usable
+    assert decode_frames(pair.a.data_to_send()) == [Fetch(req_id=req, keys=keys, slots=[3, 4])]
+
+
+@pytest.mark.parametrize("n", [1, 200], ids=["short", "long"])
+def test_a_lookup_of_a_key_over_the_peers_limit_is_refused_before_anything_is_queued(
+    n: int,
+) -> None:
+    pair = ready_pair(make_info("a"), make_info("b", max_key_len=32))
+    keys = [b"k%03d" % i for i in range(n - 1)] + [b"x" * 33]
+    with pytest.raises(LocalProtocolError, match=r"every key must be bytes of 1\.\.32"):
+        pair.a.send_lookup(keys)
+    assert not pair.a.has_data_to_send()
+    req = pair.a.send_lookup([*keys[:-1], b"x" * 32])
+    (msg,) = decode_frames(pair.a.data_to_send())
+    assert msg == Lookup(req_id=req, keys=[*keys[:-1], b"x" * 32])

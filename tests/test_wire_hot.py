@@ -331,3 +331,27 @@ def test_bool_list_check_refuses_exactly_what_the_walk_refuses(value: list[Any])
     else:
         with pytest.raises(ValueError, match=f"expected bools, got {type(bad[0]).__name__}$"):
             LookupResp(req_id=1, hits=value)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=long_lists(keys, odd_keys), limit=st.sampled_from([1, 8, 32, 128, MAX_KEY_LEN]))
+def test_keys_ok_answers_exactly_what_the_walk_answers(value: list[Any], limit: int) -> None:
+    """The bulk key check our own requests go through (lookup, fetch) agrees with the plain
+    walk for every list, on either side of wire._BULK, for any length limit."""
+    walk = all(type(k) is bytes and 0 < len(k) <= limit for k in value)
+    assert wire.keys_ok(value, limit) is walk
+
+
+def test_a_trusted_message_is_the_validated_one_and_needs_every_field() -> None:
+    """``trusted`` skips the validators, nothing else: the message equals and encodes like
+    the validated one, and a missing or unknown field is refused."""
+    ks = [b"k%d" % i for i in range(100)]
+    slots = list(range(100))
+    assert wire.trusted(Lookup, req_id=7, keys=ks) == Lookup(req_id=7, keys=ks)
+    fetch = wire.trusted(Fetch, req_id=7, keys=ks, slots=slots)
+    assert fetch == Fetch(req_id=7, keys=ks, slots=slots)
+    assert encode(fetch) == encode(Fetch(req_id=7, keys=ks, slots=slots))
+    with pytest.raises(TypeError, match="exactly its fields"):
+        wire.trusted(Fetch, req_id=7, keys=ks)
+    with pytest.raises(TypeError, match="exactly its fields"):
+        wire.trusted(Lookup, req_id=7, keys=ks, slots=slots)

@@ -68,6 +68,8 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..wire import (
+    MAX_KEY_LEN,
+    MAX_KEYS,
     U64_MAX,
     Abort,
     AbortAck,
@@ -85,7 +87,9 @@ from ..wire import (
     Pong,
     TransferDone,
     encode,
+    keys_ok,
     to_wire,
+    trusted,
 )
 
 # --- what we are --------------------------------------------------------------------------
@@ -288,11 +292,7 @@ MIN_NONCE = 16  # bytes of a fresh nonce when authentication is on
 
 def keys_fit(keys: Sequence[object], max_key_len: int) -> bool:
     """Every key is bytes of 1..``max_key_len``: C-level passes, no Python loop per key."""
-    return not keys or (
-        set(map(type, keys)) == {bytes}
-        and min(map(len, keys)) > 0  # type: ignore[arg-type]
-        and max(map(len, keys)) <= max_key_len  # type: ignore[arg-type]
-    )
+    return keys_ok(keys, max_key_len)
 
 
 class SessionProtocol:
@@ -661,7 +661,7 @@ class SessionProtocol:
                 f"{len(keys)} keys in one request (cap {self.local.max_keys_per_request})"
             )
         limit = self.local.max_key_len
-        if any(len(k) > limit for k in keys):
+        if keys and max(map(len, keys)) > limit:  # C-level: no Python loop per key
             raise RemoteProtocolError(f"key longer than {limit} bytes")
 
     def _on_lookup(self, m: Lookup) -> Event:
@@ -688,7 +688,7 @@ class SessionProtocol:
         self._check_keys(m.keys)
         assert self.peer is not None
         n = self.peer.num_blocks
-        if any(s >= n for s in m.slots):
+        if m.slots and max(m.slots) >= n:
             raise RemoteProtocolError(f"destination slot outside the peer's {n} blocks")
         if len(set(m.slots)) != len(m.slots):
             raise RemoteProtocolError("duplicate destination slot in one fetch")
@@ -765,6 +765,7 @@ class SessionProtocol:
     def _check_own_keys(self, keys: Sequence[bytes], op: str) -> None:
         """Our own request, before anything is sent: the peer would close the session."""
         max_keys, max_key_len = self.request_limits()
+        max_keys, max_key_len = min(max_keys, MAX_KEYS), min(max_key_len, MAX_KEY_LEN)
         if len(keys) > max_keys:
             raise LocalProtocolError(
                 f"{len(keys)} keys in one request (cap {max_keys})", peer=self.peer_id, op=op
@@ -780,7 +781,8 @@ class SessionProtocol:
         if len(self._out) >= self.local.max_open_requests:
             raise CapacityExceeded("too many open requests", peer=self.peer_id, op="lookup")
         self._check_own_keys(keys, "lookup")
-        msg = Lookup(req_id=self._next_req_id, keys=list(keys))  # validates
+        # Checked just above against limits within the wire's: no second validation.
+        msg = trusted(Lookup, req_id=self._next_req_id, keys=list(keys))
         self._next_req_id += 1
         self._out[msg.req_id] = _OutReq(OutState.LOOKUP_SENT, len(msg.keys))
         self._emit(msg)
@@ -798,11 +800,17 @@ class SessionProtocol:
         self._check_own_keys(keys, "fetch")
         if len(slots) != len(keys):
             raise LocalProtocolError("fetch: keys and slots differ in length")
-        if any(not 0 <= s < self.local.num_blocks for s in slots):
+        slots = list(slots)
+        if slots and not (
+            list(map(type, slots)).count(int) == len(slots)  # exactly int: bool is refused
+            and min(slots) >= 0
+            and max(slots) < self.local.num_blocks
+        ):
             raise LocalProtocolError("fetch slot outside our region")
         if len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
             raise LocalProtocolError("duplicate destination slot in one fetch")
-        msg = Fetch(req_id=req_id, keys=list(keys), slots=list(slots))
+        # Keys and slots checked just above, within the wire's limits: no second validation.
+        msg = trusted(Fetch, req_id=req_id, keys=list(keys), slots=slots)
         self._emit(msg)
         if not msg.keys:
             del self._out[req_id]
