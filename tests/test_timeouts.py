@@ -20,6 +20,7 @@ from p2pkv.session.protocol import (
     AbortRequested,
     LookupAnswered,
     LookupRequested,
+    SessionProtocol,
     TransferCompleted,
 )
 from p2pkv.wire import Bye, FrameDecoder, Outcome, Ping
@@ -198,7 +199,9 @@ async def test_idle_peer_gets_pings_then_is_dropped(autojump_clock: trio.testing
                 frames.append((trio.current_time() - start, msg))
         pings = [t for t, msg in frames if isinstance(msg, Ping)]
         assert len(pings) >= 2, frames
-        assert pings[0] == pytest.approx(2.0, abs=0.5)  # one heartbeat interval in
+        # It did not dial, so it leaves pinging to the dialer for two intervals; then it
+        # probes once per interval.
+        assert pings[0] == pytest.approx(4.0, abs=0.5)
         assert pings[1] - pings[0] == pytest.approx(2.0, abs=0.5)
         last_t, last = frames[-1]
         assert isinstance(last, Bye) and last.code == "timeout", frames
@@ -208,6 +211,52 @@ async def test_idle_peer_gets_pings_then_is_dropped(autojump_clock: trio.testing
             while a.statistics().sessions:
                 await trio.sleep(0.01)
         await raw.aclose()
+
+
+async def test_a_dialer_pings_a_silent_peer_each_interval_then_drops_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a:
+        raw = RawPeer()
+        async with raw_server(raw, a):
+            assert raw.stream is not None and raw.proto.data_to_send() == b""
+            start = trio.current_time()
+            decoder = FrameDecoder()
+            frames: list[tuple[float, object]] = []
+            while chunk := await raw.stream.receive_some(65536):
+                decoder.feed(chunk)
+                while (msg := decoder.next_message()) is not None:
+                    frames.append((trio.current_time() - start, msg))
+        pings = [t for t, msg in frames if isinstance(msg, Ping)]
+        assert pings[:4] == pytest.approx([2.0, 4.0, 6.0, 8.0], abs=0.5), frames
+        last_t, last = frames[-1]
+        assert isinstance(last, Bye) and last.code == "timeout", frames
+        assert last_t == pytest.approx(9.0, abs=1.0)
+        await raw.aclose()
+
+
+async def test_an_idle_pair_exchanges_one_ping_and_one_pong_per_interval(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the dialer pings a live peer: the acceptor hears it every interval and never
+    needs to, so an idle session costs half the frames and wake-ups of both pinging."""
+    sent: dict[str, int] = {}
+    send_ping = SessionProtocol.send_ping
+
+    def counted(self: SessionProtocol) -> int:
+        sent[self.local.peer_id] = sent.get(self.local.peer_id, 0) + 1
+        return send_ping(self)
+
+    monkeypatch.setattr(SessionProtocol, "send_ping", counted)
+    async with (
+        node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a,
+        node("b", heartbeat_interval=2.0, idle_timeout=9.0) as b,
+    ):
+        await b.connect(a.address)  # b dials
+        await trio.sleep(40.0)
+        assert a.statistics().peers == 1 and b.statistics().peers == 1
+        assert sent.get("a", 0) == 0
+        assert 18 <= sent["b"] <= 21  # one per 2 s interval
 
 
 async def test_heartbeats_keep_a_quiet_session_alive(

@@ -132,6 +132,8 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._writes: dict[int, trio.CancelScope] = {}
         self._write_done: dict[int, trio.Event] = {}
         self._last_rx = trio.current_time()
+        self._quiet: trio.CancelScope | None = None  # the keepalive's sleep, while it sleeps
+        self._quiet_after = 0.0  # how long a peer must be quiet before the keepalive acts
         self._wake_lease = trio.Event()
         self._timer_at = -math.inf  # the lease timer's wake-up time (not started: any)
         self._handlers: dict[type[Any], Any] = {
@@ -357,6 +359,9 @@ class PeerSession(ProducerSide, ConsumerSide):
             if self.proto.frames_received != frames:  # bytes alone are not a sign of life
                 self._last_rx = trio.current_time()
                 self._rx.unpark_all()
+                if (quiet := self._quiet) is not None:
+                    # The keepalive need not look before the peer has been quiet this long.
+                    quiet.deadline = max(quiet.deadline, self._last_rx + self._quiet_after)
             await self._flush()
 
     async def _handshake_deadline(self) -> None:
@@ -370,7 +375,16 @@ class PeerSession(ProducerSide, ConsumerSide):
         )
 
     async def _keepalive(self) -> None:
+        """Pings a quiet peer and drops a silent one. Only the side that dialed pings after
+        one heartbeat interval of quiet; the other waits two, so while the dialer is alive
+        its pings (and our pongs) keep both sides from ever pinging twice per interval, and
+        an idle connection costs one ping and one pong per interval, not two of each."""
         hb, idle = self.cfg.heartbeat_interval, self.cfg.idle_timeout
+        quiet_before_ping = hb if self.dialer else 2 * hb
+        # The peer's pong lands a round trip after our ping, so one interval after the
+        # ping it has been quiet for a little less than an interval: pinging anyway then
+        # (instead of waking again a round trip later) is what keeps it one wake-up each.
+        early = hb / 8
         last_ping = -math.inf
         while True:
             now = trio.current_time()
@@ -385,15 +399,21 @@ class PeerSession(ProducerSide, ConsumerSide):
             if not self.proto.ready:
                 # No pings before the handshake is through: look again in a while.
                 next_ping = now + hb
-            elif quiet >= hb and now - last_ping >= hb:
+            elif quiet >= quiet_before_ping - early and now - last_ping >= hb - early:
                 self.proto.send_ping()
                 last_ping = now
                 await self._flush()
                 next_ping = now + hb
             else:
-                next_ping = max(self._last_rx, last_ping) + hb
-            # Both wake-ups lie in the future here, so this loop never spins.
-            await trio.sleep_until(min(next_ping, self._last_rx + idle))
+                next_ping = max(self._last_rx + quiet_before_ping, last_ping + hb)
+            # Both wake-ups lie in the future here, so this loop never spins. Each frame
+            # that arrives meanwhile pushes the wake-up back (the reader moves the scope's
+            # deadline, which wakes nobody), so a live peer's frames cost this task nothing.
+            self._quiet_after = min(quiet_before_ping, idle)
+            self._quiet = trio.CancelScope(deadline=min(next_ping, self._last_rx + idle))
+            with self._quiet:
+                await trio.sleep_forever()
+            self._quiet = None
 
     def _rearm_lease_timer(self, deadline: float) -> None:
         """A lease or round ending at ``deadline`` was added: wake the lease timer only if
