@@ -571,6 +571,10 @@ class ConsumerSide(SessionParts):
         named = [req for h in handles if h.session_token is self.token for req in h.req_ids]
         candidates = [self._rounds[r] for r in named if r in self._rounds]
         candidates += [r for r in self._rounds.values() if not r.held]
+        for rnd in candidates:  # the usual case: one round holds every key (no set built)
+            if len(rnd.hits) >= len(keys) and rnd.hits.issuperset(keys):
+                del self._rounds[rnd.req_id]
+                return {rnd.req_id: keys}, []
         left = set(keys)
         taken: list[tuple[int, set[bytes]]] = []
         for rnd in candidates:
@@ -581,9 +585,7 @@ class ConsumerSide(SessionParts):
                 left -= got
         groups: dict[int, list[bytes]] = {}
         uncovered: list[bytes] = []
-        if len(taken) == 1 and not left:
-            groups[taken[0][0]] = keys  # the usual case: one round holds every key
-        elif not taken:
+        if not taken:
             uncovered = keys
         else:
             owner: dict[bytes, int] = {}
