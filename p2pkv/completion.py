@@ -6,12 +6,16 @@ The data plane reports completion only when asked (``poll``), and some paths als
 the *target* of a write to drive progress. One task per node polls every pending handle
 and calls ``progress()``; it sleeps with exponential backoff (1 ms up to 10 ms) while
 anything is pending or a consumer is waiting for incoming writes (``demand``), and parks
-on an event when nothing is: an idle node never wakes up for the data plane.
+on an event when nothing is: an idle node never wakes up for the data plane. When the
+last handle settles or the last demand drops, its sleep is cut short (the deadline of
+its cancel scope moved) so it parks at once rather than waking later inside whatever the
+node does next, e.g. the next lookup.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import trio
 
@@ -30,6 +34,7 @@ class CompletionPoller:
         self._states: dict[TransferHandle, TransferState] = {}
         self._demand = 0
         self._wakeup = trio.Event()
+        self._nap: trio.CancelScope | None = None  # the poller's sleep between two polls
 
     @property
     def in_flight(self) -> int:
@@ -45,6 +50,14 @@ class CompletionPoller:
 
     def drop_demand(self) -> None:
         self._demand -= 1
+        self._idle_if_done()
+
+    def _idle_if_done(self) -> None:
+        """Nothing pending and nobody waiting: end the poller's nap now, so that it parks
+        at once instead of waking up later (inside whatever the node does next) only to
+        find nothing to do. Moving the deadline wakes nobody but the poller."""
+        if not self._pending and self._demand <= 0 and self._nap is not None:
+            self._nap.deadline = -math.inf
 
     async def wait(
         self, handle: TransferHandle, transport: DataTransport | None = None
@@ -65,6 +78,7 @@ class CompletionPoller:
         except BaseException:
             self._pending.pop(handle, None)
             self._states.pop(handle, None)
+            self._idle_if_done()
             raise
         return self._states.pop(handle)
 
@@ -89,4 +103,8 @@ class CompletionPoller:
                     event.set()
                     finished = True
             delay = MIN_DELAY if finished else min(delay * 2, MAX_DELAY)
-            await trio.sleep(delay)
+            if not self._pending and self._demand <= 0:
+                continue  # the last handle just settled: park now, not after a nap
+            with trio.move_on_after(delay) as self._nap:
+                await trio.sleep_forever()
+            self._nap = None

@@ -1,0 +1,92 @@
+"""The completion poller: it polls while something is pending or a consumer waits, and
+once neither holds it parks at once, taking no further step (a step after the fact used to
+land inside whatever the node did next, e.g. the next lookup). Autojump clock, no threads:
+the transport is a FAKE that reports DONE after a set number of polls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+import trio.testing
+
+from p2pkv.completion import CompletionPoller
+from p2pkv.transport.base import TransferHandle, TransferState
+
+
+class CountingTransport:
+    """FAKE data plane: each handle is PROC for ``polls_until_done`` polls, then DONE."""
+
+    def __init__(self, polls_until_done: int) -> None:
+        self.polls_until_done = polls_until_done
+        self.polls: dict[int, int] = {}
+        self.progress_calls = 0
+
+    def progress(self) -> None:
+        self.progress_calls += 1
+
+    def poll(self, handle: Any) -> TransferState:
+        n = self.polls[id(handle)] = self.polls.get(id(handle), 0) + 1
+        return TransferState.DONE if n > self.polls_until_done else TransferState.PROC
+
+
+class TaskSteps(trio.abc.Instrument):
+    """Counts the steps of tasks whose name ends with ``suffix``."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name.endswith(self.suffix):
+            self.steps += 1
+
+
+async def test_the_poller_parks_as_soon_as_the_last_handle_settles(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    transport = CountingTransport(polls_until_done=3)
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    steps = TaskSteps("CompletionPoller.run")
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            handle: Any = TransferHandle.__new__(TransferHandle)
+            assert await poller.wait(handle) is TransferState.DONE
+            assert poller.in_flight == 0
+            await trio.lowlevel.checkpoint()  # the poller may take its last step here
+            before = steps.steps
+            await trio.sleep(1.0)  # long past any nap of the backoff (at most 10 ms)
+            assert steps.steps == before
+            nursery.cancel_scope.cancel()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
+
+
+async def test_dropping_the_last_demand_parks_the_poller_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    transport = CountingTransport(polls_until_done=0)
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    steps = TaskSteps("CompletionPoller.run")
+    trio.lowlevel.add_instrument(steps)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(poller.run)
+            poller.add_demand()
+            await trio.sleep(0.05)  # a consumer waits: the poller drives progress
+            driven = transport.progress_calls
+            assert driven >= 3
+            poller.drop_demand()
+            await trio.lowlevel.checkpoint()
+            before = steps.steps
+            await trio.sleep(1.0)
+            assert steps.steps == before and transport.progress_calls == driven
+            poller.add_demand()  # and it comes back when asked
+            await trio.sleep(0.05)
+            assert transport.progress_calls > driven
+            poller.drop_demand()
+            nursery.cancel_scope.cancel()
+    finally:
+        trio.lowlevel.remove_instrument(steps)
