@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -155,3 +156,25 @@ def test_a_lookup_of_a_key_over_the_peers_limit_is_refused_before_anything_is_qu
     req = pair.a.send_lookup([*keys[:-1], b"x" * 32])
     (msg,) = decode_frames(pair.a.data_to_send())
     assert msg == Lookup(req_id=req, keys=[*keys[:-1], b"x" * 32])
+
+
+async def test_request_limits_follow_each_hello_of_the_peer() -> None:
+    """The consumer computes its request limits once per hello of the peer, not per
+    request; a new hello (the peer restarted with other limits) is used at once."""
+    raw = RawPeer("small", max_keys_per_request=100, max_key_len=40)
+    with trio.fail_after(20):
+        async with open_node(config("dst", block_len=BL)) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            (session,) = dst._sessions
+            assert isinstance(session, PeerSession)
+            first = session._limits()
+            assert (first.max_keys, first.max_key_len) == (100, 40)
+            assert session._limits() is first  # cached
+            assert session.proto.peer is not None
+            session.proto.peer = attrs.evolve(session.proto.peer, max_key_len=20)
+            again = session._limits()
+            assert (again.max_keys, again.max_key_len) == (100, 20)
+            with pytest.raises(LocalProtocolError, match="key too long"):
+                await dst.lookup("small", [b"k" * 21])
+            await raw.aclose()

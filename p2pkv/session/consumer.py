@@ -222,6 +222,7 @@ class ConsumerSide(SessionParts):
         _pending: dict[int, _Pending]
         _rounds: dict[int, _Round]
         _fetching: dict[bytes, _Claim]
+        _limits_cache: tuple[object, RequestLimits] | None
 
     # --- events from the peer -------------------------------------------------------------
 
@@ -251,14 +252,20 @@ class ConsumerSide(SessionParts):
 
     def _limits(self) -> RequestLimits:
         """What one of our requests may hold: never more than the wire allows, our own
-        config, or what the peer advertised in its hello (so it never has to cut us off)."""
+        config, or what the peer advertised in its hello (so it never has to cut us off).
+        Computed once per hello (the only input that changes)."""
+        cached = self._limits_cache
+        if cached is not None and cached[0] is self.proto.peer:
+            return cached[1]
         frame = min(self.cfg.max_frame_size, MAX_FRAME_SIZE)
         max_keys, max_key_len = self.proto.request_limits()
-        return RequestLimits(
+        limits = RequestLimits(
             max_keys=min(max_keys, MAX_KEYS),
             max_key_len=min(max_key_len, MAX_KEY_LEN),
             max_bytes=max(frame - FRAME_OVERHEAD, MAX_KEY_LEN + KEY_OVERHEAD),
         )
+        self._limits_cache = (self.proto.peer, limits)
+        return limits
 
     def _chunks(self, keys: Sequence[bytes]) -> list[list[bytes]]:
         lim = self._limits()

@@ -53,7 +53,15 @@ from ..errors import (
 )
 from ..transport.base import RegionLayout, RemotePeer
 from ..wire import Hello
-from .consumer import ConsumerSide, FetchResult, LookupRound, _Claim, _Pending, _Round
+from .consumer import (
+    ConsumerSide,
+    FetchResult,
+    LookupRound,
+    RequestLimits,
+    _Claim,
+    _Pending,
+    _Round,
+)
 from .producer import HeldRound, ProducerSide
 from .protocol import (
     AbortAcknowledged,
@@ -128,6 +136,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
         self._fetching: dict[bytes, _Claim] = {}  # keys a fetch of ours is bringing in
+        self._limits_cache: tuple[object, RequestLimits] | None = None  # (hello, limits)
         self._pinned: dict[int, HeldRound] = {}  # producer round -> what it holds
         self._writes: dict[int, trio.CancelScope] = {}
         self._write_done: dict[int, trio.Event] = {}
