@@ -355,3 +355,15 @@ def test_a_trusted_message_is_the_validated_one_and_needs_every_field() -> None:
         wire.trusted(Fetch, req_id=7, keys=ks)
     with pytest.raises(TypeError, match="exactly its fields"):
         wire.trusted(Lookup, req_id=7, keys=ks, slots=slots)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    value=st.lists(st.binary(min_size=1, max_size=40), max_size=200),
+    limit=st.sampled_from([1, 8, 32, 40]),
+)
+def test_key_lengths_ok_answers_exactly_what_the_walk_answers(
+    value: list[bytes], limit: int
+) -> None:
+    """The receive-side bound on decoded keys (bytes already) agrees with the plain walk."""
+    assert wire.key_lengths_ok(value, limit) is all(0 < len(k) <= limit for k in value)

@@ -87,6 +87,7 @@ from ..wire import (
     Pong,
     TransferDone,
     encode,
+    key_lengths_ok,
     keys_ok,
     to_wire,
     trusted,
@@ -661,7 +662,7 @@ class SessionProtocol:
                 f"{len(keys)} keys in one request (cap {self.local.max_keys_per_request})"
             )
         limit = self.local.max_key_len
-        if keys and max(map(len, keys)) > limit:  # C-level: no Python loop per key
+        if not key_lengths_ok(keys, limit):  # the decoder saw to the type: bytes only
             raise RemoteProtocolError(f"key longer than {limit} bytes")
 
     def _on_lookup(self, m: Lookup) -> Event:
