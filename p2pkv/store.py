@@ -94,9 +94,9 @@ import math
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import islice
+from itertools import islice, repeat
 from typing import Any, Final
 
 import attrs
@@ -131,8 +131,8 @@ class _HostPut:
 
 
 _HOST_PUT: Final = _HostPut()
+_HOST_PUT_ID: Final = 1  # its id in BlockStore._owner (0 is no owner)
 _ANY_OWNER: Final[Hashable] = object()
-_NO_SLOTS: Final[frozenset[int]] = frozenset()
 
 
 _yield_gil = time.sleep
@@ -259,16 +259,28 @@ class BlockStore:
         self._turn = threading.Lock()  # held by a host call waiting for or holding _lock
         self._serial = threading.Lock()  # held by an engine-side call from start to end
         self._offered_at = 0.0  # when the engine-side call in progress began or offered the GIL
-        self._state = [_FREE] * num_blocks
-        self._slot_key: list[bytes | None] = [None] * num_blocks  # None: free/reserved/orphan
-        self._pin_count = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack; pops slot 0 first
+        # One entry per slot (module docstring, "Slot arrays").
+        self._state = np.zeros(num_blocks, dtype=np.int8)
+        self._slot_key = np.full(num_blocks, None, dtype=object)  # None: free/reserved/orphan
+        self._pin_count = np.zeros(num_blocks, dtype=np.int32)
+        self._owner = np.zeros(num_blocks, dtype=np.int32)  # id of the reserving owner; 0: none
+        self._lru_pos = np.full(num_blocks, -1, dtype=np.int64)  # its live LRU entry; -1: none
+        # The free list is a stack, _free[:_n_free]; it pops slot 0 first.
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._n_free = num_blocks
+        # The LRU's log, _log[_log_head:_log_tail]: slots in the order they became evictable.
+        self._log = np.empty(2 * (num_blocks + batch_keys), dtype=np.int32)
+        self._log_head = self._log_tail = 0
+        self._n_lru = 0  # evictable slots: live entries in the log
         self._map: dict[bytes, int] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable keys, LRU first
-        self._pins: dict[Hashable, dict[int, int]] = {}  # owner -> slot -> count
+        self._pins: dict[Hashable, _Pins] = {}
         self._pinned_slots = 0
-        self._reserved: dict[int, Hashable] = {}  # slot -> owner
-        self._reserved_by: dict[Hashable, set[int]] = {}  # owner -> slots
+        host = _Holder(_HOST_PUT, _HOST_PUT_ID)
+        self._holders: dict[Hashable, _Holder] = {_HOST_PUT: host}  # owners holding reservations
+        self._holder_ids: dict[int, _Holder] = {_HOST_PUT_ID: host}
+        self._spare_ids: list[int] = []  # ids of owners whose last reservation ended
+        self._next_id = _HOST_PUT_ID + 1
+        self._n_reserved = 0
         self._claimed = 0  # free or evictable slots promised to a reserve() in progress
         self._quarantine: dict[int, tuple[float, Hashable]] = {}  # slot -> (until, owner)
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
@@ -312,11 +324,14 @@ class BlockStore:
             if slot is not None and self._pin_count[slot] == 0:
                 # In place: unmap first, so nobody can read or pin it half-written.
                 del self._map[key]
-                del self._lru[key]
+                self._lru_drop_locked(slot)
                 self._slot_key[slot] = None
             else:
-                slot = self._allocate_locked(1)[0]
-            self._reserve_locked(slot, _HOST_PUT)
+                slot = self._allocate_one_locked()
+            self._state[slot] = _RESERVED
+            self._owner[slot] = _HOST_PUT_ID
+            self._holders[_HOST_PUT].count += 1
+            self._n_reserved += 1
         try:
             start = slot * self.block_len
             if self._array is not None:
@@ -326,11 +341,11 @@ class BlockStore:
                 _torch().cuda.current_stream(self._tensor.device).synchronize()
         except BaseException:
             with self._turn, self._lock:
-                self._unreserve_locked(slot)
-                self._free_locked(slot)
+                self._end_host_put_locked(slot)
+                self._free_one_locked(slot)
             raise
         with self._turn, self._lock:
-            self._unreserve_locked(slot)
+            self._end_host_put_locked(slot)
             self._publish_locked(slot, key)
         return slot
 
@@ -361,7 +376,8 @@ class BlockStore:
         with self._turn, self._lock:
             slot = self._map.get(key)
             if slot is not None and self._pin_count[slot] == 0:
-                self._lru.move_to_end(key)
+                self._lru_drop_locked(slot)
+                self._lru_push_one_locked(slot)
             return slot
 
     def _host_only(self, op: str) -> None:
@@ -397,18 +413,19 @@ class BlockStore:
             if slot is None or self._pin_count[slot]:
                 return False
             del self._map[key]
-            del self._lru[key]
-            self._free_locked(slot)
+            self._lru_drop_locked(slot)
+            self._free_one_locked(slot)
             return True
 
     def pins_of(self, owner: Hashable) -> int:
         with self._turn, self._lock:
-            return sum(self._pins.get(owner, {}).values())
+            pins = self._pins.get(owner)
+            return 0 if pins is None else pins.total
 
     def statistics(self) -> StoreStatistics:
         with self._turn, self._lock:
-            free = len(self._free)
-            reserved = len(self._reserved)
+            free = self._n_free
+            reserved = self._n_reserved
             quarantined = len(self._quarantine)
             return StoreStatistics(
                 num_blocks=self.num_blocks,
@@ -431,33 +448,14 @@ class BlockStore:
         pinned atomically; the call as a whole is not (module docstring).
         """
         out: list[int | None] = []
-        append = out.append
-        lookup, lru, pin_count, pins = self._map.get, self._lru, self._pin_count, self._pins
+        lookup = self._map.get
         step = self.batch_keys
         it = iter(keys)
         with _Serial(self):
             for _ in range(0, len(keys), step):
                 with _Batch(self):
-                    counts = pins.get(owner)
-                    if counts is None:
-                        counts = {}
-                    count = counts.get
-                    newly = 0
-                    try:
-                        for key in islice(it, step):
-                            slot = lookup(key)
-                            if slot is not None:
-                                held = pin_count[slot]
-                                if not held:
-                                    del lru[key]
-                                    newly += 1
-                                pin_count[slot] = held + 1
-                                counts[slot] = count(slot, 0) + 1
-                            append(slot)
-                    finally:
-                        self._pinned_slots += newly
-                        if counts:
-                            pins[owner] = counts
+                    found = list(map(lookup, islice(it, step), repeat(-1)))
+                    out += self._pin_locked(owner, found)
         return out
 
     def unpin(self, owner: Hashable) -> int:
@@ -476,10 +474,13 @@ class BlockStore:
         with _Serial(self):
             for _ in range(0, len(slots), step):
                 with _Batch(self):
-                    counts = self._pins.get(owner)
-                    if not counts:
+                    pins = self._pins.get(owner)
+                    if pins is None:
                         break
-                    drop: list[tuple[int, int]] = []
+                    counts = pins.counts
+                    # slot -> pins dropped, ordered by each slot's last drop (when its
+                    # count can reach 0, i.e. when it re-enters the LRU)
+                    dropped: dict[int, int] = {}
                     for slot in islice(it, step):
                         held = counts.get(slot)
                         if not held:
@@ -488,10 +489,16 @@ class BlockStore:
                             del counts[slot]
                         else:
                             counts[slot] = held - 1
-                        drop.append((slot, 1))
+                        dropped[slot] = dropped.pop(slot, 0) + 1
                     if not counts:
                         del self._pins[owner]
-                    released += self._drop_pins_locked(drop)
+                    if dropped:
+                        n = len(dropped)
+                        released += self._drop_pins_locked(
+                            pins,
+                            np.fromiter(dropped, np.int64, n),
+                            np.fromiter(dropped.values(), np.int64, n),
+                        )
         return released
 
     def reserve(self, owner: Hashable, n: int) -> list[int]:
@@ -502,7 +509,6 @@ class BlockStore:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         out: list[int] = []
         first = True
-        state, reserved = self._state, self._reserved
         with _Serial(self):
             try:
                 while first or len(out) < n:
@@ -513,19 +519,18 @@ class BlockStore:
                             first = False
                         take = min(n - len(out), self.batch_keys)
                         self._claimed -= take
-                        slots = self._allocate_locked(take)
-                        if slots:
-                            for slot in slots:
-                                state[slot] = _RESERVED
-                            reserved.update(dict.fromkeys(slots, owner))
-                            self._reserved_by.setdefault(owner, set()).update(slots)
-                    out += slots
+                        if take:
+                            slots = self._allocate_locked(take)
+                            self._hold_locked(owner, slots)
+                            out += slots.tolist()
             except BaseException:
                 with _Batch(self):
                     self._claimed = 0
-                    for slot in out:
-                        self._unreserve_locked(slot)
-                        self._free_locked(slot)
+                    holder = self._holders.get(owner)
+                    if out and holder is not None:
+                        slots = np.array(out, dtype=np.int64)
+                        self._unhold_locked(holder, slots)
+                        self._free_many_locked(slots)
                 raise
         return out
 
@@ -538,11 +543,18 @@ class BlockStore:
         """
         _check_key(key)
         with _Serial(self), _Batch(self):
-            if slot not in self._reserved_by.get(owner, _NO_SLOTS):
+            holder = self._holders.get(owner)
+            if (
+                holder is None
+                or not isinstance(slot, int | np.integer)
+                or not 0 <= slot < self.num_blocks
+                or self._owner[slot] != holder.oid
+            ):
                 raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
-            self._unreserve_locked(slot)
+            slot = int(slot)
+            self._unhold_locked(holder, np.array([slot]))
             if key in self._map:
-                self._free_locked(slot)
+                self._free_one_locked(slot)
                 return False
             self._publish_locked(slot, key)
             return True
@@ -557,38 +569,22 @@ class BlockStore:
         """
         if len(slots) != len(keys):
             raise ValueError("slots and keys differ in length")
-        for key in keys:
-            if not isinstance(key, bytes) or not key:
+        keys = list(keys)
+        if set(map(type, keys)) - {bytes} or b"" in keys:
+            for key in keys:
                 _check_key(key)
         if len(set(slots)) != len(slots):
             raise ValueError("a slot is listed twice (a slot commits once)")
+        arr = self._slot_array(owner, slots)
         out: list[bool] = []
-        append = out.append
-        key_map, slot_key, state, lru = self._map, self._slot_key, self._state, self._lru
-        reserved, free = self._reserved, self._free
         step = self.batch_keys
-        pairs = zip(slots, keys, strict=True)
         with _Serial(self):
-            self._check_reserved_serial(owner, slots)
-            for _ in range(0, len(slots), step):
+            holder = self._check_reserved_serial(owner, arr)
+            for start in range(0, len(arr), step):
                 with _Batch(self):
-                    mine = self._reserved_by[owner]
-                    for slot, key in islice(pairs, step):
-                        del reserved[slot]
-                        mine.remove(slot)
-                        if key in key_map:  # keys are content hashes: keep the block we have
-                            state[slot] = _FREE
-                            slot_key[slot] = None
-                            free.append(slot)
-                            append(False)
-                        else:
-                            key_map[key] = slot
-                            slot_key[slot] = key
-                            state[slot] = _OCCUPIED
-                            lru[key] = None
-                            append(True)
-                    if not mine:
-                        del self._reserved_by[owner]
+                    batch = arr[start : start + step]
+                    self._unhold_locked(holder, batch)
+                    out += self._commit_locked(batch, keys[start : start + step])
         return out
 
     def present(self, keys: Iterable[bytes]) -> list[bool]:
@@ -637,7 +633,7 @@ class BlockStore:
                         entry = quarantine.get(slot)
                         if entry is not None and entry[0] == until:
                             del quarantine[slot]
-                            self._free_locked(slot)
+                            self._free_one_locked(slot)
                             released += 1
         return released
 
@@ -661,7 +657,7 @@ class BlockStore:
                         entry = quarantine.get(slot)
                         if entry is not None and (any_owner or entry[1] == owner):
                             del quarantine[slot]
-                            self._free_locked(slot)
+                            self._free_one_locked(int(slot))
             if len(self._deadlines) > 2 * len(self._quarantine) + 64:
                 # Only engine-side calls touch these two, and _serial excludes them all.
                 heap = [(u, s) for s, (u, _) in self._quarantine.items()]
@@ -686,25 +682,23 @@ class BlockStore:
 
     def release_owner(self, owner: Hashable, *, quarantine_until: float | None) -> None:
         """Session teardown: drop all of ``owner``'s pins; its reserved slots are freed
-        (``quarantine_until`` None) or quarantined until ``quarantine_until``."""
+        (``quarantine_until`` None) or quarantined until ``quarantine_until``, in slot
+        order."""
         if quarantine_until is not None:
             _check_until(quarantine_until)
         with _Serial(self):
             self._unpin_serial(owner)
-            while True:
+            with _Batch(self):
+                holder = self._holders.get(owner)
+                if holder is None:
+                    return
+                # One pass over the slot array: only the owner's own calls change its
+                # entries, and _serial excludes them, so the list stays exact.
+                mine = np.flatnonzero(self._owner == holder.oid)
+            step = self.batch_keys
+            for start in range(0, len(mine), step):
                 with _Batch(self):
-                    mine = self._reserved_by.get(owner)
-                    if not mine:
-                        break
-                    for _ in range(min(len(mine), self.batch_keys)):
-                        slot = mine.pop()
-                        del self._reserved[slot]
-                        if quarantine_until is None:
-                            self._free_locked(slot)
-                        else:
-                            self._quarantine_locked(slot, owner, quarantine_until)
-                    if not mine:
-                        del self._reserved_by[owner]
+                    self._settle_locked(holder, mine[start : start + step], quarantine_until)
 
     def __repr__(self) -> str:
         return f"<BlockStore {self.num_blocks}x{self.block_len} keys={len(self._map)}>"
@@ -714,84 +708,188 @@ class BlockStore:
     def _check_room_locked(self, n: int, op: str) -> None:
         # Every slot is FREE, OCCUPIED-evictable (in the LRU), or untouchable, so this
         # check is exact: either all n can be found or the caller changes nothing.
-        if n > len(self._free) + len(self._lru) - self._claimed:
+        if n > self._n_free + self._n_lru - self._claimed:
             claimed = f", {self._claimed} claimed by a reserve in progress" * bool(self._claimed)
             raise StoreFull(
-                f"need {n} slots, {len(self._free)} free and {len(self._lru)} evictable "
+                f"need {n} slots, {self._n_free} free and {self._n_lru} evictable "
                 f"of {self.num_blocks}{claimed}; the rest are pinned, reserved or quarantined",
                 op=op,
             )
 
-    def _allocate_locked(self, n: int) -> list[int]:
-        """n slots, free ones first, then evicting; the caller checked the room."""
-        free = self._free
-        k = min(n, len(free))
-        out = free[len(free) - k :]
-        out.reverse()  # the order pop() would give
-        del free[len(free) - k :]
+    def _allocate_locked(self, n: int) -> _Slots:
+        """n slots, free ones first (in the order the stack pops them), then evicting;
+        the caller checked the room."""
+        top = self._n_free
+        k = min(n, top)
+        out = self._free[top - k : top][::-1].copy()
+        self._n_free = top - k
         if k < n:
-            lru, key_map, slot_key = self._lru, self._map, self._slot_key
-            popitem = lru.popitem
-            for _ in range(n - k):
-                key, _ = popitem(last=False)
-                slot = key_map.pop(key)
-                slot_key[slot] = None
-                out.append(slot)
+            victims = self._lru_take_locked(n - k)
+            delete = self._map.__delitem__
+            for key in self._slot_key[victims].tolist():
+                delete(key)
+            self._slot_key[victims] = None
             self._evictions += n - k
+            out = np.concatenate((out, victims))
         return out
 
-    def _reserve_locked(self, slot: int, owner: Hashable) -> None:
-        self._state[slot] = _RESERVED
-        self._reserved[slot] = owner
-        self._reserved_by.setdefault(owner, set()).add(slot)
+    def _allocate_one_locked(self) -> int:
+        if self._n_free:
+            self._n_free -= 1
+            return int(self._free[self._n_free])
+        return int(self._allocate_locked(1)[0])
 
-    def _unreserve_locked(self, slot: int) -> None:
-        # The caller moves the slot on to its next state.
-        owner = self._reserved.pop(slot)
-        slots = self._reserved_by[owner]
-        slots.discard(slot)
-        if not slots:
-            del self._reserved_by[owner]
+    def _hold_locked(self, owner: Hashable, slots: _Slots) -> None:
+        """Free or just evicted slots -> RESERVED by ``owner``."""
+        holder = self._holders.get(owner)
+        if holder is None:
+            oid = self._spare_ids.pop() if self._spare_ids else self._new_id()
+            holder = self._holders[owner] = self._holder_ids[oid] = _Holder(owner, oid)
+        self._state[slots] = _RESERVED
+        self._owner[slots] = holder.oid
+        holder.count += len(slots)
+        self._n_reserved += len(slots)
 
-    def _check_reserved_serial(self, owner: Hashable, slots: Sequence[int]) -> None:
-        """ValueError unless ``owner`` reserves every slot. Batched; the answer stays
-        true after it because only ``owner``'s own calls change that, and the caller holds
-        ``_serial``."""
-        it = iter(slots)
-        while batch := list(islice(it, self.batch_keys)):
+    def _new_id(self) -> int:
+        oid = self._next_id
+        self._next_id += 1
+        return oid
+
+    def _unhold_locked(self, holder: _Holder, slots: _Slots) -> None:
+        """``holder``'s reservation of these (distinct) slots ends; the caller moves
+        them on to their next state. An owner's record, and its id, go with its last
+        reservation, so ids are reused: hence every call that settles slots over several
+        batches stops once the owner holds none."""
+        self._owner[slots] = 0
+        holder.count -= len(slots)
+        self._n_reserved -= len(slots)
+        if not holder.count and holder.owner is not _HOST_PUT:
+            del self._holders[holder.owner]
+            del self._holder_ids[holder.oid]
+            self._spare_ids.append(holder.oid)
+
+    def _end_host_put_locked(self, slot: int) -> None:
+        self._owner[slot] = 0
+        self._holders[_HOST_PUT].count -= 1  # the host's record is permanent
+        self._n_reserved -= 1
+
+    def _slot_array(self, owner: Hashable, slots: Sequence[int]) -> _Slots:
+        """The caller's slots as an int64 array; ValueError (as for a slot not reserved by
+        ``owner``) for anything but ints in range."""
+        if not len(slots):
+            return np.zeros(0, dtype=np.int64)
+        try:
+            arr = np.asarray(slots)
+        except (TypeError, ValueError, OverflowError):
+            arr = np.zeros(0, dtype=object)
+        if (
+            arr.ndim != 1
+            or arr.dtype.kind not in "iu"
+            or arr.min() < 0
+            or arr.max() >= self.num_blocks
+        ):
+            bad = next(
+                (
+                    s
+                    for s in slots
+                    if not isinstance(s, int | np.integer) or not 0 <= s < self.num_blocks
+                ),
+                slots[0],
+            )
+            raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
+        return arr.astype(np.int64, copy=False)
+
+    def _check_reserved_serial(self, owner: Hashable, slots: _Slots) -> _Holder:
+        """ValueError unless ``owner`` reserves every slot; its record. Batched; the
+        answer stays true after it because only ``owner``'s own calls change that, and the
+        caller holds ``_serial``."""
+        step = self.batch_keys
+        holder = _Holder(owner, -1)  # matches no slot; stands in if owner holds none
+        for start in range(0, len(slots), step):
             with _Batch(self):
-                held = self._reserved_by.get(owner, _NO_SLOTS)
-                if not held.issuperset(batch):
-                    bad = next(slot for slot in batch if slot not in held)
+                holder = self._holders.get(owner, holder)
+                batch = slots[start : start + step]
+                wrong = self._owner[batch] != holder.oid
+                if wrong.any():
+                    bad = int(batch[wrong.argmax()])
                     raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
+        return holder
 
     def _settle(self, owner: Hashable, slots: Sequence[int], until: float | None) -> None:
         """Reserved -> FREE (``until`` None) or QUARANTINED; duplicates are harmless."""
+        arr = self._slot_array(owner, slots)
+        step = self.batch_keys
         with _Serial(self):
-            self._check_reserved_serial(owner, slots)
-            step = self.batch_keys
-            it = iter(slots)
-            for _ in range(0, len(slots), step):
+            holder = self._check_reserved_serial(owner, arr)
+            for start in range(0, len(arr), step):
                 with _Batch(self):
-                    mine = self._reserved_by.get(owner)
-                    if mine is None:
+                    if not holder.count:
                         break  # all settled; the rest are duplicates
-                    for slot in islice(it, step):
-                        if slot not in mine:
-                            continue  # listed twice: already settled
-                        mine.remove(slot)
-                        del self._reserved[slot]
-                        if until is None:
-                            self._free_locked(slot)
-                        else:
-                            self._quarantine_locked(slot, owner, until)
-                    if not mine:
-                        del self._reserved_by[owner]
+                    batch = arr[start : start + step]
+                    mine = batch[self._owner[batch] == holder.oid]  # settled ones drop out
+                    if len(mine) > 1:
+                        distinct = dict.fromkeys(mine.tolist())
+                        if len(distinct) < len(mine):
+                            mine = np.fromiter(distinct, np.int64, len(distinct))
+                    self._settle_locked(holder, mine, until)
 
-    def _quarantine_locked(self, slot: int, owner: Hashable, until: float) -> None:
-        self._state[slot] = _QUARANTINED
-        self._quarantine[slot] = (until, owner)
-        heapq.heappush(self._deadlines, (until, slot))
+    def _settle_locked(self, holder: _Holder, slots: _Slots, until: float | None) -> None:
+        owner = holder.owner
+        self._unhold_locked(holder, slots)
+        if until is None:
+            self._free_many_locked(slots)
+            return
+        self._state[slots] = _QUARANTINED
+        listed = slots.tolist()
+        self._quarantine.update(dict.fromkeys(listed, (until, owner)))
+        heap = self._deadlines
+        for slot in listed:
+            heapq.heappush(heap, (until, slot))
+
+    def _commit_locked(self, slots: _Slots, keys: list[bytes]) -> list[bool]:
+        """Publish reserved slots as their keys; a key already present (or listed before
+        in the batch) keeps its block and the slot is freed."""
+        key_map = self._map
+        listed = slots.tolist()
+        if key_map.keys().isdisjoint(keys):
+            before = len(key_map)
+            key_map.update(zip(keys, listed, strict=True))
+            if len(key_map) - before == len(listed):
+                self._slot_key[slots] = keys
+                self._state[slots] = _OCCUPIED
+                self._lru_push_locked(slots)
+                return [True] * len(listed)
+            # A key listed twice: its first slot wins. Setting a key again keeps its place
+            # in the map, which is where its first occurrence put it.
+            seen: set[bytes] = set()
+            fresh = seen.__contains__
+            mark = seen.add
+        else:
+            fresh = key_map.__contains__
+            mark = None
+        out: list[bool] = []
+        won: list[int] = []
+        won_keys: list[bytes] = []
+        lost: list[int] = []
+        for slot, key in zip(listed, keys, strict=True):
+            if fresh(key):
+                lost.append(slot)
+                out.append(False)
+            else:
+                if mark is not None:
+                    mark(key)
+                key_map[key] = slot
+                won.append(slot)
+                won_keys.append(key)
+                out.append(True)
+        if won:
+            kept = np.array(won, dtype=np.int64)
+            self._slot_key[kept] = won_keys
+            self._state[kept] = _OCCUPIED
+            self._lru_push_locked(kept)
+        if lost:
+            self._free_many_locked(np.array(lost, dtype=np.int64))
+        return out
 
     def _publish_locked(self, slot: int, key: bytes) -> None:
         old = self._map.get(key)
@@ -799,58 +897,170 @@ class BlockStore:
             if self._pin_count[old]:
                 self._slot_key[old] = None  # orphan: freed when its last pin drops
             else:
-                del self._lru[key]
-                self._free_locked(old)
+                self._lru_drop_locked(old)
+                self._free_one_locked(old)
         self._map[key] = slot
         self._slot_key[slot] = key
         self._state[slot] = _OCCUPIED
-        self._lru[key] = None
+        self._lru_push_one_locked(slot)
 
-    def _free_locked(self, slot: int) -> None:
+    def _free_one_locked(self, slot: int) -> None:
         self._state[slot] = _FREE
         self._slot_key[slot] = None
-        self._free.append(slot)
+        self._free[self._n_free] = slot
+        self._n_free += 1
+
+    def _free_many_locked(self, slots: _Slots) -> None:
+        """FREE, pushed in this order (so the stack pops the last one first)."""
+        self._state[slots] = _FREE
+        self._slot_key[slots] = None
+        top = self._n_free
+        self._free[top : top + len(slots)] = slots
+        self._n_free = top + len(slots)
+
+    # The LRU is a log of slots in the order they became evictable (published, touched,
+    # or their last pin dropped), read from the head. A slot's entry is live while
+    # _lru_pos[slot] is its position; leaving the LRU (a pin, an eviction, a free, an
+    # in-place put) only sets _lru_pos to -1, and a later entry supersedes an earlier one.
+    # So the live entries, head to tail, are exactly the evictable slots, least recently
+    # used first.
+
+    def _lru_push_locked(self, slots: _Slots) -> None:
+        """Mapped, unpinned slots not in the LRU enter it in this order, as most recently used."""
+        n = len(slots)
+        if self._log_tail + n > len(self._log):
+            self._lru_compact_locked(n)
+        tail = self._log_tail
+        self._log[tail : tail + n] = slots
+        self._lru_pos[slots] = np.arange(tail, tail + n)
+        self._log_tail = tail + n
+        self._n_lru += n
+
+    def _lru_push_one_locked(self, slot: int) -> None:
+        if self._log_tail == len(self._log):
+            self._lru_compact_locked(1)
+        tail = self._log_tail
+        self._log[tail] = slot
+        self._lru_pos[slot] = tail
+        self._log_tail = tail + 1
+        self._n_lru += 1
+
+    def _lru_drop_locked(self, slot: int) -> None:
+        """An evictable slot leaves the LRU."""
+        self._lru_pos[slot] = -1
+        self._n_lru -= 1
+
+    def _lru_take_locked(self, n: int) -> _Slots:
+        """Take the n least recently used evictable slots out of the LRU (the caller
+        checked that there are n)."""
+        pos, log = self._lru_pos, self._log
+        head, parts = self._log_head, []
+        need = n
+        while need:
+            seg = log[head : head + min(self._log_tail - head, max(2 * need, 64))]
+            live = np.flatnonzero(pos[seg] == np.arange(head, head + len(seg)))[:need]
+            parts.append(seg[live])
+            need -= len(live)
+            head += int(live[-1]) + 1 if not need else len(seg)
+        self._log_head = head
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        pos[out] = -1
+        self._n_lru -= n
+        return out
+
+    def _lru_compact_locked(self, room: int) -> None:
+        """Drop the log's dead entries, leaving room for ``room`` more. The log holds at
+        least twice the most live entries plus one batch, so this runs at most once per
+        ``num_blocks`` appends."""
+        head, tail = self._log_head, self._log_tail
+        seg = self._log[head:tail]
+        live = seg[self._lru_pos[seg] == np.arange(head, tail)]
+        size = len(self._log)
+        while 2 * (len(live) + room) > size:
+            size *= 2
+        if size != len(self._log):
+            self._log = np.empty(size, dtype=np.int32)
+        self._log[: len(live)] = live
+        self._lru_pos[live] = np.arange(len(live))
+        self._log_head, self._log_tail = 0, len(live)
+
+    def _pin_locked(self, owner: Hashable, found: list[int]) -> list[int | None]:
+        """One more pin of ``owner`` on each found slot (-1: the key is absent); the
+        slots, None for the absent ones."""
+        slots = np.fromiter(found, np.int64, len(found))
+        hit = slots >= 0
+        if hit.all():
+            out: list[int | None] = list(found)
+            listed = found
+        else:
+            slots = slots[hit]
+            listed = slots.tolist()
+            out = [None if slot < 0 else slot for slot in found]
+        if not listed:
+            return out
+        pins = self._pins.get(owner)
+        if pins is None:
+            pins = self._pins[owner] = _Pins()
+        counts = pins.counts
+        once = dict.fromkeys(listed, 1)
+        if len(once) == len(listed) and counts.keys().isdisjoint(once):
+            counts.update(once)
+            add: Any = 1
+        else:  # a slot listed twice, or pinned before by this owner
+            per_slot = Counter(listed)
+            for slot, n in per_slot.items():
+                counts[slot] = counts.get(slot, 0) + n
+            slots = np.fromiter(per_slot, np.int64, len(per_slot))
+            add = np.fromiter(per_slot.values(), np.int32, len(per_slot))
+        before = self._pin_count[slots]
+        self._pin_count[slots] = before + add
+        newly = slots[before == 0]  # they leave the LRU
+        self._lru_pos[newly] = -1
+        self._n_lru -= len(newly)
+        self._pinned_slots += len(newly)
+        pins.total += len(listed)
+        return out
 
     def _unpin_serial(self, owner: Hashable) -> int:
         """Drop every pin of ``owner`` in batches, in pin order (so keys re-enter the LRU
-        in the order they were first pinned). One iterator walks the owner's counts from
-        start to end: only engine-side calls change them, and ``_serial`` excludes those,
-        so nothing but a dropped entry's count (set to 0, keeping ``pins_of`` exact) changes
-        under it; the entry goes with the last batch."""
-        counts = self._pins.get(owner)
-        if not counts:
+        in the order they were first pinned). The slots and counts are read once, outside
+        ``_lock``: only engine-side calls change them, and ``_serial`` excludes those. The
+        owner's total drops batch by batch (so ``pins_of`` is exact); its entry goes with
+        the last batch."""
+        pins = self._pins.get(owner)
+        if pins is None:
             return 0
-        step, n = self.batch_keys, len(counts)
-        items = iter(counts.items())
+        counts = pins.counts
+        n = len(counts)
+        slots = np.fromiter(counts, np.int64, n)
+        drops = np.fromiter(counts.values(), np.int64, n)
+        step = self.batch_keys
         released = 0
         for start in range(0, n, step):
             with _Batch(self):
-                batch = list(islice(items, step))
-                released += self._drop_pins_locked(batch)
-                if start + step < n:
-                    for slot, _ in batch:
-                        counts[slot] = 0
-                else:
+                end = start + step
+                released += self._drop_pins_locked(pins, slots[start:end], drops[start:end])
+                if end >= n:
                     del self._pins[owner]
         return released
 
-    def _drop_pins_locked(self, drops: Iterable[tuple[int, int]]) -> int:
-        """Take ``n`` pins off each ``(slot, n)``; a slot whose last pin drops becomes
-        evictable again as most recently used, or FREE if it is an orphan."""
-        pin_count, slot_key, lru = self._pin_count, self._slot_key, self._lru
-        released = unpinned = 0
-        for slot, n in drops:
-            left = pin_count[slot] - n
-            pin_count[slot] = left
-            released += n
-            if not left:
-                unpinned += 1
-                key = slot_key[slot]
-                if key is None:
-                    self._free_locked(slot)  # an orphan's last pin
-                else:
-                    lru[key] = None
-        self._pinned_slots -= unpinned
+    def _drop_pins_locked(self, pins: _Pins, slots: _Slots, drops: _Slots) -> int:
+        """Take ``drops[i]`` of ``pins``' pins off each (distinct) ``slots[i]``; a slot
+        whose last pin drops becomes evictable again as most recently used (in this
+        order), or FREE if it is an orphan."""
+        left = self._pin_count[slots] - drops
+        self._pin_count[slots] = left
+        released = int(drops.sum())
+        pins.total -= released
+        done = slots[left == 0]
+        if len(done):
+            self._pinned_slots -= len(done)
+            keyed = self._slot_key[done].astype(bool)
+            if keyed.all():
+                self._lru_push_locked(done)
+            else:
+                self._free_many_locked(done[~keyed])  # orphans' last pins
+                self._lru_push_locked(done[keyed])
         return released
 
     def _check_slot(self, slot: int) -> None:
@@ -859,35 +1069,94 @@ class BlockStore:
         if not 0 <= slot < self.num_blocks:
             raise ValueError(f"slot {slot} out of range [0, {self.num_blocks})")
 
+    def _lru_keys(self) -> list[bytes]:
+        """Test hook: the evictable keys, least recently used first."""
+        with self._turn, self._lock:
+            keys: list[bytes] = self._slot_key[self._lru_live_locked()].tolist()
+            return keys
+
+    def _reserved_by(self, owner: Hashable) -> list[int]:
+        """Test hook: the slots ``owner`` reserves, in slot order."""
+        with self._turn, self._lock:
+            holder = self._holders.get(owner)
+            if holder is None:
+                return []
+            slots: list[int] = np.flatnonzero(self._owner == holder.oid).tolist()
+            return slots
+
+    def _lru_live_locked(self) -> _Slots:
+        head, tail = self._log_head, self._log_tail
+        seg = self._log[head:tail]
+        live: _Slots = seg[self._lru_pos[seg] == np.arange(head, tail)]
+        return live
+
     def _check_invariants(self) -> None:
         """Test hook: assert every internal structure agrees with every other (no
         engine-side call may be in progress, so it waits for one to end)."""
         with self._serial, self._turn, self._lock:
-            states = self._state
+            n = self.num_blocks
+            state, owner, slot_key = self._state, self._owner, self._slot_key
             assert self._claimed == 0
-            assert sorted(self._free) == [s for s, st in enumerate(states) if st == _FREE]
-            assert set(self._reserved) == {s for s, st in enumerate(states) if st == _RESERVED}
-            assert set(self._quarantine) == {s for s, st in enumerate(states) if st == _QUARANTINED}
-            assert all(self._reserved_by.values())
-            assert {s for ss in self._reserved_by.values() for s in ss} == set(self._reserved)
-            for owner, slots in self._reserved_by.items():
-                assert all(self._reserved[s] is owner or self._reserved[s] == owner for s in slots)
+            free = self._free[: self._n_free].tolist()
+            assert sorted(free) == np.flatnonzero(state == _FREE).tolist()
+            reserved = state == _RESERVED
+            assert ((owner != 0) == reserved).all()
+            assert self._n_reserved == int(reserved.sum())
+            assert self._holder_ids[_HOST_PUT_ID] is self._holders[_HOST_PUT]
+            assert len(self._holders) == len(self._holder_ids)
+            for oid, holder in self._holder_ids.items():
+                assert holder.oid == oid and self._holders[holder.owner] is holder
+                assert holder.count == int((owner == oid).sum())
+                assert holder.count > 0 or holder.owner is _HOST_PUT
+            assert set(np.unique(owner[reserved]).tolist()) <= set(self._holder_ids)
+            assert not set(self._spare_ids) & set(self._holder_ids)
+            quarantined = np.flatnonzero(state == _QUARANTINED).tolist()
+            assert set(self._quarantine) == set(quarantined)
+            keyed = slot_key.astype(bool)
             for key, slot in self._map.items():
-                assert states[slot] == _OCCUPIED and self._slot_key[slot] == key
-            assert list(self._lru) == [k for k in self._lru if not self._pin_count[self._map[k]]]
-            assert set(self._lru) == {k for k, s in self._map.items() if not self._pin_count[s]}
-            per_slot = [0] * self.num_blocks
-            for counts in self._pins.values():
+                assert state[slot] == _OCCUPIED and slot_key[slot] == key
+            assert sorted(self._map.values()) == np.flatnonzero(keyed).tolist()
+            per_slot = np.zeros(n, dtype=np.int64)
+            for pins in self._pins.values():
+                counts = pins.counts
                 assert counts and all(c > 0 for c in counts.values())
+                assert pins.total == sum(counts.values())
                 for slot, c in counts.items():
                     per_slot[slot] += c
-            assert per_slot == self._pin_count
-            assert self._pinned_slots == sum(1 for c in per_slot if c)
-            for slot, c in enumerate(per_slot):
-                if c:
-                    assert states[slot] == _OCCUPIED
-                elif states[slot] == _OCCUPIED:
-                    assert self._slot_key[slot] is not None  # unpinned orphans are freed
+            assert (per_slot == self._pin_count).all()
+            pinned = per_slot > 0
+            assert self._pinned_slots == int(pinned.sum())
+            assert (state[pinned] == _OCCUPIED).all()
+            assert keyed[(state == _OCCUPIED) & ~pinned].all()  # unpinned orphans are freed
+            evictable = keyed & ~pinned
+            assert ((self._lru_pos >= 0) == evictable).all()
+            live = self._lru_live_locked()
+            assert sorted(live.tolist()) == np.flatnonzero(evictable).tolist()
+            assert self._n_lru == len(live)
+
+
+_Slots = npt.NDArray[np.integer[Any]]
+
+
+class _Pins:
+    """One owner's pins: slot -> count, in the order the slots were first pinned."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.total = 0  # the sum of counts less what an unpin in progress has dropped
+
+
+class _Holder:
+    """An owner holding reserved slots: its id in ``BlockStore._owner`` and how many."""
+
+    __slots__ = ("count", "oid", "owner")
+
+    def __init__(self, owner: Hashable, oid: int) -> None:
+        self.owner = owner
+        self.oid = oid
+        self.count = 0
 
 
 def _check_key(key: object) -> None:
