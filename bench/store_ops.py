@@ -99,6 +99,10 @@ def one_rep(module: ModuleType, n: int) -> dict[str, float]:
     return out
 
 
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -145,8 +149,11 @@ def main() -> None:
     stores = {"new": new_store_module}
     if args.baseline:
         stores["old"] = load_store(args.baseline)
-    print(f"cores {os.cpu_count()}, load average {' '.join('%.2f' % x for x in os.getloadavg())}")
-    print(f"stores: new = {new_store_module.__file__}" + (f", old = {args.baseline}" * bool(args.baseline)))
+    print(f"cores {os.cpu_count()}, load average {loadavg()}")
+    print(
+        f"stores: new = {new_store_module.__file__}"
+        + f", old = {args.baseline}" * bool(args.baseline)
+    )
     raw: dict[str, Any] = {"cores": os.cpu_count(), "loadavg_start": os.getloadavg(), "ops": {}}
     for n in args.sizes:
         reps: dict[str, list[dict[str, float]]] = {name: [] for name in stores}
@@ -179,7 +186,7 @@ def main() -> None:
             f"{s['bytes_per_block_full']:.1f} B/block full (keys' own bytes not counted)"
         )
     raw["loadavg_end"] = os.getloadavg()
-    print(f"\nload average {' '.join('%.2f' % x for x in os.getloadavg())}")
+    print(f"\nload average {loadavg()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)

@@ -269,12 +269,13 @@ class BlockStore:
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self._n_free = num_blocks
         # The LRU's log, _log[_log_head:_log_tail]: slots in the order they became evictable.
-        self._log = np.empty(2 * (num_blocks + batch_keys), dtype=np.int32)
+        self._log = np.empty(2 * (num_blocks + min(batch_keys, num_blocks)), dtype=np.int32)
         self._log_head = self._log_tail = 0
         self._n_lru = 0  # evictable slots: live entries in the log
         self._map: dict[bytes, int] = {}
         self._pins: dict[Hashable, _Pins] = {}
         self._pinned_slots = 0
+        self._n_orphans = 0  # OCCUPIED slots no key maps to (all pinned)
         host = _Holder(_HOST_PUT, _HOST_PUT_ID)
         self._holders: dict[Hashable, _Holder] = {_HOST_PUT: host}  # owners holding reservations
         self._holder_ids: dict[int, _Holder] = {_HOST_PUT_ID: host}
@@ -472,12 +473,12 @@ class BlockStore:
         step = self.batch_keys
         it = iter(slots)
         with _Serial(self):
+            pins = self._pins.get(owner)
+            if pins is None:
+                return 0
+            counts = pins.counts()  # only engine-side calls change them: read outside _lock
             for _ in range(0, len(slots), step):
                 with _Batch(self):
-                    pins = self._pins.get(owner)
-                    if pins is None:
-                        break
-                    counts = pins.counts
                     # slot -> pins dropped, ordered by each slot's last drop (when its
                     # count can reach 0, i.e. when it re-enters the LRU)
                     dropped: dict[int, int] = {}
@@ -490,8 +491,6 @@ class BlockStore:
                         else:
                             counts[slot] = held - 1
                         dropped[slot] = dropped.pop(slot, 0) + 1
-                    if not counts:
-                        del self._pins[owner]
                     if dropped:
                         n = len(dropped)
                         released += self._drop_pins_locked(
@@ -499,6 +498,10 @@ class BlockStore:
                             np.fromiter(dropped, np.int64, n),
                             np.fromiter(dropped.values(), np.int64, n),
                         )
+                    if not counts:
+                        del self._pins[owner]
+                        break
+            pins.set_counts(counts)
         return released
 
     def reserve(self, owner: Hashable, n: int) -> list[int]:
@@ -896,6 +899,7 @@ class BlockStore:
         if old is not None:
             if self._pin_count[old]:
                 self._slot_key[old] = None  # orphan: freed when its last pin drops
+                self._n_orphans += 1
             else:
                 self._lru_drop_locked(old)
                 self._free_one_locked(old)
@@ -988,12 +992,11 @@ class BlockStore:
         """One more pin of ``owner`` on each found slot (-1: the key is absent); the
         slots, None for the absent ones."""
         slots = np.fromiter(found, np.int64, len(found))
-        hit = slots >= 0
-        if hit.all():
+        if not len(found) or slots.min() >= 0:
             out: list[int | None] = list(found)
             listed = found
         else:
-            slots = slots[hit]
+            slots = slots[slots >= 0]
             listed = slots.tolist()
             out = [None if slot < 0 else slot for slot in found]
         if not listed:
@@ -1001,66 +1004,75 @@ class BlockStore:
         pins = self._pins.get(owner)
         if pins is None:
             pins = self._pins[owner] = _Pins()
-        counts = pins.counts
-        once = dict.fromkeys(listed, 1)
-        if len(once) == len(listed) and counts.keys().isdisjoint(once):
-            counts.update(once)
-            add: Any = 1
-        else:  # a slot listed twice, or pinned before by this owner
+        pin_count = self._pin_count
+        if len(set(listed)) == len(listed):
+            before = pin_count[slots]
+            pin_count[slots] = before + 1
+        else:  # a key listed twice in this batch
             per_slot = Counter(listed)
-            for slot, n in per_slot.items():
-                counts[slot] = counts.get(slot, 0) + n
             slots = np.fromiter(per_slot, np.int64, len(per_slot))
-            add = np.fromiter(per_slot.values(), np.int32, len(per_slot))
-        before = self._pin_count[slots]
-        self._pin_count[slots] = before + add
-        newly = slots[before == 0]  # they leave the LRU
-        self._lru_pos[newly] = -1
+            before = pin_count[slots]
+            pin_count[slots] = before + np.fromiter(per_slot.values(), np.int32, len(per_slot))
+            pins.distinct = False
+        if before.any():
+            if pins.total:
+                pins.distinct = False  # one of them may be this owner's
+            newly = slots[before == 0]
+        else:
+            newly = slots
+        self._lru_pos[newly] = -1  # they leave the LRU
         self._n_lru -= len(newly)
         self._pinned_slots += len(newly)
+        pins.chunks.append(slots if pins.distinct else np.array(listed, dtype=np.int64))
         pins.total += len(listed)
         return out
 
     def _unpin_serial(self, owner: Hashable) -> int:
         """Drop every pin of ``owner`` in batches, in pin order (so keys re-enter the LRU
-        in the order they were first pinned). The slots and counts are read once, outside
-        ``_lock``: only engine-side calls change them, and ``_serial`` excludes those. The
-        owner's total drops batch by batch (so ``pins_of`` is exact); its entry goes with
-        the last batch."""
+        in the order they were first pinned). The slots are read once, outside ``_lock``:
+        only engine-side calls change them, and ``_serial`` excludes those. The owner's
+        total drops batch by batch (so ``pins_of`` is exact); its entry goes with the last
+        batch."""
         pins = self._pins.get(owner)
         if pins is None:
             return 0
-        counts = pins.counts
-        n = len(counts)
-        slots = np.fromiter(counts, np.int64, n)
-        drops = np.fromiter(counts.values(), np.int64, n)
+        drops: _Slots | None = None
+        if pins.distinct:
+            slots = pins.slots()
+        else:
+            counts = pins.counts()
+            slots = np.fromiter(counts, np.int64, len(counts))
+            drops = np.fromiter(counts.values(), np.int64, len(counts))
+        n = len(slots)
         step = self.batch_keys
         released = 0
         for start in range(0, n, step):
             with _Batch(self):
                 end = start + step
-                released += self._drop_pins_locked(pins, slots[start:end], drops[start:end])
+                part = None if drops is None else drops[start:end]
+                released += self._drop_pins_locked(pins, slots[start:end], part)
                 if end >= n:
                     del self._pins[owner]
         return released
 
-    def _drop_pins_locked(self, pins: _Pins, slots: _Slots, drops: _Slots) -> int:
-        """Take ``drops[i]`` of ``pins``' pins off each (distinct) ``slots[i]``; a slot
-        whose last pin drops becomes evictable again as most recently used (in this
+    def _drop_pins_locked(self, pins: _Pins, slots: _Slots, drops: _Slots | None) -> int:
+        """Take ``drops[i]`` (None: 1) of ``pins``' pins off each (distinct) ``slots[i]``;
+        a slot whose last pin drops becomes evictable again as most recently used (in this
         order), or FREE if it is an orphan."""
-        left = self._pin_count[slots] - drops
+        left = self._pin_count[slots] - (1 if drops is None else drops)
         self._pin_count[slots] = left
-        released = int(drops.sum())
+        released = len(slots) if drops is None else int(drops.sum())
         pins.total -= released
         done = slots[left == 0]
         if len(done):
             self._pinned_slots -= len(done)
-            keyed = self._slot_key[done].astype(bool)
-            if keyed.all():
-                self._lru_push_locked(done)
-            else:
-                self._free_many_locked(done[~keyed])  # orphans' last pins
-                self._lru_push_locked(done[keyed])
+            if self._n_orphans:
+                keyed = self._slot_key[done].astype(bool)
+                orphans = done[~keyed]
+                self._n_orphans -= len(orphans)
+                self._free_many_locked(orphans)  # orphans' last pins
+                done = done[keyed]
+            self._lru_push_locked(done)
         return released
 
     def _check_slot(self, slot: int) -> None:
@@ -1118,16 +1130,16 @@ class BlockStore:
             assert sorted(self._map.values()) == np.flatnonzero(keyed).tolist()
             per_slot = np.zeros(n, dtype=np.int64)
             for pins in self._pins.values():
-                counts = pins.counts
-                assert counts and all(c > 0 for c in counts.values())
-                assert pins.total == sum(counts.values())
-                for slot, c in counts.items():
-                    per_slot[slot] += c
+                slots = pins.slots()
+                assert pins.total == len(slots) > 0
+                assert not pins.distinct or len(np.unique(slots)) == len(slots)
+                per_slot += np.bincount(slots, minlength=n)
             assert (per_slot == self._pin_count).all()
             pinned = per_slot > 0
             assert self._pinned_slots == int(pinned.sum())
             assert (state[pinned] == _OCCUPIED).all()
             assert keyed[(state == _OCCUPIED) & ~pinned].all()  # unpinned orphans are freed
+            assert self._n_orphans == int(((state == _OCCUPIED) & ~keyed).sum())
             evictable = keyed & ~pinned
             assert ((self._lru_pos >= 0) == evictable).all()
             live = self._lru_live_locked()
@@ -1139,13 +1151,28 @@ _Slots = npt.NDArray[np.integer[Any]]
 
 
 class _Pins:
-    """One owner's pins: slot -> count, in the order the slots were first pinned."""
+    """One owner's pins: the slots each pin batch pinned, in pin order (a slot once per
+    pin). ``distinct`` while no slot is in them twice, so an unpin needs no counting."""
 
-    __slots__ = ("counts", "total")
+    __slots__ = ("chunks", "distinct", "total")
 
     def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-        self.total = 0  # the sum of counts less what an unpin in progress has dropped
+        self.chunks: list[_Slots] = []
+        self.distinct = True
+        self.total = 0  # pins held: the chunks' length less what an unpin has dropped
+
+    def slots(self) -> _Slots:
+        chunks = self.chunks
+        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+
+    def counts(self) -> dict[int, int]:
+        """slot -> pins, in the order the slots were first pinned."""
+        return Counter(self.slots().tolist())
+
+    def set_counts(self, counts: dict[int, int]) -> None:
+        slots = np.fromiter(counts, np.int64, len(counts))
+        self.chunks = [np.repeat(slots, np.fromiter(counts.values(), np.int64, len(counts)))]
+        self.distinct = all(c == 1 for c in counts.values())
 
 
 class _Holder:

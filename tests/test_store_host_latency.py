@@ -344,7 +344,7 @@ def observe(store: BlockStore) -> tuple[object, ...]:
         store.statistics(),
         {k: store.slot_of(k) for k in list(store.keys())},
         store._lru_keys(),
-        {o: dict(p.counts) for o, p in store._pins.items()},
+        {o: list(p.counts().items()) for o, p in store._pins.items()},
         sorted(store._quarantine.items()),
         store.array.tobytes(),
     )
