@@ -89,6 +89,7 @@ streams and cannot wait for ours). ``buffer`` is what the data plane registers e
 
 from __future__ import annotations
 
+import array
 import heapq
 import math
 import sys
@@ -96,7 +97,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import islice, repeat
+from itertools import compress, islice, repeat
 from typing import Any, Final
 
 import attrs
@@ -572,13 +573,15 @@ class BlockStore:
         """
         if len(slots) != len(keys):
             raise ValueError("slots and keys differ in length")
-        keys = list(keys)
-        if set(map(type, keys)) - {bytes} or b"" in keys:
+        if type(keys) is not list:
+            keys = list(keys)
+        if set(map(type, keys)) - {bytes} or not all(keys):
             for key in keys:
                 _check_key(key)
-        if len(set(slots)) != len(slots):
-            raise ValueError("a slot is listed twice (a slot commits once)")
         arr = self._slot_array(owner, slots)
+        ordered = np.sort(arr)
+        if (ordered[1:] == ordered[:-1]).any():
+            raise ValueError("a slot is listed twice (a slot commits once)")
         out: list[bool] = []
         step = self.batch_keys
         with _Serial(self):
@@ -778,19 +781,13 @@ class BlockStore:
 
     def _slot_array(self, owner: Hashable, slots: Sequence[int]) -> _Slots:
         """The caller's slots as an int64 array; ValueError (as for a slot not reserved by
-        ``owner``) for anything but ints in range."""
-        if not len(slots):
-            return np.zeros(0, dtype=np.int64)
+        ``owner``) for anything but ints in range. (``array`` takes exactly what has
+        ``__index__``; NumPy would also take floats and strings.)"""
         try:
-            arr = np.asarray(slots)
-        except (TypeError, ValueError, OverflowError):
-            arr = np.zeros(0, dtype=object)
-        if (
-            arr.ndim != 1
-            or arr.dtype.kind not in "iu"
-            or arr.min() < 0
-            or arr.max() >= self.num_blocks
-        ):
+            arr = np.frombuffer(array.array("q", slots), dtype=np.int64)
+        except (TypeError, OverflowError):
+            arr = np.array([-1])
+        if len(arr) and (arr.min() < 0 or arr.max() >= self.num_blocks):
             bad = next(
                 (
                     s
@@ -800,7 +797,7 @@ class BlockStore:
                 slots[0],
             )
             raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
-        return arr.astype(np.int64, copy=False)
+        return arr
 
     def _check_reserved_serial(self, owner: Hashable, slots: _Slots) -> _Holder:
         """ValueError unless ``owner`` reserves every slot; its record. Batched; the
@@ -852,47 +849,23 @@ class BlockStore:
     def _commit_locked(self, slots: _Slots, keys: list[bytes]) -> list[bool]:
         """Publish reserved slots as their keys; a key already present (or listed before
         in the batch) keeps its block and the slot is freed."""
-        key_map = self._map
         listed = slots.tolist()
-        if key_map.keys().isdisjoint(keys):
-            before = len(key_map)
-            key_map.update(zip(keys, listed, strict=True))
-            if len(key_map) - before == len(listed):
-                self._slot_key[slots] = keys
-                self._state[slots] = _OCCUPIED
-                self._lru_push_locked(slots)
-                return [True] * len(listed)
-            # A key listed twice: its first slot wins. Setting a key again keeps its place
-            # in the map, which is where its first occurrence put it.
-            seen: set[bytes] = set()
-            fresh = seen.__contains__
-            mark = seen.add
-        else:
-            fresh = key_map.__contains__
-            mark = None
-        out: list[bool] = []
-        won: list[int] = []
-        won_keys: list[bytes] = []
-        lost: list[int] = []
-        for slot, key in zip(listed, keys, strict=True):
-            if fresh(key):
-                lost.append(slot)
-                out.append(False)
-            else:
-                if mark is not None:
-                    mark(key)
-                key_map[key] = slot
-                won.append(slot)
-                won_keys.append(key)
-                out.append(True)
-        if won:
-            kept = np.array(won, dtype=np.int64)
-            self._slot_key[kept] = won_keys
-            self._state[kept] = _OCCUPIED
-            self._lru_push_locked(kept)
-        if lost:
-            self._free_many_locked(np.array(lost, dtype=np.int64))
+        # Each key's slot once the call is done: ours if it was absent, else the one kept.
+        mapped = list(map(self._map.setdefault, keys, listed))
+        if mapped == listed:
+            self._publish_many_locked(slots, keys)
+            return [True] * len(listed)
+        kept = np.fromiter(mapped, np.int64, len(mapped)) == slots
+        self._free_many_locked(slots[~kept])
+        self._publish_many_locked(slots[kept], list(compress(keys, kept.tolist())))
+        out: list[bool] = kept.tolist()
         return out
+
+    def _publish_many_locked(self, slots: _Slots, keys: list[bytes]) -> None:
+        """Slots the map now sends ``keys`` to become OCCUPIED and most recently used."""
+        self._slot_key[slots] = np.fromiter(keys, object, len(keys))
+        self._state[slots] = _OCCUPIED
+        self._lru_push_locked(slots)
 
     def _publish_locked(self, slot: int, key: bytes) -> None:
         old = self._map.get(key)
