@@ -95,7 +95,7 @@ import math
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Sequence
 from itertools import compress, islice, repeat
 from typing import Any, Final
@@ -265,14 +265,10 @@ class BlockStore:
         self._slot_key = np.full(num_blocks, None, dtype=object)  # None: free/reserved/orphan
         self._pin_count = np.zeros(num_blocks, dtype=np.int32)
         self._owner = np.zeros(num_blocks, dtype=np.int32)  # id of the reserving owner; 0: none
-        self._lru_pos = np.full(num_blocks, -1, dtype=np.int64)  # its live LRU entry; -1: none
         # The free list is a stack, _free[:_n_free]; it pops slot 0 first.
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self._n_free = num_blocks
-        # The LRU's log, _log[_log_head:_log_tail]: slots in the order they became evictable.
-        self._log = np.empty(2 * (num_blocks + min(batch_keys, num_blocks)), dtype=np.int32)
-        self._log_head = self._log_tail = 0
-        self._n_lru = 0  # evictable slots: live entries in the log
+        self._lru = _Lru(num_blocks, min(batch_keys, num_blocks))  # the evictable slots
         self._map: dict[bytes, int] = {}
         self._pins: dict[Hashable, _Pins] = {}
         self._pinned_slots = 0
@@ -326,7 +322,7 @@ class BlockStore:
             if slot is not None and self._pin_count[slot] == 0:
                 # In place: unmap first, so nobody can read or pin it half-written.
                 del self._map[key]
-                self._lru_drop_locked(slot)
+                self._lru.drop(slot)
                 self._slot_key[slot] = None
             else:
                 slot = self._allocate_one_locked()
@@ -378,8 +374,8 @@ class BlockStore:
         with self._turn, self._lock:
             slot = self._map.get(key)
             if slot is not None and self._pin_count[slot] == 0:
-                self._lru_drop_locked(slot)
-                self._lru_push_one_locked(slot)
+                self._lru.drop(slot)
+                self._lru.push_one(slot)
             return slot
 
     def _host_only(self, op: str) -> None:
@@ -415,7 +411,7 @@ class BlockStore:
             if slot is None or self._pin_count[slot]:
                 return False
             del self._map[key]
-            self._lru_drop_locked(slot)
+            self._lru.drop(slot)
             self._free_one_locked(slot)
             return True
 
@@ -714,10 +710,10 @@ class BlockStore:
     def _check_room_locked(self, n: int, op: str) -> None:
         # Every slot is FREE, OCCUPIED-evictable (in the LRU), or untouchable, so this
         # check is exact: either all n can be found or the caller changes nothing.
-        if n > self._n_free + self._n_lru - self._claimed:
+        if n > self._n_free + self._lru.count - self._claimed:
             claimed = f", {self._claimed} claimed by a reserve in progress" * bool(self._claimed)
             raise StoreFull(
-                f"need {n} slots, {self._n_free} free and {self._n_lru} evictable "
+                f"need {n} slots, {self._n_free} free and {self._lru.count} evictable "
                 f"of {self.num_blocks}{claimed}; the rest are pinned, reserved or quarantined",
                 op=op,
             )
@@ -730,10 +726,8 @@ class BlockStore:
         out = self._free[top - k : top][::-1].copy()
         self._n_free = top - k
         if k < n:
-            victims = self._lru_take_locked(n - k)
-            delete = self._map.__delitem__
-            for key in self._slot_key[victims].tolist():
-                delete(key)
+            victims = self._lru.take(n - k)
+            deque(map(self._map.__delitem__, self._slot_key[victims].tolist()), maxlen=0)
             self._slot_key[victims] = None
             self._evictions += n - k
             out = np.concatenate((out, victims))
@@ -865,7 +859,7 @@ class BlockStore:
         """Slots the map now sends ``keys`` to become OCCUPIED and most recently used."""
         self._slot_key[slots] = np.fromiter(keys, object, len(keys))
         self._state[slots] = _OCCUPIED
-        self._lru_push_locked(slots)
+        self._lru.push(slots)
 
     def _publish_locked(self, slot: int, key: bytes) -> None:
         old = self._map.get(key)
@@ -874,12 +868,12 @@ class BlockStore:
                 self._slot_key[old] = None  # orphan: freed when its last pin drops
                 self._n_orphans += 1
             else:
-                self._lru_drop_locked(old)
+                self._lru.drop(old)
                 self._free_one_locked(old)
         self._map[key] = slot
         self._slot_key[slot] = key
         self._state[slot] = _OCCUPIED
-        self._lru_push_one_locked(slot)
+        self._lru.push_one(slot)
 
     def _free_one_locked(self, slot: int) -> None:
         self._state[slot] = _FREE
@@ -895,78 +889,12 @@ class BlockStore:
         self._free[top : top + len(slots)] = slots
         self._n_free = top + len(slots)
 
-    # The LRU is a log of slots in the order they became evictable (published, touched,
-    # or their last pin dropped), read from the head. A slot's entry is live while
-    # _lru_pos[slot] is its position; leaving the LRU (a pin, an eviction, a free, an
-    # in-place put) only sets _lru_pos to -1, and a later entry supersedes an earlier one.
-    # So the live entries, head to tail, are exactly the evictable slots, least recently
-    # used first.
-
-    def _lru_push_locked(self, slots: _Slots) -> None:
-        """Mapped, unpinned slots not in the LRU enter it in this order, as most recently used."""
-        n = len(slots)
-        if self._log_tail + n > len(self._log):
-            self._lru_compact_locked(n)
-        tail = self._log_tail
-        self._log[tail : tail + n] = slots
-        self._lru_pos[slots] = np.arange(tail, tail + n)
-        self._log_tail = tail + n
-        self._n_lru += n
-
-    def _lru_push_one_locked(self, slot: int) -> None:
-        if self._log_tail == len(self._log):
-            self._lru_compact_locked(1)
-        tail = self._log_tail
-        self._log[tail] = slot
-        self._lru_pos[slot] = tail
-        self._log_tail = tail + 1
-        self._n_lru += 1
-
-    def _lru_drop_locked(self, slot: int) -> None:
-        """An evictable slot leaves the LRU."""
-        self._lru_pos[slot] = -1
-        self._n_lru -= 1
-
-    def _lru_take_locked(self, n: int) -> _Slots:
-        """Take the n least recently used evictable slots out of the LRU (the caller
-        checked that there are n)."""
-        pos, log = self._lru_pos, self._log
-        head, parts = self._log_head, []
-        need = n
-        while need:
-            seg = log[head : head + min(self._log_tail - head, max(2 * need, 64))]
-            live = np.flatnonzero(pos[seg] == np.arange(head, head + len(seg)))[:need]
-            parts.append(seg[live])
-            need -= len(live)
-            head += int(live[-1]) + 1 if not need else len(seg)
-        self._log_head = head
-        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        pos[out] = -1
-        self._n_lru -= n
-        return out
-
-    def _lru_compact_locked(self, room: int) -> None:
-        """Drop the log's dead entries, leaving room for ``room`` more. The log holds at
-        least twice the most live entries plus one batch, so this runs at most once per
-        ``num_blocks`` appends."""
-        head, tail = self._log_head, self._log_tail
-        seg = self._log[head:tail]
-        live = seg[self._lru_pos[seg] == np.arange(head, tail)]
-        size = len(self._log)
-        while 2 * (len(live) + room) > size:
-            size *= 2
-        if size != len(self._log):
-            self._log = np.empty(size, dtype=np.int32)
-        self._log[: len(live)] = live
-        self._lru_pos[live] = np.arange(len(live))
-        self._log_head, self._log_tail = 0, len(live)
-
     def _pin_locked(self, owner: Hashable, found: list[int]) -> list[int | None]:
         """One more pin of ``owner`` on each found slot (-1: the key is absent); the
         slots, None for the absent ones."""
         slots = np.fromiter(found, np.int64, len(found))
         if not len(found) or slots.min() >= 0:
-            out: list[int | None] = list(found)
+            out: list[int | None] = found  # type: ignore[assignment]  # no None in it
             listed = found
         else:
             slots = slots[slots >= 0]
@@ -978,7 +906,8 @@ class BlockStore:
         if pins is None:
             pins = self._pins[owner] = _Pins()
         pin_count = self._pin_count
-        if len(set(listed)) == len(listed):
+        ordered = np.sort(slots)
+        if not (ordered[1:] == ordered[:-1]).any():
             before = pin_count[slots]
             pin_count[slots] = before + 1
         else:  # a key listed twice in this batch
@@ -993,8 +922,7 @@ class BlockStore:
             newly = slots[before == 0]
         else:
             newly = slots
-        self._lru_pos[newly] = -1  # they leave the LRU
-        self._n_lru -= len(newly)
+        self._lru.drop_many(newly)
         self._pinned_slots += len(newly)
         pins.chunks.append(slots if pins.distinct else np.array(listed, dtype=np.int64))
         pins.total += len(listed)
@@ -1045,7 +973,7 @@ class BlockStore:
                 self._n_orphans -= len(orphans)
                 self._free_many_locked(orphans)  # orphans' last pins
                 done = done[keyed]
-            self._lru_push_locked(done)
+            self._lru.push(done)
         return released
 
     def _check_slot(self, slot: int) -> None:
@@ -1057,7 +985,7 @@ class BlockStore:
     def _lru_keys(self) -> list[bytes]:
         """Test hook: the evictable keys, least recently used first."""
         with self._turn, self._lock:
-            keys: list[bytes] = self._slot_key[self._lru_live_locked()].tolist()
+            keys: list[bytes] = self._slot_key[self._lru.live()].tolist()
             return keys
 
     def _reserved_by(self, owner: Hashable) -> list[int]:
@@ -1068,12 +996,6 @@ class BlockStore:
                 return []
             slots: list[int] = np.flatnonzero(self._owner == holder.oid).tolist()
             return slots
-
-    def _lru_live_locked(self) -> _Slots:
-        head, tail = self._log_head, self._log_tail
-        seg = self._log[head:tail]
-        live: _Slots = seg[self._lru_pos[seg] == np.arange(head, tail)]
-        return live
 
     def _check_invariants(self) -> None:
         """Test hook: assert every internal structure agrees with every other (no
@@ -1114,13 +1036,147 @@ class BlockStore:
             assert keyed[(state == _OCCUPIED) & ~pinned].all()  # unpinned orphans are freed
             assert self._n_orphans == int(((state == _OCCUPIED) & ~keyed).sum())
             evictable = keyed & ~pinned
-            assert ((self._lru_pos >= 0) == evictable).all()
-            live = self._lru_live_locked()
+            assert ((self._lru.seq_of >= 0) == evictable).all()
+            live = self._lru.live()
             assert sorted(live.tolist()) == np.flatnonzero(evictable).tolist()
-            assert self._n_lru == len(live)
+            assert self._lru.count == len(live)
 
 
 _Slots = npt.NDArray[np.integer[Any]]
+
+
+class _Lru:
+    """The evictable slots in the order they became evictable (published, touched, or
+    their last pin dropped): least recently used first. Used under ``BlockStore._lock``.
+
+    A log of entries ``(slot, seq)``, appended at the tail, read from the head; ``seq``
+    numbers every entry ever made. An entry is live while ``seq_of[slot]`` is its seq:
+    a slot leaves (pinned, evicted, freed, overwritten in place) by setting that to -1,
+    and a later entry of the slot supersedes an earlier one. Dead entries are dropped by
+    a compaction that runs in steps of ``4 * room`` entries, one per push, so that no
+    call does more than a bounded amount of it: once the tail passes half the log, live
+    entries are copied, in order, from ``r`` down to ``w`` at the front. The log holds
+    ``slots[head:w]`` then ``slots[r:tail]`` (the gap between is garbage); outside a
+    compaction ``w == r``. A step copies at least four entries for each one pushed, so
+    a compaction ends long before the log fills, with at most ``num_blocks`` live
+    entries plus those pushed meanwhile.
+    """
+
+    __slots__ = (
+        "compacting",
+        "count",
+        "head",
+        "next_seq",
+        "r",
+        "seq_of",
+        "seqs",
+        "slots",
+        "step",
+        "tail",
+        "w",
+    )
+
+    def __init__(self, num_blocks: int, room: int) -> None:
+        size = 3 * (num_blocks + room)
+        self.seq_of = np.full(num_blocks, -1, dtype=np.int64)  # per slot; -1: not evictable
+        self.slots = np.empty(size, dtype=np.int32)
+        self.seqs = np.empty(size, dtype=np.int64)
+        self.head = self.w = self.r = self.tail = 0
+        self.next_seq = 0
+        self.count = 0  # live entries: evictable slots
+        self.step = 4 * room
+        self.compacting = False
+
+    def push(self, slots: _Slots) -> None:
+        """Slots that just became evictable, in this order, as most recently used."""
+        n = len(slots)
+        if self.tail + n > len(self.slots):
+            self._grow(n)
+        tail, seq = self.tail, self.next_seq
+        seqs = np.arange(seq, seq + n)
+        self.slots[tail : tail + n] = slots
+        self.seqs[tail : tail + n] = seqs
+        self.seq_of[slots] = seqs
+        self.tail, self.next_seq = tail + n, seq + n
+        self.count += n
+        self._compact_step()
+
+    def push_one(self, slot: int) -> None:
+        if self.tail == len(self.slots):
+            self._grow(1)
+        tail, seq = self.tail, self.next_seq
+        self.slots[tail] = slot
+        self.seqs[tail] = seq
+        self.seq_of[slot] = seq
+        self.tail, self.next_seq = tail + 1, seq + 1
+        self.count += 1
+        self._compact_step()
+
+    def drop(self, slot: int) -> None:
+        """An evictable slot leaves."""
+        self.seq_of[slot] = -1
+        self.count -= 1
+
+    def drop_many(self, slots: _Slots) -> None:
+        """Evictable (distinct) slots leave."""
+        self.seq_of[slots] = -1
+        self.count -= len(slots)
+
+    def take(self, n: int) -> _Slots:
+        """The n least recently used slots, taken out (the caller checked there are n)."""
+        parts = []
+        need = n
+        while need:
+            in_front = self.head < self.w
+            lo = self.head if in_front else self.r
+            hi = min(self.w if in_front else self.tail, lo + max(2 * need, 64))
+            seg = self.slots[lo:hi]
+            live = np.flatnonzero(self.seq_of[seg] == self.seqs[lo:hi])[:need]
+            parts.append(seg[live])
+            need -= len(live)
+            end = lo + int(live[-1]) + 1 if not need else hi
+            if in_front:
+                self.head = end
+            else:  # nothing is left in front: the gap closes behind what was read
+                self.head = self.w = self.r = end
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.drop_many(out)
+        return out
+
+    def live(self) -> _Slots:
+        """Test hook: the live entries' slots, least recently used first."""
+        parts = [(self.head, self.w), (self.r, self.tail)]
+        live = [self.slots[a:b][self.seq_of[self.slots[a:b]] == self.seqs[a:b]] for a, b in parts]
+        out: _Slots = np.concatenate(live)
+        return out
+
+    def _compact_step(self) -> None:
+        if not self.compacting:
+            if 2 * self.tail < len(self.slots):
+                return
+            # Start: what is in the log lies in [head, tail), w == r; copy it to the front.
+            self.compacting = True
+            self.r, self.head, self.w = self.head, 0, 0
+        r, w = self.r, self.w
+        end = min(self.tail, r + self.step)
+        seg, seqs = self.slots[r:end], self.seqs[r:end]
+        live = self.seq_of[seg] == seqs
+        n = int(np.count_nonzero(live))
+        self.slots[w : w + n] = seg[live]
+        self.seqs[w : w + n] = seqs[live]
+        self.w, self.r = w + n, end
+        if end == self.tail:
+            self.tail = self.r = self.w
+            self.compacting = False
+
+    def _grow(self, room: int) -> None:
+        # Not reached while compaction keeps up (see the class docstring); a safety net.
+        size = 2 * (len(self.slots) + room)
+        for name in ("slots", "seqs"):
+            old = getattr(self, name)
+            new = np.empty(size, dtype=old.dtype)
+            new[: self.tail] = old[: self.tail]
+            setattr(self, name, new)
 
 
 class _Pins:
