@@ -8,11 +8,11 @@ Reproduce (about a minute on 2 cores)::
 One cycle is what one 4,096-block lookup + fetch asks of the two stores: the producer pins
 the keys and later unpins them; the consumer asks which keys it has (``present``), reserves
 slots, and commits the landed blocks (``commit_many``). Each op is timed alone, in one
-process, with the GC off around the timed call (the node freezes its start-up objects and
-keeps collections off the hot path). Keys are 32-byte hashes, the stores hold 64-byte blocks
-(the byte size does not matter here: nothing copies blocks). The producer's store holds the
-keys; the consumer's is empty, so ``reserve`` takes free slots; ``reserve_evict`` is the
-same call on a full store, where every slot comes from evicting.
+process, one after the other as in a cycle, with the GC off (the node freezes its
+start-up objects and keeps collections off the hot path). Keys are 32-byte hashes, the
+stores hold 64-byte blocks (nothing copies blocks, so their size does not matter). The
+producer's store holds the keys; the consumer's is empty, so ``reserve`` takes free slots;
+``reserve_evict`` is the same call on a full store, where every slot comes from evicting.
 
 Each figure is ns per key: the median of ``--reps`` reps with its min-max. With
 ``--baseline FILE`` (a ``store.py`` of another commit, e.g. ``git show 04a7d30:p2pkv/store.py``)
@@ -66,18 +66,22 @@ def keys_of(n: int, salt: bytes = b"") -> list[bytes]:
 
 
 def timed(call: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
+
+
+def one_rep(module: ModuleType, n: int) -> dict[str, float]:
+    """Seconds per op for one rep of every op at n keys (the GC off throughout)."""
     gc.collect()
     gc.disable()
     try:
-        t0 = time.perf_counter()
-        call()
-        return time.perf_counter() - t0
+        return ops(module, n)
     finally:
         gc.enable()
 
 
-def one_rep(module: ModuleType, n: int) -> dict[str, float]:
-    """Seconds per op for one rep of every op at n keys."""
+def ops(module: ModuleType, n: int) -> dict[str, float]:
     cls = module.BlockStore
     blocks = max(16_384, 2 * n)
     keys = keys_of(n)

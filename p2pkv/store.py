@@ -794,19 +794,18 @@ class BlockStore:
         return arr
 
     def _check_reserved_serial(self, owner: Hashable, slots: _Slots) -> _Holder:
-        """ValueError unless ``owner`` reserves every slot; its record. Batched; the
-        answer stays true after it because only ``owner``'s own calls change that, and the
-        caller holds ``_serial``."""
-        step = self.batch_keys
-        holder = _Holder(owner, -1)  # matches no slot; stands in if owner holds none
-        for start in range(0, len(slots), step):
-            with _Batch(self):
-                holder = self._holders.get(owner, holder)
-                batch = slots[start : start + step]
-                wrong = self._owner[batch] != holder.oid
-                if wrong.any():
-                    bad = int(batch[wrong.argmax()])
-                    raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
+        """ValueError unless ``owner`` reserves every slot; its record.
+
+        One pass, without ``_lock``: the answer cannot change under it, nor after it,
+        because only ``owner``'s own calls (which ``_serial``, held by the caller,
+        excludes) create or drop its record, write its id into ``_owner`` or take it out;
+        what the host writes there meanwhile is other slots' entries, never this id.
+        """
+        holder = self._holders.get(owner) or _Holder(owner, -1)  # -1 matches no slot
+        wrong = self._owner[slots] != holder.oid
+        if wrong.any():
+            bad = int(slots[wrong.argmax()])
+            raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
         return holder
 
     def _settle(self, owner: Hashable, slots: Sequence[int], until: float | None) -> None:
