@@ -23,9 +23,23 @@ QUARANTINED
 
 Pins are per-owner reference counts on OCCUPIED slots. The LRU holds exactly the
 *evictable* blocks, i.e. mapped and unpinned ones: a key leaves it on its first pin and
-re-enters as most recently used on its last unpin. So eviction is O(1), and a pinned,
-reserved or quarantined slot can never be evicted, reused or handed out (DESIGN.md
-invariant 2): such a slot is neither on the free list nor in the LRU.
+re-enters as most recently used on its last unpin. So eviction never searches, and a
+pinned, reserved or quarantined slot can never be evicted, reused or handed out
+(DESIGN.md invariant 2): such a slot is neither on the free list nor in the LRU.
+
+Slot arrays
+-----------
+What is per slot lives in NumPy arrays indexed by slot: the state, the key (an object
+array; None for a free, reserved or orphaned slot), the pin count, the id of the owner
+holding a reservation (0: none; each owner holding reservations has a small id, reused
+once its last reservation ends) and the LRU position. The free list is an array used as a
+stack, which pops slot 0 first. So an engine-side call does its per-key work as a few
+whole-batch array operations: one C-level pass over the keys through the key map (a
+dict), then gathers and scatters over slot arrays. An owner's pins are the slot arrays of
+its pin batches, counted per slot only if one repeats. The LRU is a log in which a slot
+that leaves is only marked, and which compacts in bounded steps (``_Lru``). The order of
+everything a caller sees is the per-key order: slots leave the free list, enter the LRU
+and are freed in the order the call lists them (``release_owner``: in slot order).
 
 Who waits for whom
 ------------------
@@ -35,8 +49,12 @@ engine work, however many keys the engine's call carries (up to 65,536 per messa
 
 * ``_lock`` guards every structure. Nothing copies block bytes, calls out or waits while
   holding it. The rules of ``_check_invariants`` hold whenever it is free, except for the
-  bookkeeping of the engine-side call in progress: a reserve's claim, and the 0 counts an
-  unpin leaves on entries it has dropped but not yet removed. ``put``
+  bookkeeping of the engine-side call in progress: a reserve's claim, and the pins an
+  unpin has dropped but not yet taken off the owner's record (its total, which
+  ``pins_of`` reads, is exact). Two reads need no lock because only engine-side calls
+  write what they read, and ``_serial`` excludes those: an engine call's copy of an
+  owner's pins, and the check that ``owner`` reserves every slot it names (the host
+  writes other slots' owner entries meanwhile, never that owner's id). ``put``
   reserves its destination under it, copies outside it, and publishes under it again. A
   block being written is never visible: an in-place overwrite first takes the key out of
   the map, so a reader sees a miss, never torn bytes, and nobody can pin a half-written
@@ -67,7 +85,8 @@ guarantee:
   ``commit_many`` are likewise per key, as of the key's batch.
 * ``unpin``, ``unpin_keys`` and ``release_owner`` drop pins batch by batch; a slot stays
   pinned until its batch runs, and ``pins_of`` and the pinned-slot count are exact
-  whenever ``_lock`` is free.
+  whenever ``_lock`` is free. Slots whose last pin drops re-enter the LRU in the order
+  they were first pinned (``unpin_keys``: in the order of their last listed drop).
 * All-or-nothing calls decide before their first change and cannot fail after it.
   ``commit_many``, ``release_reserved`` and ``quarantine`` check every slot's reservation
   first (only the owner's own calls change it, and ``_serial`` excludes those). ``reserve``
@@ -111,10 +130,11 @@ from p2pkv.transport.base import RegionLayout
 __all__ = ["BATCH_KEYS", "BlockStore", "StoreStatistics"]
 
 BATCH_KEYS: Final = 256
-"""Keys (or slots) an engine-side call handles per lock section. Per key, pin and unpin
-cost 0.4-0.6 us and reserve (evicting) or commit_many 0.6-0.8 us of CPU on the 2-core
-development VM, so one section is 0.1-0.2 ms; 1,024 doubled the host's median wait in
-``bench/store_lock.py`` and 64 cost engine throughput without shortening it."""
+"""Keys (or slots) an engine-side call handles per lock section. Per key, pin costs
+0.2 us, unpin 0.05 us, reserve 0.07 us (0.3 us evicting) and commit_many 0.3 us of CPU
+on the 2-core development VM (``bench/store_ops.py``), so one section is 10-80 us; 1,024
+still raised the host's p99 wait in ``bench/store_lock.py`` (NumPy's fixed cost per call
+is what a bigger batch would save), and 64 cost engine throughput without shortening it."""
 
 _FREE: Final = 0
 _OCCUPIED: Final = 1
