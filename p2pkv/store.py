@@ -595,8 +595,9 @@ class BlockStore:
             for key in keys:
                 _check_key(key)
         arr = self._slot_array(owner, slots)
-        ordered = np.sort(arr)
-        if (ordered[1:] == ordered[:-1]).any():
+        ordered = arr.copy()
+        ordered.sort()
+        if np.count_nonzero(ordered[1:] == ordered[:-1]):
             raise ValueError("a slot is listed twice (a slot commits once)")
         out: list[bool] = []
         step = self.batch_keys
@@ -822,7 +823,7 @@ class BlockStore:
         """
         holder = self._holders.get(owner) or _Holder(owner, -1)  # -1 matches no slot
         wrong = self._owner[slots] != holder.oid
-        if wrong.any():
+        if np.count_nonzero(wrong):
             bad = int(slots[wrong.argmax()])
             raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
         return holder
@@ -911,11 +912,14 @@ class BlockStore:
         """One more pin of ``owner`` on each found slot (-1: the key is absent); the
         slots, None for the absent ones."""
         slots = _int64s(found)
-        if not len(found) or slots.min() >= 0:
+        ordered = slots.copy()
+        ordered.sort()  # (NumPy's reductions cost more than a sort of one batch)
+        if not len(found) or ordered[0] >= 0:
             out: list[int | None] = found  # type: ignore[assignment]  # no None in it
             listed = found
         else:
             slots = slots[slots >= 0]
+            ordered = ordered[ordered.searchsorted(0) :]
             listed = slots.tolist()
             out = [None if slot < 0 else slot for slot in found]
         if not listed:
@@ -924,8 +928,7 @@ class BlockStore:
         if pins is None:
             pins = self._pins[owner] = _Pins()
         pin_count = self._pin_count
-        ordered = np.sort(slots)
-        if not (ordered[1:] == ordered[:-1]).any():
+        if not np.count_nonzero(ordered[1:] == ordered[:-1]):
             before = pin_count[slots]
             pin_count[slots] = before + 1
         else:  # a key listed twice in this batch
@@ -934,7 +937,7 @@ class BlockStore:
             before = pin_count[slots]
             pin_count[slots] = before + np.fromiter(per_slot.values(), np.int32, len(per_slot))
             pins.distinct = False
-        if before.any():
+        if np.count_nonzero(before):
             if pins.total:
                 pins.distinct = False  # one of them may be this owner's
             newly = slots[before == 0]
