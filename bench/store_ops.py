@@ -14,7 +14,9 @@ stores hold 64-byte blocks (nothing copies blocks, so their size does not matter
 producer's store holds the keys; the consumer's is empty, so ``reserve`` takes free slots;
 ``reserve_evict`` is the same call on a full store, where every slot comes from evicting.
 
-Each figure is ns per key: the median of ``--reps`` reps with its min-max. With
+Each figure is ns per key: the median of ``--reps`` reps with its min-max, by the wall
+clock and by the calling thread's CPU time (``time.thread_time``; the GIL offers inside a
+long call, ``time.sleep(0)`` every 0.5 ms, count in the first but not in the second). With
 ``--baseline FILE`` (a ``store.py`` of another commit, e.g. ``git show 04a7d30:p2pkv/store.py``)
 the old store is timed in the same run, op by op, alternating with the new one.
 
@@ -65,13 +67,14 @@ def keys_of(n: int, salt: bytes = b"") -> list[bytes]:
     return [hashlib.sha256(salt + i.to_bytes(8, "little")).digest() for i in range(n)]
 
 
-def timed(call: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
+def timed(call: Callable[[], Any]) -> tuple[float, float]:
+    """Seconds the call took: (wall clock, this thread's CPU)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
     call()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.thread_time() - c0
 
 
-def one_rep(module: ModuleType, n: int) -> dict[str, float]:
+def one_rep(module: ModuleType, n: int) -> dict[str, tuple[float, float]]:
     """Seconds per op for one rep of every op at n keys (the GC off throughout)."""
     gc.collect()
     gc.disable()
@@ -81,7 +84,7 @@ def one_rep(module: ModuleType, n: int) -> dict[str, float]:
         gc.enable()
 
 
-def ops(module: ModuleType, n: int) -> dict[str, float]:
+def ops(module: ModuleType, n: int) -> dict[str, tuple[float, float]]:
     cls = module.BlockStore
     blocks = max(16_384, 2 * n)
     keys = keys_of(n)
@@ -89,7 +92,7 @@ def ops(module: ModuleType, n: int) -> dict[str, float]:
     slots = src.reserve("fill", n)
     src.commit_many("fill", slots, keys)
     dst = cls(blocks, BLOCK)
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float]] = {}
     out["pin"] = timed(lambda: src.pin("o", keys))
     out["unpin"] = timed(lambda: src.unpin("o"))
     out["present"] = timed(lambda: dst.present(keys))
@@ -160,25 +163,28 @@ def main() -> None:
     )
     raw: dict[str, Any] = {"cores": os.cpu_count(), "loadavg_start": os.getloadavg(), "ops": {}}
     for n in args.sizes:
-        reps: dict[str, list[dict[str, float]]] = {name: [] for name in stores}
+        reps: dict[str, list[dict[str, tuple[float, float]]]] = {name: [] for name in stores}
         for rep in range(args.reps):
             order = list(stores) if rep % 2 == 0 else list(reversed(stores))
             for name in order:
                 reps[name].append(one_rep(stores[name], n))
-        print(f"\n{n} keys: ns per key, median [min-max] of {args.reps} reps")
-        header = f"{'op':>14}" + "".join(f"{name:>24}" for name in stores)
-        print(header)
-        for op in (*OPS, "cycle"):
-            row = f"{op:>14}"
-            for name in stores:
-                per_rep = [
-                    (sum(r[o] for o in CYCLE) if op == "cycle" else r[op]) * 1e9 / n
-                    for r in reps[name]
-                ]
-                s = spread(per_rep)
-                raw["ops"].setdefault(name, {}).setdefault(str(n), {})[op] = {**s, "reps": per_rep}
-                row += f"{s['median']:>10.0f} [{s['min']:.0f}-{s['max']:.0f}]".rjust(24)
-            print(row)
+        for clock, which in (("wall clock", 0), ("thread CPU", 1)):
+            print(f"\n{n} keys, {clock}: ns per key, median [min-max] of {args.reps} reps")
+            print(f"{'op':>14}" + "".join(f"{name:>24}" for name in stores))
+            for op in (*OPS, "cycle"):
+                row = f"{op:>14}"
+                for name in stores:
+                    per_rep = [
+                        (sum(r[o][which] for o in CYCLE) if op == "cycle" else r[op][which])
+                        * 1e9
+                        / n
+                        for r in reps[name]
+                    ]
+                    s = spread(per_rep)
+                    entry = raw["ops"].setdefault(name, {}).setdefault(clock, {})
+                    entry.setdefault(str(n), {})[op] = {**s, "reps": per_rep}
+                    row += f"{s['median']:>10.0f} [{s['min']:.0f}-{s['max']:.0f}]".rjust(24)
+                print(row)
     print(f"\nscale: a {SCALE_BLOCKS:,}-block store (targets: open <= 0.5 s, <= 100 B/block)")
     raw["scale"] = {}
     for name, module in stores.items():
