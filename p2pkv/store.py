@@ -54,7 +54,8 @@ engine work, however many keys the engine's call carries (up to 65,536 per messa
   ``pins_of`` reads, is exact). Two reads need no lock because only engine-side calls
   write what they read, and ``_serial`` excludes those: an engine call's copy of an
   owner's pins, and the check that ``owner`` reserves every slot it names (the host
-  writes other slots' owner entries meanwhile, never that owner's id). ``put``
+  writes other slots' owner entries meanwhile, never that owner's id; ``release_owner``
+  finds the owner's slots the same way). ``put``
   reserves its destination under it, copies outside it, and publishes under it again. A
   block being written is never visible: an in-place overwrite first takes the key out of
   the map, so a reader sees a miss, never torn bytes, and nobody can pin a half-written
@@ -711,13 +712,12 @@ class BlockStore:
             _check_until(quarantine_until)
         with _Serial(self):
             self._unpin_serial(owner)
-            with _Batch(self):
-                holder = self._holders.get(owner)
-                if holder is None:
-                    return
-                # One pass over the slot array: only the owner's own calls change its
-                # entries, and _serial excludes them, so the list stays exact.
-                mine = np.flatnonzero(self._owner == holder.oid)
+            holder = self._holders.get(owner)
+            if holder is None:
+                return
+            # One pass, without _lock, as in _check_reserved_serial: only the owner's own
+            # calls write its id, and _serial excludes them, so the list stays exact.
+            mine = np.flatnonzero(self._owner == holder.oid)
             step = self.batch_keys
             for start in range(0, len(mine), step):
                 with _Batch(self):
