@@ -133,9 +133,10 @@ __all__ = ["BATCH_KEYS", "BlockStore", "StoreStatistics"]
 BATCH_KEYS: Final = 256
 """Keys (or slots) an engine-side call handles per lock section. Per key, pin costs
 0.2 us, unpin 0.05 us, reserve 0.07 us (0.3 us evicting) and commit_many 0.3 us of CPU
-on the 2-core development VM (``bench/store_ops.py``), so one section is 10-80 us; 1,024
-still raised the host's p99 wait in ``bench/store_lock.py`` (NumPy's fixed cost per call
-is what a bigger batch would save), and 64 cost engine throughput without shortening it."""
+on the 2-core development VM (``bench/store_ops.py``), so one section is 10-80 us. 1,024
+would save a fifth of that CPU (NumPy's fixed cost per call) but doubled the host's
+median wait in ``bench/store_lock.py`` (docs/design.md, "Store in bulk"); 64 cost engine
+throughput without shortening it."""
 
 _FREE: Final = 0
 _OCCUPIED: Final = 1
