@@ -1152,6 +1152,8 @@ class _Lru:
             in_front = self.head < self.w
             lo = self.head if in_front else self.r
             hi = min(self.w if in_front else self.tail, lo + max(2 * need, 64))
+            if hi == lo:  # never: count says there are n; fail rather than spin under _lock
+                raise RuntimeError(f"LRU log holds fewer than {n} live entries")
             seg = self.slots[lo:hi]
             live = np.flatnonzero(self.seq_of[seg] == self.seqs[lo:hi])[:need]
             parts.append(seg[live])
