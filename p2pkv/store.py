@@ -23,9 +23,23 @@ QUARANTINED
 
 Pins are per-owner reference counts on OCCUPIED slots. The LRU holds exactly the
 *evictable* blocks, i.e. mapped and unpinned ones: a key leaves it on its first pin and
-re-enters as most recently used on its last unpin. So eviction is O(1), and a pinned,
-reserved or quarantined slot can never be evicted, reused or handed out (DESIGN.md
-invariant 2): such a slot is neither on the free list nor in the LRU.
+re-enters as most recently used on its last unpin. So eviction never searches, and a
+pinned, reserved or quarantined slot can never be evicted, reused or handed out
+(DESIGN.md invariant 2): such a slot is neither on the free list nor in the LRU.
+
+Slot arrays
+-----------
+What is per slot lives in NumPy arrays indexed by slot: the state, the key (an object
+array; None for a free, reserved or orphaned slot), the pin count, the id of the owner
+holding a reservation (0: none; each owner holding reservations has a small id, reused
+once its last reservation ends) and the LRU position. The free list is an array used as a
+stack, which pops slot 0 first. So an engine-side call does its per-key work as a few
+whole-batch array operations: one C-level pass over the keys through the key map (a
+dict), then gathers and scatters over slot arrays. An owner's pins are the slot arrays of
+its pin batches, counted per slot only if one repeats. The LRU is a log in which a slot
+that leaves is only marked, and which compacts in bounded steps (``_Lru``). The order of
+everything a caller sees is the per-key order: slots leave the free list, enter the LRU
+and are freed in the order the call lists them (``release_owner``: in slot order).
 
 Who waits for whom
 ------------------
@@ -35,8 +49,13 @@ engine work, however many keys the engine's call carries (up to 65,536 per messa
 
 * ``_lock`` guards every structure. Nothing copies block bytes, calls out or waits while
   holding it. The rules of ``_check_invariants`` hold whenever it is free, except for the
-  bookkeeping of the engine-side call in progress: a reserve's claim, and the 0 counts an
-  unpin leaves on entries it has dropped but not yet removed. ``put``
+  bookkeeping of the engine-side call in progress: a reserve's claim, and the pins an
+  unpin has dropped but not yet taken off the owner's record (its total, which
+  ``pins_of`` reads, is exact). Two reads need no lock because only engine-side calls
+  write what they read, and ``_serial`` excludes those: an engine call's copy of an
+  owner's pins, and the check that ``owner`` reserves every slot it names (the host
+  writes other slots' owner entries meanwhile, never that owner's id; ``release_owner``
+  finds the owner's slots the same way). ``put``
   reserves its destination under it, copies outside it, and publishes under it again. A
   block being written is never visible: an in-place overwrite first takes the key out of
   the map, so a reader sees a miss, never torn bytes, and nobody can pin a half-written
@@ -67,7 +86,8 @@ guarantee:
   ``commit_many`` are likewise per key, as of the key's batch.
 * ``unpin``, ``unpin_keys`` and ``release_owner`` drop pins batch by batch; a slot stays
   pinned until its batch runs, and ``pins_of`` and the pinned-slot count are exact
-  whenever ``_lock`` is free.
+  whenever ``_lock`` is free. Slots whose last pin drops re-enter the LRU in the order
+  they were first pinned (``unpin_keys``: in the order of their last listed drop).
 * All-or-nothing calls decide before their first change and cannot fail after it.
   ``commit_many``, ``release_reserved`` and ``quarantine`` check every slot's reservation
   first (only the owner's own calls change it, and ``_serial`` excludes those). ``reserve``
@@ -91,12 +111,13 @@ from __future__ import annotations
 
 import heapq
 import math
+import struct
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, deque
 from collections.abc import Hashable, Iterable, Sequence
-from itertools import islice
+from itertools import compress, islice, repeat
 from typing import Any, Final
 
 import attrs
@@ -110,10 +131,12 @@ from p2pkv.transport.base import RegionLayout
 __all__ = ["BATCH_KEYS", "BlockStore", "StoreStatistics"]
 
 BATCH_KEYS: Final = 256
-"""Keys (or slots) an engine-side call handles per lock section. Per key, pin and unpin
-cost 0.4-0.6 us and reserve (evicting) or commit_many 0.6-0.8 us of CPU on the 2-core
-development VM, so one section is 0.1-0.2 ms; 1,024 doubled the host's median wait in
-``bench/store_lock.py`` and 64 cost engine throughput without shortening it."""
+"""Keys (or slots) an engine-side call handles per lock section. Per key, pin costs
+0.2 us, unpin 0.05 us, reserve 0.07 us (0.3 us evicting) and commit_many 0.3 us of CPU
+on the 2-core development VM (``bench/store_ops.py``), so one section is 10-80 us. 1,024
+would save a fifth of that CPU (NumPy's fixed cost per call) but doubled the host's
+median wait in ``bench/store_lock.py`` (docs/design.md, "Store in bulk"); 64 cost engine
+throughput without shortening it."""
 
 _FREE: Final = 0
 _OCCUPIED: Final = 1
@@ -131,8 +154,8 @@ class _HostPut:
 
 
 _HOST_PUT: Final = _HostPut()
+_HOST_PUT_ID: Final = 1  # its id in BlockStore._owner (0 is no owner)
 _ANY_OWNER: Final[Hashable] = object()
-_NO_SLOTS: Final[frozenset[int]] = frozenset()
 
 
 _yield_gil = time.sleep
@@ -259,16 +282,25 @@ class BlockStore:
         self._turn = threading.Lock()  # held by a host call waiting for or holding _lock
         self._serial = threading.Lock()  # held by an engine-side call from start to end
         self._offered_at = 0.0  # when the engine-side call in progress began or offered the GIL
-        self._state = [_FREE] * num_blocks
-        self._slot_key: list[bytes | None] = [None] * num_blocks  # None: free/reserved/orphan
-        self._pin_count = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # a stack; pops slot 0 first
+        # One entry per slot (module docstring, "Slot arrays").
+        self._state = np.zeros(num_blocks, dtype=np.int8)
+        self._slot_key = np.full(num_blocks, None, dtype=object)  # None: free/reserved/orphan
+        self._pin_count = np.zeros(num_blocks, dtype=np.int32)
+        self._owner = np.zeros(num_blocks, dtype=np.int32)  # id of the reserving owner; 0: none
+        # The free list is a stack, _free[:_n_free]; it pops slot 0 first.
+        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._n_free = num_blocks
+        self._lru = _Lru(num_blocks, min(batch_keys, num_blocks))  # the evictable slots
         self._map: dict[bytes, int] = {}
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # evictable keys, LRU first
-        self._pins: dict[Hashable, dict[int, int]] = {}  # owner -> slot -> count
+        self._pins: dict[Hashable, _Pins] = {}
         self._pinned_slots = 0
-        self._reserved: dict[int, Hashable] = {}  # slot -> owner
-        self._reserved_by: dict[Hashable, set[int]] = {}  # owner -> slots
+        self._n_orphans = 0  # OCCUPIED slots no key maps to (all pinned)
+        host = _Holder(_HOST_PUT, _HOST_PUT_ID)
+        self._holders: dict[Hashable, _Holder] = {_HOST_PUT: host}  # owners holding reservations
+        self._holder_ids: dict[int, _Holder] = {_HOST_PUT_ID: host}
+        self._spare_ids: list[int] = []  # ids of owners whose last reservation ended
+        self._next_id = _HOST_PUT_ID + 1
+        self._n_reserved = 0
         self._claimed = 0  # free or evictable slots promised to a reserve() in progress
         self._quarantine: dict[int, tuple[float, Hashable]] = {}  # slot -> (until, owner)
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
@@ -312,11 +344,14 @@ class BlockStore:
             if slot is not None and self._pin_count[slot] == 0:
                 # In place: unmap first, so nobody can read or pin it half-written.
                 del self._map[key]
-                del self._lru[key]
+                self._lru.drop(slot)
                 self._slot_key[slot] = None
             else:
-                slot = self._allocate_locked(1)[0]
-            self._reserve_locked(slot, _HOST_PUT)
+                slot = self._allocate_one_locked()
+            self._state[slot] = _RESERVED
+            self._owner[slot] = _HOST_PUT_ID
+            self._holders[_HOST_PUT].count += 1
+            self._n_reserved += 1
         try:
             start = slot * self.block_len
             if self._array is not None:
@@ -326,11 +361,11 @@ class BlockStore:
                 _torch().cuda.current_stream(self._tensor.device).synchronize()
         except BaseException:
             with self._turn, self._lock:
-                self._unreserve_locked(slot)
-                self._free_locked(slot)
+                self._end_host_put_locked(slot)
+                self._free_one_locked(slot)
             raise
         with self._turn, self._lock:
-            self._unreserve_locked(slot)
+            self._end_host_put_locked(slot)
             self._publish_locked(slot, key)
         return slot
 
@@ -361,7 +396,8 @@ class BlockStore:
         with self._turn, self._lock:
             slot = self._map.get(key)
             if slot is not None and self._pin_count[slot] == 0:
-                self._lru.move_to_end(key)
+                self._lru.drop(slot)
+                self._lru.push_one(slot)
             return slot
 
     def _host_only(self, op: str) -> None:
@@ -397,18 +433,19 @@ class BlockStore:
             if slot is None or self._pin_count[slot]:
                 return False
             del self._map[key]
-            del self._lru[key]
-            self._free_locked(slot)
+            self._lru.drop(slot)
+            self._free_one_locked(slot)
             return True
 
     def pins_of(self, owner: Hashable) -> int:
         with self._turn, self._lock:
-            return sum(self._pins.get(owner, {}).values())
+            pins = self._pins.get(owner)
+            return 0 if pins is None else pins.total
 
     def statistics(self) -> StoreStatistics:
         with self._turn, self._lock:
-            free = len(self._free)
-            reserved = len(self._reserved)
+            free = self._n_free
+            reserved = self._n_reserved
             quarantined = len(self._quarantine)
             return StoreStatistics(
                 num_blocks=self.num_blocks,
@@ -431,33 +468,14 @@ class BlockStore:
         pinned atomically; the call as a whole is not (module docstring).
         """
         out: list[int | None] = []
-        append = out.append
-        lookup, lru, pin_count, pins = self._map.get, self._lru, self._pin_count, self._pins
+        lookup = self._map.get
         step = self.batch_keys
         it = iter(keys)
         with _Serial(self):
             for _ in range(0, len(keys), step):
                 with _Batch(self):
-                    counts = pins.get(owner)
-                    if counts is None:
-                        counts = {}
-                    count = counts.get
-                    newly = 0
-                    try:
-                        for key in islice(it, step):
-                            slot = lookup(key)
-                            if slot is not None:
-                                held = pin_count[slot]
-                                if not held:
-                                    del lru[key]
-                                    newly += 1
-                                pin_count[slot] = held + 1
-                                counts[slot] = count(slot, 0) + 1
-                            append(slot)
-                    finally:
-                        self._pinned_slots += newly
-                        if counts:
-                            pins[owner] = counts
+                    found = list(map(lookup, islice(it, step), repeat(-1)))
+                    out += self._pin_locked(owner, found)
         return out
 
     def unpin(self, owner: Hashable) -> int:
@@ -474,12 +492,15 @@ class BlockStore:
         step = self.batch_keys
         it = iter(slots)
         with _Serial(self):
+            pins = self._pins.get(owner)
+            if pins is None:
+                return 0
+            counts = pins.counts()  # only engine-side calls change them: read outside _lock
             for _ in range(0, len(slots), step):
                 with _Batch(self):
-                    counts = self._pins.get(owner)
-                    if not counts:
-                        break
-                    drop: list[tuple[int, int]] = []
+                    # slot -> pins dropped, ordered by each slot's last drop (when its
+                    # count can reach 0, i.e. when it re-enters the LRU)
+                    dropped: dict[int, int] = {}
                     for slot in islice(it, step):
                         held = counts.get(slot)
                         if not held:
@@ -488,10 +509,18 @@ class BlockStore:
                             del counts[slot]
                         else:
                             counts[slot] = held - 1
-                        drop.append((slot, 1))
+                        dropped[slot] = dropped.pop(slot, 0) + 1
+                    if dropped:
+                        n = len(dropped)
+                        released += self._drop_pins_locked(
+                            pins,
+                            np.fromiter(dropped, np.int64, n),
+                            np.fromiter(dropped.values(), np.int64, n),
+                        )
                     if not counts:
                         del self._pins[owner]
-                    released += self._drop_pins_locked(drop)
+                        break
+            pins.set_counts(counts)
         return released
 
     def reserve(self, owner: Hashable, n: int) -> list[int]:
@@ -502,7 +531,6 @@ class BlockStore:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
         out: list[int] = []
         first = True
-        state, reserved = self._state, self._reserved
         with _Serial(self):
             try:
                 while first or len(out) < n:
@@ -513,19 +541,18 @@ class BlockStore:
                             first = False
                         take = min(n - len(out), self.batch_keys)
                         self._claimed -= take
-                        slots = self._allocate_locked(take)
-                        if slots:
-                            for slot in slots:
-                                state[slot] = _RESERVED
-                            reserved.update(dict.fromkeys(slots, owner))
-                            self._reserved_by.setdefault(owner, set()).update(slots)
-                    out += slots
+                        if take:
+                            slots = self._allocate_locked(take)
+                            self._hold_locked(owner, slots)
+                            out += slots.tolist()
             except BaseException:
                 with _Batch(self):
                     self._claimed = 0
-                    for slot in out:
-                        self._unreserve_locked(slot)
-                        self._free_locked(slot)
+                    holder = self._holders.get(owner)
+                    if out and holder is not None:
+                        slots = np.array(out, dtype=np.int64)
+                        self._unhold_locked(holder, slots)
+                        self._free_many_locked(slots)
                 raise
         return out
 
@@ -538,11 +565,18 @@ class BlockStore:
         """
         _check_key(key)
         with _Serial(self), _Batch(self):
-            if slot not in self._reserved_by.get(owner, _NO_SLOTS):
+            holder = self._holders.get(owner)
+            if (
+                holder is None
+                or not isinstance(slot, int | np.integer)
+                or not 0 <= slot < self.num_blocks
+                or self._owner[slot] != holder.oid
+            ):
                 raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
-            self._unreserve_locked(slot)
+            slot = int(slot)
+            self._unhold_locked(holder, np.array([slot]))
             if key in self._map:
-                self._free_locked(slot)
+                self._free_one_locked(slot)
                 return False
             self._publish_locked(slot, key)
             return True
@@ -557,38 +591,25 @@ class BlockStore:
         """
         if len(slots) != len(keys):
             raise ValueError("slots and keys differ in length")
-        for key in keys:
-            if not isinstance(key, bytes) or not key:
+        if type(keys) is not list:
+            keys = list(keys)
+        if set(map(type, keys)) - {bytes} or not all(keys):
+            for key in keys:
                 _check_key(key)
-        if len(set(slots)) != len(slots):
+        arr = self._slot_array(owner, slots)
+        ordered = arr.copy()
+        ordered.sort()
+        if np.count_nonzero(ordered[1:] == ordered[:-1]):
             raise ValueError("a slot is listed twice (a slot commits once)")
         out: list[bool] = []
-        append = out.append
-        key_map, slot_key, state, lru = self._map, self._slot_key, self._state, self._lru
-        reserved, free = self._reserved, self._free
         step = self.batch_keys
-        pairs = zip(slots, keys, strict=True)
         with _Serial(self):
-            self._check_reserved_serial(owner, slots)
-            for _ in range(0, len(slots), step):
+            holder = self._check_reserved_serial(owner, arr)
+            for start in range(0, len(arr), step):
                 with _Batch(self):
-                    mine = self._reserved_by[owner]
-                    for slot, key in islice(pairs, step):
-                        del reserved[slot]
-                        mine.remove(slot)
-                        if key in key_map:  # keys are content hashes: keep the block we have
-                            state[slot] = _FREE
-                            slot_key[slot] = None
-                            free.append(slot)
-                            append(False)
-                        else:
-                            key_map[key] = slot
-                            slot_key[slot] = key
-                            state[slot] = _OCCUPIED
-                            lru[key] = None
-                            append(True)
-                    if not mine:
-                        del self._reserved_by[owner]
+                    batch = arr[start : start + step]
+                    self._unhold_locked(holder, batch)
+                    out += self._commit_locked(batch, keys[start : start + step])
         return out
 
     def present(self, keys: Iterable[bytes]) -> list[bool]:
@@ -637,7 +658,7 @@ class BlockStore:
                         entry = quarantine.get(slot)
                         if entry is not None and entry[0] == until:
                             del quarantine[slot]
-                            self._free_locked(slot)
+                            self._free_one_locked(slot)
                             released += 1
         return released
 
@@ -661,7 +682,7 @@ class BlockStore:
                         entry = quarantine.get(slot)
                         if entry is not None and (any_owner or entry[1] == owner):
                             del quarantine[slot]
-                            self._free_locked(slot)
+                            self._free_one_locked(int(slot))
             if len(self._deadlines) > 2 * len(self._quarantine) + 64:
                 # Only engine-side calls touch these two, and _serial excludes them all.
                 heap = [(u, s) for s, (u, _) in self._quarantine.items()]
@@ -686,25 +707,22 @@ class BlockStore:
 
     def release_owner(self, owner: Hashable, *, quarantine_until: float | None) -> None:
         """Session teardown: drop all of ``owner``'s pins; its reserved slots are freed
-        (``quarantine_until`` None) or quarantined until ``quarantine_until``."""
+        (``quarantine_until`` None) or quarantined until ``quarantine_until``, in slot
+        order."""
         if quarantine_until is not None:
             _check_until(quarantine_until)
         with _Serial(self):
             self._unpin_serial(owner)
-            while True:
+            holder = self._holders.get(owner)
+            if holder is None:
+                return
+            # One pass, without _lock, as in _check_reserved_serial: only the owner's own
+            # calls write its id, and _serial excludes them, so the list stays exact.
+            mine = np.flatnonzero(self._owner == holder.oid)
+            step = self.batch_keys
+            for start in range(0, len(mine), step):
                 with _Batch(self):
-                    mine = self._reserved_by.get(owner)
-                    if not mine:
-                        break
-                    for _ in range(min(len(mine), self.batch_keys)):
-                        slot = mine.pop()
-                        del self._reserved[slot]
-                        if quarantine_until is None:
-                            self._free_locked(slot)
-                        else:
-                            self._quarantine_locked(slot, owner, quarantine_until)
-                    if not mine:
-                        del self._reserved_by[owner]
+                    self._settle_locked(holder, mine[start : start + step], quarantine_until)
 
     def __repr__(self) -> str:
         return f"<BlockStore {self.num_blocks}x{self.block_len} keys={len(self._map)}>"
@@ -714,143 +732,270 @@ class BlockStore:
     def _check_room_locked(self, n: int, op: str) -> None:
         # Every slot is FREE, OCCUPIED-evictable (in the LRU), or untouchable, so this
         # check is exact: either all n can be found or the caller changes nothing.
-        if n > len(self._free) + len(self._lru) - self._claimed:
+        if n > self._n_free + self._lru.count - self._claimed:
             claimed = f", {self._claimed} claimed by a reserve in progress" * bool(self._claimed)
             raise StoreFull(
-                f"need {n} slots, {len(self._free)} free and {len(self._lru)} evictable "
+                f"need {n} slots, {self._n_free} free and {self._lru.count} evictable "
                 f"of {self.num_blocks}{claimed}; the rest are pinned, reserved or quarantined",
                 op=op,
             )
 
-    def _allocate_locked(self, n: int) -> list[int]:
-        """n slots, free ones first, then evicting; the caller checked the room."""
-        free = self._free
-        k = min(n, len(free))
-        out = free[len(free) - k :]
-        out.reverse()  # the order pop() would give
-        del free[len(free) - k :]
+    def _allocate_locked(self, n: int) -> _Slots:
+        """n slots, free ones first (in the order the stack pops them), then evicting;
+        the caller checked the room."""
+        top = self._n_free
+        k = min(n, top)
+        out = self._free[top - k : top][::-1].copy()
+        self._n_free = top - k
         if k < n:
-            lru, key_map, slot_key = self._lru, self._map, self._slot_key
-            popitem = lru.popitem
-            for _ in range(n - k):
-                key, _ = popitem(last=False)
-                slot = key_map.pop(key)
-                slot_key[slot] = None
-                out.append(slot)
+            victims = self._lru.take(n - k)
+            deque(map(self._map.__delitem__, self._slot_key[victims].tolist()), maxlen=0)
+            self._slot_key[victims] = None
             self._evictions += n - k
+            out = np.concatenate((out, victims))
         return out
 
-    def _reserve_locked(self, slot: int, owner: Hashable) -> None:
-        self._state[slot] = _RESERVED
-        self._reserved[slot] = owner
-        self._reserved_by.setdefault(owner, set()).add(slot)
+    def _allocate_one_locked(self) -> int:
+        if self._n_free:
+            self._n_free -= 1
+            return int(self._free[self._n_free])
+        return int(self._allocate_locked(1)[0])
 
-    def _unreserve_locked(self, slot: int) -> None:
-        # The caller moves the slot on to its next state.
-        owner = self._reserved.pop(slot)
-        slots = self._reserved_by[owner]
-        slots.discard(slot)
-        if not slots:
-            del self._reserved_by[owner]
+    def _hold_locked(self, owner: Hashable, slots: _Slots) -> None:
+        """Free or just evicted slots -> RESERVED by ``owner``."""
+        holder = self._holders.get(owner)
+        if holder is None:
+            oid = self._spare_ids.pop() if self._spare_ids else self._new_id()
+            holder = self._holders[owner] = self._holder_ids[oid] = _Holder(owner, oid)
+        self._state[slots] = _RESERVED
+        self._owner[slots] = holder.oid
+        holder.count += len(slots)
+        self._n_reserved += len(slots)
 
-    def _check_reserved_serial(self, owner: Hashable, slots: Sequence[int]) -> None:
-        """ValueError unless ``owner`` reserves every slot. Batched; the answer stays
-        true after it because only ``owner``'s own calls change that, and the caller holds
-        ``_serial``."""
-        it = iter(slots)
-        while batch := list(islice(it, self.batch_keys)):
-            with _Batch(self):
-                held = self._reserved_by.get(owner, _NO_SLOTS)
-                if not held.issuperset(batch):
-                    bad = next(slot for slot in batch if slot not in held)
-                    raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
+    def _new_id(self) -> int:
+        oid = self._next_id
+        self._next_id += 1
+        return oid
+
+    def _unhold_locked(self, holder: _Holder, slots: _Slots) -> None:
+        """``holder``'s reservation of these (distinct) slots ends; the caller moves
+        them on to their next state. An owner's record, and its id, go with its last
+        reservation, so ids are reused: hence every call that settles slots over several
+        batches stops once the owner holds none."""
+        self._owner[slots] = 0
+        holder.count -= len(slots)
+        self._n_reserved -= len(slots)
+        if not holder.count and holder.owner is not _HOST_PUT:
+            del self._holders[holder.owner]
+            del self._holder_ids[holder.oid]
+            self._spare_ids.append(holder.oid)
+
+    def _end_host_put_locked(self, slot: int) -> None:
+        self._owner[slot] = 0
+        self._holders[_HOST_PUT].count -= 1  # the host's record is permanent
+        self._n_reserved -= 1
+
+    def _slot_array(self, owner: Hashable, slots: Sequence[int]) -> _Slots:
+        """The caller's slots as an int64 array; ValueError (as for a slot not reserved by
+        ``owner``) for anything but ints in range."""
+        try:
+            arr = _int64s(slots)
+        except (TypeError, struct.error):
+            arr = np.array([-1])
+        if len(arr) and (arr.min() < 0 or arr.max() >= self.num_blocks):
+            bad = next(
+                (
+                    s
+                    for s in slots
+                    if not isinstance(s, int | np.integer) or not 0 <= s < self.num_blocks
+                ),
+                slots[0],
+            )
+            raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
+        return arr
+
+    def _check_reserved_serial(self, owner: Hashable, slots: _Slots) -> _Holder:
+        """ValueError unless ``owner`` reserves every slot; its record.
+
+        One pass, without ``_lock``: the answer cannot change under it, nor after it,
+        because only ``owner``'s own calls (which ``_serial``, held by the caller,
+        excludes) create or drop its record, write its id into ``_owner`` or take it out;
+        what the host writes there meanwhile is other slots' entries, never this id.
+        """
+        holder = self._holders.get(owner) or _Holder(owner, -1)  # -1 matches no slot
+        wrong = self._owner[slots] != holder.oid
+        if np.count_nonzero(wrong):
+            bad = int(slots[wrong.argmax()])
+            raise ValueError(f"slot {bad!r} is not reserved by {owner!r}")
+        return holder
 
     def _settle(self, owner: Hashable, slots: Sequence[int], until: float | None) -> None:
         """Reserved -> FREE (``until`` None) or QUARANTINED; duplicates are harmless."""
+        arr = self._slot_array(owner, slots)
+        step = self.batch_keys
         with _Serial(self):
-            self._check_reserved_serial(owner, slots)
-            step = self.batch_keys
-            it = iter(slots)
-            for _ in range(0, len(slots), step):
+            holder = self._check_reserved_serial(owner, arr)
+            for start in range(0, len(arr), step):
                 with _Batch(self):
-                    mine = self._reserved_by.get(owner)
-                    if mine is None:
+                    if not holder.count:
                         break  # all settled; the rest are duplicates
-                    for slot in islice(it, step):
-                        if slot not in mine:
-                            continue  # listed twice: already settled
-                        mine.remove(slot)
-                        del self._reserved[slot]
-                        if until is None:
-                            self._free_locked(slot)
-                        else:
-                            self._quarantine_locked(slot, owner, until)
-                    if not mine:
-                        del self._reserved_by[owner]
+                    batch = arr[start : start + step]
+                    mine = batch[self._owner[batch] == holder.oid]  # settled ones drop out
+                    if len(mine) > 1:
+                        distinct = dict.fromkeys(mine.tolist())
+                        if len(distinct) < len(mine):
+                            mine = np.fromiter(distinct, np.int64, len(distinct))
+                    self._settle_locked(holder, mine, until)
 
-    def _quarantine_locked(self, slot: int, owner: Hashable, until: float) -> None:
-        self._state[slot] = _QUARANTINED
-        self._quarantine[slot] = (until, owner)
-        heapq.heappush(self._deadlines, (until, slot))
+    def _settle_locked(self, holder: _Holder, slots: _Slots, until: float | None) -> None:
+        owner = holder.owner
+        self._unhold_locked(holder, slots)
+        if until is None:
+            self._free_many_locked(slots)
+            return
+        self._state[slots] = _QUARANTINED
+        listed = slots.tolist()
+        self._quarantine.update(dict.fromkeys(listed, (until, owner)))
+        heap = self._deadlines
+        for slot in listed:
+            heapq.heappush(heap, (until, slot))
+
+    def _commit_locked(self, slots: _Slots, keys: list[bytes]) -> list[bool]:
+        """Publish reserved slots as their keys; a key already present (or listed before
+        in the batch) keeps its block and the slot is freed."""
+        listed = slots.tolist()
+        # Each key's slot once the call is done: ours if it was absent, else the one kept.
+        mapped = list(map(self._map.setdefault, keys, listed))
+        if mapped == listed:
+            self._publish_many_locked(slots, keys)
+            return [True] * len(listed)
+        kept = np.fromiter(mapped, np.int64, len(mapped)) == slots
+        self._free_many_locked(slots[~kept])
+        self._publish_many_locked(slots[kept], list(compress(keys, kept.tolist())))
+        out: list[bool] = kept.tolist()
+        return out
+
+    def _publish_many_locked(self, slots: _Slots, keys: list[bytes]) -> None:
+        """Slots the map now sends ``keys`` to become OCCUPIED and most recently used."""
+        self._slot_key[slots] = np.fromiter(keys, object, len(keys))
+        self._state[slots] = _OCCUPIED
+        self._lru.push(slots)
 
     def _publish_locked(self, slot: int, key: bytes) -> None:
         old = self._map.get(key)
         if old is not None:
             if self._pin_count[old]:
                 self._slot_key[old] = None  # orphan: freed when its last pin drops
+                self._n_orphans += 1
             else:
-                del self._lru[key]
-                self._free_locked(old)
+                self._lru.drop(old)
+                self._free_one_locked(old)
         self._map[key] = slot
         self._slot_key[slot] = key
         self._state[slot] = _OCCUPIED
-        self._lru[key] = None
+        self._lru.push_one(slot)
 
-    def _free_locked(self, slot: int) -> None:
+    def _free_one_locked(self, slot: int) -> None:
         self._state[slot] = _FREE
         self._slot_key[slot] = None
-        self._free.append(slot)
+        self._free[self._n_free] = slot
+        self._n_free += 1
+
+    def _free_many_locked(self, slots: _Slots) -> None:
+        """FREE, pushed in this order (so the stack pops the last one first)."""
+        self._state[slots] = _FREE
+        self._slot_key[slots] = None
+        top = self._n_free
+        self._free[top : top + len(slots)] = slots
+        self._n_free = top + len(slots)
+
+    def _pin_locked(self, owner: Hashable, found: list[int]) -> list[int | None]:
+        """One more pin of ``owner`` on each found slot (-1: the key is absent); the
+        slots, None for the absent ones."""
+        slots = _int64s(found)
+        ordered = slots.copy()
+        ordered.sort()  # (NumPy's reductions cost more than a sort of one batch)
+        if not len(found) or ordered[0] >= 0:
+            out: list[int | None] = found  # type: ignore[assignment]  # no None in it
+            listed = found
+        else:
+            slots = slots[slots >= 0]
+            ordered = ordered[ordered.searchsorted(0) :]
+            listed = slots.tolist()
+            out = [None if slot < 0 else slot for slot in found]
+        if not listed:
+            return out
+        pins = self._pins.get(owner)
+        if pins is None:
+            pins = self._pins[owner] = _Pins()
+        pin_count = self._pin_count
+        if not np.count_nonzero(ordered[1:] == ordered[:-1]):
+            before = pin_count[slots]
+            pin_count[slots] = before + 1
+        else:  # a key listed twice in this batch
+            per_slot = Counter(listed)
+            slots = np.fromiter(per_slot, np.int64, len(per_slot))
+            before = pin_count[slots]
+            pin_count[slots] = before + np.fromiter(per_slot.values(), np.int32, len(per_slot))
+            pins.distinct = False
+        if np.count_nonzero(before):
+            if pins.total:
+                pins.distinct = False  # one of them may be this owner's
+            newly = slots[before == 0]
+        else:
+            newly = slots
+        self._lru.drop_many(newly)
+        self._pinned_slots += len(newly)
+        pins.chunks.append(slots if pins.distinct else np.array(listed, dtype=np.int64))
+        pins.total += len(listed)
+        return out
 
     def _unpin_serial(self, owner: Hashable) -> int:
         """Drop every pin of ``owner`` in batches, in pin order (so keys re-enter the LRU
-        in the order they were first pinned). One iterator walks the owner's counts from
-        start to end: only engine-side calls change them, and ``_serial`` excludes those,
-        so nothing but a dropped entry's count (set to 0, keeping ``pins_of`` exact) changes
-        under it; the entry goes with the last batch."""
-        counts = self._pins.get(owner)
-        if not counts:
+        in the order they were first pinned). The slots are read once, outside ``_lock``:
+        only engine-side calls change them, and ``_serial`` excludes those. The owner's
+        total drops batch by batch (so ``pins_of`` is exact); its entry goes with the last
+        batch."""
+        pins = self._pins.get(owner)
+        if pins is None:
             return 0
-        step, n = self.batch_keys, len(counts)
-        items = iter(counts.items())
+        drops: _Slots | None = None
+        if pins.distinct:
+            slots = pins.slots()
+        else:
+            counts = pins.counts()
+            slots = np.fromiter(counts, np.int64, len(counts))
+            drops = np.fromiter(counts.values(), np.int64, len(counts))
+        n = len(slots)
+        step = self.batch_keys
         released = 0
         for start in range(0, n, step):
             with _Batch(self):
-                batch = list(islice(items, step))
-                released += self._drop_pins_locked(batch)
-                if start + step < n:
-                    for slot, _ in batch:
-                        counts[slot] = 0
-                else:
+                end = start + step
+                part = None if drops is None else drops[start:end]
+                released += self._drop_pins_locked(pins, slots[start:end], part)
+                if end >= n:
                     del self._pins[owner]
         return released
 
-    def _drop_pins_locked(self, drops: Iterable[tuple[int, int]]) -> int:
-        """Take ``n`` pins off each ``(slot, n)``; a slot whose last pin drops becomes
-        evictable again as most recently used, or FREE if it is an orphan."""
-        pin_count, slot_key, lru = self._pin_count, self._slot_key, self._lru
-        released = unpinned = 0
-        for slot, n in drops:
-            left = pin_count[slot] - n
-            pin_count[slot] = left
-            released += n
-            if not left:
-                unpinned += 1
-                key = slot_key[slot]
-                if key is None:
-                    self._free_locked(slot)  # an orphan's last pin
-                else:
-                    lru[key] = None
-        self._pinned_slots -= unpinned
+    def _drop_pins_locked(self, pins: _Pins, slots: _Slots, drops: _Slots | None) -> int:
+        """Take ``drops[i]`` (None: 1) of ``pins``' pins off each (distinct) ``slots[i]``;
+        a slot whose last pin drops becomes evictable again as most recently used (in this
+        order), or FREE if it is an orphan."""
+        left = self._pin_count[slots] - (1 if drops is None else drops)
+        self._pin_count[slots] = left
+        released = len(slots) if drops is None else int(drops.sum())
+        pins.total -= released
+        done = slots[left == 0]
+        if len(done):
+            self._pinned_slots -= len(done)
+            if self._n_orphans:
+                keyed = self._slot_key[done].astype(bool)
+                orphans = done[~keyed]
+                self._n_orphans -= len(orphans)
+                self._free_many_locked(orphans)  # orphans' last pins
+                done = done[keyed]
+            self._lru.push(done)
         return released
 
     def _check_slot(self, slot: int) -> None:
@@ -859,35 +1004,255 @@ class BlockStore:
         if not 0 <= slot < self.num_blocks:
             raise ValueError(f"slot {slot} out of range [0, {self.num_blocks})")
 
+    def _lru_keys(self) -> list[bytes]:
+        """Test hook: the evictable keys, least recently used first."""
+        with self._turn, self._lock:
+            keys: list[bytes] = self._slot_key[self._lru.live()].tolist()
+            return keys
+
+    def _reserved_by(self, owner: Hashable) -> list[int]:
+        """Test hook: the slots ``owner`` reserves, in slot order."""
+        with self._turn, self._lock:
+            holder = self._holders.get(owner)
+            if holder is None:
+                return []
+            slots: list[int] = np.flatnonzero(self._owner == holder.oid).tolist()
+            return slots
+
     def _check_invariants(self) -> None:
         """Test hook: assert every internal structure agrees with every other (no
         engine-side call may be in progress, so it waits for one to end)."""
         with self._serial, self._turn, self._lock:
-            states = self._state
+            n = self.num_blocks
+            state, owner, slot_key = self._state, self._owner, self._slot_key
             assert self._claimed == 0
-            assert sorted(self._free) == [s for s, st in enumerate(states) if st == _FREE]
-            assert set(self._reserved) == {s for s, st in enumerate(states) if st == _RESERVED}
-            assert set(self._quarantine) == {s for s, st in enumerate(states) if st == _QUARANTINED}
-            assert all(self._reserved_by.values())
-            assert {s for ss in self._reserved_by.values() for s in ss} == set(self._reserved)
-            for owner, slots in self._reserved_by.items():
-                assert all(self._reserved[s] is owner or self._reserved[s] == owner for s in slots)
+            free = self._free[: self._n_free].tolist()
+            assert sorted(free) == np.flatnonzero(state == _FREE).tolist()
+            reserved = state == _RESERVED
+            assert ((owner != 0) == reserved).all()
+            assert self._n_reserved == int(reserved.sum())
+            assert self._holder_ids[_HOST_PUT_ID] is self._holders[_HOST_PUT]
+            assert len(self._holders) == len(self._holder_ids)
+            for oid, holder in self._holder_ids.items():
+                assert holder.oid == oid and self._holders[holder.owner] is holder
+                assert holder.count == int((owner == oid).sum())
+                assert holder.count > 0 or holder.owner is _HOST_PUT
+            assert set(np.unique(owner[reserved]).tolist()) <= set(self._holder_ids)
+            assert not set(self._spare_ids) & set(self._holder_ids)
+            quarantined = np.flatnonzero(state == _QUARANTINED).tolist()
+            assert set(self._quarantine) == set(quarantined)
+            keyed = slot_key.astype(bool)
             for key, slot in self._map.items():
-                assert states[slot] == _OCCUPIED and self._slot_key[slot] == key
-            assert list(self._lru) == [k for k in self._lru if not self._pin_count[self._map[k]]]
-            assert set(self._lru) == {k for k, s in self._map.items() if not self._pin_count[s]}
-            per_slot = [0] * self.num_blocks
-            for counts in self._pins.values():
-                assert counts and all(c > 0 for c in counts.values())
-                for slot, c in counts.items():
-                    per_slot[slot] += c
-            assert per_slot == self._pin_count
-            assert self._pinned_slots == sum(1 for c in per_slot if c)
-            for slot, c in enumerate(per_slot):
-                if c:
-                    assert states[slot] == _OCCUPIED
-                elif states[slot] == _OCCUPIED:
-                    assert self._slot_key[slot] is not None  # unpinned orphans are freed
+                assert state[slot] == _OCCUPIED and slot_key[slot] == key
+            assert sorted(self._map.values()) == np.flatnonzero(keyed).tolist()
+            per_slot = np.zeros(n, dtype=np.int64)
+            for pins in self._pins.values():
+                slots = pins.slots()
+                assert pins.total == len(slots) > 0
+                assert not pins.distinct or len(np.unique(slots)) == len(slots)
+                per_slot += np.bincount(slots, minlength=n)
+            assert (per_slot == self._pin_count).all()
+            pinned = per_slot > 0
+            assert self._pinned_slots == int(pinned.sum())
+            assert (state[pinned] == _OCCUPIED).all()
+            assert keyed[(state == _OCCUPIED) & ~pinned].all()  # unpinned orphans are freed
+            assert self._n_orphans == int(((state == _OCCUPIED) & ~keyed).sum())
+            evictable = keyed & ~pinned
+            assert ((self._lru.seq_of >= 0) == evictable).all()
+            live = self._lru.live()
+            assert sorted(live.tolist()) == np.flatnonzero(evictable).tolist()
+            assert self._lru.count == len(live)
+
+
+_Slots = npt.NDArray[np.integer[Any]]
+
+
+class _Lru:
+    """The evictable slots in the order they became evictable (published, touched, or
+    their last pin dropped): least recently used first. Used under ``BlockStore._lock``.
+
+    A log of entries ``(slot, seq)``, appended at the tail, read from the head; ``seq``
+    numbers every entry ever made. An entry is live while ``seq_of[slot]`` is its seq:
+    a slot leaves (pinned, evicted, freed, overwritten in place) by setting that to -1,
+    and a later entry of the slot supersedes an earlier one. Dead entries are dropped by
+    a compaction that runs in steps of ``4 * room`` entries, one per push, so that no
+    call does more than a bounded amount of it: once the tail passes half the log, live
+    entries are copied, in order, from ``r`` down to ``w`` at the front. The log holds
+    ``slots[head:w]`` then ``slots[r:tail]`` (the gap between is garbage); outside a
+    compaction ``w == r``. A step copies at least four entries for each one pushed, so
+    a compaction ends long before the log fills, with at most ``num_blocks`` live
+    entries plus those pushed meanwhile.
+    """
+
+    __slots__ = (
+        "compacting",
+        "count",
+        "head",
+        "next_seq",
+        "r",
+        "seq_of",
+        "seqs",
+        "slots",
+        "step",
+        "tail",
+        "w",
+    )
+
+    def __init__(self, num_blocks: int, room: int) -> None:
+        size = 3 * (num_blocks + room)
+        self.seq_of = np.full(num_blocks, -1, dtype=np.int64)  # per slot; -1: not evictable
+        self.slots = np.empty(size, dtype=np.int32)
+        self.seqs = np.empty(size, dtype=np.int64)
+        self.head = self.w = self.r = self.tail = 0
+        self.next_seq = 0
+        self.count = 0  # live entries: evictable slots
+        self.step = 4 * room
+        self.compacting = False
+
+    def push(self, slots: _Slots) -> None:
+        """Slots that just became evictable, in this order, as most recently used."""
+        n = len(slots)
+        if self.tail + n > len(self.slots):
+            self._grow(n)
+        tail, seq = self.tail, self.next_seq
+        seqs = np.arange(seq, seq + n)
+        self.slots[tail : tail + n] = slots
+        self.seqs[tail : tail + n] = seqs
+        self.seq_of[slots] = seqs
+        self.tail, self.next_seq = tail + n, seq + n
+        self.count += n
+        self._compact_step()
+
+    def push_one(self, slot: int) -> None:
+        if self.tail == len(self.slots):
+            self._grow(1)
+        tail, seq = self.tail, self.next_seq
+        self.slots[tail] = slot
+        self.seqs[tail] = seq
+        self.seq_of[slot] = seq
+        self.tail, self.next_seq = tail + 1, seq + 1
+        self.count += 1
+        self._compact_step()
+
+    def drop(self, slot: int) -> None:
+        """An evictable slot leaves."""
+        self.seq_of[slot] = -1
+        self.count -= 1
+
+    def drop_many(self, slots: _Slots) -> None:
+        """Evictable (distinct) slots leave."""
+        self.seq_of[slots] = -1
+        self.count -= len(slots)
+
+    def take(self, n: int) -> _Slots:
+        """The n least recently used slots, taken out (the caller checked there are n)."""
+        parts = []
+        need = n
+        while need:
+            in_front = self.head < self.w
+            lo = self.head if in_front else self.r
+            hi = min(self.w if in_front else self.tail, lo + max(2 * need, 64))
+            if hi == lo:  # never: count says there are n; fail rather than spin under _lock
+                raise RuntimeError(f"LRU log holds fewer than {n} live entries")
+            seg = self.slots[lo:hi]
+            live = np.flatnonzero(self.seq_of[seg] == self.seqs[lo:hi])[:need]
+            parts.append(seg[live])
+            need -= len(live)
+            end = lo + int(live[-1]) + 1 if not need else hi
+            if in_front:
+                self.head = end
+            else:  # nothing is left in front: the gap closes behind what was read
+                self.head = self.w = self.r = end
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        self.drop_many(out)
+        return out
+
+    def live(self) -> _Slots:
+        """Test hook: the live entries' slots, least recently used first."""
+        parts = [(self.head, self.w), (self.r, self.tail)]
+        live = [self.slots[a:b][self.seq_of[self.slots[a:b]] == self.seqs[a:b]] for a, b in parts]
+        out: _Slots = np.concatenate(live)
+        return out
+
+    def _compact_step(self) -> None:
+        if not self.compacting:
+            if 2 * self.tail < len(self.slots):
+                return
+            # Start: what is in the log lies in [head, tail), w == r; copy it to the front.
+            self.compacting = True
+            self.r, self.head, self.w = self.head, 0, 0
+        r, w = self.r, self.w
+        end = min(self.tail, r + self.step)
+        seg, seqs = self.slots[r:end], self.seqs[r:end]
+        live = self.seq_of[seg] == seqs
+        n = int(np.count_nonzero(live))
+        self.slots[w : w + n] = seg[live]
+        self.seqs[w : w + n] = seqs[live]
+        self.w, self.r = w + n, end
+        if end == self.tail:
+            self.tail = self.r = self.w
+            self.compacting = False
+
+    def _grow(self, room: int) -> None:
+        # Not reached while compaction keeps up (see the class docstring); a safety net.
+        size = 2 * (len(self.slots) + room)
+        for name in ("slots", "seqs"):
+            old = getattr(self, name)
+            new = np.empty(size, dtype=old.dtype)
+            new[: self.tail] = old[: self.tail]
+            setattr(self, name, new)
+
+
+class _Pins:
+    """One owner's pins: the slots each pin batch pinned, in pin order (a slot once per
+    pin). ``distinct`` while no slot is in them twice, so an unpin needs no counting."""
+
+    __slots__ = ("chunks", "distinct", "total")
+
+    def __init__(self) -> None:
+        self.chunks: list[_Slots] = []
+        self.distinct = True
+        self.total = 0  # pins held: the chunks' length less what an unpin has dropped
+
+    def slots(self) -> _Slots:
+        chunks = self.chunks
+        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+
+    def counts(self) -> dict[int, int]:
+        """slot -> pins, in the order the slots were first pinned."""
+        return Counter(self.slots().tolist())
+
+    def set_counts(self, counts: dict[int, int]) -> None:
+        slots = np.fromiter(counts, np.int64, len(counts))
+        self.chunks = [np.repeat(slots, np.fromiter(counts.values(), np.int64, len(counts)))]
+        self.distinct = all(c == 1 for c in counts.values())
+
+
+class _Holder:
+    """An owner holding reserved slots: its id in ``BlockStore._owner`` and how many."""
+
+    __slots__ = ("count", "oid", "owner")
+
+    def __init__(self, owner: Hashable, oid: int) -> None:
+        self.owner = owner
+        self.oid = oid
+        self.count = 0
+
+
+_PACKERS: dict[int, struct.Struct] = {}
+
+
+def _int64s(values: Sequence[int]) -> _Slots:
+    """A list of ints as an int64 array: the fastest conversion there is, and strict
+    (``struct`` takes only what has ``__index__``; NumPy would take floats and strings
+    too). ``struct.error`` or TypeError for anything else."""
+    n = len(values)
+    packer = _PACKERS.get(n)
+    if packer is None:
+        packer = struct.Struct(f"{n}q")
+        if n <= BATCH_KEYS:
+            _PACKERS[n] = packer
+    return np.frombuffer(packer.pack(*values), dtype=np.int64)
 
 
 def _check_key(key: object) -> None:

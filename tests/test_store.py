@@ -826,3 +826,23 @@ def test_commit_many_checks_every_reservation_before_changing_anything() -> None
     with pytest.raises(ValueError):
         store.commit_many("f", [slots[0], 7], [b"a", b"b"])
     assert store.statistics().reserved == 2 and len(store) == 0
+
+
+@pytest.mark.parametrize("bad", [1.0, "1", None, b"\x01", -1, 8, 2**70])
+@pytest.mark.parametrize("how", ["commit_many", "release_reserved", "quarantine"])
+def test_a_slot_that_is_not_an_int_in_range_is_refused_and_changes_nothing(
+    how: str, bad: object
+) -> None:
+    """A float equal to a reserved slot (1.0 == 1) names no slot: refused like any stranger."""
+    store = BlockStore(8, 16)
+    store.reserve("f", 2)  # slots 0 and 1
+    calls: dict[str, Callable[[], object]] = {
+        "commit_many": lambda: store.commit_many("f", [0, bad], [b"a", b"b"]),  # type: ignore[list-item]
+        "release_reserved": lambda: store.release_reserved("f", [0, bad]),  # type: ignore[list-item]
+        "quarantine": lambda: store.quarantine("f", [0, bad], until=1.0),  # type: ignore[list-item]
+    }
+    before = snapshot(store)
+    with pytest.raises(ValueError, match="not reserved"):
+        calls[how]()
+    assert snapshot(store) == before and store.statistics().reserved == 2
+    store._check_invariants()
