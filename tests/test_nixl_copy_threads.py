@@ -10,6 +10,7 @@ so, either region). What fails as a whole and what stays idle is checked in
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 from p2pkv.errors import TransportError
 from p2pkv.transport import _nixl_agent
 from p2pkv.transport._nixl_agent import resolve_copy_threads
+from p2pkv.transport._runs import contiguous_runs, run_order
 from p2pkv.transport.base import RegionLayout, TransferState
 from p2pkv.transport.nixl import NixlTransport
 
@@ -34,11 +36,13 @@ def test_copy_threads_come_from_the_argument_then_the_environment_then_the_cores
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv(_nixl_agent.COPY_THREADS_ENV, raising=False)
-    monkeypatch.setattr(_nixl_agent.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert resolve_copy_threads() == 4
-    monkeypatch.setattr(_nixl_agent.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert resolve_copy_threads() == 8
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
+    assert resolve_copy_threads() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert resolve_copy_threads() == 1  # a 2-core box copies in the posting thread
-    monkeypatch.setattr(_nixl_agent.os, "sched_getaffinity", lambda pid: set(range(128)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
     assert resolve_copy_threads() == _nixl_agent.MAX_AUTO_COPY_THREADS
     monkeypatch.setenv(_nixl_agent.COPY_THREADS_ENV, "3")
     assert resolve_copy_threads() == 3
@@ -134,21 +138,26 @@ def test_runs_are_cut_into_pieces_for_the_copy_threads_inside_both_regions(
         assert (addr + size <= layout.base_addr + layout.nbytes).all()
         assert ((addr - layout.base_addr) % BLOCK == 0).all() and (size % BLOCK == 0).all()
     assert int(local_descs[:, 1].sum()) == len(local) * BLOCK
+    assert (local_descs[:, 1] <= _nixl_agent.MAX_PIECE_BYTES).all()
     assert (local_descs[:, 1] == remote_descs[:, 1]).all()
 
 
 @pytest.mark.nixl
 @needs_nixl
 @pytest.mark.parametrize("pair", [1, 2], indirect=True)
-@pytest.mark.parametrize("seed", [5, 6, 7])
+@pytest.mark.parametrize("seed", range(5, 13))
 def test_scattered_and_mixed_posts_land_byte_exact(pair: tuple[Any, ...], seed: int) -> None:
-    """Scattered pairs (split by NIXL as they are) and short posts (not split at all) take
-    the prepared dlists: no explicit descriptors."""
+    """Pairs without runs (split by NIXL as they are) and short posts (not split at all)
+    take the prepared dlists; only a long enough post holding runs gets explicit pieces."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(1, 48))
-    local = rng.choice(64, n, replace=False).tolist()
-    remote = rng.choice(48, n, replace=False).tolist()
-    assert _write(pair, local, remote) == []
+    local = rng.choice(64, n, replace=False)
+    remote = rng.choice(48, n, replace=False)
+    ordered = run_order(local.astype(np.int64), remote.astype(np.int64))
+    has_runs = len(contiguous_runs(*ordered)[2]) < n
+    shared = pair[0]._state.shared
+    explicit = _write(pair, local.tolist(), remote.tolist())
+    assert bool(explicit) == (shared.copy_threads > 1 and n >= shared.split_descs and has_runs)
 
 
 @pytest.mark.nixl

@@ -41,14 +41,16 @@ becomes one copy (UCX's cma path then makes one ``process_vm_writev`` per 512 Ki
 one per block; strace: 1,024 contiguous 64 KiB blocks, 132 calls instead of 1,028). Posts
 order their pairs by local slot (:mod:`._runs`) so that every run is adjacent.
 
-With K copy threads (:func:`._nixl_agent.resolve_copy_threads`; host memory only) NIXL's UCX backend
-splits a transfer of at least ``split_descs`` (4 K) descriptors into K parts by descriptor
-count and copies them in parallel, under the one handle: the handle is DONE only when every
-part is, ERR (the whole transfer failed, its destination quarantined by the caller as
-always) if any part failed. A post of at least ``split_descs`` blocks whose runs would merge
-into fewer descriptors than that is posted with explicit descriptors instead
-(``initialize_xfer``): its runs cut into pieces of ``blocks // split_descs`` blocks, so it
-is split too. Pieces never leave a run, and runs are made only of slots already checked
+With K copy threads (:func:`._nixl_agent.resolve_copy_threads`; host memory only) NIXL's
+UCX backend splits a transfer of at least ``split_descs`` (4 K) descriptors into K parts by
+descriptor count and copies them in parallel, under the one handle: the handle is DONE only
+when every part is, ERR (the whole transfer failed, its destination quarantined by the
+caller as always) if any part failed. A post of at least ``split_descs`` blocks that holds
+runs is posted with explicit descriptors (``initialize_xfer``) instead of NIXL's merge: its
+runs cut into pieces of at most ``MAX_PIECE_BYTES`` and at least ``split_descs`` pieces in
+all, so every part gets work (a merged run is one descriptor, copied by one thread, and
+descriptors of 16 MiB or more stay at one thread's speed even when split). Pieces never
+leave a run, and runs are made only of slots already checked
 against both regions. With K = 1 nothing changes: prepared dlists, NIXL merging.
 """
 
@@ -67,6 +69,7 @@ import numpy.typing as npt
 
 from ..errors import PeerDisconnected, RegistrationFailed, TransportError
 from ._nixl_agent import (
+    MAX_PIECE_BYTES,
     PeerRegistration,
     SharedAgent,
     acquire_agent,
@@ -537,16 +540,17 @@ class NixlTransport(DataTransport):
         local: npt.NDArray[np.int64],
         remote: npt.NDArray[np.int64],
     ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None:
-        """Explicit (local, remote) descriptors for a post that NIXL should split between
-        the copy threads but would merge into fewer than ``split_descs``; else None."""
+        """Explicit (local, remote) descriptors for a post that NIXL splits between the copy
+        threads and that holds runs (NIXL would merge each into one descriptor); else None."""
         split = shared.split_descs
         if shared.copy_threads < 2 or local.size < split:
             return None
         starts_l, starts_r, lengths = contiguous_runs(local, remote)
-        if lengths.size >= split:
-            return None  # NIXL's merged list is long enough to be split as it is
-        starts_l, starts_r, lengths = split_runs(starts_l, starts_r, lengths, local.size // split)
+        if lengths.size == local.size:
+            return None  # no run: the prepared per-block dlists serve as they are
         ours, theirs = self._state.layout, reg.layout
+        max_len = max(1, min(local.size // split, MAX_PIECE_BYTES // ours.block_len))
+        starts_l, starts_r, lengths = split_runs(starts_l, starts_r, lengths, max_len)
         return (
             _run_descs(ours, starts_l, lengths, shared.device),
             _run_descs(theirs, starts_r, lengths, reg.device),
