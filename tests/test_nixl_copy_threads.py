@@ -55,6 +55,15 @@ def test_copy_threads_come_from_the_argument_then_the_environment_then_the_cores
         resolve_copy_threads(0)
 
 
+def test_node_config_takes_copy_threads_or_none() -> None:
+    from p2pkv.config import NodeConfig
+
+    assert NodeConfig(peer_id="a").nixl_copy_threads is None
+    assert NodeConfig(peer_id="a", nixl_copy_threads=3).nixl_copy_threads == 3
+    with pytest.raises(ValueError):
+        NodeConfig(peer_id="a", nixl_copy_threads=0)
+
+
 def _region(num_blocks: int, seed: int) -> tuple[Region, RegionLayout]:
     array = np.random.default_rng(seed).integers(0, 256, num_blocks * BLOCK, dtype=np.uint8)
     return array, RegionLayout(array.ctypes.data, num_blocks, BLOCK)

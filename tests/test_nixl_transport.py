@@ -585,6 +585,41 @@ def test_killed_target_reports_err_and_dead_peer(
     assert not src.is_peer_dead(survivor.name)
 
 
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_releasing_a_stalled_write_abandons_it_and_the_peer_stays_usable(
+    make: MakeTransport,
+    spawn: Callable[..., Target],
+    monkeypatch: pytest.MonkeyPatch,
+    copy_threads: int,
+) -> None:
+    """A write abandoned while PROC (split in parts when copy_threads > 1) is released at
+    once, reported ERR; once the target progresses again the same peer takes new writes."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # stalls while the target does not progress
+    num_blocks = 256
+    src_array, src_layout = region(num_blocks, seed=9)
+    src = make("t9-src", src_array, src_layout, copy_threads)
+    target = spawn("t9-dst", num_blocks, {"UCX_TLS": "tcp"})
+    peer = src.add_remote_peer(target.name, target.metadata, target.layout)
+    handle = src.post_write(peer, [0], [0])  # wire-up while the target progresses
+    assert wait(src, handle) is TransferState.DONE
+    src.release(handle)
+    assert target.call(("progress", False)) == "ok"
+    scattered = np.random.default_rng(10).permutation(num_blocks).tolist()
+    handle = src.post_write(peer, list(range(num_blocks)), scattered)
+    assert src.poll(handle) is TransferState.PROC
+    src.release(handle)
+    assert src.poll(handle) is TransferState.ERR
+    assert isinstance(src.failure(handle), TransportError)
+    assert src.statistics().live_handles == 0
+    assert target.call(("progress", True)) == "ok"
+    local = list(range(64, 128))
+    remote = list(range(128, 192))
+    handle = src.post_write(peer, local, remote)
+    assert wait(src, handle) is TransferState.DONE
+    src.release(handle)
+    assert target.call(("digest", remote)) == crcs(src_array, src_layout, local)
+
+
 def test_hammering_one_shared_agent_from_threads_does_not_crash() -> None:
     result = subprocess.run(
         [sys.executable, str(TESTS / "_nixl_hammer.py"), "2"],
