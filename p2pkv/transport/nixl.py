@@ -47,10 +47,10 @@ descriptor count and copies them in parallel, under the one handle: the handle i
 when every part is, ERR (the whole transfer failed, its destination quarantined by the
 caller as always) if any part failed. A post of at least ``split_descs`` blocks that holds
 runs is posted with explicit descriptors (``initialize_xfer``) instead of NIXL's merge: its
-runs cut into pieces of at most ``MAX_PIECE_BYTES`` and at least ``split_descs`` pieces in
-all, so every part gets work (a merged run is one descriptor, copied by one thread, and
-descriptors of 16 MiB or more stay at one thread's speed even when split). Pieces never
-leave a run, and runs are made only of slots already checked
+runs cut into pieces of at most ``MAX_PIECE_BYTES`` (or one block, if larger) and at least
+``split_descs`` pieces in all, so every part gets work (a merged run is one descriptor,
+copied by one thread, and descriptors of 16 MiB or more stay at one thread's speed even
+when split). Pieces never leave a run, and runs are made only of slots already checked
 against both regions. With K = 1 nothing changes: prepared dlists, NIXL merging.
 """
 
