@@ -49,6 +49,11 @@ class NodeConfig:
     num_blocks: int = attrs.field(default=1024, validator=_positive)
     block_len: int = attrs.field(default=64 * 1024, validator=_positive)
     transport: Literal["local", "nixl"] = "local"
+    # NIXL over host memory: threads copying one transfer (None: P2PKV_NIXL_COPY_THREADS,
+    # else one per 2 cores, at most 8; see docs/design.md, "Data plane parallelism").
+    nixl_copy_threads: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
 
     # Compatibility: peers must agree on these (checked at handshake).
     fingerprint: str = ""  # e.g. model + dtype + layout; opaque to p2pkv

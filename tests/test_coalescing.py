@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from p2pkv.errors import TransportError
-from p2pkv.transport._runs import contiguous_runs, run_order
+from p2pkv.transport._runs import contiguous_runs, run_order, split_runs
 from p2pkv.transport.base import RegionLayout, TransferState
 from p2pkv.transport.local import LocalTransport
 
@@ -52,6 +52,36 @@ def test_runs_cover_exactly_the_pairs_and_are_maximal(pairs: list[tuple[int, int
         for s, d, n in zip(starts_l, starts_r, lengths, strict=True)
     }
     assert not ends & set(zip(starts_l.tolist(), starts_r.tolist(), strict=True))
+
+
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60, unique_by=lambda p: p[0]
+    ),
+    st.integers(1, 8),
+)
+def test_pieces_cover_the_runs_exactly_and_never_leave_one(
+    pairs: list[tuple[int, int]], max_len: int
+) -> None:
+    local, remote = run_order(
+        np.array([p[0] for p in pairs], dtype=np.int64),
+        np.array([p[1] for p in pairs], dtype=np.int64),
+    )
+    runs = contiguous_runs(local, remote)
+    pieces = split_runs(*runs, max_len)
+    assert (pieces[2] >= 1).all() and (pieces[2] <= max_len).all()
+    run_of = {}  # block pair -> the run holding it
+    for r, (s, d, n) in enumerate(zip(*runs, strict=True)):
+        for k in range(int(n)):
+            run_of[(int(s) + k, int(d) + k)] = r
+    covered = []
+    for s, d, n in zip(*pieces, strict=True):
+        blocks = [(int(s) + k, int(d) + k) for k in range(int(n))]
+        assert len({run_of.get(b) for b in blocks}) == 1 and blocks[0] in run_of
+        covered += blocks
+    assert sorted(covered) == sorted(run_of) == sorted(pairs)
+    with pytest.raises(ValueError):
+        split_runs(*runs, 0)
 
 
 class CountingArray(np.ndarray):

@@ -113,8 +113,12 @@ def make() -> Iterator[MakeTransport]:
     """Create transports; close them all afterwards and prove no agent is left alive."""
     made: list[NixlTransport] = []
 
-    def create(name: str, array: object, layout: RegionLayout) -> NixlTransport:
-        transport = NixlTransport.create(agent_name=name, region=array, layout=layout)
+    def create(
+        name: str, array: object, layout: RegionLayout, copy_threads: int | None = None
+    ) -> NixlTransport:
+        transport = NixlTransport.create(
+            agent_name=name, region=array, layout=layout, copy_threads=copy_threads
+        )
         made.append(transport)
         return transport
 
@@ -534,14 +538,19 @@ def spawn() -> Iterator[Callable[..., Target]]:
         target.close()
 
 
+@pytest.mark.parametrize("copy_threads", [1, 2])
 def test_killed_target_reports_err_and_dead_peer(
-    make: MakeTransport, spawn: Callable[..., Target], monkeypatch: pytest.MonkeyPatch
+    make: MakeTransport,
+    spawn: Callable[..., Target],
+    monkeypatch: pytest.MonkeyPatch,
+    copy_threads: int,
 ) -> None:
+    """With copy threads the big write is split into parts: one handle, failed as a whole."""
     # tcp: asynchronous (transfer() returns PROC) and stalls while the target is not progressing.
     monkeypatch.setenv("UCX_TLS", "tcp")
     num_blocks = 1024  # 64 MiB
     src_array, src_layout = region(num_blocks)
-    src = make("t7-src", src_array, src_layout)
+    src = make("t7-src", src_array, src_layout, copy_threads)
     doomed = spawn("t7-doomed", num_blocks, {"UCX_TLS": "tcp"})
     peer = src.add_remote_peer(doomed.name, doomed.metadata, doomed.layout)
     handle = src.post_write(peer, [3], [7])
@@ -576,6 +585,41 @@ def test_killed_target_reports_err_and_dead_peer(
     assert not src.is_peer_dead(survivor.name)
 
 
+@pytest.mark.parametrize("copy_threads", [1, 2])
+def test_releasing_a_stalled_write_abandons_it_and_the_peer_stays_usable(
+    make: MakeTransport,
+    spawn: Callable[..., Target],
+    monkeypatch: pytest.MonkeyPatch,
+    copy_threads: int,
+) -> None:
+    """A write abandoned while PROC (split in parts when copy_threads > 1) is released at
+    once, reported ERR; once the target progresses again the same peer takes new writes."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # stalls while the target does not progress
+    num_blocks = 256
+    src_array, src_layout = region(num_blocks, seed=9)
+    src = make("t9-src", src_array, src_layout, copy_threads)
+    target = spawn("t9-dst", num_blocks, {"UCX_TLS": "tcp"})
+    peer = src.add_remote_peer(target.name, target.metadata, target.layout)
+    handle = src.post_write(peer, [0], [0])  # wire-up while the target progresses
+    assert wait(src, handle) is TransferState.DONE
+    src.release(handle)
+    assert target.call(("progress", False)) == "ok"
+    scattered = np.random.default_rng(10).permutation(num_blocks).tolist()
+    handle = src.post_write(peer, list(range(num_blocks)), scattered)
+    assert src.poll(handle) is TransferState.PROC
+    src.release(handle)
+    assert src.poll(handle) is TransferState.ERR
+    assert isinstance(src.failure(handle), TransportError)
+    assert src.statistics().live_handles == 0
+    assert target.call(("progress", True)) == "ok"
+    local = list(range(64, 128))
+    remote = list(range(128, 192))
+    handle = src.post_write(peer, local, remote)
+    assert wait(src, handle) is TransferState.DONE
+    src.release(handle)
+    assert target.call(("digest", remote)) == crcs(src_array, src_layout, local)
+
+
 def test_hammering_one_shared_agent_from_threads_does_not_crash() -> None:
     result = subprocess.run(
         [sys.executable, str(TESTS / "_nixl_hammer.py"), "2"],
@@ -591,14 +635,15 @@ def test_hammering_one_shared_agent_from_threads_does_not_crash() -> None:
     assert done["done"] > 100 and done["readded"] > 10 and done["reconfigured"] > 5, done
 
 
-def test_idle_transport_pair_uses_no_cpu(make: MakeTransport) -> None:
-    src_array, src_layout = region(16)
-    dst_array, dst_layout = region(16)
-    src = make("t8-src", src_array, src_layout)
-    dst = make("t8-dst", dst_array, dst_layout)
-    write_and_check(
-        src, src_array, src.add_remote_peer("t8-dst", dst.metadata(), dst_layout), dst, dst_array
-    )
+@pytest.mark.parametrize("copy_threads", [1, 4])
+def test_idle_transport_pair_uses_no_cpu(make: MakeTransport, copy_threads: int) -> None:
+    """Copy threads wait for work without polling: an idle pair still costs nothing."""
+    src_array, src_layout = region(32)
+    dst_array, dst_layout = region(32)
+    src = make("t8-src", src_array, src_layout, copy_threads)
+    dst = make("t8-dst", dst_array, dst_layout, copy_threads)
+    peer = src.add_remote_peer("t8-dst", dst.metadata(), dst_layout)
+    write_and_check(src, src_array, peer, dst, dst_array, n=16)  # split when copy_threads > 1
     cpu, wall = time.process_time(), time.monotonic()
     time.sleep(2.0)
     used = (time.process_time() - cpu) / (time.monotonic() - wall)

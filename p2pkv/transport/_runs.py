@@ -38,3 +38,20 @@ def contiguous_runs(local: Slots, remote: Slots) -> tuple[Slots, Slots, Slots]:
     starts = np.concatenate((np.zeros(1, dtype=np.int64), breaks))
     lengths = np.diff(np.append(starts, local.size))
     return local[starts], remote[starts], lengths
+
+
+def split_runs(
+    local_starts: Slots, remote_starts: Slots, lengths: Slots, max_len: int
+) -> tuple[Slots, Slots, Slots]:
+    """The runs cut into pieces of at most ``max_len`` blocks: (local starts, remote
+    starts, lengths). Every piece lies inside the run it came from."""
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    pieces = (lengths + max_len - 1) // max_len
+    if not lengths.size or int(pieces.max()) == 1:
+        return local_starts, remote_starts, lengths
+    run = np.repeat(np.arange(lengths.size), pieces)
+    first = np.cumsum(pieces) - pieces  # index of each run's first piece
+    offset = (np.arange(run.size) - first[run]) * max_len
+    sizes = np.minimum(lengths[run] - offset, max_len)
+    return local_starts[run] + offset, remote_starts[run] + offset, sizes

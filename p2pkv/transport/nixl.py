@@ -34,13 +34,24 @@ Every registration prepares its own dlist. A released registration's remote agen
 (kept loaded, unusable) for reuse by the same incarnation: NIXL leaks a socket per remove
 (:mod:`._nixl_agent`).
 
-Coalescing (issue 9): a post names blocks by index into two prepared dlists, one
-descriptor per block; ``make_prepped_xfer`` merges index pairs that are adjacent in the
-list and contiguous on both sides into one descriptor, so a run of blocks becomes one
-copy (UCX's cma path then makes one ``process_vm_writev`` per 512 KiB instead of one per
-block; strace: 1,024 contiguous 64 KiB blocks, 132 calls instead of 1,028). Posts order
-their pairs by local slot (:mod:`._runs`) so that every run is adjacent. Explicit run
-descriptors (``initialize_xfer``) cost ~50 us more per post and merge nothing more.
+Coalescing and copy threads (issue 9): a post names blocks by index into two prepared
+dlists, one descriptor per block; ``make_prepped_xfer`` merges index pairs that are
+adjacent in the list and contiguous on both sides into one descriptor, so a run of blocks
+becomes one copy (UCX's cma path then makes one ``process_vm_writev`` per 512 KiB instead of
+one per block; strace: 1,024 contiguous 64 KiB blocks, 132 calls instead of 1,028). Posts
+order their pairs by local slot (:mod:`._runs`) so that every run is adjacent.
+
+With K copy threads (:func:`._nixl_agent.resolve_copy_threads`; host memory only) NIXL's
+UCX backend splits a transfer of at least ``split_descs`` (4 K) descriptors into K parts by
+descriptor count and copies them in parallel, under the one handle: the handle is DONE only
+when every part is, ERR (the whole transfer failed, its destination quarantined by the
+caller as always) if any part failed. A post of at least ``split_descs`` blocks that holds
+runs is posted with explicit descriptors (``initialize_xfer``) instead of NIXL's merge: its
+runs cut into pieces of at most ``MAX_PIECE_BYTES`` (or one block, if larger) and at least
+``split_descs`` pieces in all, so every part gets work (a merged run is one descriptor,
+copied by one thread, and descriptors of 16 MiB or more stay at one thread's speed even
+when split). Pieces never leave a run, and runs are made only of slots already checked
+against both regions. With K = 1 nothing changes: prepared dlists, NIXL merging.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ import numpy.typing as npt
 
 from ..errors import PeerDisconnected, RegistrationFailed, TransportError
 from ._nixl_agent import (
+    MAX_PIECE_BYTES,
     PeerRegistration,
     SharedAgent,
     acquire_agent,
@@ -66,8 +78,9 @@ from ._nixl_agent import (
     metadata_agent_name,
     registry_counts,
     release_ref,
+    resolve_copy_threads,
 )
-from ._runs import run_order
+from ._runs import contiguous_runs, run_order, split_runs
 from .base import (
     DataTransport,
     RegionLayout,
@@ -165,6 +178,18 @@ def _indices(slots: Sequence[int], num_blocks: int, side: str) -> npt.NDArray[np
     if array.size and (int(array.min()) < 0 or int(array.max()) >= num_blocks):
         raise TransportError(f"{side} slot out of range 0..{num_blocks - 1}", op="post_write")
     return array
+
+
+def _run_descs(
+    layout: RegionLayout, starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], device: int
+) -> npt.NDArray[np.uint64]:
+    """One (addr, len, dev) row per run of ``lengths`` blocks from slot ``starts``."""
+    descs = np.empty((starts.size, 3), dtype=np.uint64)
+    descs[:, 0] = starts.astype(np.uint64) * np.uint64(layout.block_len)
+    descs[:, 0] += np.uint64(layout.base_addr)
+    descs[:, 1] = lengths.astype(np.uint64) * np.uint64(layout.block_len)
+    descs[:, 2] = device
+    return descs
 
 
 def _remove_peer(st: _State, reg: PeerRegistration, peer: RemotePeer) -> bool:
@@ -275,11 +300,20 @@ class NixlTransport(DataTransport):
         self._finalizer = weakref.finalize(self, _shutdown, state)
 
     @classmethod
-    def create(cls, *, agent_name: str, region: object, layout: RegionLayout) -> NixlTransport:
+    def create(
+        cls,
+        *,
+        agent_name: str,
+        region: object,
+        layout: RegionLayout,
+        copy_threads: int | None = None,
+    ) -> NixlTransport:
         """A transport over ``region`` (``layout.base_addr`` must be its byte 0).
 
         Blocking (first call: NIXL import and agent creation, ~0.1-0.3 s). Takes over the
         region's existing agent if one lives in this process (it must have the same name).
+        ``copy_threads``: threads copying one transfer (None: ``P2PKV_NIXL_COPY_THREADS``,
+        else from the cores this process may use); used when the agent is created.
         """
         problem = _layout_problem(layout, None)
         if problem is not None:
@@ -291,7 +325,8 @@ class NixlTransport(DataTransport):
                 peer=agent_name,
                 op="create",
             )
-        shared = acquire_agent(load_nixl(), agent_name, layout, region)
+        threads = resolve_copy_threads(copy_threads)
+        shared = acquire_agent(load_nixl(), agent_name, layout, region, threads)
         try:
             return cls(_State(agent_name, layout, shared))
         except BaseException:
@@ -379,7 +414,9 @@ class NixlTransport(DataTransport):
                 ) from exc
             if old is not None:  # same incarnation: its in-flight writes still complete
                 shared.drop_registration(old, stale=True)
-            reg = PeerRegistration(name, layout, metadata, dlist, owner=self._state)
+            reg = PeerRegistration(
+                name, layout, metadata, dlist, owner=self._state, mem_type=mem_type, device=device
+            )
             shared.live[name] = reg
             shared.parked.pop(name, None)
             shared.set_dead(name, False)
@@ -435,9 +472,7 @@ class NixlTransport(DataTransport):
         try:
             handle = TransferHandle(peer, tuple(local.tolist()), tuple(remote.tolist()))
             ordered_local, ordered_remote = run_order(local, remote)
-            native = self._post(
-                shared, peer, reg, ordered_local.astype(np.int32), ordered_remote.astype(np.int32)
-            )
+            native = self._post(shared, peer, reg, ordered_local, ordered_remote)
             handle.native = native
             with st.lock:
                 st.handles[native] = handle
@@ -450,10 +485,11 @@ class NixlTransport(DataTransport):
         shared: SharedAgent,
         peer: RemotePeer,
         reg: PeerRegistration,
-        local: npt.NDArray[np.int32],
-        remote: npt.NDArray[np.int32],
+        local: npt.NDArray[np.int64],
+        remote: npt.NDArray[np.int64],
     ) -> NixlXfer:
         name = reg.agent_name
+        pieces = self._pieces(shared, reg, local, remote)
         with shared.call_lock:
             if peer.released or not reg.usable:
                 raise TransportError(
@@ -462,9 +498,18 @@ class NixlTransport(DataTransport):
             agent = shared.agent
             xfer = None
             try:
-                xfer = agent.make_prepped_xfer(
-                    "WRITE", shared.local_dlist, local, reg.dlist, remote
-                )
+                if pieces is None:
+                    xfer = agent.make_prepped_xfer(
+                        "WRITE",
+                        shared.local_dlist,
+                        local.astype(np.int32),
+                        reg.dlist,
+                        remote.astype(np.int32),
+                    )
+                else:
+                    local_descs = agent.get_xfer_descs(pieces[0], shared.mem_type)
+                    remote_descs = agent.get_xfer_descs(pieces[1], reg.mem_type)
+                    xfer = agent.initialize_xfer("WRITE", local_descs, remote_descs, name)
                 status = agent.transfer(xfer)
             except Exception as exc:
                 if xfer is not None:
@@ -487,6 +532,29 @@ class NixlTransport(DataTransport):
                 shared.pending.add(native)
             _refresh_pending(shared)  # polls on the Trio thread may have found us busy
             return native
+
+    def _pieces(
+        self,
+        shared: SharedAgent,
+        reg: PeerRegistration,
+        local: npt.NDArray[np.int64],
+        remote: npt.NDArray[np.int64],
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]] | None:
+        """Explicit (local, remote) descriptors for a post that NIXL splits between the copy
+        threads and that holds runs (NIXL would merge each into one descriptor); else None."""
+        split = shared.split_descs
+        if shared.copy_threads < 2 or local.size < split:
+            return None
+        starts_l, starts_r, lengths = contiguous_runs(local, remote)
+        if lengths.size == local.size:
+            return None  # no run: the prepared per-block dlists serve as they are
+        ours, theirs = self._state.layout, reg.layout
+        max_len = max(1, min(local.size // split, MAX_PIECE_BYTES // ours.block_len))
+        starts_l, starts_r, lengths = split_runs(starts_l, starts_r, lengths, max_len)
+        return (
+            _run_descs(ours, starts_l, lengths, shared.device),
+            _run_descs(theirs, starts_r, lengths, reg.device),
+        )
 
     def poll(self, handle: TransferHandle) -> TransferState:
         native = handle.native
