@@ -96,7 +96,10 @@ def make_transport(cfg: NodeConfig, store: BlockStore) -> DataTransport:
         from .transport.nixl import NixlTransport
 
         return NixlTransport.create(
-            agent_name=cfg.peer_id, region=store.buffer, layout=store.layout
+            agent_name=cfg.peer_id,
+            region=store.buffer,
+            layout=store.layout,
+            copy_threads=cfg.nixl_copy_threads,
         )
     from .transport.local import LocalTransport
 

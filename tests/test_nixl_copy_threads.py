@@ -199,3 +199,22 @@ def test_the_backend_gets_its_copy_threads_for_host_memory(
     assert "num_threads" not in seen[0]
     assert seen[1]["num_threads"] == "3"
     assert seen[1]["split_batch_size"] == str(3 * _nixl_agent.SPLIT_DESCS_PER_THREAD)
+
+
+@needs_nixl
+@pytest.mark.nixl
+async def test_a_nodes_config_sets_its_copy_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``NodeConfig.nixl_copy_threads`` reaches the node's NIXL agent, over the environment."""
+    import trio
+
+    from p2pkv import NodeConfig, open_node
+
+    monkeypatch.setenv(_nixl_agent.COPY_THREADS_ENV, "1")
+    cfg = NodeConfig(
+        peer_id="k3", num_blocks=16, block_len=4096, transport="nixl", nixl_copy_threads=3
+    )
+    with trio.fail_after(60):
+        async with open_node(cfg) as node:
+            transport = node.transport
+            assert isinstance(transport, NixlTransport)
+            assert transport._state.shared.copy_threads == 3
