@@ -357,6 +357,38 @@ def render_python_cost(res: Json, machine: str) -> str:
     return "\n\n".join(out)
 
 
+def render_store_ops(res: Json, machine: str) -> str:
+    """The store's engine-side ops per key (thread CPU), and a 262,144-block store's cost."""
+    ops = res["ops"]["new"]["thread CPU"]
+    sizes = sorted(ops, key=int)
+    names = [op for op in ops[sizes[0]] if op != "cycle"] + ["cycle"]
+
+    def cell(x: Json) -> str:
+        return f"{x['median']:.0f} [{x['min']:.0f}-{x['max']:.0f}]"
+
+    rows = [[op, *(cell(ops[n][op]) for n in sizes)] for op in names]
+    out = (
+        "ns per key of the calling thread's CPU, median [min-max] of the reps; `cycle` is "
+        "what one lookup + fetch asks of the two stores (pin, unpin, present, reserve, "
+        "commit_many).\n\n" + table(["op", *(f"{int(n):,} keys" for n in sizes)], rows)
+    )
+    if "old" in res["ops"]:
+        old = res["ops"]["old"]["thread CPU"]
+        ratios = [
+            f"{int(n):,} keys: {ops[n]['cycle']['median'] / old[n]['cycle']['median']:.2f}"
+            for n in sizes
+        ]
+        out += "\n\nCycle, new / old store in the same run: " + ", ".join(ratios) + "."
+    sc = res["scale"]["new"]
+    out += (
+        f"\n\nA 262,144-block store opens in {sc['open_s'] * 1e3:.1f} ms (target <= 0.5 s) "
+        f"and holds {sc['bytes_per_block_empty']:.0f} B of Python heap per block empty, "
+        f"{sc['bytes_per_block_full']:.0f} B full (target <= 100 B; the keys' own bytes not "
+        "counted)."
+    )
+    return out
+
+
 def render_gpu(res: Json, machine: str) -> str:
     rows = []
     for bl, r in sorted(res.get("cross_process", {}).items(), key=lambda kv: -int(kv[0])):
@@ -410,6 +442,12 @@ BENCHES: list[Bench] = [
         "Python CPU per block of a lookup + fetch",
         lambda quick: ["--quick"] if quick else ["--reps", "5"],
         render_python_cost,
+    ),
+    Bench(
+        "store_ops",
+        "The store: engine-side ops per key, and a 262,144-block store",
+        lambda quick: ["--reps", "5", "--sizes", "256", "4096"] if quick else [],
+        render_store_ops,
     ),
     Bench(
         "gpu",

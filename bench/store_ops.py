@@ -6,13 +6,14 @@ Reproduce (about a minute on 2 cores)::
     PYTHONPATH=. .venv/bin/python bench/store_ops.py --baseline /tmp/old_store.py  # old code too
 
 One cycle is what one 4,096-block lookup + fetch asks of the two stores: the producer pins
-the keys and later unpins them; the consumer asks which keys it has (``present``), reserves
-slots, and commits the landed blocks (``commit_many``). Each op is timed alone, in one
-process, one after the other as in a cycle, with the GC off (p2pkv leaves the collector
-to the host; a collection in the middle of one op would swamp its figure). Keys are 32-byte hashes, the
-stores hold 64-byte blocks (nothing copies blocks, so their size does not matter). The
-producer's store holds the keys; the consumer's is empty, so ``reserve`` takes free slots;
-``reserve_evict`` is the same call on a full store, where every slot comes from evicting.
+the keys and later unpins them; the consumer asks which keys it has (``present``),
+reserves slots, and commits the landed blocks (``commit_many``). Each op is timed alone,
+in one process, one after the other as in a cycle, with the GC off (p2pkv leaves the
+collector to the host; a collection in the middle of one op would swamp its figure). Keys
+are 32-byte hashes, the stores hold 64-byte blocks (nothing copies blocks, so their size
+does not matter). The producer's store holds the keys; the consumer's is empty, so
+``reserve`` takes free slots; ``reserve_evict`` is the same call on a full store, where
+every slot comes from evicting.
 
 Each figure is ns per key: the median of ``--reps`` reps with its min-max, by the wall
 clock and by the calling thread's CPU time (``time.thread_time``; the GIL offers inside a

@@ -114,3 +114,25 @@ def test_notes_are_pasted_under_their_bench(report: Any) -> None:
     doc = report.DOC.read_text()
     section = doc.split("## Cold pull")[1].split("\n## ")[0]
     assert "Why the cold pull is what it is." in section
+
+
+def test_store_ops_table_reads_thread_cpu_and_the_scale(report: Any) -> None:
+    def cell(median: float) -> dict[str, float]:
+        return {"median": median, "min": median - 1, "max": median + 1}
+
+    ops = ("pin", "unpin", "present", "reserve", "commit_many")
+    new = {
+        "4096": {**{op: cell(100.0) for op in ops}, "cycle": cell(500.0)},
+        "256": {**{op: cell(200.0) for op in ops}, "cycle": cell(1000.0)},
+    }
+    old = {"4096": {"cycle": cell(1000.0)}, "256": {"cycle": cell(1250.0)}}
+    scale = {"open_s": 0.0037, "bytes_per_block_empty": 65.2, "bytes_per_block_full": 137.4}
+    res = {
+        "ops": {"new": {"thread CPU": new, "wall clock": {}}, "old": {"thread CPU": old}},
+        "scale": {"new": scale},
+    }
+    out = report.render_store_ops(res, "vm")
+    assert "| op | 256 keys | 4,096 keys |" in out
+    assert "| cycle | 1000 [999-1001] | 500 [499-501] |" in out
+    assert "256 keys: 0.80, 4,096 keys: 0.50" in out
+    assert "opens in 3.7 ms" in out and "65 B" in out and "137 B full" in out
