@@ -14,7 +14,9 @@ kernel (UCX cma, ``process_vm_writev``) does on the producer's worker thread.
 
 The copy's own CPU is measured the way ``bench/README.md`` does: a bare NIXL pair does the
 same writes (same block count, order and region layout) in the same run, and its CPU, both
-processes, is subtracted. So each rep prints, per block: ``total`` (the p2pkv pair's
+processes, is subtracted. The nodes copy with one thread, like the bare pair
+(``nixl_copy_threads=1``): copy threads make a fetch faster, but spend more CPU on the
+copy, which is not Python's. So each rep prints, per block: ``total`` (the p2pkv pair's
 CPU), ``bare`` (the bare pair's) and ``python`` = total - bare of that rep. Pairs alternate
 rep by rep (rotating who goes first); each figure is the median of the reps with its
 min-max. ``--baseline PATH`` adds a third pair whose children import p2pkv from ``PATH``
@@ -74,8 +76,14 @@ class GcClock:
 
 async def node_main(args: argparse.Namespace) -> None:
     gc_clock = GcClock()
+    # One copy thread, as in the bare pair whose CPU is subtracted: copy threads spend more
+    # CPU on the copy itself (bench/dataplane.py measures what they buy), not in Python.
     cfg = p2pkv.NodeConfig(
-        peer_id=args.role_name, num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
+        peer_id=args.role_name,
+        num_blocks=args.blocks,
+        block_len=args.block_len,
+        transport="nixl",
+        nixl_copy_threads=1,
     )
     region = touched_region(args.blocks * args.block_len)
     keys = demo_keys(args.blocks)
