@@ -5,6 +5,7 @@ nothing). Latency itself is measured by ``bench/control_plane.py``, never here."
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -178,3 +179,49 @@ async def test_request_limits_follow_each_hello_of_the_peer() -> None:
             with pytest.raises(LocalProtocolError, match="key too long"):
                 await dst.lookup("small", [b"k" * 21])
             await raw.aclose()
+
+
+class Steps(trio.abc.Instrument):
+    """Counts the scheduler steps of one task."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def test_a_flush_the_kernel_takes_at_once_does_not_yield_and_a_big_one_arrives_whole() -> (
+    None
+):
+    """On plain TCP a flush hands the bytes to the kernel without a trip through the
+    scheduler (the caller takes no step of its own inside it). What the kernel will not take
+    at once (a 4 KiB send buffer against a 1,024-key lookup) goes through ``send_all``, in
+    order: the peer answers the lookup. The session's duplicate of the socket is closed with
+    the session."""
+    with trio.fail_after(20):
+        async with (
+            open_node(config("src", block_len=BL, num_blocks=1100)) as src,
+            open_node(config("dst", block_len=BL)) as dst,
+        ):
+            keys = fill(src.store, 1024, BL)
+            peer = await dst.connect(src.address)
+            (session,) = dst._sessions
+            assert isinstance(session, PeerSession)
+            steps = Steps(trio.lowlevel.current_task())
+            trio.lowlevel.add_instrument(steps)
+            try:
+                session.proto.send_ping()
+                await session._flush()
+                assert steps.steps == 0 and not session.proto.has_data_to_send()
+            finally:
+                trio.lowlevel.remove_instrument(steps)
+            assert isinstance(session.stream, trio.SocketStream)
+            session.stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            for _ in range(3):
+                assert await dst.lookup(peer, keys) == [True] * 1024
+            raw = session._raw
+            assert raw is not None and raw.fileno() >= 0
+        assert raw.fileno() == -1 and session._raw is None

@@ -618,6 +618,16 @@ class SessionProtocol:
         self._out.clear()
 
     def _dispatch(self, msg: Message) -> Event | None:
+        if self._peer_acked and self._ack_sent:  # both acks through: the hot four first
+            kind = type(msg)
+            if kind is LookupResp:
+                return self._on_lookup_resp(msg)  # type: ignore[arg-type]
+            if kind is Lookup:
+                return self._on_lookup(msg)  # type: ignore[arg-type]
+            if kind is Fetch:
+                return self._on_fetch(msg)  # type: ignore[arg-type]
+            if kind is TransferDone:
+                return self._on_transfer_done(msg)  # type: ignore[arg-type]
         if isinstance(msg, Challenge):
             return self._on_challenge(msg)
         if isinstance(msg, Hello):

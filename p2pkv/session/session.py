@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import socket
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -132,6 +134,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._nursery: trio.Nursery | None = None
         self._send_lock = trio.StrictFIFOLock()
         self._send_broken = False
+        self._raw: socket.socket | None = None  # a duplicate of a plain stream's socket
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
@@ -257,6 +260,14 @@ class PeerSession(ProducerSide, ConsumerSide):
         self.close(reason, code)
 
     async def _cleanup(self) -> None:
+        try:
+            await self._close_down()
+        finally:
+            if self._raw is not None:
+                self._raw.close()  # our duplicate of the descriptor, not the stream's
+                self._raw = None
+
+    async def _close_down(self) -> None:
         with trio.CancelScope(shield=True):
             reason = self.close_reason or "session ended"
             for p in self._pending.values():
@@ -318,7 +329,9 @@ class PeerSession(ProducerSide, ConsumerSide):
             if not data:
                 return
             try:
-                await self.stream.send_all(data)
+                sent = self._send_now(data)
+                if sent < len(data):
+                    await self.stream.send_all(memoryview(data)[sent:])
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._send_broken = True
                 self._fail(exc, f"connection lost while sending: {exc}", "transport")
@@ -327,6 +340,28 @@ class PeerSession(ProducerSide, ConsumerSide):
                 raise
         finally:
             lock.release()
+
+    def _send_now(self, data: bytes) -> int:
+        """Hand ``data`` to the kernel without a trip through the scheduler: bytes sent.
+
+        ``SocketStream.send_all`` yields once per send even when the kernel takes every
+        byte at once, as it nearly always does for control frames; on a plain TCP stream
+        we try a non-blocking send first, through a duplicate of the socket's descriptor
+        (kept until the session ends), and leave only what the kernel would not take to
+        ``send_all``. The caller holds the send lock, so nothing interleaves. TLS streams
+        (and any other kind) always go through ``send_all``."""
+        raw = self._raw
+        if raw is None:
+            if not isinstance(self.stream, trio.SocketStream) or self.stream.socket.fileno() < 0:
+                return 0
+            raw = self._raw = socket.socket(fileno=os.dup(self.stream.socket.fileno()))
+            raw.setblocking(False)
+        try:
+            return raw.send(data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"send failed: {exc}") from exc
 
     async def _reader(self) -> None:
         """Bytes in, events out; at most one turn's work between yields (see
