@@ -55,7 +55,7 @@ async def test_the_poller_parks_as_soon_as_the_last_handle_settles(
             handle: Any = TransferHandle.__new__(TransferHandle)
             assert await poller.wait(handle) is TransferState.DONE
             assert poller.in_flight == 0
-            await trio.lowlevel.checkpoint()  # the poller may take its last step here
+            await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
             before = steps.steps
             await trio.sleep(1.0)  # long past any nap of the backoff (at most 10 ms)
             assert steps.steps == before
@@ -79,7 +79,7 @@ async def test_dropping_the_last_demand_parks_the_poller_at_once(
             driven = transport.progress_calls
             assert driven >= 3
             poller.drop_demand()
-            await trio.lowlevel.checkpoint()
+            await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
             before = steps.steps
             await trio.sleep(1.0)
             assert steps.steps == before and transport.progress_calls == driven
