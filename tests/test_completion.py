@@ -5,6 +5,8 @@ the transport is a FAKE that reports DONE after a set number of polls."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
@@ -42,26 +44,33 @@ class TaskSteps(trio.abc.Instrument):
             self.steps += 1
 
 
-async def test_the_poller_parks_as_soon_as_the_last_handle_settles(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    transport = CountingTransport(polls_until_done=3)
-    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+@asynccontextmanager
+async def running(poller: CompletionPoller) -> AsyncIterator[TaskSteps]:
+    """The poller's task, running; yields the counter of its steps."""
     steps = TaskSteps("CompletionPoller.run")
     trio.lowlevel.add_instrument(steps)
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(poller.run)
-            handle: Any = TransferHandle.__new__(TransferHandle)
-            assert await poller.wait(handle) is TransferState.DONE
-            assert poller.in_flight == 0
-            await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
-            before = steps.steps
-            await trio.sleep(1.0)  # long past any nap of the backoff (at most 10 ms)
-            assert steps.steps == before
+            yield steps
             nursery.cancel_scope.cancel()
     finally:
         trio.lowlevel.remove_instrument(steps)
+
+
+async def test_the_poller_parks_as_soon_as_the_last_handle_settles(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    transport = CountingTransport(polls_until_done=3)
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    async with running(poller) as steps:
+        handle: Any = TransferHandle.__new__(TransferHandle)
+        assert await poller.wait(handle) is TransferState.DONE
+        assert poller.in_flight == 0
+        await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
+        before = steps.steps
+        await trio.sleep(1.0)  # long past any nap of the backoff (at most 10 ms)
+        assert steps.steps == before
 
 
 async def test_dropping_the_last_demand_parks_the_poller_at_once(
@@ -69,24 +78,17 @@ async def test_dropping_the_last_demand_parks_the_poller_at_once(
 ) -> None:
     transport = CountingTransport(polls_until_done=0)
     poller = CompletionPoller(transport)  # type: ignore[arg-type]
-    steps = TaskSteps("CompletionPoller.run")
-    trio.lowlevel.add_instrument(steps)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(poller.run)
-            poller.add_demand()
-            await trio.sleep(0.05)  # a consumer waits: the poller drives progress
-            driven = transport.progress_calls
-            assert driven >= 3
-            poller.drop_demand()
-            await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
-            before = steps.steps
-            await trio.sleep(1.0)
-            assert steps.steps == before and transport.progress_calls == driven
-            poller.add_demand()  # and it comes back when asked
-            await trio.sleep(0.05)
-            assert transport.progress_calls > driven
-            poller.drop_demand()
-            nursery.cancel_scope.cancel()
-    finally:
-        trio.lowlevel.remove_instrument(steps)
+    async with running(poller) as steps:
+        poller.add_demand()
+        await trio.sleep(0.05)  # a consumer waits: the poller drives progress
+        driven = transport.progress_calls
+        assert driven >= 3
+        poller.drop_demand()
+        await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
+        before = steps.steps
+        await trio.sleep(1.0)
+        assert steps.steps == before and transport.progress_calls == driven
+        poller.add_demand()  # and it comes back when asked
+        await trio.sleep(0.05)
+        assert transport.progress_calls > driven
+        poller.drop_demand()

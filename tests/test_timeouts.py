@@ -182,21 +182,26 @@ async def test_quarantine_expires_when_the_producer_never_acks(
         await raw.aclose()
 
 
+async def frames_until_closed(raw: RawPeer) -> list[tuple[float, object]]:
+    """Every frame the node sends, with its time from now, answering nothing (no pong),
+    until the node gives up and closes the connection."""
+    assert raw.stream is not None and raw.proto.data_to_send() == b""
+    start = trio.current_time()
+    decoder = FrameDecoder()
+    frames: list[tuple[float, object]] = []
+    while chunk := await raw.stream.receive_some(65536):
+        decoder.feed(chunk)
+        while (msg := decoder.next_message()) is not None:
+            frames.append((trio.current_time() - start, msg))
+    return frames
+
+
 async def test_idle_peer_gets_pings_then_is_dropped(autojump_clock: trio.testing.MockClock) -> None:
     async with node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a:
         raw = RawPeer()
         await raw.connect(a.address)
         await raw.handshake()
-        assert raw.stream is not None and raw.proto.data_to_send() == b""
-        start = trio.current_time()
-        # Read every frame as it arrives but answer nothing (no pong) until the node
-        # gives up and closes the connection.
-        decoder = FrameDecoder()
-        frames: list[tuple[float, object]] = []
-        while chunk := await raw.stream.receive_some(65536):
-            decoder.feed(chunk)
-            while (msg := decoder.next_message()) is not None:
-                frames.append((trio.current_time() - start, msg))
+        frames = await frames_until_closed(raw)
         pings = [t for t, msg in frames if isinstance(msg, Ping)]
         assert len(pings) >= 2, frames
         # It did not dial, so it leaves pinging to the dialer for two intervals; then it
@@ -219,14 +224,7 @@ async def test_a_dialer_pings_a_silent_peer_each_interval_then_drops_it(
     async with node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a:
         raw = RawPeer()
         async with raw_server(raw, a):
-            assert raw.stream is not None and raw.proto.data_to_send() == b""
-            start = trio.current_time()
-            decoder = FrameDecoder()
-            frames: list[tuple[float, object]] = []
-            while chunk := await raw.stream.receive_some(65536):
-                decoder.feed(chunk)
-                while (msg := decoder.next_message()) is not None:
-                    frames.append((trio.current_time() - start, msg))
+            frames = await frames_until_closed(raw)
         pings = [t for t, msg in frames if isinstance(msg, Ping)]
         assert pings[:4] == pytest.approx([2.0, 4.0, 6.0, 8.0], abs=0.5), frames
         last_t, last = frames[-1]
