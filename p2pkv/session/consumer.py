@@ -54,7 +54,7 @@ import attrs
 import trio
 
 from ..errors import LocalProtocolError, P2PKVError, P2PKVTimeout, SessionClosed, StoreFull
-from ..wire import MAX_FRAME_SIZE, MAX_KEY_LEN, MAX_KEYS, Outcome
+from ..wire import MAX_FRAME_SIZE, MAX_KEY_LEN, MAX_KEYS, Outcome, keys_ok
 from ._parts import SessionParts
 from .producer import checksums
 from .protocol import (
@@ -62,7 +62,6 @@ from .protocol import (
     LookupAnswered,
     OutState,
     TransferCompleted,
-    keys_fit,
 )
 
 log = logging.getLogger("p2pkv.session")
@@ -284,7 +283,7 @@ class ConsumerSide(SessionParts):
     def _sendable(self, keys: list[bytes], outcome: dict[bytes, str | None]) -> list[bytes]:
         """The keys we could send; each other key's problem goes into ``outcome``."""
         max_len = self._limits().max_key_len
-        if keys_fit(keys, max_len):
+        if keys_ok(keys, max_len):
             return keys  # the usual case, without a Python loop per key
         valid = []
         for k in keys:
@@ -297,7 +296,7 @@ class ConsumerSide(SessionParts):
 
     def _check_keys(self, keys: Sequence[bytes], op: str) -> None:
         max_len = self._limits().max_key_len
-        if keys_fit(keys, max_len):
+        if keys_ok(keys, max_len):
             return  # the usual case, without a Python loop per key
         for i, k in enumerate(keys):
             problem = self._key_problem(k, max_len)

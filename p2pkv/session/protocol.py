@@ -291,11 +291,6 @@ def ack_proof(secret: bytes, acker: str, nonce: bytes) -> bytes:
 MIN_NONCE = 16  # bytes of a fresh nonce when authentication is on
 
 
-def keys_fit(keys: Sequence[object], max_key_len: int) -> bool:
-    """Every key is bytes of 1..``max_key_len``: C-level passes, no Python loop per key."""
-    return keys_ok(keys, max_key_len)
-
-
 class SessionProtocol:
     """One side of one session. See the module docstring."""
 
@@ -781,7 +776,7 @@ class SessionProtocol:
             raise LocalProtocolError(
                 f"{len(keys)} keys in one request (cap {max_keys})", peer=self.peer_id, op=op
             )
-        if not keys_fit(keys, max_key_len):
+        if not keys_ok(keys, max_key_len):
             raise LocalProtocolError(
                 f"every key must be bytes of 1..{max_key_len}", peer=self.peer_id, op=op
             )
