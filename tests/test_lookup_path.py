@@ -225,3 +225,32 @@ async def test_a_flush_the_kernel_takes_at_once_does_not_yield_and_a_big_one_arr
             raw = session._raw
             assert raw is not None and raw.fileno() >= 0
         assert raw.fileno() == -1 and session._raw is None
+
+
+async def test_two_lookups_at_once_on_the_same_keys_through_a_small_send_buffer() -> None:
+    """Two tasks look up the same 1,024 keys at once while the kernel takes only part of
+    each frame: what one flush leaves to ``send_all`` must reach the peer before the other
+    task's frame starts (frames interleaved on the wire would be a protocol error that
+    closes the session). Both rounds are answered, each with every key a hit."""
+    with trio.fail_after(20):
+        async with (
+            open_node(config("src", block_len=BL, num_blocks=1100)) as src,
+            open_node(config("dst", block_len=BL)) as dst,
+        ):
+            keys = fill(src.store, 1024, BL)
+            peer = await dst.connect(src.address)
+            (session,) = dst._sessions
+            assert isinstance(session, PeerSession)
+            assert isinstance(session.stream, trio.SocketStream)
+            session.stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            answers: list[list[bool]] = []
+
+            async def look() -> None:
+                for _ in range(5):
+                    answers.append((await dst.lookup_round(peer, keys)).hits)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(look)
+                nursery.start_soon(look)
+            assert answers == [[True] * 1024] * 10
+            assert dst.statistics().peers == 1 and session.alive
