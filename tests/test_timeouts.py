@@ -114,6 +114,37 @@ async def test_lookup_deadline_raises_and_aborts_the_round(
         await raw.aclose()
 
 
+async def test_a_lookup_times_out_at_its_own_deadline_while_the_timer_waits_for_a_lease(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Waits end on the lease timer: a round held for a long lease arms it far ahead, and a
+    later lookup's earlier deadline must still end that lookup's wait on time."""
+    async with node("a", lookup_timeout=3.0, lease=200.0) as a:
+        raw = RawPeer()
+        async with raw_server(raw, a) as peer:
+
+            async def answer_the_first_lookup_only() -> None:
+                ev = await raw.next_event()
+                assert isinstance(ev, LookupRequested)
+                raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 200.0)
+                await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_the_first_lookup_only)
+                held = await a.lookup_round(peer, [b"h" * 32])
+            assert held.hits == [True]
+            await trio.sleep(1.0)  # the timer now sleeps until the held round's end
+            start = trio.current_time()
+            with pytest.raises(P2PKVTimeout, match="lookup"):
+                await a.lookup(peer, [b"k" * 32])
+            assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupRequested)
+            ev2 = await raw.next_event()
+            assert isinstance(ev2, AbortRequested) and ev2.req_id == ev.req_id
+        await raw.aclose()
+
+
 async def test_fetch_deadline_fails_keys_and_an_unsettled_write_quarantines_both_sides(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -139,6 +139,9 @@ class _Pending:
     error: BaseException | None = None
     slots: list[int] = attrs.field(factory=list)  # reserved destination slots
     aborted: bool = False
+    # While a task waits: when the lease timer ends its wait (``event`` set, with neither
+    # ``result`` nor ``error``). Otherwise infinite.
+    deadline: float = math.inf
 
     def arm(self) -> None:
         self.event = trio.Event()
@@ -374,18 +377,30 @@ class ConsumerSide(SessionParts):
         p = self._pending[req] = _Pending(req)
         try:
             await self._flush()
-            with trio.fail_after(self.cfg.lookup_timeout):
-                await p.event.wait()
-        except trio.TooSlowError:
-            self._abort(p)
-            raise P2PKVTimeout("lookup timed out", peer=self.peer_id, op="lookup") from None
+            await self._wait_for_answer(p, self.cfg.lookup_timeout)
         except BaseException:
             self._abort(p)
             raise
         if p.error is not None:
             raise p.error
+        if p.result is None:  # its deadline passed first
+            self._abort(p)
+            raise P2PKVTimeout("lookup timed out", peer=self.peer_id, op="lookup")
         hits: list[bool] = p.result.hits
         return req, hits
+
+    async def _wait_for_answer(self, p: _Pending, seconds: float) -> None:
+        """Until the peer answers ``p`` (``p.result``), the session fails (``p.error``) or
+        ``seconds`` pass (neither). The deadline is the lease timer's to keep, not
+        a cancel scope's: entering and leaving a scope with a deadline costs more than the
+        rest of a small lookup's own work, and the timer rarely wakes (see
+        :meth:`~p2pkv.session.session.PeerSession._lease_timer`)."""
+        p.deadline = trio.current_time() + seconds
+        self._rearm_lease_timer(p.deadline)
+        try:
+            await p.event.wait()
+        finally:
+            p.deadline = math.inf
 
     async def _wait_for_request_slot(self) -> None:
         try:
@@ -659,11 +674,7 @@ class ConsumerSide(SessionParts):
         self.node.poller.add_demand()
         try:
             await self._flush()
-            with trio.fail_after(self.cfg.fetch_timeout):
-                await p.event.wait()
-        except trio.TooSlowError:
-            self._give_up(p, landing, keys, outcome, "timeout")
-            return
+            await self._wait_for_answer(p, self.cfg.fetch_timeout)
         except BaseException:
             self._give_up(p, landing, keys, outcome, "cancelled")
             raise
@@ -671,6 +682,9 @@ class ConsumerSide(SessionParts):
             self.node.poller.drop_demand()
         if p.error is not None:
             self._give_up(p, landing, keys, outcome, str(p.error))
+            return
+        if p.result is None:
+            self._give_up(p, landing, keys, outcome, "timeout")
             return
         await self._land(p, landing, keys, p.result, outcome)
 

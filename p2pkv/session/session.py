@@ -403,9 +403,14 @@ class PeerSession(ProducerSide, ConsumerSide):
             if self.proto.frames_received != frames:  # bytes alone are not a sign of life
                 self._last_rx = trio.current_time()
                 self._rx.unpark_all()
-                if (quiet := self._quiet) is not None:
-                    # The keepalive need not look before the peer has been quiet this long.
-                    quiet.deadline = max(quiet.deadline, self._last_rx + self._quiet_after)
+                # The keepalive need not look before the peer has been quiet this long. Its
+                # deadline moves only once it is within a quarter of that (moving one costs
+                # a few microseconds a frame): it may then wake early, once after a burst,
+                # find the peer was not quiet long enough, and sleep again.
+                if (quiet := self._quiet) is not None and (
+                    quiet.deadline < self._last_rx + self._quiet_after * 0.75
+                ):
+                    quiet.deadline = self._last_rx + self._quiet_after
             await self._flush()
 
     async def _handshake_deadline(self) -> None:
@@ -468,9 +473,11 @@ class PeerSession(ProducerSide, ConsumerSide):
             self._wake_lease.set()
 
     async def _lease_timer(self) -> None:
-        """Expires producer leases and consumer rounds, and sends what other code queued
-        from a sync context (it sets ``_wake_lease``). ``_timer_at`` is when its current
-        sleep ends; a deadline added before that wakes it (``_rearm_lease_timer``)."""
+        """Expires producer leases, consumer rounds and the waits of our requests, and
+        sends what other code queued from a sync context (it sets ``_wake_lease``).
+        ``_timer_at`` is when its current sleep ends; a deadline added before that wakes
+        it (``_rearm_lease_timer``). A request waiting past its deadline is woken with
+        neither an answer nor an error: its waiter gives up (aborts) on its own."""
         while True:
             # A fresh Event before anything is sent: a wake-up during the flush is kept.
             self._wake_lease = trio.Event()
@@ -479,8 +486,13 @@ class PeerSession(ProducerSide, ConsumerSide):
                 self._release_round(req)
             for req in [r.req_id for r in self._rounds.values() if r.deadline <= now]:
                 self._close_round(req)
+            for p in self._pending.values():
+                if p.deadline <= now:
+                    p.deadline = math.inf
+                    p.event.set()
             await self._flush()
             deadlines = [r.deadline for r in self._rounds.values()]
+            deadlines += [p.deadline for p in self._pending.values() if p.deadline < math.inf]
             d = self.proto.next_deadline()
             if d is not None:
                 deadlines.append(d)
