@@ -16,7 +16,7 @@ import trio.testing
 
 from p2pkv import open_node
 from p2pkv.errors import LocalProtocolError
-from p2pkv.session.protocol import LookupAnswered, SessionProtocol
+from p2pkv.session.protocol import LookupAnswered, LookupRequested, SessionProtocol
 from p2pkv.session.session import PeerSession
 from p2pkv.wire import Fetch, Lookup
 
@@ -178,6 +178,56 @@ async def test_request_limits_follow_each_hello_of_the_peer() -> None:
             assert (again.max_keys, again.max_key_len) == (100, 20)
             with pytest.raises(LocalProtocolError, match="key too long"):
                 await dst.lookup("small", [b"k" * 21])
+            await raw.aclose()
+
+
+async def test_keys_checked_before_a_new_hello_are_checked_again_before_they_are_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The session checks a lookup's keys once, against the limits of the peer's current
+    hello, and the protocol skips its own walk only while those limits still hold. A
+    lookup that waited for a request slot while the peer's hello changed (a restart with
+    smaller limits) is refused locally instead of sending keys the peer would reject."""
+    raw = RawPeer("small", max_key_len=40)
+    with trio.fail_after(20):
+        async with open_node(config("dst", block_len=BL, max_open_requests=1)) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            (session,) = dst._sessions
+            assert isinstance(session, PeerSession)
+
+            async def answer_lookups() -> None:
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        raw.proto.send_lookup_resp(
+                            ev.req_id, [True] * len(ev.keys), trio.current_time(), 60.0
+                        )
+                        await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_lookups)
+                held = await dst.lookup_round("small", [b"h" * 8])  # takes the only slot
+                sent = count_calls(monkeypatch, SessionProtocol, "send_lookup")
+                got: list[BaseException] = []
+
+                async def waiting_lookup() -> None:
+                    try:
+                        await dst.lookup("small", [b"k" * 30])  # fits 40, not 20
+                    except LocalProtocolError as exc:
+                        got.append(exc)
+
+                nursery.start_soon(waiting_lookup)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._requests.value == 0 and not got
+                assert session.proto.peer is not None
+                session.proto.peer = attrs.evolve(session.proto.peer, max_key_len=20)
+                assert await dst.release("small", held) == 1
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(got) == 1 and "every key must be bytes of 1..20" in str(got[0])
+                assert sent() == 1  # refused inside send_lookup, before anything queued
+                assert not session.proto.has_data_to_send()
+                assert session._requests.value == 1  # its request slot was given back
+                nursery.cancel_scope.cancel()
             await raw.aclose()
 
 

@@ -430,6 +430,23 @@ def test_truncated_frame_completed_properly_decodes() -> None:
     assert dec.next_message() == Lookup(req_id=5, keys=[b"abc"])
 
 
+def test_frames_decoded_in_place_leave_the_rest_of_the_buffer_intact() -> None:
+    """Bodies are decoded from a view of the buffer (no copy): a big hot frame, a frame
+    only the general path decodes, then half a frame, all in one feed."""
+    keys = [i.to_bytes(32, "big") for i in range(4096)]
+    big = Fetch(req_id=1, keys=keys, slots=list(range(4096)))  # 150 KB: over 128 KiB
+    general = Abort(req_id=2)
+    tail = encode(Lookup(req_id=3, keys=[b"k" * 40]))
+    dec = FrameDecoder()
+    dec.feed(encode(big) + encode(general) + tail[:10])
+    assert dec.next_message() == big
+    assert dec.next_message() == general
+    assert dec.next_message() is None and dec.buffered == 10
+    dec.feed(tail[10:])
+    assert dec.next_message() == Lookup(req_id=3, keys=[b"k" * 40])
+    assert dec.buffered == 0
+
+
 @pytest.mark.parametrize("limit", [100, MAX_FRAME_SIZE])
 def test_oversized_length_is_rejected_from_the_header_alone(limit: int) -> None:
     dec = FrameDecoder(max_frame_size=limit)

@@ -283,11 +283,15 @@ class ConsumerSide(SessionParts):
             return "key too long"
         return None
 
-    def _sendable(self, keys: list[bytes], outcome: dict[bytes, str | None]) -> list[bytes]:
-        """The keys we could send; each other key's problem goes into ``outcome``."""
-        max_len = self._limits().max_key_len
+    def _sendable(
+        self, keys: list[bytes], outcome: dict[bytes, str | None]
+    ) -> tuple[list[bytes], RequestLimits]:
+        """The keys we could send, and the limits they were checked against; each other
+        key's problem goes into ``outcome``."""
+        lim = self._limits()
+        max_len = lim.max_key_len
         if keys_ok(keys, max_len):
-            return keys  # the usual case, without a Python loop per key
+            return keys, lim  # the usual case, without a Python loop per key
         valid = []
         for k in keys:
             problem = self._key_problem(k, max_len)
@@ -295,18 +299,23 @@ class ConsumerSide(SessionParts):
                 valid.append(k)
             else:
                 outcome[k] = problem
-        return valid
+        return valid, lim
 
-    def _check_keys(self, keys: Sequence[bytes], op: str) -> None:
-        max_len = self._limits().max_key_len
+    def _check_keys(self, keys: Sequence[bytes], op: str) -> RequestLimits:
+        """Raises for the first key we could not send; the limits the keys were checked
+        against. While :meth:`_limits` still returns that very object (no new hello came
+        in), the protocol need not walk the keys again (its ``checked``)."""
+        lim = self._limits()
+        max_len = lim.max_key_len
         if keys_ok(keys, max_len):
-            return  # the usual case, without a Python loop per key
+            return lim  # the usual case, without a Python loop per key
         for i, k in enumerate(keys):
             problem = self._key_problem(k, max_len)
             if problem is not None:
                 raise LocalProtocolError(
                     f"key {i}: {problem} (keys are 1..{max_len} bytes)", peer=self.peer_id, op=op
                 )
+        return lim
 
     # --- lookup ---------------------------------------------------------------------------
 
@@ -327,12 +336,12 @@ class ConsumerSide(SessionParts):
         cap is sent as several rounds. Raises :class:`LocalProtocolError` for a key we
         could not send, before anything is sent."""
         keys = list(keys)
-        self._check_keys(keys, "lookup")
+        lim = self._check_keys(keys, "lookup")
         answered: list[_Round] = []
         hits: list[bool] = []
         try:
-            for chunk in self._chunks(keys):
-                req, chunk_hits = await self._lookup_round(chunk)
+            for chunk in request_chunks(keys, max_keys=lim.max_keys, max_bytes=lim.max_bytes):
+                req, chunk_hits = await self._lookup_round(chunk, lim)
                 hits.extend(chunk_hits)
                 answered.append(
                     _Round(
@@ -360,9 +369,10 @@ class ConsumerSide(SessionParts):
             self._rearm_lease_timer(min(deadlines))
         return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in answered))
 
-    async def _lookup_round(self, keys: list[bytes]) -> tuple[int, list[bool]]:
-        """One lookup request (keys already checked and within the limits). The round is
-        the caller's: it is not among the open rounds until the caller puts it there."""
+    async def _lookup_round(self, keys: list[bytes], lim: RequestLimits) -> tuple[int, list[bool]]:
+        """One lookup request (keys already checked against ``lim`` and within it). The
+        round is the caller's: it is not among the open rounds until the caller puts it
+        there."""
         self._check_usable("lookup")
         try:  # waiting for a request slot is part of the lookup's deadline
             self._requests.acquire_nowait()  # the usual case: a slot is free, no checkpoint
@@ -370,7 +380,7 @@ class ConsumerSide(SessionParts):
             await self._wait_for_request_slot()
         try:
             self._check_usable("lookup")
-            req = self.proto.send_lookup(keys)
+            req = self.proto.send_lookup(keys, checked=lim is self._limits())
         except BaseException:
             self._requests.release()
             raise
@@ -470,7 +480,7 @@ class ConsumerSide(SessionParts):
         except TypeError:
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
         outcome: dict[bytes, str | None] = {}
-        valid = self._sendable(wanted, outcome)
+        valid, lim = self._sendable(wanted, outcome)
         here = self.node.store.present(valid)
         mine: list[bytes] = []
         shared: dict[_Claim, list[bytes]] = {}
@@ -492,9 +502,9 @@ class ConsumerSide(SessionParts):
             landing = _StoreLanding(self)
             async with trio.open_nursery() as nursery:
                 for req, ks in groups.items():
-                    nursery.start_soon(self._fetch_round, req, ks, claim.outcome, landing)
+                    nursery.start_soon(self._fetch_round, req, ks, claim.outcome, landing, lim)
                 for chunk in self._chunks(uncovered):
-                    nursery.start_soon(self._lookup_and_fetch, chunk, claim.outcome, landing)
+                    nursery.start_soon(self._lookup_and_fetch, chunk, claim.outcome, landing, lim)
         finally:
             if len(claim.outcome) < len(mine):  # its keys all come from mine
                 for k in mine:
@@ -562,7 +572,7 @@ class ConsumerSide(SessionParts):
                 op="fetch",
             )
         outcome: dict[bytes, str | None] = {}
-        valid = self._sendable(keys, outcome)
+        valid, lim = self._sendable(keys, outcome)
         landing = _CallerSlots(dst)
         taken.update(dst_slots)
         try:
@@ -571,9 +581,9 @@ class ConsumerSide(SessionParts):
             try:
                 async with trio.open_nursery() as nursery:
                     for req, ks in groups.items():
-                        nursery.start_soon(self._fetch_round, req, ks, outcome, landing)
+                        nursery.start_soon(self._fetch_round, req, ks, outcome, landing, lim)
                     for chunk in self._chunks(uncovered):
-                        nursery.start_soon(self._lookup_and_fetch, chunk, outcome, landing)
+                        nursery.start_soon(self._lookup_and_fetch, chunk, outcome, landing, lim)
             finally:
                 for k in valid:
                     outcome.setdefault(k, "cancelled")
@@ -623,10 +633,14 @@ class ConsumerSide(SessionParts):
         return groups, uncovered
 
     async def _lookup_and_fetch(
-        self, keys: list[bytes], outcome: dict[bytes, str | None], landing: _Landing
+        self,
+        keys: list[bytes],
+        outcome: dict[bytes, str | None],
+        landing: _Landing,
+        lim: RequestLimits,
     ) -> None:
         try:
-            req, hits = await self._lookup_round(keys)
+            req, hits = await self._lookup_round(keys, lim)
         except P2PKVError as exc:
             outcome.update((k, f"lookup failed: {exc}") for k in keys)
             return
@@ -636,13 +650,19 @@ class ConsumerSide(SessionParts):
         else:
             outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
             hit_keys = list(compress(keys, hits))
-        await self._fetch_round(req, hit_keys, outcome, landing)
+        await self._fetch_round(req, hit_keys, outcome, landing, lim)
 
     async def _fetch_round(
-        self, req: int, keys: list[bytes], outcome: dict[bytes, str | None], landing: _Landing
+        self,
+        req: int,
+        keys: list[bytes],
+        outcome: dict[bytes, str | None],
+        landing: _Landing,
+        lim: RequestLimits,
     ) -> None:
-        """Fetch ``keys`` on the round ``req`` this task has claimed; an empty ``keys``
-        closes the round."""
+        """Fetch ``keys`` (checked against ``lim``) on the round ``req`` this task has
+        claimed; an empty ``keys`` closes the round. Its slots come from ``landing``:
+        distinct slots of our region, from the store or checked by ``fetch_into``."""
         p = self._pending.get(req)
         if p is None or p.error is not None or not self.alive:
             reason = str(p.error) if p is not None and p.error is not None else "session closed"
@@ -663,7 +683,7 @@ class ConsumerSide(SessionParts):
             await self._flush()
             return
         try:
-            self.proto.send_fetch(req, keys, slots)
+            self.proto.send_fetch(req, keys, slots, checked=lim is self._limits())
         except LocalProtocolError as exc:  # pragma: no cover - checked above; never leak
             log.warning("fetch on round %d refused locally: %s", req, exc)
             landing.release(req, slots)

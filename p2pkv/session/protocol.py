@@ -267,6 +267,7 @@ Event = (
 )
 
 _HANDSHAKE_MSGS: Final = (Challenge, Hello, HelloAck, Bye)
+_OUTCOME_CODES: Final = frozenset(int(o) for o in Outcome)
 
 
 def hello_proof(secret: bytes, hello: Hello, receiver_nonce: bytes, *, dialer: bool) -> bytes:
@@ -781,12 +782,15 @@ class SessionProtocol:
                 f"every key must be bytes of 1..{max_key_len}", peer=self.peer_id, op=op
             )
 
-    def send_lookup(self, keys: Sequence[bytes]) -> int:
-        """Start a lookup round; returns its request id."""
+    def send_lookup(self, keys: Sequence[bytes], *, checked: bool = False) -> int:
+        """Start a lookup round; returns its request id. ``checked``: the caller has just
+        checked ``keys`` against :meth:`request_limits` (and the wire's), so they are not
+        walked again."""
         self._require_open("send_lookup")
         if len(self._out) >= self.local.max_open_requests:
             raise CapacityExceeded("too many open requests", peer=self.peer_id, op="lookup")
-        self._check_own_keys(keys, "lookup")
+        if not checked:
+            self._check_own_keys(keys, "lookup")
         # Checked just above against limits within the wire's: no second validation.
         msg = trusted(Lookup, req_id=self._next_req_id, keys=list(keys))
         self._next_req_id += 1
@@ -794,26 +798,34 @@ class SessionProtocol:
         self._emit(msg)
         return msg.req_id
 
-    def send_fetch(self, req_id: int, keys: Sequence[bytes], slots: Sequence[int]) -> None:
+    def send_fetch(
+        self, req_id: int, keys: Sequence[bytes], slots: Sequence[int], *, checked: bool = False
+    ) -> None:
         """Fetch ``keys`` of an answered lookup into our ``slots``. An empty fetch closes the
-        round (the producer releases its pins) and is the request's terminal outcome."""
+        round (the producer releases its pins) and is the request's terminal outcome.
+        ``checked``: the caller has just checked ``keys`` against :meth:`request_limits`,
+        and ``slots`` are distinct ``int`` slots of our region, so neither is walked again
+        (their lengths still are)."""
         self._require_open("send_fetch")
         r = self._out.get(req_id)
         self._require(
             r is not None and r.state is OutState.OPEN, f"send_fetch for request {req_id}"
         )
         assert r is not None
-        self._check_own_keys(keys, "fetch")
+        if not checked:
+            self._check_own_keys(keys, "fetch")
         if len(slots) != len(keys):
             raise LocalProtocolError("fetch: keys and slots differ in length")
         slots = list(slots)
-        if slots and not (
+        if checked:
+            pass
+        elif slots and not (
             list(map(type, slots)).count(int) == len(slots)  # exactly int: bool is refused
             and min(slots) >= 0
             and max(slots) < self.local.num_blocks
         ):
             raise LocalProtocolError("fetch slot outside our region")
-        if len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
+        elif len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
             raise LocalProtocolError("duplicate destination slot in one fetch")
         # Keys and slots checked just above, within the wire's limits: no second validation.
         msg = trusted(Fetch, req_id=req_id, keys=list(keys), slots=slots)
@@ -852,11 +864,16 @@ class SessionProtocol:
             r is not None and r.state is InState.ANSWERING, f"send_lookup_resp for request {req_id}"
         )
         assert r is not None
+        hits = list(hits)
         if len(hits) != r.nkeys:
             raise LocalProtocolError("hit count differs from key count")
-        msg = LookupResp(req_id=req_id, hits=list(hits))
+        if list(map(type, hits)).count(bool) != len(hits):
+            raise LocalProtocolError("hits must be bools")
+        # Checked just above (the request id is the peer's, already checked): the
+        # message is built without running its validators again.
+        msg = trusted(LookupResp, req_id=req_id, hits=hits)
         r.state = InState.PINNED
-        r.pins = sum(msg.hits)
+        r.pins = hits.count(True)
         r.deadline = now + lease
         self._emit(msg)
 
@@ -887,11 +904,13 @@ class SessionProtocol:
             raise LocalProtocolError(
                 f"{len(outcomes)} outcomes for a fetch of {r.nfetch} keys", peer=self.peer_id
             )
-        msg = TransferDone(
-            req_id=req_id,
-            outcomes=list(outcomes),
-            checksums=None if checksums is None else list(checksums),
-        )
+        outcomes = list(outcomes)
+        if not _OUTCOME_CODES.issuperset(outcomes) or bool in map(type, outcomes):
+            raise LocalProtocolError("outcomes must be Outcome codes", peer=self.peer_id)
+        if checksums is None:
+            msg = trusted(TransferDone, req_id=req_id, outcomes=outcomes, checksums=None)
+        else:  # the rare case: validated in full
+            msg = TransferDone(req_id=req_id, outcomes=outcomes, checksums=list(checksums))
         del self._in[req_id]
         self._emit(msg)
 
