@@ -124,7 +124,7 @@ def check_holding(session: PeerSession, n: Node, *, keys: int, pins: int, rounds
     assert len(proto.open_rounds()) <= rounds
     assert proto.tombstones() <= rounds
     assert len(session._pinned) <= rounds
-    assert sum(len(h.sources) for h in session._pinned.values()) <= pins
+    assert sum(len(h.keys) for h in session._pinned.values()) <= pins
     assert sum(n.store.pins_of(h.owner) for h in session._pinned.values()) <= pins
 
 

@@ -10,7 +10,9 @@ instead, in one request bounded by the host's answer deadline; releases go to th
 place (``Node.unpin``). A lookup that would take the
 peer over ``max_keys_held_per_peer`` is answered all misses without touching the store,
 and a fetch that would is answered ``OVER_CAP`` for every key at once; the session stays
-up. A round keeps only its hits' source slots (the fetch repeats the keys).
+up. A round keeps only its hits and their source slots, as two lists in the lookup's
+order (the fetch repeats the keys): a fetch of exactly those keys, the usual case, takes
+the slots as they are; any other fetch looks its keys up in a map built on first use.
 
 A fetch becomes one task that posts the writes in chunks off the Trio thread, waits for
 every handle to settle, and only then replies; it releases the round's source pins after
@@ -68,9 +70,27 @@ class HeldRound:
     """What the producer holds for one round of the peer's."""
 
     owner: object = attrs.field(factory=object)  # its pins' owner in the store
-    sources: dict[bytes, int] = attrs.field(factory=dict)  # hit key -> pinned source slot
+    keys: list[bytes] = attrs.field(factory=list)  # the hits, in the lookup's order
+    slots: list[int] = attrs.field(factory=list)  # keys[i]'s pinned source slot
+    _by_key: dict[bytes, int] | None = None  # keys -> slots, built on first use
     # A write did not settle: the pins and the reply wait for the quarantine's end.
     quarantined: bool = False
+
+    def add(self, key: bytes, slot: int) -> None:
+        self.keys.append(key)
+        self.slots.append(slot)
+
+    def sources(self, keys: list[bytes]) -> list[int | None]:
+        """The pinned source slot of each of ``keys``; None for a key this round holds not."""
+        if keys == self.keys:
+            return list(self.slots)
+        if self._by_key is None:
+            self._by_key = dict(zip(self.keys, self.slots, strict=True))
+        return list(map(self._by_key.get, keys))
+
+    def forget(self) -> None:
+        """No fetch may use these sources any more (their writes did not settle)."""
+        self.keys, self.slots, self._by_key = [], [], None
 
 
 class ProducerSide(SessionParts):
@@ -101,7 +121,7 @@ class ProducerSide(SessionParts):
             for j, slot in enumerate(got):
                 if slot is not None:
                     hits[j] = True
-                    held.sources[keys[j]] = slot
+                    held.add(keys[j], slot)
         elif self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             room = cfg.max_pinned_blocks - self.proto.pins_held()
             i = 0
@@ -111,17 +131,20 @@ class ProducerSide(SessionParts):
                 got = store.pin(held.owner, part)
                 if None not in got:  # the usual case: every key a hit
                     hits[i : i + len(part)] = [True] * len(part)
-                    held.sources.update(zip(part, cast("list[int]", got), strict=True))
+                    held.keys += part
+                    held.slots += cast("list[int]", got)
                     room -= len(part)
                 else:
                     for j, slot in enumerate(got, i):
                         if slot is not None:
                             hits[j] = True
-                            held.sources[keys[j]] = slot
+                            held.add(keys[j], slot)
                             room -= 1
                 i += len(part)
                 turn.charge(keys=len(part))
-                await turn.pause_if_spent()
+                if i < len(keys) and room > 0:  # more to pin: let the other sessions run
+                    await turn.pause_if_spent()
+                # else the answer goes out first: the reader pauses after this event
         if self.proto.in_state(ev.req_id) is InState.ANSWERING:
             now = trio.current_time()
             self.proto.send_lookup_resp(ev.req_id, hits, now, cfg.lease)
@@ -199,12 +222,12 @@ class ProducerSide(SessionParts):
         sums: list[int] | None = None
         try:
             with scope:
-                per_turn, get = cfg.max_keys_per_turn, held.sources.get
+                per_turn, sources = cfg.max_keys_per_turn, held.sources(keys)
                 for start in range(0, n, per_turn):
                     if start:
                         await trio.lowlevel.checkpoint()  # bounded work per turn
                     stop = min(start + per_turn, n)
-                    srcs = list(map(get, keys[start:stop]))
+                    srcs = sources[start:stop]
                     room = max((cfg.max_inflight_bytes - self.inflight_bytes) // bl, 0)
                     if None not in srcs and len(srcs) <= room:  # the usual case
                         plan_idx += range(start, stop)
@@ -263,7 +286,7 @@ class ProducerSide(SessionParts):
                             self._release_round(req)
                 else:  # the data plane may still read the sources and write the peer
                     held.quarantined = True
-                    held.sources.clear()
+                    held.forget()
                     node.defer(cfg.quarantine, self._quarantine_over, req, held, outcomes, sums)
                     if self.alive:
                         await self._flush()
