@@ -153,9 +153,18 @@ class _Round:
     """A consumer lookup round still open at the producer (its hits are pinned there)."""
 
     req_id: int
-    hits: set[bytes]
+    keys: list[bytes]  # the hits, in the lookup's order
     deadline: float
     held: bool = False  # a LookupRound handle names it: only its holder may use it
+    _set: set[bytes] | None = None
+
+    @property
+    def hits(self) -> set[bytes]:
+        """The hits as a set (built on first use: a fetch of exactly :attr:`keys`, the
+        usual case, never needs it)."""
+        if self._set is None:
+            self._set = set(self.keys)
+        return self._set
 
 
 @attrs.define(eq=False)
@@ -342,15 +351,10 @@ class ConsumerSide(SessionParts):
         try:
             for chunk in request_chunks(keys, max_keys=lim.max_keys, max_bytes=lim.max_bytes):
                 req, chunk_hits = await self._lookup_round(chunk, lim)
-                hits.extend(chunk_hits)
-                answered.append(
-                    _Round(
-                        req,
-                        set(compress(chunk, chunk_hits)),
-                        trio.current_time() + self.cfg.lease * 0.9,
-                        held=held,
-                    )
-                )
+                hits += chunk_hits
+                found = chunk if all(chunk_hits) else list(compress(chunk, chunk_hits))
+                lease_end = trio.current_time() + self.cfg.lease * 0.9
+                answered.append(_Round(req, found, lease_end, held=held))
         except BaseException:
             for rnd in answered:  # a partial answer is no answer: give the pins back
                 self._close_round(rnd.req_id)
@@ -358,15 +362,16 @@ class ConsumerSide(SessionParts):
             raise
         # Published together, with no checkpoint since the last answer. A round without
         # hits pins nothing and no fetch could use it: it is closed at once.
+        empty = False
         for rnd in answered:
-            if rnd.hits:
+            if rnd.keys:
                 self._rounds[rnd.req_id] = rnd
+                self._rearm_lease_timer(rnd.deadline)
             else:
                 self._close_round(rnd.req_id)
-        if any(not rnd.hits for rnd in answered):
+                empty = True
+        if empty:
             self._flush_soon()
-        if deadlines := [rnd.deadline for rnd in answered if rnd.hits]:
-            self._rearm_lease_timer(min(deadlines))
         return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in answered))
 
     async def _lookup_round(self, keys: list[bytes], lim: RequestLimits) -> tuple[int, list[bool]]:
@@ -603,7 +608,7 @@ class ConsumerSide(SessionParts):
         candidates = [self._rounds[r] for r in named if r in self._rounds]
         candidates += [r for r in self._rounds.values() if not r.held]
         for rnd in candidates:  # the usual case: one round holds every key (no set built)
-            if len(rnd.hits) >= len(keys) and rnd.hits.issuperset(keys):
+            if rnd.keys == keys or (len(rnd.keys) >= len(keys) and rnd.hits.issuperset(keys)):
                 del self._rounds[rnd.req_id]
                 return {rnd.req_id: keys}, []
         left = set(keys)
