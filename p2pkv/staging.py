@@ -12,18 +12,21 @@ process**: it loads no remote agent and its metadata is never handed out. Loopba
 live beside the peer-mode agent of :mod:`p2pkv.transport._nixl_agent` (registering the same
 memory in both is accepted by NIXL and needed: each agent moves only what it registered).
 
-**Lanes.** What bounds a scattered copy of small blocks is CPU work per descriptor in the
-thread that posts it (UCX cuda_copy: ~4-5 us per block, more than the GPU needs for a
-64 KiB block). UCX's own worker threads (``num_threads``) cannot share that work here:
-extra workers are not "self" and break the loopback path. So the process keeps ``L``
-*lanes*, each its own loopback agent (its own UCX worker), and a copy of at least
-``MIN_DESCS_PER_LANE * 2`` blocks is cut into up to ``L`` parts (:func:`lane_parts`: slices
-of the caller's pair list, so runs of adjacent blocks stay whole except at a cut), each
-posted and polled by its own thread at once: lane 0 by the caller, the others by the
-lanes' thread pool (``L - 1`` threads, idle between copies). ``L``:
-:data:`STAGING_LANES_ENV`, else one lane per :data:`CORES_PER_LANE` cores this process may
-run on, at most :data:`MAX_AUTO_LANES` (1 on a small machine: exactly one agent, no
-thread).
+**Lanes.** What bounds a scattered copy of small blocks is CPU work per descriptor in
+UCX cuda_copy, inside ``transfer()`` (H200, 4,096 x 64 KiB in one request: 4.1 us per block
+to post, against ~4 us of GPU time per block; 0.79-0.80 x torch's CUDA graph). It is lower
+when one UCX worker holds fewer descriptors at once, and it runs in parallel on separate
+workers. UCX's own worker threads (``num_threads``) cannot be used: extra workers are not
+"self" and break the loopback path. So the process keeps ``L`` *lanes*, each its own
+loopback agent (its own UCX worker), and a copy of at least ``2 * MIN_DESCS_PER_LANE``
+blocks of at most ``MAX_SPLIT_BLOCK_LEN`` bytes is cut into up to ``L`` parts
+(:func:`lane_parts`: consecutive slices of the caller's pair list, so runs of adjacent
+blocks stay whole except at a cut), all posted and polled at once: lane 0 by the caller,
+the others by the lanes' thread pool (``L - 1`` threads, idle between copies). Measured
+(``bench/notes/staging_lanes.py``, 64 KiB): 2-6 lanes 0.96-1.02 x torch both ways; one
+agent posting 2/4/8 smaller requests 0.86-0.98 x. ``L``: :data:`STAGING_LANES_ENV`, else
+one lane per :data:`CORES_PER_LANE` cores this process may run on, at most
+:data:`MAX_AUTO_LANES` (1 on a small machine: exactly one agent, no thread).
 
 Invariants: one set of lanes per process (created on first use, dropped with their threads
 when the last region is released); a region is registered **once per lane** however many
@@ -78,6 +81,10 @@ MAX_AUTO_LANES = 4
 # A part gets at least this many blocks: handing a part to a lane's thread costs about as
 # much as posting a few blocks.
 MIN_DESCS_PER_LANE = 16
+# Only blocks up to this size are split: a larger block takes the GPU longer than its post
+# takes the CPU (2 MiB: ~3.3 us to post, ~40 us to copy), so lanes gain nothing there and
+# cost 2-3 % (H200, 256 MiB scattered: 0.95-0.96 x torch with 2-6 lanes, 0.98 with one).
+MAX_SPLIT_BLOCK_LEN = 256 * 1024
 
 Slots = npt.NDArray[np.int32]
 
@@ -318,7 +325,8 @@ class LoopbackAgent:
             return
         with self.lock:
             deadline = time.monotonic() + timeout
-            parts = lane_parts(len(s), len(self.lanes))
+            lanes = len(self.lanes) if src.block_len <= MAX_SPLIT_BLOCK_LEN else 1
+            parts = lane_parts(len(s), lanes)
             jobs: list[Callable[[], None]] = [
                 _job(lane, src.lanes[i], s[part], dst.lanes[i], d[part], deadline)
                 for i, (lane, part) in enumerate(zip(self.lanes, parts, strict=False))

@@ -183,6 +183,21 @@ def test_host_copy_split_over_three_lanes_is_byte_exact_and_fails_as_a_whole(
         b[:] = 0
         agent.copy(src, s, dst, d)  # the lanes still work after a failed copy
         assert np.array_equal(b.reshape(n, BLOCK)[d], a.reshape(n, BLOCK)[s])
+
+        # Blocks above MAX_SPLIT_BLOCK_LEN go in one part: splitting them gains nothing.
+        big_len, m = 2 * staging.MAX_SPLIT_BLOCK_LEN, 3 * staging.MIN_DESCS_PER_LANE
+        big_a = rng.integers(0, 256, m * big_len, dtype=np.uint8)
+        big_b = np.zeros_like(big_a)
+        big_src, big_dst = (staging.attach_region(x, big_len) for x in (big_a, big_b))
+        try:
+            parts.clear()
+            order = rng.permutation(m).tolist()
+            agent.copy(big_src, order, big_dst, list(range(m)))
+            assert [size for _, size in parts] == [m]
+            assert np.array_equal(big_b.reshape(m, big_len), big_a.reshape(m, big_len)[order])
+        finally:
+            big_src.release()
+            big_dst.release()
     finally:
         src.release()
         dst.release()
