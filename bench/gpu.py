@@ -15,7 +15,8 @@ Reproduce on the GPU machine (one call, ~1-2 min; wheels as docs/performance.md 
 2. **Local staging.** :mod:`p2pkv.staging` (the loopback agent, cuda_copy) copies 256 MiB
    of scattered blocks between a pinned host tensor and a GPU tensor, against torch
    copying the same blocks in the same order, captured in one CUDA graph and replayed
-   (H2D and D2H, 2 MiB and 64 KiB). Target: NIXL >= 0.8 x torch.
+   (H2D and D2H, 2 MiB and 64 KiB). Target: NIXL >= 0.8 x torch. The copy is cut over
+   the staging lanes (``P2PKV_STAGING_LANES``, default by core count; the JSON records it).
 
 Medians of ``--reps`` repetitions after two warm-ups. ``--json PATH`` writes every number.
 """
@@ -220,9 +221,9 @@ def _stage(src: Any, s: list[int], dst: Any, d: list[int], op: str) -> None:
         src.agent.copy(src, s, dst, d)
         return
     agent = src.agent
-    with agent.lock:
-        nx = agent.agent
-        x = nx.make_prepped_xfer("READ", dst.local_dlist, d, src.loop_dlist, s)
+    with agent.lock:  # lane 0 alone: READ is the slower variant, kept for comparison
+        nx = agent.lanes[0].agent
+        x = nx.make_prepped_xfer("READ", dst.lanes[0].local_dlist, d, src.lanes[0].loop_dlist, s)
         state = nx.transfer(x)
         while state == "PROC":
             state = nx.check_xfer_state(x)
@@ -256,6 +257,7 @@ def staging_vs_torch(reps: int, op: str) -> dict[str, Any]:
         back.zero_()
         torch.cuda.synchronize()
         h, g_, b = (staging.attach_region(t, block_len) for t in (host, gpu, back))
+        out["lanes"] = len(h.agent.lanes)
         try:
             for name, src, dst in (("h2d", h, g_), ("d2h", g_, b)):
                 times = []
@@ -323,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     staged = args.device == "cuda" and not args.skip_staging
     stage = staging_vs_torch(args.reps, args.op) if staged else {}
     result["staging"] = stage
+    result["staging_lanes"] = stage.pop("lanes", None)
     for block_len, row in stage.items():
         print(f"staging {int(block_len) // 1024} KiB: " + json.dumps(row), flush=True)
         ok &= min(row["h2d_ratio"], row["d2h_ratio"]) >= STAGE_TARGET

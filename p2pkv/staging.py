@@ -1,23 +1,40 @@
-"""Local GPU<->host block copies through NIXL: the process's one loopback agent.
+"""Local GPU<->host block copies through NIXL: the process's loopback agents.
 
 Theory of operation
 -------------------
 A host-tier block is staged to or from a GPU region (or between any two local regions) by
-**one NIXL agent transferring to itself**: its own name is the "remote" side of every
+**a NIXL agent transferring to itself**: its own name is the "remote" side of every
 transfer, so UCX picks cuda_copy (measured on an H200: 0.91-1.0 x torch's own block
-copies). That agent is created with ``ucx_error_handling_mode: none``, because in mode
+copies). Such an agent is created with ``ucx_error_handling_mode: none``, because in mode
 ``peer`` a self-transfer of GPU memory falls back to emulation. Mode ``none`` has no
-dead-peer detection (notes, hazard 7), so this agent **never talks to another process**:
-it loads no remote agent and its metadata is never handed out. It lives beside the
-peer-mode agent of :mod:`p2pkv.transport._nixl_agent` (registering the same memory in both
-is accepted by NIXL and needed: each agent moves only what it registered itself).
+dead-peer detection (notes, hazard 7), so a loopback agent **never talks to another
+process**: it loads no remote agent and its metadata is never handed out. Loopback agents
+live beside the peer-mode agent of :mod:`p2pkv.transport._nixl_agent` (registering the same
+memory in both is accepted by NIXL and needed: each agent moves only what it registered).
 
-Invariants, as for the peer-mode agent: one loopback agent per process (created on first
-use, dropped when its last region is released); a region is registered with it exactly
-once however many callers stage through it (:meth:`LoopbackAgent.attach` counts references
-per region, keyed by (address, size)); overlapping regions are refused. Each attached region
-carries two descriptor lists over all its blocks, prepared once: the local side (a source)
-and the loopback side (a destination).
+**Lanes.** What bounds a scattered copy of small blocks is CPU work per descriptor in
+UCX cuda_copy, inside ``transfer()`` (H200, 4,096 x 64 KiB in one request: 4.1 us per block
+to post, against ~4 us of GPU time per block; 0.79-0.80 x torch's CUDA graph). It is lower
+when one UCX worker holds fewer descriptors at once, and it runs in parallel on separate
+workers. UCX's own worker threads (``num_threads``) cannot be used: extra workers are not
+"self" and break the loopback path. So the process keeps ``L`` *lanes*, each its own
+loopback agent (its own UCX worker), and a copy of at least ``2 * MIN_DESCS_PER_LANE``
+blocks of at most ``MAX_SPLIT_BLOCK_LEN`` bytes is cut into up to ``L`` parts
+(:func:`lane_parts`: consecutive slices of the caller's pair list, so runs of adjacent
+blocks stay whole except at a cut), all posted and polled at once: lane 0 by the caller,
+the others by the lanes' thread pool (``L - 1`` threads, idle between copies). Measured
+(``bench/notes/staging_lanes.py``, 64 KiB): 2-6 lanes 0.96-1.02 x torch both ways; one
+agent posting 2/4/8 smaller requests 0.86-0.98 x. ``L``: :data:`STAGING_LANES_ENV`, else
+one lane per :data:`CORES_PER_LANE` cores this process may run on, at most
+:data:`MAX_AUTO_LANES` (1 on a small machine: exactly one agent, no thread).
+
+Invariants: one set of lanes per process (created on first use, dropped with their threads
+when the last region is released); a region is registered **once per lane** however many
+callers stage through it (:meth:`LoopbackAgent.attach` counts references per region, keyed
+by (address, size)), so a process holds ``L + 1`` agents (the lanes and the peer-mode
+agent) and a staged region ``L`` staging registrations; overlapping regions are refused.
+Each lane keeps two descriptor lists per attached region over all its blocks, prepared once:
+the local side (a source) and the loopback side (a destination).
 
 A host region <-> a *remote* GPU region is two legs, never one: NIXL between processes has
 no fast host<->GPU path (cma is host-only and the wheel has no gdrcopy; measured 0.4-0.8
@@ -26,30 +43,100 @@ from its peer over cuda_ipc); leg two stages those slots to or from host memory 
 
 :meth:`LoopbackAgent.copy` blocks until the copy is done (cuda_copy posts asynchronously;
 ``check_xfer_state`` both progresses and polls it): call it from a worker thread, never the
-Trio thread. Thread sync is STRICT and every call is also under ``lock``.
+Trio thread. It returns only once every part has ended, and raises if any part failed (the
+copy is one unit: the caller must treat all its destination slots as unwritten). Thread
+sync is STRICT and a whole copy runs under ``lock``.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from .errors import TransportError
 from .region import region_memory
 from .transport._nixl_agent import block_descs, load_nixl
 
-__all__ = ["LoopbackAgent", "LoopbackRegion", "attach_region", "loopback_agent_exists"]
+__all__ = [
+    "LoopbackAgent",
+    "LoopbackRegion",
+    "attach_region",
+    "lane_parts",
+    "loopback_agent_exists",
+    "resolve_lanes",
+]
+
+STAGING_LANES_ENV = "P2PKV_STAGING_LANES"
+CORES_PER_LANE = 4
+MAX_AUTO_LANES = 4
+# A part gets at least this many blocks: handing a part to a lane's thread costs about as
+# much as posting a few blocks.
+MIN_DESCS_PER_LANE = 16
+# Only blocks up to this size are split: a larger block takes the GPU longer than its post
+# takes the CPU (2 MiB: ~3.3 us to post, ~40 us to copy), so lanes gain nothing there and
+# cost 2-3 % (H200, 256 MiB scattered: 0.95-0.96 x torch with 2-6 lanes, 0.98 with one).
+MAX_SPLIT_BLOCK_LEN = 256 * 1024
+
+Slots = npt.NDArray[np.int32]
+
+
+def resolve_lanes(requested: int | None = None) -> int:
+    """L, the number of loopback agents copying one staging copy (see the module doc)."""
+    if requested is None:
+        text = os.environ.get(STAGING_LANES_ENV, "").strip()
+        if text:
+            try:
+                requested = int(text)
+            except ValueError:
+                raise TransportError(
+                    f"{STAGING_LANES_ENV}={text!r} is not a number", op="stage"
+                ) from None
+    if requested is None:
+        cores = len(os.sched_getaffinity(0))
+        return max(1, min(MAX_AUTO_LANES, cores // CORES_PER_LANE))
+    if requested < 1:
+        raise TransportError(f"staging lanes must be >= 1, got {requested}", op="stage")
+    return requested
+
+
+def lane_parts(count: int, lanes: int, min_per_lane: int = MIN_DESCS_PER_LANE) -> list[slice]:
+    """``count`` pairs cut into at most ``lanes`` consecutive slices of at least
+    ``min_per_lane`` pairs each (one slice when there are too few), sizes differing by at
+    most one, together covering ``0..count`` exactly once in order."""
+    if count < 0 or lanes < 1 or min_per_lane < 1:
+        raise ValueError(f"bad split: {count} pairs, {lanes} lanes, {min_per_lane} per lane")
+    parts = max(1, min(lanes, count // min_per_lane))
+    size, extra = divmod(count, parts)
+    out = []
+    start = 0
+    for i in range(parts):
+        stop = start + size + (1 if i < extra else 0)
+        out.append(slice(start, stop))
+        start = stop
+    return out
+
+
+@attrs.define(eq=False)
+class _LaneRegistration:
+    """A region as one lane's agent knows it."""
+
+    reg_descs: Any = None
+    local_dlist: Any = None  # the region as a source
+    loop_dlist: Any = None  # the region as a destination (the lane's own name as the remote)
 
 
 @attrs.define(eq=False)
 class LoopbackRegion:
-    """One region attached to the loopback agent: ``num_blocks`` slots of ``block_len``."""
+    """One region attached to the loopback lanes: ``num_blocks`` slots of ``block_len``."""
 
     agent: LoopbackAgent
     base_addr: int
@@ -58,9 +145,7 @@ class LoopbackRegion:
     mem_type: str
     device: int
     region: object  # kept alive while registered (notes, hazard 6)
-    reg_descs: Any = None
-    local_dlist: Any = None  # this region as a source
-    loop_dlist: Any = None  # this region as a destination (our own name as the remote)
+    lanes: list[_LaneRegistration] = attrs.Factory(list)  # one per lane, in lane order
     refs: int = 0
 
     @property
@@ -68,7 +153,7 @@ class LoopbackRegion:
         return self.num_blocks * self.block_len
 
     def release(self) -> None:
-        """Drop one reference; the last one deregisters the region."""
+        """Drop one reference; the last one deregisters the region from every lane."""
         self.agent.detach(self)
 
 
@@ -84,31 +169,87 @@ def _span(region: object) -> tuple[int, int]:
     return int(array.ctypes.data), int(array.nbytes)
 
 
-class LoopbackAgent:
-    """The process's loopback agent (see the module docstring). Use :func:`attach_region`."""
+class _Lane:
+    """One loopback agent (its own UCX worker): moves one part of a copy."""
 
-    def __init__(self) -> None:
-        binding = load_nixl()
-        api = binding.api
-        self.lock = threading.RLock()
-        self.regions: dict[tuple[int, int], LoopbackRegion] = {}
+    def __init__(self, api: Any, name: str) -> None:
         config = api.nixl_agent_config(
             enable_prog_thread=False,
             enable_listen_thread=False,
             backends=[],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )
-        self.name = f"p2pkv-loopback-{os.getpid()}"
-        self.agent: Any = api.nixl_agent(self.name, config)
+        self.name = name
+        self.agent: Any = api.nixl_agent(name, config)
+        # Mode none: cuda_copy serves self-transfers; mode peer would emulate them.
+        self.agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+
+    def register(self, base: int, nbytes: int, reg: LoopbackRegion) -> _LaneRegistration:
+        out = _LaneRegistration()
         try:
-            # Mode none: cuda_copy serves self-transfers; mode peer would emulate them.
-            self.agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+            out.reg_descs = self.agent.register_memory(
+                [(base, nbytes, reg.device, "")], reg.mem_type
+            )
+            descs = block_descs(base, reg.num_blocks, reg.block_len, reg.device)
+            out.local_dlist = self.agent.prep_xfer_dlist("", descs, reg.mem_type)
+            out.loop_dlist = self.agent.prep_xfer_dlist(self.name, descs, reg.mem_type)
         except BaseException:
-            self.agent = None
+            self.unregister(out)
             raise
+        return out
+
+    def unregister(self, lr: _LaneRegistration) -> None:
+        for dlist in (lr.loop_dlist, lr.local_dlist):
+            if dlist is not None:
+                dlist.release()
+        lr.loop_dlist = lr.local_dlist = None
+        if lr.reg_descs is not None:
+            self.agent.deregister_memory(lr.reg_descs)
+            lr.reg_descs = None
+
+    def write(
+        self, src: _LaneRegistration, s: Slots, dst: _LaneRegistration, d: Slots, deadline: float
+    ) -> None:
+        """Post one WRITE of the pairs and poll it to the end."""
+        agent = self.agent
+        xfer = agent.make_prepped_xfer("WRITE", src.local_dlist, s, dst.loop_dlist, d)
+        try:
+            state = agent.transfer(xfer)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    # Bytes may still land: the caller must not reuse dst slots soon.
+                    raise TransportError("staging copy not done in time", op="stage")
+                state = agent.check_xfer_state(xfer)
+            if state != "DONE":
+                raise TransportError(f"staging copy ended {state}", op="stage")
+        finally:
+            agent.release_xfer_handle(xfer)
+
+
+class LoopbackAgent:
+    """The process's loopback lanes (see the module docstring). Use :func:`attach_region`."""
+
+    def __init__(self, lanes: int | None = None) -> None:
+        count = resolve_lanes(lanes)
+        api = load_nixl().api
+        self.lock = threading.RLock()
+        self.regions: dict[tuple[int, int], LoopbackRegion] = {}
+        prefix = f"p2pkv-loopback-{os.getpid()}-{next(_serial)}"
+        self.lanes: list[_Lane] = []
+        try:
+            for i in range(count):
+                self.lanes.append(_Lane(api, f"{prefix}-{i}"))
+        except BaseException:
+            self.lanes = []
+            raise
+        # Lane 0 runs in the caller's thread; lanes 1.. each in one thread of this pool.
+        self._pool: ThreadPoolExecutor | None = None
+        if count > 1:
+            self._pool = ThreadPoolExecutor(count - 1, thread_name_prefix="p2pkv-staging")
 
     def attach(self, region: object, block_len: int) -> LoopbackRegion:
-        """Register ``region`` (cut into ``block_len`` slots) once; count a reference."""
+        """Register ``region`` (cut into ``block_len`` slots) once per lane; count a
+        reference."""
         base, nbytes = _span(region)
         if block_len <= 0 or nbytes < block_len:
             raise TransportError(f"region of {nbytes} bytes has no {block_len}-byte block")
@@ -128,12 +269,9 @@ class LoopbackAgent:
                     raise TransportError("region overlaps a staged region", op="stage")
             mem_type, device = region_memory(region)
             reg = LoopbackRegion(self, base, num_blocks, block_len, mem_type, device, region)
-            agent = self.agent
             try:
-                reg.reg_descs = agent.register_memory([(base, key[1], device, "")], mem_type)
-                descs = block_descs(base, num_blocks, block_len, device)
-                reg.local_dlist = agent.prep_xfer_dlist("", descs, mem_type)
-                reg.loop_dlist = agent.prep_xfer_dlist(self.name, descs, mem_type)
+                for lane in self.lanes:
+                    reg.lanes.append(lane.register(base, key[1], reg))
             except Exception as exc:
                 self._undo(reg)
                 raise TransportError(f"staging registration failed: {exc!r}", op="stage") from exc
@@ -151,16 +289,15 @@ class LoopbackAgent:
             self._undo(reg)
             if not self.regions and _agent is self:
                 _agent = None
-                self.agent = None  # the last reference: NIXL destroys the agent
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)  # no part is in flight: copy holds lock
+                    self._pool = None
+                self.lanes = []  # the last references: NIXL destroys the agents
 
     def _undo(self, reg: LoopbackRegion) -> None:
-        for dlist in (reg.loop_dlist, reg.local_dlist):
-            if dlist is not None:
-                dlist.release()
-        reg.loop_dlist = reg.local_dlist = None
-        if reg.reg_descs is not None:
-            self.agent.deregister_memory(reg.reg_descs)
-            reg.reg_descs = None
+        for lane, lr in zip(self.lanes, reg.lanes, strict=False):
+            lane.unregister(lr)
+        reg.lanes = []
         reg.region = None
 
     def copy(
@@ -187,42 +324,69 @@ class LoopbackAgent:
         if not len(s):
             return
         with self.lock:
-            agent = self.agent
-            xfer = agent.make_prepped_xfer("WRITE", src.local_dlist, s, dst.loop_dlist, d)
-            try:
-                state = agent.transfer(xfer)
-                deadline = time.monotonic() + timeout
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        # Bytes may still land: the caller must not reuse dst slots soon.
-                        raise TransportError(f"staging copy not done in {timeout} s", op="stage")
-                    state = agent.check_xfer_state(xfer)
-                if state != "DONE":
-                    raise TransportError(f"staging copy ended {state}", op="stage")
-            finally:
-                agent.release_xfer_handle(xfer)
+            deadline = time.monotonic() + timeout
+            lanes = len(self.lanes) if src.block_len <= MAX_SPLIT_BLOCK_LEN else 1
+            parts = lane_parts(len(s), lanes)
+            jobs: list[Callable[[], None]] = [
+                _job(lane, src.lanes[i], s[part], dst.lanes[i], d[part], deadline)
+                for i, (lane, part) in enumerate(zip(self.lanes, parts, strict=False))
+            ]
+            run_parts(jobs, self._pool)
 
 
-def _checked(slots: Sequence[int], num_blocks: int, side: str) -> Any:
+def _job(
+    lane: _Lane, src: _LaneRegistration, s: Slots, dst: _LaneRegistration, d: Slots, deadline: float
+) -> Callable[[], None]:
+    return lambda: lane.write(src, s, dst, d, deadline)
+
+
+def run_parts(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor | None) -> None:
+    """Run ``jobs[0]`` here and the others on ``pool`` at once; return when every one has
+    ended. The first error (in job order) is raised, and only then: no part is still
+    running when a copy fails."""
+    futures: list[Future[None]] = []
+    if len(jobs) > 1:
+        if pool is None:
+            raise TransportError("several parts but no lane threads", op="stage")
+        futures = [pool.submit(job) for job in jobs[1:]]
+    errors: list[BaseException] = []
+    try:
+        jobs[0]()
+    except BaseException as exc:
+        errors.append(exc)
+    for future in futures:
+        failed = future.exception()  # waits for the part to end
+        if failed is not None:
+            errors.append(failed)
+    if not errors:
+        return
+    first = errors[0]
+    if isinstance(first, TransportError) or not isinstance(first, Exception):
+        raise first
+    raise TransportError(f"staging copy failed: {first!r}", op="stage") from first
+
+
+def _checked(slots: Sequence[int], num_blocks: int, side: str) -> Slots:
     array = np.asarray(slots, dtype=np.int64).reshape(-1)
     if array.size and (int(array.min()) < 0 or int(array.max()) >= num_blocks):
         raise TransportError(f"{side} slot out of range 0..{num_blocks - 1}", op="stage")
     return array.astype(np.int32)
 
 
+_serial = itertools.count()  # agent names stay unique when lanes are re-created
 _agent_lock = threading.Lock()  # taken before LoopbackAgent.lock
 _agent: LoopbackAgent | None = None
 
 
 def loopback_agent_exists() -> bool:
-    """True while the process's loopback agent lives (some region is attached)."""
+    """True while the process's loopback lanes live (some region is attached)."""
     with _agent_lock:
         return _agent is not None
 
 
 def attach_region(region: object, block_len: int) -> LoopbackRegion:
     """Attach ``region`` (host or GPU memory; a torch tensor, NumPy array or buffer) to the
-    process's loopback agent, creating it on first use; :meth:`LoopbackRegion.release`
+    process's loopback lanes, creating them on first use; :meth:`LoopbackRegion.release`
     when done."""
     global _agent
     with _agent_lock:

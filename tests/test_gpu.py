@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from p2pkv import NodeConfig, open_node, staging
+from p2pkv.errors import TransportError
 from p2pkv.node import Node
 
 from .node_proc import (
@@ -161,6 +162,70 @@ async def test_local_staging_copies_blocks_between_host_and_gpu_byte_exact(cuda:
         for reg in (src, mid, dst):
             reg.release()
     assert not staging.loopback_agent_exists()
+
+
+async def test_staging_split_over_lanes_is_byte_exact_both_ways_and_fails_as_a_whole(
+    cuda: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(staging.STAGING_LANES_ENV, "3")
+    parts: list[tuple[str, int]] = []
+    write = staging._Lane.write
+
+    def counted(lane: Any, src: Any, s: Any, dst: Any, d: Any, deadline: float) -> None:
+        parts.append((lane.name, len(s)))
+        write(lane, src, s, dst, d, deadline)
+
+    monkeypatch.setattr(staging._Lane, "write", counted)
+    n = 101  # three parts of 34, 34, 33
+    rng = np.random.default_rng(11)
+    host_src = rng.integers(0, 256, n * BLOCK, dtype=np.uint8)
+    pinned = cuda.zeros(n * BLOCK, dtype=cuda.uint8).pin_memory()
+    gpu = gpu_region(cuda, n)
+    src = staging.attach_region(host_src, BLOCK)
+    mid = staging.attach_region(gpu, BLOCK)
+    dst = staging.attach_region(pinned, BLOCK)
+    try:
+        agent = mid.agent
+        assert len(agent.lanes) == 3 and all(len(r.lanes) == 3 for r in (src, mid, dst))
+        to_gpu, at_gpu = rng.permutation(n).tolist(), rng.permutation(n).tolist()
+        agent.copy(src, to_gpu, mid, at_gpu)  # host -> GPU
+        back = rng.permutation(n).tolist()
+        agent.copy(mid, at_gpu, dst, back)  # GPU -> host
+        for copy in (parts[:3], parts[3:]):
+            assert sorted(size for _, size in copy) == [33, 34, 34]
+            assert len({name for name, _ in copy}) == 3
+        host = host_src.reshape(n, BLOCK)
+        assert np.array_equal(gpu.view(n, BLOCK).cpu().numpy()[at_gpu], host[to_gpu])
+        assert np.array_equal(pinned.view(n, BLOCK).numpy()[back], host[to_gpu])
+
+        broken = agent.lanes[2]
+        real = broken.agent
+        broken.agent = _FailingTransfer(real)
+        try:
+            with pytest.raises(TransportError, match="ERR"):
+                agent.copy(mid, at_gpu, dst, back)
+        finally:
+            broken.agent = real
+        gpu.zero_()
+        agent.copy(src, to_gpu, mid, at_gpu)  # the lanes still work after a failed copy
+        assert np.array_equal(gpu.view(n, BLOCK).cpu().numpy()[at_gpu], host[to_gpu])
+    finally:
+        for reg in (src, mid, dst):
+            reg.release()
+    assert not staging.loopback_agent_exists()
+
+
+class _FailingTransfer:
+    """A lane's NIXL agent whose transfers end in error (a failure in one part)."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def transfer(self, xfer: Any) -> str:
+        return "ERR"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
 
 
 async def test_remote_gpu_block_reaches_host_memory_in_two_legs(
