@@ -304,3 +304,51 @@ async def test_two_lookups_at_once_on_the_same_keys_through_a_small_send_buffer(
                 nursery.start_soon(look)
             assert answers == [[True] * 1024] * 10
             assert dst.statistics().peers == 1 and session.alive
+
+
+class Spawns(trio.abc.Instrument):
+    """Names of the tasks spawned while installed."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def task_spawned(self, task: trio.lowlevel.Task) -> None:
+        self.names.append(task.name)
+
+
+async def test_a_fetch_served_by_one_round_runs_in_the_callers_task_and_two_rounds_in_two() -> None:
+    """A fetch whose keys one open round holds (the usual case after a lookup) needs no
+    nursery and no task of its own; keys spread over two rounds are fetched by one task
+    each, at once. Both land every key."""
+    with trio.fail_after(30):
+        async with (
+            open_node(config("src", block_len=BL)) as src,
+            open_node(config("dst", block_len=BL)) as dst,
+        ):
+            keys = fill(src.store, 6, BL)
+            peer = await dst.connect(src.address)
+            spawns = Spawns()
+            consumer_tasks = ("_fetch_round", "_lookup_and_fetch")
+            await dst.lookup(peer, keys[:3])
+            trio.lowlevel.add_instrument(spawns)
+            try:
+                result = await dst.fetch(peer, keys[:3])
+            finally:
+                trio.lowlevel.remove_instrument(spawns)
+            assert result.loaded == keys[:3] and not result.failed
+            assert not [n for n in spawns.names if n.endswith(consumer_tasks)]
+            spawns.names.clear()
+            await dst.lookup(peer, keys[3:5])
+            trio.lowlevel.add_instrument(spawns)
+            try:
+                result = await dst.fetch(peer, keys[3:])  # a round, and a key no round holds
+            finally:
+                trio.lowlevel.remove_instrument(spawns)
+            assert result.loaded == keys[3:] and not result.failed
+            assert sorted(
+                n.rsplit(".", 1)[-1] for n in spawns.names if n.endswith(consumer_tasks)
+            ) == [
+                "_fetch_round",
+                "_lookup_and_fetch",
+            ]
+            assert all(k in dst.store for k in keys)

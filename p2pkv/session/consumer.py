@@ -504,12 +504,7 @@ class ConsumerSide(SessionParts):
         self._fetching.update(dict.fromkeys(mine, claim))
         try:
             groups, uncovered = self._claim_rounds(mine, rounds)
-            landing = _StoreLanding(self)
-            async with trio.open_nursery() as nursery:
-                for req, ks in groups.items():
-                    nursery.start_soon(self._fetch_round, req, ks, claim.outcome, landing, lim)
-                for chunk in self._chunks(uncovered):
-                    nursery.start_soon(self._lookup_and_fetch, chunk, claim.outcome, landing, lim)
+            await self._fetch_all(groups, uncovered, claim.outcome, _StoreLanding(self), lim)
         finally:
             if len(claim.outcome) < len(mine):  # its keys all come from mine
                 for k in mine:
@@ -584,11 +579,7 @@ class ConsumerSide(SessionParts):
             # No checkpoint between finding the rounds and claiming them.
             groups, uncovered = self._claim_rounds(valid, rounds)
             try:
-                async with trio.open_nursery() as nursery:
-                    for req, ks in groups.items():
-                        nursery.start_soon(self._fetch_round, req, ks, outcome, landing, lim)
-                    for chunk in self._chunks(uncovered):
-                        nursery.start_soon(self._lookup_and_fetch, chunk, outcome, landing, lim)
+                await self._fetch_all(groups, uncovered, outcome, landing, lim)
             finally:
                 for k in valid:
                     outcome.setdefault(k, "cancelled")
@@ -597,6 +588,32 @@ class ConsumerSide(SessionParts):
         finally:
             taken.difference_update(dst_slots)
         return _result(keys, outcome)
+
+    async def _fetch_all(
+        self,
+        groups: dict[int, list[bytes]],
+        uncovered: list[bytes],
+        outcome: dict[bytes, str | None],
+        landing: _Landing,
+        lim: RequestLimits,
+    ) -> None:
+        """Fetch each claimed round's keys and look up and fetch the ``uncovered`` ones,
+        all at once. One job alone (the usual case: one round holds every key) runs in
+        this task: a nursery and a task of its own would cost more than the job's own
+        scheduling."""
+        chunks = self._chunks(uncovered)
+        if len(groups) + len(chunks) == 1:
+            if groups:
+                ((req, ks),) = groups.items()
+                await self._fetch_round(req, ks, outcome, landing, lim)
+            else:
+                await self._lookup_and_fetch(chunks[0], outcome, landing, lim)
+            return
+        async with trio.open_nursery() as nursery:
+            for req, ks in groups.items():
+                nursery.start_soon(self._fetch_round, req, ks, outcome, landing, lim)
+            for chunk in chunks:
+                nursery.start_soon(self._lookup_and_fetch, chunk, outcome, landing, lim)
 
     def _claim_rounds(
         self, keys: list[bytes], handles: Iterable[LookupRound]
