@@ -848,7 +848,11 @@ class BlockStore:
             self._unpinned_small_locked(done)
             if counts:
                 distinct = all(held == 1 for held in counts.values())
-                pins.chunks = [list(counts) if distinct else list(counts.elements())]
+                pins.chunks = [
+                    list(counts)
+                    if distinct
+                    else [slot for slot, held in counts.items() for _ in range(held)]
+                ]
                 pins.distinct = distinct
             else:
                 del self._pins[owner]
@@ -880,13 +884,7 @@ class BlockStore:
                 self._check_room_locked(n, "reserve")
                 if not n:
                     return []
-                top = self._n_free
-                if n <= top:
-                    out: list[int] = self._free_at[top - n : top].tolist()
-                    out.reverse()  # the stack pops its top first
-                    self._n_free = top - n
-                else:
-                    out = self._allocate_locked(n).tolist()
+                out = self._allocate_few_locked(n)
                 holder = self._holder_locked(owner)
                 state, owners, oid = self._state_at, self._owner_at, holder.oid
                 for slot in out:
@@ -895,6 +893,27 @@ class BlockStore:
                 holder.count += n
                 self._n_reserved += n
                 return out
+
+    def _allocate_few_locked(self, n: int) -> list[int]:
+        """:meth:`_allocate_locked` on the scalar path."""
+        top = self._n_free
+        k = min(n, top)
+        out: list[int] = self._free_at[top - k : top].tolist()
+        out.reverse()  # the stack pops its top first
+        self._n_free = top - k
+        if k == n:
+            return out
+        victims = self._lru.take_few(n - k)
+        if victims is None:  # many dead entries in the LRU log: NumPy reads them faster
+            self._n_free = top
+            listed: list[int] = self._allocate_locked(n).tolist()
+            return listed
+        unmap, slot_key = self._map.__delitem__, self._slot_key
+        for slot in victims:
+            unmap(slot_key[slot])
+            slot_key[slot] = None
+        self._evictions += n - k
+        return out + victims
 
     def _slot_list(self, owner: Hashable, slots: Sequence[int]) -> list[int]:
         """:meth:`_slot_array` as a list of ints, without NumPy when they are ints."""
@@ -1408,8 +1427,6 @@ class _Lru:
     def push_few(self, slots: list[int]) -> None:
         """:meth:`push` for the scalar path: one compaction step, as for one push."""
         n = len(slots)
-        if not n:
-            return
         if self.tail + n > len(self.slots):
             self._grow(n)
         tail, seq = self.tail, self.next_seq
@@ -1457,6 +1474,33 @@ class _Lru:
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self.drop_many(out)
         return out
+
+    def take_few(self, n: int) -> list[int] | None:
+        """:meth:`take` on the scalar path, with the same result and the same log state
+        after it; or None, nothing taken, if more than ``n + 64`` entries would be read."""
+        slots_at, seqs_at, seq_of_at = self.slots_at, self.seqs_at, self.seq_of_at
+        budget = n + 64
+        out: list[int] = []
+        back = (False, self.r, self.tail)
+        parts = ((True, self.head, self.w), back) if self.head < self.w else (back,)
+        for in_front, lo, hi in parts:
+            for pos in range(lo, hi):
+                if not budget:
+                    return None
+                budget -= 1
+                slot = slots_at[pos]
+                if seq_of_at[slot] == seqs_at[pos]:
+                    out.append(slot)
+                    if len(out) == n:
+                        if in_front:
+                            self.head = pos + 1
+                        else:  # nothing is left in front: the gap closes behind what was read
+                            self.head = self.w = self.r = pos + 1
+                        for slot in out:
+                            seq_of_at[slot] = -1
+                        self.count -= n
+                        return out
+        raise RuntimeError(f"LRU log holds fewer than {n} live entries")
 
     def live(self) -> _Slots:
         """Test hook: the live entries' slots, least recently used first."""
@@ -1525,9 +1569,10 @@ class _Pins:
             out += chunk if isinstance(chunk, list) else chunk.tolist()
         return out
 
-    def counts(self) -> Counter[int]:
+    def counts(self) -> dict[int, int]:
         """slot -> pins, in the order the slots were first pinned."""
-        return Counter(self.listed())
+        listed = self.listed()
+        return dict.fromkeys(listed, 1) if self.distinct else Counter(listed)
 
     def set_counts(self, counts: dict[int, int]) -> None:
         slots = np.fromiter(counts, np.int64, len(counts))
