@@ -41,6 +41,14 @@ that leaves is only marked, and which compacts in bounded steps (``_Lru``). The 
 everything a caller sees is the per-key order: slots leave the free list, enter the LRU
 and are freed in the order the call lists them (``release_owner``: in slot order).
 
+A call of at most :data:`SMALL_KEYS` keys or slots (a lookup of a few keys: the control
+plane's common case) takes the **scalar path** instead, because NumPy's fixed cost per
+whole-array operation (~1 us) would be most of it: the same state changes in the same
+order, and the same refusals, made slot by slot in plain Python through memoryviews of
+the same arrays (an owner's pins may then be lists of slots as well as arrays). Either
+path may undo what the other did (``tests/test_store_paths.py`` holds them to the same
+internal state after every call).
+
 Who waits for whom
 ------------------
 This store is the only state the host thread (the scheduler calling put/get) shares with
@@ -62,7 +70,9 @@ engine work, however many keys the engine's call carries (up to 65,536 per messa
   block.
 * Engine-side calls work in **batches** of at most ``batch_keys`` keys or slots (default
   :data:`BATCH_KEYS`) and take ``_lock`` once per batch. Checks of the caller's own input
-  (key types, lengths, duplicates) run outside it.
+  (key types, lengths, duplicates) run outside it. A scalar-path call is one batch (its
+  size limit is never above ``batch_keys``), enters it inline with the same hand-over,
+  and never offers the GIL: it is far shorter than :data:`GIL_OFFER_AFTER_S`.
 * **Hand-over.** A host call holds ``_turn`` from before it asks for ``_lock`` until it
   lets go of it; an engine batch takes and drops ``_turn`` before it takes ``_lock``. So a
   host call that is waiting gets in before the engine's next batch. A plain lock does not
@@ -1229,7 +1239,8 @@ class BlockStore:
         in the order they were first pinned). The slots are read once, outside ``_lock``:
         only engine-side calls change them, and ``_serial`` excludes those. The owner's
         total drops batch by batch (so ``pins_of`` is exact); its entry goes with the last
-        batch."""
+        batch. The caller holds ``_serial``; up to ``_small_keys`` pins take the scalar
+        path, more start the call's GIL-offer clock here."""
         pins = self._pins.get(owner)
         if pins is None:
             return 0
