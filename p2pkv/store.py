@@ -506,8 +506,11 @@ class BlockStore:
 
     def unpin(self, owner: Hashable) -> int:
         """Release every pin ``owner`` holds; returns how many were released."""
-        with self._serial:
+        self._serial.acquire()  # not "with": see "scalar path" below
+        try:
             return self._unpin_serial(owner)
+        finally:
+            self._serial.release()
 
     def unpin_keys(self, owner: Hashable, slots: Sequence[int]) -> int:
         """Release one of ``owner``'s pins per listed slot; returns how many were released.
@@ -595,10 +598,12 @@ class BlockStore:
         reservation.
         """
         _check_key(key)
-        with self._serial:
+        self._serial.acquire()
+        try:
             self._turn.acquire()
             self._turn.release()
-            with self._lock:
+            self._lock.acquire()
+            try:
                 holder = self._holders.get(owner)
                 if (
                     holder is None
@@ -614,6 +619,10 @@ class BlockStore:
                     return False
                 self._publish_locked(slot, key)
                 return True
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
 
     def commit_many(
         self, owner: Hashable, slots: Sequence[int], keys: Sequence[bytes]
@@ -772,17 +781,20 @@ class BlockStore:
     # ------------------------------------------------------------------ scalar path
     # Engine-side calls of at most _small_keys keys or slots (SMALL_KEYS). Each is one
     # lock section, entered inline (hold _serial; let a waiting host call in through
-    # _turn; hold _lock); slots are read and written one at a time through the arrays'
-    # memoryviews. Each makes the array path's state changes, in the same order: the
+    # _turn; hold _lock), with acquire/release in try/finally: two "with" statements cost
+    # twice as much, 0.3 us per call. Slots are read and written one at a time through
+    # the arrays' memoryviews. Each makes the array path's state changes, in the same order: the
     # same slots leave the free list, enter the LRU and are freed in the same order, and
     # the same checks refuse the same input before anything changes.
 
     def _pin_small(self, owner: Hashable, keys: Sequence[bytes]) -> list[int | None]:
         lookup = self._map.get
-        with self._serial:
+        self._serial.acquire()
+        try:
             self._turn.acquire()
             self._turn.release()
-            with self._lock:
+            self._lock.acquire()
+            try:
                 found = list(map(lookup, keys))
                 listed = [slot for slot in found if slot is not None]
                 if not listed:
@@ -812,6 +824,10 @@ class BlockStore:
                 pins.chunks.append(listed)
                 pins.total += len(listed)
                 return found
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
 
     def _drop_all_small_locked(self, pins: _Pins) -> int:
         """Take all of ``pins``' pins off their slots (:meth:`_drop_pins_locked`)."""
@@ -887,10 +903,12 @@ class BlockStore:
         self._lru.push_few(done)
 
     def _reserve_small(self, owner: Hashable, n: int) -> list[int]:
-        with self._serial:
+        self._serial.acquire()
+        try:
             self._turn.acquire()
             self._turn.release()
-            with self._lock:
+            self._lock.acquire()
+            try:
                 self._check_room_locked(n, "reserve")
                 if not n:
                     return []
@@ -903,6 +921,10 @@ class BlockStore:
                 holder.count += n
                 self._n_reserved += n
                 return out
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
 
     def _allocate_few_locked(self, n: int) -> list[int]:
         """:meth:`_allocate_locked` on the scalar path."""
@@ -954,10 +976,12 @@ class BlockStore:
     def _commit_small(self, owner: Hashable, slots: list[int], keys: list[bytes]) -> list[bool]:
         if len(slots) > 1 and len(set(slots)) < len(slots):
             raise ValueError("a slot is listed twice (a slot commits once)")
-        with self._serial:
+        self._serial.acquire()
+        try:
             self._turn.acquire()
             self._turn.release()
-            with self._lock:
+            self._lock.acquire()
+            try:
                 holder = self._reserver_locked(owner, slots)
                 if holder is None or not slots:
                     return []
@@ -977,12 +1001,18 @@ class BlockStore:
                         out.append(False)
                 self._lru.push_few(kept)
                 return out
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
 
     def _settle_small(self, owner: Hashable, slots: list[int], until: float | None) -> None:
-        with self._serial:
+        self._serial.acquire()
+        try:
             self._turn.acquire()
             self._turn.release()
-            with self._lock:
+            self._lock.acquire()
+            try:
                 holder = self._reserver_locked(owner, slots)
                 if holder is None or not slots:
                     return
@@ -998,6 +1028,10 @@ class BlockStore:
                     state[slot] = _QUARANTINED
                     heapq.heappush(heap, (until, slot))
                 self._quarantine.update(dict.fromkeys(slots, (until, holder.owner)))
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
 
     # ------------------------------------------------------------------ internals
 
@@ -1247,10 +1281,13 @@ class BlockStore:
         if pins.total <= self._small_keys:
             self._turn.acquire()
             self._turn.release()
-            with self._lock:
+            self._lock.acquire()
+            try:
                 released = self._drop_all_small_locked(pins)
                 del self._pins[owner]
                 return released
+            finally:
+                self._lock.release()
         self._offered_at = _clock()
         drops: _Slots | None = None
         if pins.distinct:
