@@ -15,6 +15,12 @@ does not matter). The producer's store holds the keys; the consumer's is empty, 
 ``reserve`` takes free slots; ``reserve_evict`` is the same call on a full store, where
 every slot comes from evicting.
 
+Sizes below 256 keys are what a lookup of a few keys asks (the control plane's common
+case): there each rep calls every op ``CALLS_PER_REP // n`` times, stores put back between
+calls untimed, and takes the median call. ``unpin_keys`` (dropping the pins of
+some keys) and ``release_reserved`` (a fetch that landed nothing) are timed too, apart
+from the cycle.
+
 Each figure is ns per key: the median of ``--reps`` reps with its min-max, by the wall
 clock and by the calling thread's CPU time (``time.thread_time``; the GIL offers inside a
 long call, ``time.sleep(0)`` every 0.5 ms, count in the first but not in the second). With
@@ -41,6 +47,8 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
+from itertools import islice
 from types import ModuleType
 from typing import Any
 
@@ -48,9 +56,11 @@ import numpy as np
 
 from p2pkv import store as new_store_module
 
-SIZES = (256, 4096, 16384)
+SIZES = (1, 4, 16, 256, 4096, 16384)
 CYCLE = ("pin", "unpin", "present", "reserve", "commit_many")
-OPS = (*CYCLE, "reserve_evict")
+OPS = (*CYCLE, "reserve_evict", "unpin_keys", "release_reserved")
+FILLED = 1024  # keys the producer's store holds at least
+CALLS_PER_REP = 2048  # keys' worth of calls one rep makes of each op at small sizes
 BLOCK = 64
 SCALE_BLOCKS = 262_144
 
@@ -69,10 +79,14 @@ def keys_of(n: int, salt: bytes = b"") -> list[bytes]:
 
 
 def timed(call: Callable[[], Any]) -> tuple[float, float]:
-    """Seconds the call took: (wall clock, this thread's CPU)."""
-    t0, c0 = time.perf_counter(), time.thread_time()
+    """Seconds the call took: (wall clock, this thread's CPU). The wall clock's readings
+    are the inner pair: reading the thread's CPU time is a system call (~0.3 us), which
+    would otherwise count in a few-microsecond call's figure."""
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
     call()
-    return time.perf_counter() - t0, time.thread_time() - c0
+    t1 = time.perf_counter()
+    return t1 - t0, time.thread_time() - c0
 
 
 def one_rep(module: ModuleType, n: int) -> dict[str, tuple[float, float]]:
@@ -86,25 +100,45 @@ def one_rep(module: ModuleType, n: int) -> dict[str, tuple[float, float]]:
 
 
 def ops(module: ModuleType, n: int) -> dict[str, tuple[float, float]]:
+    """Each op's median call at n keys. Below 256 keys one call is a few microseconds, so
+    each op is called ``CALLS_PER_REP // n`` times (the stores put back as they were
+    between calls, untimed) and the median call is the rep's figure."""
     cls = module.BlockStore
     blocks = max(16_384, 2 * n)
-    keys = keys_of(n)
+    calls = max(1, CALLS_PER_REP // n) if n < 256 else 1
+    keys = keys_of(max(n, FILLED))
     src = cls(blocks, BLOCK)
-    slots = src.reserve("fill", n)
-    src.commit_many("fill", slots, keys)
+    src.commit_many("fill", src.reserve("fill", len(keys)), keys)
+    keys = keys[:n]
     dst = cls(blocks, BLOCK)
-    out: dict[str, tuple[float, float]] = {}
-    out["pin"] = timed(lambda: src.pin("o", keys))
-    out["unpin"] = timed(lambda: src.unpin("o"))
-    out["present"] = timed(lambda: dst.present(keys))
+    full = cls(max(n, FILLED), BLOCK)
+    fresh = iter(keys_of(full.num_blocks + (calls + 1) * n, b"full"))
+    full.commit_many(
+        "fill", full.reserve("fill", full.num_blocks), list(islice(fresh, full.num_blocks))
+    )
+    times: dict[str, list[tuple[float, float]]] = {op: [] for op in OPS}
     got: list[int] = []
-    out["reserve"] = timed(lambda: got.extend(dst.reserve("f", n)))
-    out["commit_many"] = timed(lambda: dst.commit_many("f", got, keys))
-    full = cls(n, BLOCK)
-    fslots = full.reserve("fill", n)
-    full.commit_many("fill", fslots, keys_of(n, b"full"))
-    out["reserve_evict"] = timed(lambda: full.reserve("f", n))
-    return out
+    for _ in range(calls):
+        times["pin"].append(timed(lambda: src.pin("o", keys)))
+        times["unpin"].append(timed(lambda: src.unpin("o")))
+        times["present"].append(timed(lambda: dst.present(keys)))
+        times["reserve"].append(timed(lambda: got.extend(dst.reserve("f", n))))
+        times["commit_many"].append(timed(lambda: dst.commit_many("f", got, keys)))
+        got.clear()
+        for key in keys:  # the consumer's store empty again
+            dst.evict(key)
+        times["reserve_evict"].append(timed(lambda: got.extend(full.reserve("f", n))))
+        full.commit_many("f", got, list(islice(fresh, n)))  # full again
+        got.clear()
+        pinned = src.pin("o", keys)
+        times["unpin_keys"].append(timed(partial(src.unpin_keys, "o", pinned)))
+        got.extend(dst.reserve("f", n))
+        times["release_reserved"].append(timed(lambda: dst.release_reserved("f", got)))
+        got.clear()
+    return {
+        op: (statistics.median(w for w, _ in per), statistics.median(c for _, c in per))
+        for op, per in times.items()
+    }
 
 
 def loadavg() -> str:

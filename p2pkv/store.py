@@ -41,6 +41,14 @@ that leaves is only marked, and which compacts in bounded steps (``_Lru``). The 
 everything a caller sees is the per-key order: slots leave the free list, enter the LRU
 and are freed in the order the call lists them (``release_owner``: in slot order).
 
+A call of at most :data:`SMALL_KEYS` keys or slots (a lookup of a few keys: the control
+plane's common case) takes the **scalar path** instead, because NumPy's fixed cost per
+whole-array operation (~1 us) would be most of it: the same state changes in the same
+order, and the same refusals, made slot by slot in plain Python through memoryviews of
+the same arrays (an owner's pins may then be lists of slots as well as arrays). Either
+path may undo what the other did (``tests/test_store_paths.py`` holds them to the same
+internal state after every call).
+
 Who waits for whom
 ------------------
 This store is the only state the host thread (the scheduler calling put/get) shares with
@@ -62,7 +70,9 @@ engine work, however many keys the engine's call carries (up to 65,536 per messa
   block.
 * Engine-side calls work in **batches** of at most ``batch_keys`` keys or slots (default
   :data:`BATCH_KEYS`) and take ``_lock`` once per batch. Checks of the caller's own input
-  (key types, lengths, duplicates) run outside it.
+  (key types, lengths, duplicates) run outside it. A scalar-path call is one batch (its
+  size limit is never above ``batch_keys``), enters it inline with the same hand-over,
+  and never offers the GIL: it is far shorter than :data:`GIL_OFFER_AFTER_S`.
 * **Hand-over.** A host call holds ``_turn`` from before it asks for ``_lock`` until it
   lets go of it; an engine batch takes and drops ``_turn`` before it takes ``_lock``. So a
   host call that is waiting gets in before the engine's next batch. A plain lock does not
@@ -137,6 +147,13 @@ on the 2-core development VM (``bench/store_ops.py``), so one section is 10-80 u
 would save a fifth of that CPU (NumPy's fixed cost per call) but doubled the host's
 median wait in ``bench/store_lock.py`` (docs/design.md, "Store in bulk"); 64 cost engine
 throughput without shortening it."""
+
+SMALL_KEYS: Final = 32
+"""An engine-side call of at most this many keys or slots (and at most ``batch_keys``)
+takes the *scalar path*: one lock section of plain Python over single slots, no NumPy
+array built, no GIL offer (it is far shorter than :data:`GIL_OFFER_AFTER_S`). NumPy costs
+~1 us per whole-array operation, so below this size per-element work (~30 ns through a
+memoryview) is cheaper; above it the array path wins (``bench/store_ops.py``)."""
 
 _FREE: Final = 0
 _OCCUPIED: Final = 1
@@ -290,6 +307,13 @@ class BlockStore:
         # The free list is a stack, _free[:_n_free]; it pops slot 0 first.
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
         self._n_free = num_blocks
+        # The same arrays as memoryviews, for the scalar path's one-slot reads and writes
+        # (they give and take Python ints, twice as fast as NumPy's item access).
+        self._state_at = self._state.data
+        self._pin_count_at = self._pin_count.data
+        self._owner_at = self._owner.data
+        self._free_at = self._free.data
+        self._small_keys = min(SMALL_KEYS, batch_keys)  # calls up to this take the scalar path
         self._lru = _Lru(num_blocks, min(batch_keys, num_blocks))  # the evictable slots
         self._map: dict[bytes, int] = {}
         self._pins: dict[Hashable, _Pins] = {}
@@ -341,15 +365,15 @@ class BlockStore:
         with self._turn, self._lock:
             self._check_room_locked(1, "put")
             slot = self._map.get(key)
-            if slot is not None and self._pin_count[slot] == 0:
+            if slot is not None and self._pin_count_at[slot] == 0:
                 # In place: unmap first, so nobody can read or pin it half-written.
                 del self._map[key]
                 self._lru.drop(slot)
                 self._slot_key[slot] = None
             else:
                 slot = self._allocate_one_locked()
-            self._state[slot] = _RESERVED
-            self._owner[slot] = _HOST_PUT_ID
+            self._state_at[slot] = _RESERVED
+            self._owner_at[slot] = _HOST_PUT_ID
             self._holders[_HOST_PUT].count += 1
             self._n_reserved += 1
         try:
@@ -395,7 +419,7 @@ class BlockStore:
     def _touch(self, key: bytes) -> int | None:
         with self._turn, self._lock:
             slot = self._map.get(key)
-            if slot is not None and self._pin_count[slot] == 0:
+            if slot is not None and self._pin_count_at[slot] == 0:
                 self._lru.drop(slot)
                 self._lru.push_one(slot)
             return slot
@@ -430,7 +454,7 @@ class BlockStore:
         """Drop ``key``'s block. False (nothing done) if it is absent or pinned."""
         with self._turn, self._lock:
             slot = self._map.get(key)
-            if slot is None or self._pin_count[slot]:
+            if slot is None or self._pin_count_at[slot]:
                 return False
             del self._map[key]
             self._lru.drop(slot)
@@ -467,6 +491,8 @@ class BlockStore:
         A pinned slot is never evicted, overwritten or reused until unpinned. Each key is
         pinned atomically; the call as a whole is not (module docstring).
         """
+        if len(keys) <= self._small_keys:
+            return self._pin_small(owner, keys)
         out: list[int | None] = []
         lookup = self._map.get
         step = self.batch_keys
@@ -480,8 +506,11 @@ class BlockStore:
 
     def unpin(self, owner: Hashable) -> int:
         """Release every pin ``owner`` holds; returns how many were released."""
-        with _Serial(self):
+        self._serial.acquire()  # not "with": see "scalar path" below
+        try:
             return self._unpin_serial(owner)
+        finally:
+            self._serial.release()
 
     def unpin_keys(self, owner: Hashable, slots: Sequence[int]) -> int:
         """Release one of ``owner``'s pins per listed slot; returns how many were released.
@@ -491,10 +520,13 @@ class BlockStore:
         released = 0
         step = self.batch_keys
         it = iter(slots)
-        with _Serial(self):
+        with self._serial:
             pins = self._pins.get(owner)
             if pins is None:
                 return 0
+            if len(slots) <= self._small_keys and pins.total <= self._small_keys:
+                return self._unpin_keys_small(owner, pins, slots)
+            self._offered_at = _clock()
             counts = pins.counts()  # only engine-side calls change them: read outside _lock
             for _ in range(0, len(slots), step):
                 with _Batch(self):
@@ -529,6 +561,8 @@ class BlockStore:
         store cannot supply ``n``."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
+        if n <= self._small_keys:
+            return self._reserve_small(owner, n)
         out: list[int] = []
         first = True
         with _Serial(self):
@@ -564,22 +598,31 @@ class BlockStore:
         reservation.
         """
         _check_key(key)
-        with _Serial(self), _Batch(self):
-            holder = self._holders.get(owner)
-            if (
-                holder is None
-                or not isinstance(slot, int | np.integer)
-                or not 0 <= slot < self.num_blocks
-                or self._owner[slot] != holder.oid
-            ):
-                raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
-            slot = int(slot)
-            self._unhold_locked(holder, np.array([slot]))
-            if key in self._map:
-                self._free_one_locked(slot)
-                return False
-            self._publish_locked(slot, key)
-            return True
+        self._serial.acquire()
+        try:
+            self._turn.acquire()
+            self._turn.release()
+            self._lock.acquire()
+            try:
+                holder = self._holders.get(owner)
+                if (
+                    holder is None
+                    or not isinstance(slot, int | np.integer)
+                    or not 0 <= slot < self.num_blocks
+                    or self._owner_at[slot] != holder.oid
+                ):
+                    raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
+                slot = int(slot)
+                self._unhold_few_locked(holder, [slot])
+                if key in self._map:
+                    self._free_one_locked(slot)
+                    return False
+                self._publish_locked(slot, key)
+                return True
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
 
     def commit_many(
         self, owner: Hashable, slots: Sequence[int], keys: Sequence[bytes]
@@ -596,6 +639,8 @@ class BlockStore:
         if set(map(type, keys)) - {bytes} or not all(keys):
             for key in keys:
                 _check_key(key)
+        if len(slots) <= self._small_keys:
+            return self._commit_small(owner, self._slot_list(owner, slots), keys)
         arr = self._slot_array(owner, slots)
         ordered = arr.copy()
         ordered.sort()
@@ -614,8 +659,14 @@ class BlockStore:
 
     def present(self, keys: Iterable[bytes]) -> list[bool]:
         """``key in store`` for each key, as of that key's batch."""
-        out: list[bool] = []
         contains = self._map.__contains__
+        if type(keys) is list and len(keys) <= self._small_keys:
+            with self._serial:
+                self._turn.acquire()
+                self._turn.release()
+                with self._lock:
+                    return list(map(contains, keys))
+        out: list[bool] = []
         step = self.batch_keys
         it = iter(keys)
         with _Serial(self):
@@ -727,6 +778,261 @@ class BlockStore:
     def __repr__(self) -> str:
         return f"<BlockStore {self.num_blocks}x{self.block_len} keys={len(self._map)}>"
 
+    # ------------------------------------------------------------------ scalar path
+    # Engine-side calls of at most _small_keys keys or slots (SMALL_KEYS). Each is one
+    # lock section, entered inline (hold _serial; let a waiting host call in through
+    # _turn; hold _lock), with acquire/release in try/finally: two "with" statements cost
+    # twice as much, 0.3 us per call. Slots are read and written one at a time through
+    # the arrays' memoryviews. Each makes the array path's state changes, in the same order: the
+    # same slots leave the free list, enter the LRU and are freed in the same order, and
+    # the same checks refuse the same input before anything changes.
+
+    def _pin_small(self, owner: Hashable, keys: Sequence[bytes]) -> list[int | None]:
+        lookup = self._map.get
+        self._serial.acquire()
+        try:
+            self._turn.acquire()
+            self._turn.release()
+            self._lock.acquire()
+            try:
+                found = list(map(lookup, keys))
+                listed = [slot for slot in found if slot is not None]
+                if not listed:
+                    return found
+                pins = self._pins.get(owner)
+                if pins is None:
+                    pins = self._pins[owner] = _Pins()
+                pin_count, seq_of = self._pin_count_at, self._lru.seq_of_at
+                per_slot: dict[int, int] | None = None
+                if len(listed) > 1 and len(set(listed)) < len(listed):
+                    per_slot = Counter(listed)  # a key listed twice
+                    pins.distinct = False
+                newly = 0
+                held = False  # some slot was pinned already (maybe by this owner)
+                for slot, add in per_slot.items() if per_slot else zip(listed, repeat(1)):
+                    before = pin_count[slot]
+                    pin_count[slot] = before + add
+                    if before:
+                        held = True
+                    else:
+                        seq_of[slot] = -1  # leaves the LRU
+                        newly += 1
+                if held and pins.total:
+                    pins.distinct = False
+                self._lru.count -= newly
+                self._pinned_slots += newly
+                pins.chunks.append(listed)
+                pins.total += len(listed)
+                return found
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
+
+    def _drop_all_small_locked(self, pins: _Pins) -> int:
+        """Take all of ``pins``' pins off their slots (:meth:`_drop_pins_locked`)."""
+        listed = pins.listed()
+        pin_count = self._pin_count_at
+        done: list[int] = []  # slots whose last pin drops, in the order first pinned
+        drops = zip(listed, repeat(1)) if pins.distinct else Counter(listed).items()
+        for slot, drop in drops:
+            left = pin_count[slot] - drop
+            pin_count[slot] = left
+            if not left:
+                done.append(slot)
+        pins.total -= len(listed)
+        self._unpinned_small_locked(done)
+        return len(listed)
+
+    def _unpin_keys_small(self, owner: Hashable, pins: _Pins, slots: Sequence[int]) -> int:
+        counts = pins.counts()
+        # slot -> pins dropped, ordered by each slot's last drop (as in unpin_keys)
+        dropped: dict[int, int] = {}
+        for slot in slots:
+            held = counts.get(slot)
+            if not held:
+                continue
+            if held == 1:
+                del counts[slot]
+            else:
+                counts[slot] = held - 1
+            dropped[slot] = dropped.pop(slot, 0) + 1
+        self._turn.acquire()
+        self._turn.release()
+        with self._lock:
+            pin_count = self._pin_count_at
+            done: list[int] = []
+            released = 0
+            for listed_slot, drop in dropped.items():
+                slot = int(listed_slot)  # 1.0 or True may name slot 1, as in a dict
+                left = pin_count[slot] - drop
+                pin_count[slot] = left
+                released += drop
+                if not left:
+                    done.append(slot)
+            pins.total -= released
+            self._unpinned_small_locked(done)
+            if counts:
+                distinct = all(held == 1 for held in counts.values())
+                pins.chunks = [
+                    list(counts)
+                    if distinct
+                    else [slot for slot, held in counts.items() for _ in range(held)]
+                ]
+                pins.distinct = distinct
+            else:
+                del self._pins[owner]
+        return released
+
+    def _unpinned_small_locked(self, done: list[int]) -> None:
+        """Slots whose last pin just dropped, in this order: an orphan is freed, any other
+        re-enters the LRU as most recently used."""
+        if not done:
+            return
+        self._pinned_slots -= len(done)
+        if self._n_orphans:
+            slot_key = self._slot_key
+            keyed = []
+            for slot in done:
+                if slot_key[slot] is None:
+                    self._n_orphans -= 1
+                    self._free_one_locked(slot)
+                else:
+                    keyed.append(slot)
+            done = keyed
+        self._lru.push_few(done)
+
+    def _reserve_small(self, owner: Hashable, n: int) -> list[int]:
+        self._serial.acquire()
+        try:
+            self._turn.acquire()
+            self._turn.release()
+            self._lock.acquire()
+            try:
+                self._check_room_locked(n, "reserve")
+                if not n:
+                    return []
+                out = self._allocate_few_locked(n)
+                holder = self._holder_locked(owner)
+                state, owners, oid = self._state_at, self._owner_at, holder.oid
+                for slot in out:
+                    state[slot] = _RESERVED
+                    owners[slot] = oid
+                holder.count += n
+                self._n_reserved += n
+                return out
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
+
+    def _allocate_few_locked(self, n: int) -> list[int]:
+        """:meth:`_allocate_locked` on the scalar path."""
+        top = self._n_free
+        k = min(n, top)
+        out: list[int] = self._free_at[top - k : top].tolist()
+        out.reverse()  # the stack pops its top first
+        self._n_free = top - k
+        if k == n:
+            return out
+        victims = self._lru.take_few(n - k)
+        if victims is None:  # many dead entries in the LRU log: NumPy reads them faster
+            self._n_free = top
+            listed: list[int] = self._allocate_locked(n).tolist()
+            return listed
+        unmap, slot_key = self._map.__delitem__, self._slot_key
+        for slot in victims:
+            unmap(slot_key[slot])
+            slot_key[slot] = None
+        self._evictions += n - k
+        return out + victims
+
+    def _slot_list(self, owner: Hashable, slots: Sequence[int]) -> list[int]:
+        """:meth:`_slot_array` as a list of ints, without NumPy when they are ints."""
+        n = self.num_blocks
+        for slot in slots:
+            if type(slot) is not int or not 0 <= slot < n:
+                listed: list[int] = self._slot_array(owner, slots).tolist()
+                return listed
+        return list(slots)
+
+    def _reserver_locked(self, owner: Hashable, slots: list[int]) -> _Holder | None:
+        """:meth:`_check_reserved_serial` for a list: ``owner``'s record (None only if
+        ``slots`` is empty), or ValueError for the first slot it does not reserve."""
+        holder = self._holders.get(owner)
+        oid = -1 if holder is None else holder.oid  # -1 matches no slot
+        owners = self._owner_at
+        for slot in slots:
+            if owners[slot] != oid:
+                raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
+        return holder
+
+    def _unhold_few_locked(self, holder: _Holder, slots: list[int]) -> None:
+        owners = self._owner_at
+        for slot in slots:
+            owners[slot] = 0
+        self._unheld_locked(holder, len(slots))
+
+    def _commit_small(self, owner: Hashable, slots: list[int], keys: list[bytes]) -> list[bool]:
+        if len(slots) > 1 and len(set(slots)) < len(slots):
+            raise ValueError("a slot is listed twice (a slot commits once)")
+        self._serial.acquire()
+        try:
+            self._turn.acquire()
+            self._turn.release()
+            self._lock.acquire()
+            try:
+                holder = self._reserver_locked(owner, slots)
+                if holder is None or not slots:
+                    return []
+                self._unhold_few_locked(holder, slots)
+                setdefault = self._map.setdefault
+                state, slot_key = self._state_at, self._slot_key
+                out: list[bool] = []
+                kept: list[int] = []
+                for slot, key in zip(slots, keys, strict=True):
+                    if setdefault(key, slot) == slot:  # the key was absent: publish
+                        slot_key[slot] = key
+                        state[slot] = _OCCUPIED
+                        kept.append(slot)
+                        out.append(True)
+                    else:
+                        self._free_one_locked(slot)
+                        out.append(False)
+                self._lru.push_few(kept)
+                return out
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
+
+    def _settle_small(self, owner: Hashable, slots: list[int], until: float | None) -> None:
+        self._serial.acquire()
+        try:
+            self._turn.acquire()
+            self._turn.release()
+            self._lock.acquire()
+            try:
+                holder = self._reserver_locked(owner, slots)
+                if holder is None or not slots:
+                    return
+                if len(slots) > 1:
+                    slots = list(dict.fromkeys(slots))  # duplicates are harmless
+                self._unhold_few_locked(holder, slots)
+                if until is None:
+                    for slot in slots:
+                        self._free_one_locked(slot)
+                    return
+                state, heap = self._state_at, self._deadlines
+                for slot in slots:
+                    state[slot] = _QUARANTINED
+                    heapq.heappush(heap, (until, slot))
+                self._quarantine.update(dict.fromkeys(slots, (until, holder.owner)))
+            finally:
+                self._lock.release()
+        finally:
+            self._serial.release()
+
     # ------------------------------------------------------------------ internals
 
     def _check_room_locked(self, n: int, op: str) -> None:
@@ -758,19 +1064,24 @@ class BlockStore:
     def _allocate_one_locked(self) -> int:
         if self._n_free:
             self._n_free -= 1
-            return int(self._free[self._n_free])
+            return self._free_at[self._n_free]
         return int(self._allocate_locked(1)[0])
 
     def _hold_locked(self, owner: Hashable, slots: _Slots) -> None:
         """Free or just evicted slots -> RESERVED by ``owner``."""
-        holder = self._holders.get(owner)
-        if holder is None:
-            oid = self._spare_ids.pop() if self._spare_ids else self._new_id()
-            holder = self._holders[owner] = self._holder_ids[oid] = _Holder(owner, oid)
+        holder = self._holder_locked(owner)
         self._state[slots] = _RESERVED
         self._owner[slots] = holder.oid
         holder.count += len(slots)
         self._n_reserved += len(slots)
+
+    def _holder_locked(self, owner: Hashable) -> _Holder:
+        """``owner``'s record, made (with a free id) if it holds no reservation yet."""
+        holder = self._holders.get(owner)
+        if holder is None:
+            oid = self._spare_ids.pop() if self._spare_ids else self._new_id()
+            holder = self._holders[owner] = self._holder_ids[oid] = _Holder(owner, oid)
+        return holder
 
     def _new_id(self) -> int:
         oid = self._next_id
@@ -783,15 +1094,19 @@ class BlockStore:
         reservation, so ids are reused: hence every call that settles slots over several
         batches stops once the owner holds none."""
         self._owner[slots] = 0
-        holder.count -= len(slots)
-        self._n_reserved -= len(slots)
+        self._unheld_locked(holder, len(slots))
+
+    def _unheld_locked(self, holder: _Holder, n: int) -> None:
+        """The counts of :meth:`_unhold_locked`, once its ``n`` slots' ids are cleared."""
+        holder.count -= n
+        self._n_reserved -= n
         if not holder.count and holder.owner is not _HOST_PUT:
             del self._holders[holder.owner]
             del self._holder_ids[holder.oid]
             self._spare_ids.append(holder.oid)
 
     def _end_host_put_locked(self, slot: int) -> None:
-        self._owner[slot] = 0
+        self._owner_at[slot] = 0
         self._holders[_HOST_PUT].count -= 1  # the host's record is permanent
         self._n_reserved -= 1
 
@@ -831,6 +1146,9 @@ class BlockStore:
 
     def _settle(self, owner: Hashable, slots: Sequence[int], until: float | None) -> None:
         """Reserved -> FREE (``until`` None) or QUARANTINED; duplicates are harmless."""
+        if len(slots) <= self._small_keys:
+            self._settle_small(owner, self._slot_list(owner, slots), until)
+            return
         arr = self._slot_array(owner, slots)
         step = self.batch_keys
         with _Serial(self):
@@ -884,7 +1202,7 @@ class BlockStore:
     def _publish_locked(self, slot: int, key: bytes) -> None:
         old = self._map.get(key)
         if old is not None:
-            if self._pin_count[old]:
+            if self._pin_count_at[old]:
                 self._slot_key[old] = None  # orphan: freed when its last pin drops
                 self._n_orphans += 1
             else:
@@ -892,13 +1210,13 @@ class BlockStore:
                 self._free_one_locked(old)
         self._map[key] = slot
         self._slot_key[slot] = key
-        self._state[slot] = _OCCUPIED
+        self._state_at[slot] = _OCCUPIED
         self._lru.push_one(slot)
 
     def _free_one_locked(self, slot: int) -> None:
-        self._state[slot] = _FREE
+        self._state_at[slot] = _FREE
         self._slot_key[slot] = None
-        self._free[self._n_free] = slot
+        self._free_at[self._n_free] = slot
         self._n_free += 1
 
     def _free_many_locked(self, slots: _Slots) -> None:
@@ -955,10 +1273,22 @@ class BlockStore:
         in the order they were first pinned). The slots are read once, outside ``_lock``:
         only engine-side calls change them, and ``_serial`` excludes those. The owner's
         total drops batch by batch (so ``pins_of`` is exact); its entry goes with the last
-        batch."""
+        batch. The caller holds ``_serial``; up to ``_small_keys`` pins take the scalar
+        path, more start the call's GIL-offer clock here."""
         pins = self._pins.get(owner)
         if pins is None:
             return 0
+        if pins.total <= self._small_keys:
+            self._turn.acquire()
+            self._turn.release()
+            self._lock.acquire()
+            try:
+                released = self._drop_all_small_locked(pins)
+                del self._pins[owner]
+                return released
+            finally:
+                self._lock.release()
+        self._offered_at = _clock()
         drops: _Slots | None = None
         if pins.distinct:
             slots = pins.slots()
@@ -1091,8 +1421,11 @@ class _Lru:
         "next_seq",
         "r",
         "seq_of",
+        "seq_of_at",
         "seqs",
+        "seqs_at",
         "slots",
+        "slots_at",
         "step",
         "tail",
         "w",
@@ -1103,6 +1436,10 @@ class _Lru:
         self.seq_of = np.full(num_blocks, -1, dtype=np.int64)  # per slot; -1: not evictable
         self.slots = np.empty(size, dtype=np.int32)
         self.seqs = np.empty(size, dtype=np.int64)
+        # memoryviews of the three, for the scalar path (BlockStore._state_at and so on)
+        self.seq_of_at = self.seq_of.data
+        self.slots_at = self.slots.data
+        self.seqs_at = self.seqs.data
         self.head = self.w = self.r = self.tail = 0
         self.next_seq = 0
         self.count = 0  # live entries: evictable slots
@@ -1127,16 +1464,35 @@ class _Lru:
         if self.tail == len(self.slots):
             self._grow(1)
         tail, seq = self.tail, self.next_seq
-        self.slots[tail] = slot
-        self.seqs[tail] = seq
-        self.seq_of[slot] = seq
+        self.slots_at[tail] = slot
+        self.seqs_at[tail] = seq
+        self.seq_of_at[slot] = seq
         self.tail, self.next_seq = tail + 1, seq + 1
         self.count += 1
-        self._compact_step()
+        if self.compacting or 2 * self.tail >= len(self.slots):
+            self._compact_step()
+
+    def push_few(self, slots: list[int]) -> None:
+        """:meth:`push` for the scalar path: one compaction step, as for one push."""
+        n = len(slots)
+        if self.tail + n > len(self.slots):
+            self._grow(n)
+        tail, seq = self.tail, self.next_seq
+        slots_at, seqs_at, seq_of_at = self.slots_at, self.seqs_at, self.seq_of_at
+        for slot in slots:
+            slots_at[tail] = slot
+            seqs_at[tail] = seq
+            seq_of_at[slot] = seq
+            tail += 1
+            seq += 1
+        self.tail, self.next_seq = tail, seq
+        self.count += n
+        if self.compacting or 2 * tail >= len(self.slots):
+            self._compact_step()
 
     def drop(self, slot: int) -> None:
         """An evictable slot leaves."""
-        self.seq_of[slot] = -1
+        self.seq_of_at[slot] = -1
         self.count -= 1
 
     def drop_many(self, slots: _Slots) -> None:
@@ -1166,6 +1522,33 @@ class _Lru:
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self.drop_many(out)
         return out
+
+    def take_few(self, n: int) -> list[int] | None:
+        """:meth:`take` on the scalar path, with the same result and the same log state
+        after it; or None, nothing taken, if more than ``n + 64`` entries would be read."""
+        slots_at, seqs_at, seq_of_at = self.slots_at, self.seqs_at, self.seq_of_at
+        budget = n + 64
+        out: list[int] = []
+        back = (False, self.r, self.tail)
+        parts = ((True, self.head, self.w), back) if self.head < self.w else (back,)
+        for in_front, lo, hi in parts:
+            for pos in range(lo, hi):
+                if not budget:
+                    return None
+                budget -= 1
+                slot = slots_at[pos]
+                if seq_of_at[slot] == seqs_at[pos]:
+                    out.append(slot)
+                    if len(out) == n:
+                        if in_front:
+                            self.head = pos + 1
+                        else:  # nothing is left in front: the gap closes behind what was read
+                            self.head = self.w = self.r = pos + 1
+                        for slot in out:
+                            seq_of_at[slot] = -1
+                        self.count -= n
+                        return out
+        raise RuntimeError(f"LRU log holds fewer than {n} live entries")
 
     def live(self) -> _Slots:
         """Test hook: the live entries' slots, least recently used first."""
@@ -1201,26 +1584,43 @@ class _Lru:
             new = np.empty(size, dtype=old.dtype)
             new[: self.tail] = old[: self.tail]
             setattr(self, name, new)
+            setattr(self, f"{name}_at", new.data)
 
 
 class _Pins:
     """One owner's pins: the slots each pin batch pinned, in pin order (a slot once per
-    pin). ``distinct`` while no slot is in them twice, so an unpin needs no counting."""
+    pin): an array from the array path, a list of ints from the scalar path; the two mix
+    freely. ``distinct`` while no slot is in them twice, so an unpin needs no counting."""
 
     __slots__ = ("chunks", "distinct", "total")
 
     def __init__(self) -> None:
-        self.chunks: list[_Slots] = []
+        self.chunks: list[_Slots | list[int]] = []
         self.distinct = True
         self.total = 0  # pins held: the chunks' length less what an unpin has dropped
 
     def slots(self) -> _Slots:
         chunks = self.chunks
-        return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)
+        if len(chunks) == 1:
+            chunk = chunks[0]
+            return np.array(chunk, dtype=np.int64) if isinstance(chunk, list) else chunk
+        out: _Slots = np.concatenate(chunks)
+        return out
+
+    def listed(self) -> list[int]:
+        """:meth:`slots` as a list (the caller must not change it)."""
+        chunks = self.chunks
+        if len(chunks) == 1 and isinstance(chunks[0], list):
+            return chunks[0]
+        out: list[int] = []
+        for chunk in chunks:
+            out += chunk if isinstance(chunk, list) else chunk.tolist()
+        return out
 
     def counts(self) -> dict[int, int]:
         """slot -> pins, in the order the slots were first pinned."""
-        return Counter(self.slots().tolist())
+        listed = self.listed()
+        return dict.fromkeys(listed, 1) if self.distinct else Counter(listed)
 
     def set_counts(self, counts: dict[int, int]) -> None:
         slots = np.fromiter(counts, np.int64, len(counts))

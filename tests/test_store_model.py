@@ -5,7 +5,10 @@ must agree: each call's answer or error type, the statistics, the key map in its
 every pin count, the quarantine, the region's bytes, and the order in which blocks will be
 evicted (which decides every later ``put`` and ``reserve``). Both stores' internal checks
 run after every step too. The vectorised store runs with several ``batch_keys`` and a tiny
-region, so that eviction, StoreFull, orphans and its LRU log's compaction come up often.
+region, so that eviction, StoreFull, orphans and its LRU log's compaction come up often,
+and with several thresholds for its scalar path, so that both paths and the switch
+between them are driven (``tests/test_store_paths.py`` holds the two paths to the same
+internal state).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from p2pkv.errors import P2PKVError
-from p2pkv.store import BlockStore
+from p2pkv.store import SMALL_KEYS, BlockStore
 
 from .store_reference import BlockStore as ReferenceStore
 
@@ -65,9 +68,13 @@ class AgainstReference(RuleBasedStateMachine):
         self.now = 0.0
         self.version = 0
 
-    @initialize(batch=st.sampled_from([1, 2, 3, 256]))
-    def open_stores(self, batch: int) -> None:
+    @initialize(batch=st.sampled_from([1, 2, 3, 256]), small=st.sampled_from([0, 2, 3, SMALL_KEYS]))
+    def open_stores(self, batch: int, small: int) -> None:
+        """``small``: the most keys a call may have to take the scalar path (0: never; the
+        calls here have up to 6, so the thresholds 2 and 3 put calls of one less, equal and
+        one more on both sides of the switch, on the same owners and slots)."""
         self.new = BlockStore(N, L, batch_keys=batch)
+        self.new._small_keys = min(small, batch)
 
     def both(self, name: str, *args: Any, **kwargs: Any) -> Any:
         got = outcome(lambda: getattr(self.new, name)(*args, **kwargs))
