@@ -546,7 +546,12 @@ def run(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in BENCHES if not args.only or b.name in args.only.split(",")]
     info["load_before"] = os.getloadavg()
+    # A run of some benches keeps the skip reasons of the others (their results stay too).
     skipped: Json = {}
+    kept = folder / "_skipped.json"
+    if kept.exists():
+        names = {b.name for b in chosen}
+        skipped = {k: v for k, v in json.loads(kept.read_text()).items() if k not in names}
     failed = 0
     for bench in chosen:
         out = folder / f"{bench.name}.json"

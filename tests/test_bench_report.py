@@ -136,3 +136,19 @@ def test_store_ops_table_reads_thread_cpu_and_the_scale(report: Any) -> None:
     assert "| cycle | 1000 [999-1001] | 500 [499-501] |" in out
     assert "256 keys: 0.80, 4,096 keys: 0.50" in out
     assert "opens in 3.7 ms" in out and "65 B" in out and "137 B full" in out
+
+
+def test_a_run_of_some_benches_keeps_the_skip_reasons_of_the_others(
+    report: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run --only`` rewrites ``_skipped.json``: a bench it did not run keeps its reason
+    (the GPU machine's "vLLM cannot be carried" must survive a re-run of one bench)."""
+    write_machine(report, "m", {})
+    (report.RESULTS / "m" / "_skipped.json").write_text(
+        json.dumps({"vllm_tier": "cannot be carried", "gpu": "stale reason"})
+    )
+    monkeypatch.setattr(report, "missing", lambda bench: "no CUDA device")
+    args = report.argparse.Namespace(only="gpu", machine="m", quick=True)
+    assert report.run(args) == 0
+    skipped = json.loads((report.RESULTS / "m" / "_skipped.json").read_text())
+    assert skipped == {"vllm_tier": "cannot be carried", "gpu": "no CUDA device"}
