@@ -677,3 +677,29 @@ def test_missing_nixl_is_a_clear_transport_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_nixl_agent, "_CANDIDATES", ("p2pkv_no_such_nixl._api",))
     with pytest.raises(TransportError, match="NIXL is not installed"):
         _nixl_agent.load_nixl()
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "match"),
+    [
+        ([0, 1.0], [0, 1], "local slots must be integers"),
+        ([0, 1], [0, "1"], "remote slots must be integers"),
+        ([0, 32], [0, 1], "local slot out of range"),
+        ([0, 1], [-1, 1], "remote slot out of range"),
+        ((0, 1), (2**63, 1), "remote slots must be integers"),
+    ],
+)
+def test_a_post_of_slots_that_are_not_ints_in_range_is_refused_and_posts_nothing(
+    make: MakeTransport, local: Any, remote: Any, match: str
+) -> None:
+    """Slot lists are converted strictly (a float is never truncated to a slot), then
+    bounded; a refused post leaves no handle, and the transport still writes."""
+    src_array, src_layout = region(32)
+    dst_array, dst_layout = region(32)
+    src = make("t-bad-src", src_array, src_layout)
+    dst = make("t-bad-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t-bad-dst", dst.metadata(), dst_layout)
+    with pytest.raises(TransportError, match=match):
+        src.post_write(peer, local, remote)
+    assert src.statistics().live_handles == 0
+    write_and_check(src, src_array, peer, dst, dst_array)

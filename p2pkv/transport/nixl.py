@@ -57,6 +57,7 @@ against both regions. With K = 1 nothing changes: prepared dlists, NIXL merging.
 from __future__ import annotations
 
 import logging
+import struct
 import sys
 import threading
 import weakref
@@ -172,9 +173,21 @@ def _layout_problem(layout: RegionLayout, ours: RegionLayout | None) -> str | No
 
 
 def _indices(slots: Sequence[int], num_blocks: int, side: str) -> npt.NDArray[np.int64]:
+    if type(slots) is list or type(slots) is tuple:
+        # The usual case (the producer's plan): packed by struct, 3-4x faster than NumPy's
+        # conversion of a list, and strict (only what has __index__: no float, no str).
+        try:
+            packed = struct.pack(f"{len(slots)}q", *slots)
+        except (struct.error, TypeError):
+            raise TransportError(f"{side} slots must be integers", op="post_write") from None
+        return _in_range(np.frombuffer(packed, dtype=np.int64), num_blocks, side)
     array = np.asarray(slots, dtype=np.int64)
     if array.ndim != 1:
         raise TransportError(f"{side} slots must be a flat sequence", op="post_write")
+    return _in_range(array, num_blocks, side)
+
+
+def _in_range(array: npt.NDArray[np.int64], num_blocks: int, side: str) -> npt.NDArray[np.int64]:
     if array.size and (int(array.min()) < 0 or int(array.max()) >= num_blocks):
         raise TransportError(f"{side} slot out of range 0..{num_blocks - 1}", op="post_write")
     return array
@@ -470,7 +483,10 @@ class NixlTransport(DataTransport):
             )
         shared = st.enter_or_raise("post_write", peer.agent_name)
         try:
-            handle = TransferHandle(peer, tuple(local.tolist()), tuple(remote.tolist()))
+            if type(local_slots) is list and type(remote_slots) is list:  # ints (checked)
+                handle = TransferHandle(peer, tuple(local_slots), tuple(remote_slots))
+            else:
+                handle = TransferHandle(peer, tuple(local.tolist()), tuple(remote.tolist()))
             ordered_local, ordered_remote = run_order(local, remote)
             native = self._post(shared, peer, reg, ordered_local, ordered_remote)
             handle.native = native
