@@ -64,7 +64,7 @@ import numpy.typing as npt
 
 from .errors import TransportError
 from .region import region_memory
-from .transport._nixl_agent import block_descs, load_nixl
+from .transport._nixl_agent import block_descs, load_nixl, resolve_parallelism
 
 __all__ = [
     "LoopbackAgent",
@@ -91,21 +91,9 @@ Slots = npt.NDArray[np.int32]
 
 def resolve_lanes(requested: int | None = None) -> int:
     """L, the number of loopback agents copying one staging copy (see the module doc)."""
-    if requested is None:
-        text = os.environ.get(STAGING_LANES_ENV, "").strip()
-        if text:
-            try:
-                requested = int(text)
-            except ValueError:
-                raise TransportError(
-                    f"{STAGING_LANES_ENV}={text!r} is not a number", op="stage"
-                ) from None
-    if requested is None:
-        cores = len(os.sched_getaffinity(0))
-        return max(1, min(MAX_AUTO_LANES, cores // CORES_PER_LANE))
-    if requested < 1:
-        raise TransportError(f"staging lanes must be >= 1, got {requested}", op="stage")
-    return requested
+    return resolve_parallelism(
+        requested, STAGING_LANES_ENV, CORES_PER_LANE, MAX_AUTO_LANES, "staging lanes", "stage"
+    )
 
 
 def lane_parts(count: int, lanes: int, min_per_lane: int = MIN_DESCS_PER_LANE) -> list[slice]:

@@ -530,18 +530,7 @@ class BlockStore:
             counts = pins.counts()  # only engine-side calls change them: read outside _lock
             for _ in range(0, len(slots), step):
                 with _Batch(self):
-                    # slot -> pins dropped, ordered by each slot's last drop (when its
-                    # count can reach 0, i.e. when it re-enters the LRU)
-                    dropped: dict[int, int] = {}
-                    for slot in islice(it, step):
-                        held = counts.get(slot)
-                        if not held:
-                            continue
-                        if held == 1:
-                            del counts[slot]
-                        else:
-                            counts[slot] = held - 1
-                        dropped[slot] = dropped.pop(slot, 0) + 1
+                    dropped = _take_pins(counts, islice(it, step))
                     if dropped:
                         n = len(dropped)
                         released += self._drop_pins_locked(
@@ -846,17 +835,7 @@ class BlockStore:
 
     def _unpin_keys_small(self, owner: Hashable, pins: _Pins, slots: Sequence[int]) -> int:
         counts = pins.counts()
-        # slot -> pins dropped, ordered by each slot's last drop (as in unpin_keys)
-        dropped: dict[int, int] = {}
-        for slot in slots:
-            held = counts.get(slot)
-            if not held:
-                continue
-            if held == 1:
-                del counts[slot]
-            else:
-                counts[slot] = held - 1
-            dropped[slot] = dropped.pop(slot, 0) + 1
+        dropped = _take_pins(counts, slots)
         self._turn.acquire()
         self._turn.release()
         with self._lock:
@@ -1653,6 +1632,23 @@ def _int64s(values: Sequence[int]) -> _Slots:
         if n <= BATCH_KEYS:
             _PACKERS[n] = packer
     return np.frombuffer(packer.pack(*values), dtype=np.int64)
+
+
+def _take_pins(counts: dict[int, int], slots: Iterable[int]) -> dict[int, int]:
+    """Take one pin off ``counts`` per listed slot (slots it holds no pin on are skipped):
+    slot -> pins dropped, ordered by each slot's last drop (when its count can reach 0,
+    i.e. when it re-enters the LRU)."""
+    dropped: dict[int, int] = {}
+    for slot in slots:
+        held = counts.get(slot)
+        if not held:
+            continue
+        if held == 1:
+            del counts[slot]
+        else:
+            counts[slot] = held - 1
+        dropped[slot] = dropped.pop(slot, 0) + 1
+    return dropped
 
 
 def _check_key(key: object) -> None:

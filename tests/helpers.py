@@ -26,10 +26,11 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import pytest
 import trio
 import trio.lowlevel
 
-from p2pkv import Node, NodeConfig, open_node
+from p2pkv import Node, NodeConfig, open_node, staging
 from p2pkv.errors import RegistrationFailed, TransportError
 from p2pkv.session.protocol import ByeReceived, Event, LocalInfo, SessionProtocol
 from p2pkv.store import BlockStore
@@ -412,3 +413,17 @@ async def pair(
         open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
     ):
         yield src, dst
+
+
+def record_lane_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """From now on, each part a staging copy posts, as (lane name, blocks), in the order
+    the lanes post them (they post from several threads: ``list.append`` is atomic)."""
+    parts: list[tuple[str, int]] = []
+    write = staging._Lane.write
+
+    def counted(lane: Any, src: Any, s: Any, dst: Any, d: Any, deadline: float) -> None:
+        parts.append((lane.name, len(s)))
+        write(lane, src, s, dst, d, deadline)
+
+    monkeypatch.setattr(staging._Lane, "write", counted)
+    return parts

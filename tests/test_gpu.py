@@ -21,6 +21,7 @@ from p2pkv import NodeConfig, open_node, staging
 from p2pkv.errors import TransportError
 from p2pkv.node import Node
 
+from .helpers import record_lane_parts
 from .node_proc import (
     ROOT,
     Children,
@@ -168,14 +169,7 @@ async def test_staging_split_over_lanes_is_byte_exact_both_ways_and_fails_as_a_w
     cuda: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(staging.STAGING_LANES_ENV, "3")
-    parts: list[tuple[str, int]] = []
-    write = staging._Lane.write
-
-    def counted(lane: Any, src: Any, s: Any, dst: Any, d: Any, deadline: float) -> None:
-        parts.append((lane.name, len(s)))
-        write(lane, src, s, dst, d, deadline)
-
-    monkeypatch.setattr(staging._Lane, "write", counted)
+    parts = record_lane_parts(monkeypatch)
     n = 101  # three parts of 34, 34, 33
     rng = np.random.default_rng(11)
     host_src = rng.integers(0, 256, n * BLOCK, dtype=np.uint8)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
+from p2pkv import staging
 from p2pkv.errors import TransportError
 from p2pkv.transport import _nixl_agent
 from p2pkv.transport._nixl_agent import resolve_copy_threads
@@ -32,27 +33,34 @@ BLOCK = 64 * 1024
 Region = np.ndarray[tuple[int], np.dtype[np.uint8]]
 
 
-def test_copy_threads_come_from_the_argument_then_the_environment_then_the_cores(
+@pytest.mark.parametrize(
+    ("resolve", "env", "by_cores"),
+    [
+        (resolve_copy_threads, _nixl_agent.COPY_THREADS_ENV, {16: 8, 4: 2, 2: 1, 128: 8}),
+        (staging.resolve_lanes, staging.STAGING_LANES_ENV, {2: 1, 16: 4, 128: 4}),
+    ],
+    ids=["copy threads", "staging lanes"],
+)
+def test_worker_counts_come_from_the_argument_then_the_environment_then_the_cores(
     monkeypatch: pytest.MonkeyPatch,
+    resolve: Callable[..., int],
+    env: str,
+    by_cores: dict[int, int],
 ) -> None:
-    monkeypatch.delenv(_nixl_agent.COPY_THREADS_ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert resolve_copy_threads() == 8
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)))
-    assert resolve_copy_threads() == 2
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert resolve_copy_threads() == 1  # a 2-core box copies in the posting thread
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
-    assert resolve_copy_threads() == _nixl_agent.MAX_AUTO_COPY_THREADS
-    monkeypatch.setenv(_nixl_agent.COPY_THREADS_ENV, "3")
-    assert resolve_copy_threads() == 3
-    assert resolve_copy_threads(2) == 2
+    """A 2-core box copies in the posting thread and stages through one loopback agent."""
+    monkeypatch.delenv(env, raising=False)
+    for cores, expected in by_cores.items():
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert resolve() == expected, cores
+    monkeypatch.setenv(env, "3")
+    assert resolve() == 3
+    assert resolve(2) == 2
     for bad in ("0", "two"):
-        monkeypatch.setenv(_nixl_agent.COPY_THREADS_ENV, bad)
+        monkeypatch.setenv(env, bad)
         with pytest.raises(TransportError):
-            resolve_copy_threads()
+            resolve()
     with pytest.raises(TransportError):
-        resolve_copy_threads(0)
+        resolve(0)
 
 
 def test_node_config_takes_copy_threads_or_none() -> None:

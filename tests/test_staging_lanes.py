@@ -8,7 +8,6 @@ checked here exhaustively; one test runs a real split copy over host memory thro
 from __future__ import annotations
 
 import importlib.util
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,7 +18,9 @@ import pytest
 
 from p2pkv import staging
 from p2pkv.errors import TransportError
-from p2pkv.staging import lane_parts, resolve_lanes, run_parts
+from p2pkv.staging import lane_parts, run_parts
+
+from .helpers import record_lane_parts
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 BLOCK = 4096
@@ -42,27 +43,6 @@ def test_lane_parts_cover_every_pair_once_in_order_with_even_sizes() -> None:
     for bad in ((-1, 2, 1), (4, 0, 1), (4, 2, 0)):
         with pytest.raises(ValueError):
             lane_parts(*bad)
-
-
-def test_lanes_come_from_the_argument_then_the_environment_then_the_cores(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv(staging.STAGING_LANES_ENV, raising=False)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert resolve_lanes() == 1  # a 2-core box: one loopback agent, no lane thread
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert resolve_lanes() == 4
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)))
-    assert resolve_lanes() == staging.MAX_AUTO_LANES
-    monkeypatch.setenv(staging.STAGING_LANES_ENV, "3")
-    assert resolve_lanes() == 3
-    assert resolve_lanes(2) == 2
-    for bad in ("0", "two"):
-        monkeypatch.setenv(staging.STAGING_LANES_ENV, bad)
-        with pytest.raises(TransportError):
-            resolve_lanes()
-    with pytest.raises(TransportError):
-        resolve_lanes(0)
 
 
 class _GatedFuture(Future[None]):
@@ -147,14 +127,7 @@ def test_host_copy_split_over_three_lanes_is_byte_exact_and_fails_as_a_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(staging.STAGING_LANES_ENV, "3")
-    parts: list[tuple[str, int]] = []
-    write = staging._Lane.write
-
-    def counted(lane: Any, src: Any, s: Any, dst: Any, d: Any, deadline: float) -> None:
-        parts.append((lane.name, len(s)))
-        write(lane, src, s, dst, d, deadline)
-
-    monkeypatch.setattr(staging._Lane, "write", counted)
+    parts = record_lane_parts(monkeypatch)
     n = 101  # three parts of 34, 34, 33
     rng = np.random.default_rng(3)
     a = rng.integers(0, 256, n * BLOCK, dtype=np.uint8)

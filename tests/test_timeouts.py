@@ -97,20 +97,26 @@ async def test_a_silent_client_is_dropped_after_the_handshake_deadline(
                 await trio.sleep(0.01)
 
 
+async def lookup_times_out_and_aborts(a: Node, peer: Peer, raw: RawPeer, seconds: float) -> None:
+    """A lookup at the silent ``raw`` raises at its deadline, ``seconds`` from now, and
+    ``raw`` sees the lookup, then its abort."""
+    start = trio.current_time()
+    with pytest.raises(P2PKVTimeout, match="lookup"):
+        await a.lookup(peer, [b"k" * 32])
+    assert trio.current_time() - start == pytest.approx(seconds, abs=0.1)
+    ev = await raw.next_event()
+    assert isinstance(ev, LookupRequested)
+    ev2 = await raw.next_event()
+    assert isinstance(ev2, AbortRequested) and ev2.req_id == ev.req_id
+
+
 async def test_lookup_deadline_raises_and_aborts_the_round(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with node("a", lookup_timeout=3.0) as a:
         raw = RawPeer()
         async with raw_server(raw, a) as peer:
-            start = trio.current_time()
-            with pytest.raises(P2PKVTimeout, match="lookup"):
-                await a.lookup(peer, [b"k" * 32])
-            assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)
-            ev = await raw.next_event()
-            assert isinstance(ev, LookupRequested)
-            ev2 = await raw.next_event()
-            assert isinstance(ev2, AbortRequested) and ev2.req_id == ev.req_id
+            await lookup_times_out_and_aborts(a, peer, raw, 3.0)
         await raw.aclose()
 
 
@@ -134,14 +140,7 @@ async def test_a_lookup_times_out_at_its_own_deadline_while_the_timer_waits_for_
                 held = await a.lookup_round(peer, [b"h" * 32])
             assert held.hits == [True]
             await trio.sleep(1.0)  # the timer now sleeps until the held round's end
-            start = trio.current_time()
-            with pytest.raises(P2PKVTimeout, match="lookup"):
-                await a.lookup(peer, [b"k" * 32])
-            assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)
-            ev = await raw.next_event()
-            assert isinstance(ev, LookupRequested)
-            ev2 = await raw.next_event()
-            assert isinstance(ev2, AbortRequested) and ev2.req_id == ev.req_id
+            await lookup_times_out_and_aborts(a, peer, raw, 3.0)
         await raw.aclose()
 
 

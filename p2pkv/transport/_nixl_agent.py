@@ -164,23 +164,37 @@ def load_nixl() -> NixlBinding:
         )
 
 
-def resolve_copy_threads(requested: int | None = None) -> int:
-    """K, the number of threads copying one transfer (see ``COPY_THREADS_ENV``)."""
+def resolve_parallelism(
+    requested: int | None, env: str, cores_each: int, most: int, what: str, op: str
+) -> int:
+    """How many workers of a kind: ``requested``, else the ``env`` variable, else one per
+    ``cores_each`` cores this process may run on (at least 1, at most ``most``).
+    TransportError for a value that is not a number >= 1."""
     if requested is None:
-        text = os.environ.get(COPY_THREADS_ENV, "").strip()
+        text = os.environ.get(env, "").strip()
         if text:
             try:
                 requested = int(text)
             except ValueError:
-                raise TransportError(
-                    f"{COPY_THREADS_ENV}={text!r} is not a number", op="create"
-                ) from None
+                raise TransportError(f"{env}={text!r} is not a number", op=op) from None
     if requested is None:
         cores = len(os.sched_getaffinity(0))
-        return max(1, min(MAX_AUTO_COPY_THREADS, cores // CORES_PER_COPY_THREAD))
+        return max(1, min(most, cores // cores_each))
     if requested < 1:
-        raise TransportError(f"copy threads must be >= 1, got {requested}", op="create")
+        raise TransportError(f"{what} must be >= 1, got {requested}", op=op)
     return requested
+
+
+def resolve_copy_threads(requested: int | None = None) -> int:
+    """K, the number of threads copying one transfer (see ``COPY_THREADS_ENV``)."""
+    return resolve_parallelism(
+        requested,
+        COPY_THREADS_ENV,
+        CORES_PER_COPY_THREAD,
+        MAX_AUTO_COPY_THREADS,
+        "copy threads",
+        "create",
+    )
 
 
 def metadata_agent_name(metadata: bytes) -> str | None:
