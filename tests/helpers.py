@@ -427,3 +427,17 @@ def record_lane_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 
     monkeypatch.setattr(staging._Lane, "write", counted)
     return parts
+
+
+class FailingTransferAgent:
+    """FAKE: a (lane's) NIXL agent whose transfers all end in error; anything else goes to
+    the real agent."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def transfer(self, xfer: Any) -> str:
+        return "ERR"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)

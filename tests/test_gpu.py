@@ -21,7 +21,7 @@ from p2pkv import NodeConfig, open_node, staging
 from p2pkv.errors import TransportError
 from p2pkv.node import Node
 
-from .helpers import record_lane_parts
+from .helpers import FailingTransferAgent, record_lane_parts
 from .node_proc import (
     ROOT,
     Children,
@@ -194,7 +194,7 @@ async def test_staging_split_over_lanes_is_byte_exact_both_ways_and_fails_as_a_w
 
         broken = agent.lanes[2]
         real = broken.agent
-        broken.agent = _FailingTransfer(real)
+        broken.agent = FailingTransferAgent(real)
         try:
             with pytest.raises(TransportError, match="ERR"):
                 agent.copy(mid, at_gpu, dst, back)
@@ -207,19 +207,6 @@ async def test_staging_split_over_lanes_is_byte_exact_both_ways_and_fails_as_a_w
         for reg in (src, mid, dst):
             reg.release()
     assert not staging.loopback_agent_exists()
-
-
-class _FailingTransfer:
-    """A lane's NIXL agent whose transfers end in error (a failure in one part)."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def transfer(self, xfer: Any) -> str:
-        return "ERR"
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
 
 
 async def test_remote_gpu_block_reaches_host_memory_in_two_legs(

@@ -20,7 +20,7 @@ from p2pkv import staging
 from p2pkv.errors import TransportError
 from p2pkv.staging import lane_parts, run_parts
 
-from .helpers import record_lane_parts
+from .helpers import FailingTransferAgent, record_lane_parts
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 BLOCK = 4096
@@ -147,7 +147,7 @@ def test_host_copy_split_over_three_lanes_is_byte_exact_and_fails_as_a_whole(
 
         broken = agent.lanes[1]
         real = broken.agent
-        broken.agent = _FailingTransfer(real)
+        broken.agent = FailingTransferAgent(real)
         try:
             with pytest.raises(TransportError, match="ERR"):
                 agent.copy(dst, d, src, s)
@@ -176,16 +176,3 @@ def test_host_copy_split_over_three_lanes_is_byte_exact_and_fails_as_a_whole(
         dst.release()
     assert not staging.loopback_agent_exists()
     assert not any(t.name.startswith("p2pkv-staging") for t in threading.enumerate())
-
-
-class _FailingTransfer:
-    """A lane's NIXL agent whose transfers end in error (a failure in one part)."""
-
-    def __init__(self, agent: Any) -> None:
-        self._agent = agent
-
-    def transfer(self, xfer: Any) -> str:
-        return "ERR"
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
