@@ -5,8 +5,9 @@ nothing). Latency itself is measured by ``bench/control_plane.py``, never here."
 
 from __future__ import annotations
 
+import contextlib
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -231,6 +232,16 @@ async def test_keys_checked_before_a_new_hello_are_checked_again_before_they_are
             await raw.aclose()
 
 
+@contextlib.contextmanager
+def instrumented(instrument: trio.abc.Instrument) -> Iterator[None]:
+    """``instrument`` watches the run while the block runs."""
+    trio.lowlevel.add_instrument(instrument)
+    try:
+        yield
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+
+
 class Steps(trio.abc.Instrument):
     """Counts the scheduler steps of one task."""
 
@@ -261,13 +272,10 @@ async def test_a_flush_the_kernel_takes_at_once_does_not_yield_and_a_big_one_arr
             (session,) = dst._sessions
             assert isinstance(session, PeerSession)
             steps = Steps(trio.lowlevel.current_task())
-            trio.lowlevel.add_instrument(steps)
-            try:
+            with instrumented(steps):
                 session.proto.send_ping()
                 await session._flush()
                 assert steps.steps == 0 and not session.proto.has_data_to_send()
-            finally:
-                trio.lowlevel.remove_instrument(steps)
             assert isinstance(session.stream, trio.SocketStream)
             session.stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             for _ in range(3):
@@ -330,20 +338,14 @@ async def test_a_fetch_served_by_one_round_runs_in_the_callers_task_and_two_roun
             spawns = Spawns()
             consumer_tasks = ("_fetch_round", "_lookup_and_fetch")
             await dst.lookup(peer, keys[:3])
-            trio.lowlevel.add_instrument(spawns)
-            try:
+            with instrumented(spawns):
                 result = await dst.fetch(peer, keys[:3])
-            finally:
-                trio.lowlevel.remove_instrument(spawns)
             assert result.loaded == keys[:3] and not result.failed
             assert not [n for n in spawns.names if n.endswith(consumer_tasks)]
             spawns.names.clear()
             await dst.lookup(peer, keys[3:5])
-            trio.lowlevel.add_instrument(spawns)
-            try:
+            with instrumented(spawns):
                 result = await dst.fetch(peer, keys[3:])  # a round, and a key no round holds
-            finally:
-                trio.lowlevel.remove_instrument(spawns)
             assert result.loaded == keys[3:] and not result.failed
             assert sorted(
                 n.rsplit(".", 1)[-1] for n in spawns.names if n.endswith(consumer_tasks)

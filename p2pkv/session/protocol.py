@@ -817,16 +817,15 @@ class SessionProtocol:
         if len(slots) != len(keys):
             raise LocalProtocolError("fetch: keys and slots differ in length")
         slots = list(slots)
-        if checked:
-            pass
-        elif slots and not (
-            list(map(type, slots)).count(int) == len(slots)  # exactly int: bool is refused
-            and min(slots) >= 0
-            and max(slots) < self.local.num_blocks
-        ):
-            raise LocalProtocolError("fetch slot outside our region")
-        elif len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
-            raise LocalProtocolError("duplicate destination slot in one fetch")
+        if not checked:
+            if slots and not (
+                list(map(type, slots)).count(int) == len(slots)  # exactly int: no bool
+                and min(slots) >= 0
+                and max(slots) < self.local.num_blocks
+            ):
+                raise LocalProtocolError("fetch slot outside our region")
+            if len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
+                raise LocalProtocolError("duplicate destination slot in one fetch")
         # Keys and slots checked just above, within the wire's limits: no second validation.
         msg = trusted(Fetch, req_id=req_id, keys=list(keys), slots=slots)
         self._emit(msg)
