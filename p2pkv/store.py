@@ -635,6 +635,21 @@ class BlockStore:
         ordered.sort()
         if np.count_nonzero(ordered[1:] == ordered[:-1]):
             raise ValueError("a slot is listed twice (a slot commits once)")
+        return self._commit_array(owner, arr, keys)
+
+    def _commit_reserved(self, owner: Hashable, slots: list[int], keys: list[bytes]) -> None:
+        """:meth:`commit_many` for the engine's own landing: ``slots`` are what
+        :meth:`reserve` gave ``owner`` (distinct, so not sorted again to find a repeat) and
+        ``keys`` passed the session's key check (not walked again). That ``owner``
+        reserves every slot is still checked, all or nothing."""
+        if len(slots) != len(keys):
+            raise ValueError("slots and keys differ in length")
+        if len(slots) <= self._small_keys:
+            self._commit_small(owner, self._slot_list(owner, slots), keys)
+        else:
+            self._commit_array(owner, self._slot_array(owner, slots), keys)
+
+    def _commit_array(self, owner: Hashable, arr: _Slots, keys: list[bytes]) -> list[bool]:
         out: list[bool] = []
         step = self.batch_keys
         with _Serial(self):

@@ -39,27 +39,58 @@ def test_set_all_sets_exactly_the_listed_outcomes(n: int, picks: set[int], value
     assert got == want
 
 
+_HOW = ["loaded", "landed", "miss", "timeout", "undecided"]
+
+
 @given(
     st.lists(st.binary(min_size=1, max_size=4), unique=True, max_size=12).flatmap(
         lambda keys: st.tuples(
             st.just(keys),
-            st.lists(
-                st.sampled_from([None, "miss", "timeout"]), min_size=len(keys), max_size=len(keys)
-            ),
+            st.lists(st.sampled_from(_HOW), min_size=len(keys), max_size=len(keys)),
+            st.integers(1, 4),  # landed keys come in lists of up to this many
+            st.booleans(),  # decided in a claim's outcome first, then absorbed
         )
     )
 )
 def test_fetch_result_keeps_the_order_of_the_keys(
-    case: tuple[list[bytes], list[str | None]],
+    case: tuple[list[bytes], list[str], int, bool],
 ) -> None:
-    from p2pkv.session.consumer import _result
+    """Keys decided in the map (None or why not), keys landed as lists (no per-key
+    entry) and keys never decided ("cancelled") come out in the keys' order, each
+    loaded or failed as decided; settling the rest fails only the undecided ones."""
+    from p2pkv.session.consumer import _Outcome, _result
 
-    keys, whys = case
-    outcome = dict(zip(keys, whys, strict=True))
+    keys, hows, per_list, via_claim = case
+    outcome = _Outcome()
+    target = _Outcome() if via_claim else outcome
+    landed = [k for k, how in zip(keys, hows, strict=True) if how == "landed"]
+    for i in range(0, len(landed), per_list):
+        target.land(landed[i : i + per_list])
+    for k, how in zip(keys, hows, strict=True):
+        if how == "loaded":
+            target[k] = None
+        elif how in ("miss", "timeout"):
+            target[k] = how
+    if via_claim:
+        outcome.absorb(target)
+    want_loaded = [k for k, how in zip(keys, hows, strict=True) if how in ("loaded", "landed")]
+    want_failed = {
+        k: ("cancelled" if how == "undecided" else how)
+        for k, how in zip(keys, hows, strict=True)
+        if how not in ("loaded", "landed")
+    }
+    assert outcome.decided() == len(keys) - hows.count("undecided")
     result = _result(list(keys), outcome)
-    assert result.loaded == [k for k, why in zip(keys, whys, strict=True) if why is None]
-    assert result.failed == {k: why for k, why in outcome.items() if why is not None}
-    assert list(result.failed) == [k for k in keys if outcome[k] is not None]
+    assert result.loaded == want_loaded
+    assert result.failed == want_failed
+    assert list(result.failed) == [k for k in keys if k in want_failed]
+    outcome.settle_rest(list(keys), "gone")
+    assert outcome.decided() == len(keys)
+    settled = _result(list(keys), outcome)
+    assert settled.loaded == want_loaded
+    assert settled.failed == {
+        k: ("gone" if w == "cancelled" else w) for k, w in want_failed.items()
+    }
 
 
 def _store_with_history(ops: list[tuple[str, int]]) -> BlockStore:
@@ -139,3 +170,37 @@ async def test_the_producer_replies_before_it_unpins() -> None:
                 await trio.sleep(0.01)
             assert events == ["reply", "sent", "unpin"]
             assert src.statistics().pinned_slots == 0
+
+
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.sets(st.integers(0, 30), max_size=6), st.integers(0, 5)),
+        max_size=30,
+    )
+)
+def test_the_claim_index_always_names_the_claim_of_every_key_in_flight(
+    ops: list[tuple[bool, set[int], int]],
+) -> None:
+    """Fetches start (claiming keys no running fetch claims) and end in any order; the
+    index of claimed keys, built only once two run at once, always says exactly which
+    running fetch brings each key in, and is gone once none runs."""
+    import types
+
+    from p2pkv.session.consumer import ConsumerSide, _Claim
+
+    side: Any = types.SimpleNamespace(_claims=[], _claim_index=None)
+    running: list[_Claim] = []
+    for start, wanted, pick in ops:
+        claimed = ConsumerSide._claimed(side)
+        want = {k: c for c in running for k in c.keys}
+        assert (claimed is None) == (not running)
+        assert (claimed or {}) == want
+        if start:
+            claim = _Claim([bytes([k + 1]) for k in sorted(wanted) if bytes([k + 1]) not in want])
+            ConsumerSide._add_claim(side, claim)
+            running.append(claim)
+        elif running:
+            claim = running.pop(pick % len(running))
+            ConsumerSide._drop_claim(side, claim)
+        if not running:  # the last one ended: the index goes with it
+            assert side._claim_index is None

@@ -806,13 +806,24 @@ def test_pinned_blocks_never_change_while_the_host_thread_puts() -> None:
         assert tag_of(bytes(store.get(key) or b"")) == i
 
 
-def test_commit_many_publishes_a_batch_and_keeps_existing_keys() -> None:
-    store = BlockStore(8, 16)
+# The engine lands its fetches through _commit_reserved: commit_many without the checks
+# of what the engine built itself (key types, repeated slots), but not of the reservation.
+_COMMITS = pytest.mark.parametrize("commit", ["commit_many", "_commit_reserved"])
+_PATHS = pytest.mark.parametrize("batch_keys", [256, 2])  # scalar path; array path
+
+
+@_COMMITS
+@_PATHS
+def test_commit_many_publishes_a_batch_and_keeps_existing_keys(
+    commit: str, batch_keys: int
+) -> None:
+    store = BlockStore(8, 16, batch_keys=batch_keys)
     store.put(b"old", b"o" * 16)
     slots = store.reserve("f", 3)
     for slot, fill_byte in zip(slots, b"abc", strict=True):
         store.array[slot * 16 : (slot + 1) * 16] = fill_byte
-    assert store.commit_many("f", slots, [b"k1", b"old", b"k3"]) == [True, False, True]
+    out = getattr(store, commit)("f", slots, [b"k1", b"old", b"k3"])
+    assert out == ([True, False, True] if commit == "commit_many" else None)
     assert bytes(store.get(b"k1") or b"") == b"a" * 16
     assert bytes(store.get(b"old") or b"") == b"o" * 16  # the existing block is kept
     assert bytes(store.get(b"k3") or b"") == b"c" * 16
@@ -820,12 +831,20 @@ def test_commit_many_publishes_a_batch_and_keeps_existing_keys() -> None:
     assert store.present([b"k1", b"nope", b"old"]) == [True, False, True]
 
 
-def test_commit_many_checks_every_reservation_before_changing_anything() -> None:
-    store = BlockStore(8, 16)
-    slots = store.reserve("f", 2)
-    with pytest.raises(ValueError):
-        store.commit_many("f", [slots[0], 7], [b"a", b"b"])
-    assert store.statistics().reserved == 2 and len(store) == 0
+@_COMMITS
+@_PATHS
+def test_commit_many_checks_every_reservation_before_changing_anything(
+    commit: str, batch_keys: int
+) -> None:
+    store = BlockStore(8, 16, batch_keys=batch_keys)
+    slots = store.reserve("f", 3)
+    other = store.reserve("g", 1)
+    before = snapshot(store)
+    for wrong in ([slots[0], slots[1], 7], [slots[0], slots[1], other[0]], slots[:2]):
+        with pytest.raises(ValueError):
+            getattr(store, commit)("f", wrong, [b"a", b"b", b"c"])
+        assert snapshot(store) == before
+    assert store.statistics().reserved == 4 and len(store) == 0
 
 
 @pytest.mark.parametrize("bad", [1.0, "1", None, b"\x01", -1, 8, 2**70])

@@ -167,12 +167,65 @@ class _Round:
         return self._set
 
 
+class _Outcome(dict[bytes, "str | None"]):
+    """What became of each key of a fetch: key -> None (loaded) or why not. Keys that
+    land together are kept as the list they landed in (:meth:`land`), so the usual fetch,
+    where every key lands, does no per-key work to say so. A key is decided once: it is
+    in the map or in a landed list, never both."""
+
+    __slots__ = ("_landed_set", "landed", "n_landed")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed: list[list[bytes]] = []
+        self.n_landed = 0
+        self._landed_set: set[bytes] | None = None
+
+    def land(self, keys: list[bytes]) -> None:
+        """``keys`` (none of them decided yet) were committed: loaded."""
+        self.landed.append(keys)
+        self.n_landed += len(keys)
+        self._landed_set = None
+
+    def absorb(self, other: _Outcome) -> None:
+        """Take over ``other``'s decisions (about keys this one has not decided)."""
+        self.update(other)
+        self.landed += other.landed
+        self.n_landed += other.n_landed
+        self._landed_set = None
+
+    def decided(self) -> int:
+        """How many keys are decided (each key counts once)."""
+        return len(self) + self.n_landed
+
+    def _landed(self) -> set[bytes]:
+        if self._landed_set is None:
+            self._landed_set = {k for ks in self.landed for k in ks}
+        return self._landed_set
+
+    def why(self, key: bytes) -> str | None:
+        """None if ``key`` loaded, else why not; "cancelled" if it was never decided."""
+        if key in self:
+            return self[key]
+        if self.n_landed and key in self._landed():
+            return None
+        return "cancelled"
+
+    def settle_rest(self, keys: list[bytes], reason: str) -> None:
+        """Each of ``keys`` not decided yet fails with ``reason``."""
+        landed = self._landed()
+        for k in keys:
+            if k not in self and k not in landed:
+                self[k] = reason
+
+
 @attrs.define(eq=False)
 class _Claim:
-    """The keys one fetch is bringing in: key -> None once committed, else why not."""
+    """The keys one fetch is bringing in, and what became of each."""
 
+    keys: list[bytes]
     done: trio.Event = attrs.field(factory=trio.Event)
-    outcome: dict[bytes, str | None] = attrs.field(factory=dict)
+    outcome: _Outcome = attrs.field(factory=_Outcome)
 
 
 class _StoreLanding:
@@ -190,7 +243,8 @@ class _StoreLanding:
         return self.store.reserve(self.owner(req), len(keys))
 
     def commit(self, req: int, slots: list[int], keys: list[bytes]) -> None:
-        self.store.commit_many(self.owner(req), slots, keys)
+        # The slots are this request's reservation; the keys passed _sendable's check.
+        self.store._commit_reserved(self.owner(req), slots, keys)
 
     def release(self, req: int, slots: list[int]) -> None:
         self.store.release_reserved(self.owner(req), slots)
@@ -232,7 +286,8 @@ class ConsumerSide(SessionParts):
         _requests: trio.Semaphore
         _pending: dict[int, _Pending]
         _rounds: dict[int, _Round]
-        _fetching: dict[bytes, _Claim]
+        _claims: list[_Claim]
+        _claim_index: dict[bytes, _Claim] | None
         _limits_cache: tuple[object, RequestLimits] | None
 
     # --- events from the peer -------------------------------------------------------------
@@ -484,45 +539,68 @@ class ConsumerSide(SessionParts):
             wanted = list(dict.fromkeys(keys))
         except TypeError:
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
-        outcome: dict[bytes, str | None] = {}
+        outcome = _Outcome()
         valid, lim = self._sendable(wanted, outcome)
         here = self.node.store.present(valid)
-        mine: list[bytes] = []
+        claimed = self._claimed()
+        mine: list[bytes] = valid  # the usual case: nothing here, nobody else fetching
         shared: dict[_Claim, list[bytes]] = {}
-        if not self._fetching and not any(here):
-            mine = valid  # the usual case: nothing here, nobody else fetching
-        else:
+        if claimed is not None or any(here):
+            mine = []
             for k, is_here in zip(valid, here, strict=True):
                 if is_here:
                     outcome[k] = None
-                elif (other := self._fetching.get(k)) is not None:
+                elif claimed is not None and (other := claimed.get(k)) is not None:
                     shared.setdefault(other, []).append(k)
                 else:
                     mine.append(k)
         # From here to the first checkpoint: claim the keys and the rounds.
-        claim = _Claim()
-        self._fetching.update(dict.fromkeys(mine, claim))
+        claim = _Claim(mine)
+        self._add_claim(claim)
         try:
             groups, uncovered = self._claim_rounds(mine, rounds)
             await self._fetch_all(groups, uncovered, claim.outcome, _StoreLanding(self), lim)
         finally:
-            if len(claim.outcome) < len(mine):  # its keys all come from mine
-                for k in mine:
-                    claim.outcome.setdefault(k, "cancelled")
-            fetching = self._fetching
-            if len(fetching) == len(mine):
-                fetching.clear()  # only this fetch's claims: every key of mine is in it
-            else:
-                for k in mine:
-                    if fetching.get(k) is claim:
-                        del fetching[k]
+            if claim.outcome.decided() < len(mine):  # its keys all come from mine
+                claim.outcome.settle_rest(mine, "cancelled")
+            self._drop_claim(claim)
             claim.done.set()
-        outcome.update(claim.outcome)
+        outcome.absorb(claim.outcome)
         for other, ks in shared.items():
             await other.done.wait()  # bounded: that fetch has its own deadlines
             for k in ks:
-                outcome[k] = other.outcome.get(k, "cancelled")
+                outcome[k] = other.outcome.why(k)
         return _result(wanted, outcome)
+
+    def _claimed(self) -> dict[bytes, _Claim] | None:
+        """Key -> the claim of the fetch bringing it in; None while no fetch is running.
+        The map is built when a fetch first starts beside another and kept up to date
+        until none runs: fetches one after another never build it."""
+        if not self._claims:
+            return None
+        if self._claim_index is None:
+            index: dict[bytes, _Claim] = {}
+            for c in self._claims:
+                index.update(dict.fromkeys(c.keys, c))
+            self._claim_index = index
+        return self._claim_index
+
+    def _add_claim(self, claim: _Claim) -> None:
+        self._claims.append(claim)
+        if self._claim_index is not None:
+            self._claim_index.update(dict.fromkeys(claim.keys, claim))
+
+    def _drop_claim(self, claim: _Claim) -> None:
+        self._claims.remove(claim)
+        index = self._claim_index
+        if index is None:
+            return
+        if not self._claims:
+            self._claim_index = None
+            return
+        for k in claim.keys:
+            if index.get(k) is claim:
+                del index[k]
 
     async def fetch_into(
         self,
@@ -571,7 +649,7 @@ class ConsumerSide(SessionParts):
                 peer=self.peer_id,
                 op="fetch",
             )
-        outcome: dict[bytes, str | None] = {}
+        outcome = _Outcome()
         valid, lim = self._sendable(keys, outcome)
         landing = _CallerSlots(dst)
         taken.update(dst_slots)
@@ -581,8 +659,8 @@ class ConsumerSide(SessionParts):
             try:
                 await self._fetch_all(groups, uncovered, outcome, landing, lim)
             finally:
-                for k in valid:
-                    outcome.setdefault(k, "cancelled")
+                if outcome.decided() < len(keys):  # keys are distinct, each decided once
+                    outcome.settle_rest(valid, "cancelled")
             # A write we gave up on may still land until the quarantine's end.
             await trio.sleep_until(landing.settle_at)
         finally:
@@ -593,7 +671,7 @@ class ConsumerSide(SessionParts):
         self,
         groups: dict[int, list[bytes]],
         uncovered: list[bytes],
-        outcome: dict[bytes, str | None],
+        outcome: _Outcome,
         landing: _Landing,
         lim: RequestLimits,
     ) -> None:
@@ -657,7 +735,7 @@ class ConsumerSide(SessionParts):
     async def _lookup_and_fetch(
         self,
         keys: list[bytes],
-        outcome: dict[bytes, str | None],
+        outcome: _Outcome,
         landing: _Landing,
         lim: RequestLimits,
     ) -> None:
@@ -678,7 +756,7 @@ class ConsumerSide(SessionParts):
         self,
         req: int,
         keys: list[bytes],
-        outcome: dict[bytes, str | None],
+        outcome: _Outcome,
         landing: _Landing,
         lim: RequestLimits,
     ) -> None:
@@ -735,7 +813,7 @@ class ConsumerSide(SessionParts):
         p: _Pending,
         landing: _Landing,
         keys: list[bytes],
-        outcome: dict[bytes, str | None],
+        outcome: _Outcome,
         reason: str,
     ) -> None:
         """The writes into ``p.slots`` are unsettled: quarantine them until the deadline
@@ -751,7 +829,7 @@ class ConsumerSide(SessionParts):
         landing: _Landing,
         keys: list[bytes],
         done: TransferCompleted,
-        outcome: dict[bytes, str | None],
+        outcome: _Outcome,
     ) -> None:
         """``transfer_done`` is in, so every write has settled: commit the good keys,
         free the other slots. If cancelled while checking, every slot is freed."""
@@ -760,7 +838,7 @@ class ConsumerSide(SessionParts):
         if not self.cfg.verify_checksums and outcomes.count(_OK) == len(keys):
             # The usual case: every key landed. No per-key work but the store's.
             landing.commit(req, p.slots, keys)
-            outcome.update(dict.fromkeys(keys))
+            outcome.land(keys)
             p.slots = []
             return
         ok = [i for i, o in enumerate(outcomes) if o == Outcome.OK]
@@ -798,18 +876,19 @@ class ConsumerSide(SessionParts):
                 o = done.outcomes[i]
                 outcome[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
         landing.commit(req, commit_slots, commit_keys)
-        outcome.update((k, None) for k in commit_keys)
+        outcome.land(commit_keys)
         landing.release(req, release)
         p.slots = []
 
 
-def _result(keys: list[bytes], outcome: dict[bytes, str | None]) -> FetchResult:
-    """``keys`` in order, each loaded or failed as ``outcome`` (which holds every key) says."""
-    if list(outcome.values()).count(None) == len(keys):
+def _result(keys: list[bytes], outcome: _Outcome) -> FetchResult:
+    """``keys`` (distinct) in order, each loaded or failed as ``outcome`` (which decided
+    every key) says."""
+    if outcome.decided() == len(keys) and list(outcome.values()).count(None) == len(outcome):
         return FetchResult(loaded=keys)  # the usual case: every key loaded
     result = FetchResult()
     for k in keys:
-        why = outcome[k]
+        why = outcome.why(k)
         if why is None:
             result.loaded.append(k)
         else:

@@ -138,7 +138,8 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
-        self._fetching: dict[bytes, _Claim] = {}  # keys a fetch of ours is bringing in
+        self._claims: list[_Claim] = []  # our fetches running: the keys each brings in
+        self._claim_index: dict[bytes, _Claim] | None = None  # see ConsumerSide._claimed
         self._limits_cache: tuple[object, RequestLimits] | None = None  # (hello, limits)
         self._pinned: dict[int, HeldRound] = {}  # producer round -> what it holds
         self._writes: dict[int, trio.CancelScope] = {}
@@ -400,6 +401,9 @@ class PeerSession(ProducerSide, ConsumerSide):
             except HandshakeRejected as exc:
                 log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
                 self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
+            # What the events queued goes out first: the peer waits for it, and nothing
+            # below is on its path.
+            await self._flush()
             if self.proto.frames_received != frames:  # bytes alone are not a sign of life
                 self._last_rx = trio.current_time()
                 self._rx.unpark_all()
@@ -411,7 +415,6 @@ class PeerSession(ProducerSide, ConsumerSide):
                     quiet.deadline < self._last_rx + self._quiet_after * 0.75
                 ):
                     quiet.deadline = self._last_rx + self._quiet_after
-            await self._flush()
 
     async def _handshake_deadline(self) -> None:
         with trio.move_on_after(self.cfg.handshake_timeout):
