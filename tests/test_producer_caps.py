@@ -268,9 +268,9 @@ async def test_a_big_lookup_is_pinned_in_slices_while_another_peer_is_answered(
     answered: list[str | None] = []  # whose lookup the node answered, in order
     real_answer = SessionProtocol.send_lookup_resp
 
-    def answer(self: SessionProtocol, *args: Any) -> None:
+    def answer(self: SessionProtocol, *args: Any, **kw: Any) -> None:
         answered.append(self.peer_id)
-        real_answer(self, *args)
+        real_answer(self, *args, **kw)
 
     monkeypatch.setattr(SessionProtocol, "send_lookup_resp", answer)
     async with open_node(config("src"), offload=inline_offload, transport=FaultFactory()) as src:

@@ -1342,3 +1342,68 @@ def test_hello_proof_covers_every_field() -> None:
     # Bound to the receiver's nonce of this connection and to the sender's role.
     assert hello_proof(b"k", h, b"o" * 16, dialer=True) != proof
     assert hello_proof(b"k", h, mine, dialer=False) != proof
+
+
+# --- the engine's checked answers --------------------------------------------------------
+
+
+def _writing_at_b_with(pair: ConnectionPair, keys: list[bytes]) -> int:
+    req = pair.lookup(keys, [True] * len(keys))
+    pair.a.send_fetch(req, keys, list(range(len(keys))))
+    pair.deliver(pair.a)
+    return req
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_checked_answers_put_the_same_frames_on_the_wire(checked: bool) -> None:
+    """The producer's own hit lists and outcome lists skip the type walk (``checked``);
+    the frames are byte for byte those of the checked-in-full path."""
+    frames = []
+    for skip in (False, checked):
+        pair = ready_pair()
+        req = pair.a.send_lookup([K1, K2, K3])
+        pair.deliver(pair.a)
+        pair.b.send_lookup_resp(req, [True, False, True], 0.0, 10.0, checked=skip)
+        resp = pair.b.data_to_send()
+        pair.feed(pair.a, resp)
+        pair.a.send_fetch(req, [K1, K3], [0, 1])
+        pair.deliver(pair.a)
+        pair.b.send_transfer_done(req, [OK, int(Outcome.NOT_PINNED)], checked=skip)
+        frames.append((resp, pair.b.data_to_send()))
+    assert frames[0] == frames[1]
+
+
+@pytest.mark.parametrize(
+    ("call", "bad"),
+    [
+        ("lookup_resp", [True, 1]),  # an int is not a bool
+        ("lookup_resp", [True]),  # one hit for two keys
+        ("lookup_resp", (True, False, True)),  # not a list: walked in full, then too long
+        ("transfer_done", [OK, True]),  # a bool is not a code
+        ("transfer_done", [OK]),  # one outcome for two keys
+        ("transfer_done", (OK, 99)),  # not a list: walked in full, 99 is no code
+    ],
+)
+def test_checked_answers_still_refuse_what_the_wire_would_not_carry(
+    call: str, bad: list[Any] | tuple[Any, ...]
+) -> None:
+    """``checked`` skips the type walk only for a list; the count is always checked, and
+    anything that is not a list is walked in full. What the unchecked path refuses as a
+    wrong count, the checked one refuses too; nothing is queued either way."""
+    pair = ready_pair()
+    if call == "lookup_resp":
+        req = pair.a.send_lookup([K1, K2])
+        pair.deliver(pair.a)
+        before = snapshot(pair.b)
+        send = functools.partial(pair.b.send_lookup_resp, req, bad, 0.0, 10.0)
+    else:
+        req = _writing_at_b_with(pair, [K1, K2])
+        before = snapshot(pair.b)
+        send = functools.partial(pair.b.send_transfer_done, req, bad)
+    with pytest.raises(LocalProtocolError):
+        send()
+    miscounted = len(bad) != 2
+    if miscounted or type(bad) is not list:
+        with pytest.raises(LocalProtocolError):
+            send(checked=True)
+    assert snapshot(pair.b) == before and pair.b.data_to_send() == b""

@@ -147,7 +147,7 @@ class ProducerSide(SessionParts):
                 # else the answer goes out first: the reader pauses after this event
         if self.proto.in_state(ev.req_id) is InState.ANSWERING:
             now = trio.current_time()
-            self.proto.send_lookup_resp(ev.req_id, hits, now, cfg.lease)
+            self.proto.send_lookup_resp(ev.req_id, hits, now, cfg.lease, checked=True)
             self._rearm_lease_timer(now + cfg.lease)
 
     def _release_round(self, req: int) -> None:
@@ -193,7 +193,8 @@ class ProducerSide(SessionParts):
         if state is InState.ABORTING:
             self.proto.send_abort_ack(req)
         elif state is InState.WRITING:
-            self.proto.send_transfer_done(req, outcomes, sums)
+            # Built here from Outcome codes, one per key of the fetch, and not kept.
+            self.proto.send_transfer_done(req, outcomes, sums, checked=True)
 
     def _quarantine_over(
         self, req: int, held: HeldRound, outcomes: list[int], sums: list[int] | None

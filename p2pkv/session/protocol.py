@@ -855,19 +855,30 @@ class SessionProtocol:
 
     # --- producer calls -------------------------------------------------------------------
 
-    def send_lookup_resp(self, req_id: int, hits: Sequence[bool], now: float, lease: float) -> None:
-        """Answer a lookup; the hits are pinned by the driver until the round ends."""
+    def send_lookup_resp(
+        self,
+        req_id: int,
+        hits: Sequence[bool],
+        now: float,
+        lease: float,
+        *,
+        checked: bool = False,
+    ) -> None:
+        """Answer a lookup; the hits are pinned by the driver until the round ends.
+        ``checked``: ``hits`` is a list of bools the caller built and gives away (not
+        copied, its types not walked again); its length is checked all the same."""
         self._require_open("send_lookup_resp")
         r = self._in.get(req_id)
         self._require(
             r is not None and r.state is InState.ANSWERING, f"send_lookup_resp for request {req_id}"
         )
         assert r is not None
-        hits = list(hits)
+        if not checked or type(hits) is not list:
+            hits = list(hits)
+            if list(map(type, hits)).count(bool) != len(hits):
+                raise LocalProtocolError("hits must be bools")
         if len(hits) != r.nkeys:
             raise LocalProtocolError("hit count differs from key count")
-        if list(map(type, hits)).count(bool) != len(hits):
-            raise LocalProtocolError("hits must be bools")
         # Checked just above (the request id is the peer's, already checked): the
         # message is built without running its validators again.
         msg = trusted(LookupResp, req_id=req_id, hits=hits)
@@ -890,9 +901,16 @@ class SessionProtocol:
         return done
 
     def send_transfer_done(
-        self, req_id: int, outcomes: Sequence[int], checksums: Sequence[int] | None = None
+        self,
+        req_id: int,
+        outcomes: Sequence[int],
+        checksums: Sequence[int] | None = None,
+        *,
+        checked: bool = False,
     ) -> None:
-        """Report a fetch's per-key outcomes: only once every write has settled."""
+        """Report a fetch's per-key outcomes: only once every write has settled.
+        ``checked``: ``outcomes`` is a list of Outcome codes (plain ints) the caller built
+        and gives away (not copied, not walked again); its length is checked all the same."""
         self._require_open("send_transfer_done")
         r = self._in.get(req_id)
         self._require(
@@ -903,9 +921,10 @@ class SessionProtocol:
             raise LocalProtocolError(
                 f"{len(outcomes)} outcomes for a fetch of {r.nfetch} keys", peer=self.peer_id
             )
-        outcomes = list(outcomes)
-        if not _OUTCOME_CODES.issuperset(outcomes) or bool in map(type, outcomes):
-            raise LocalProtocolError("outcomes must be Outcome codes", peer=self.peer_id)
+        if not checked or type(outcomes) is not list:
+            outcomes = list(outcomes)
+            if not _OUTCOME_CODES.issuperset(outcomes) or bool in map(type, outcomes):
+                raise LocalProtocolError("outcomes must be Outcome codes", peer=self.peer_id)
         if checksums is None:
             msg = trusted(TransferDone, req_id=req_id, outcomes=outcomes, checksums=None)
         else:  # the rare case: validated in full
