@@ -120,7 +120,7 @@ async def test_a_burst_over_a_turn_in_the_lane_is_drained_by_the_reader() -> Non
                 nonces = [raw.proto.send_ping() for _ in range(11)]
                 raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60.0)
                 await raw.flush()
-                pongs: list[int] = []
+                pongs = []
                 while len(pongs) < len(nonces):
                     pong = await raw.next_event()
                     assert isinstance(pong, PongReceived)
