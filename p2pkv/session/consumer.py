@@ -142,19 +142,10 @@ class _Pending:
     # While a task waits: when the lease timer ends its wait (``event`` set, with neither
     # ``result`` nor ``error``). Otherwise infinite.
     deadline: float = math.inf
-    # While its waiter reads the socket itself (PeerSession._ride_lane): that wait's scope.
-    lane: trio.CancelScope | None = None
 
     def arm(self) -> None:
         self.event = trio.Event()
         self.result = None
-
-    def wake(self) -> None:
-        """The wait is over (answer, error or deadline): wake the waiter, wherever it
-        waits (on the event, or on the socket in the lane)."""
-        self.event.set()
-        if self.lane is not None:
-            self.lane.cancel()
 
 
 @attrs.define(eq=False)
@@ -297,9 +288,6 @@ class ConsumerSide(SessionParts):
         _rounds: dict[int, _Round]
         _claims: list[_Claim]
         _claim_index: dict[bytes, _Claim] | None
-
-        async def _await_answer(self, p: _Pending) -> None: ...
-
         _limits_cache: tuple[object, RequestLimits] | None
 
     # --- events from the peer -------------------------------------------------------------
@@ -308,13 +296,13 @@ class ConsumerSide(SessionParts):
         p = self._pending.get(ev.req_id)
         if p is not None:
             p.result = ev
-            p.wake()
+            p.event.set()
 
     def _on_transfer_done(self, ev: TransferCompleted) -> None:
         p = self._pending.get(ev.req_id)
         if p is not None:
             p.result = ev
-            p.wake()
+            p.event.set()
         self._request_ended(ev.req_id)
 
     def _on_abort_ack(self, ev: AbortAcknowledged) -> None:
@@ -480,7 +468,7 @@ class ConsumerSide(SessionParts):
         p.deadline = trio.current_time() + seconds
         self._rearm_lease_timer(p.deadline)
         try:
-            await self._await_answer(p)
+            await p.event.wait()
         finally:
             p.deadline = math.inf
 

@@ -135,15 +135,6 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._send_lock = trio.StrictFIFOLock()
         self._send_broken = False
         self._raw: socket.socket | None = None  # a duplicate of a plain stream's socket
-        self._raw_closed = False
-        # The answer lane (see _await_answer): who reads the socket, and what it left.
-        self._lane: _Pending | None = None  # the request whose waiter reads it now
-        self._lane_free = trio.Event()  # set when that waiter gives the socket back
-        self._reader_wait: trio.CancelScope | None = None  # the reader waits in receive
-        self._reader_on_lane = False  # the reader waits for the lane to be free
-        self._undrained = False  # the lane stopped with events left for the reader
-        self._handoff: Any = None  # the event the lane took out but left to the reader
-        self.lane_rides = 0  # answers awaited in the lane (statistics, tests)
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
@@ -273,11 +264,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         try:
             await self._close_down()
         finally:
-            raw, self._raw = self._raw, None
-            self._raw_closed = True
-            if raw is not None:
-                trio.lowlevel.notify_closing(raw)  # a waiter in the lane, if any, wakes
-                raw.close()  # our duplicate of the descriptor, not the stream's
+            if self._raw is not None:
+                self._raw.close()  # our duplicate of the descriptor, not the stream's
+                self._raw = None
 
     async def _close_down(self) -> None:
         with trio.CancelScope(shield=True):
@@ -285,7 +274,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             for p in self._pending.values():
                 if p.error is None and p.result is None:
                     p.error = SessionClosed(reason, peer=self.peer_id)
-                p.wake()
+                p.event.set()
             for req in list(self._pinned):
                 self._release_round(req)
             for inc in [*self._retiring, self.incarnation]:
@@ -353,18 +342,6 @@ class PeerSession(ProducerSide, ConsumerSide):
         finally:
             lock.release()
 
-    def _raw_socket(self) -> socket.socket | None:
-        """Our non-blocking duplicate of a plain TCP stream's socket (made on first use,
-        closed with the session); None for TLS and any other kind of stream."""
-        raw = self._raw
-        if raw is None and not self._raw_closed:
-            stream = self.stream
-            if not isinstance(stream, trio.SocketStream) or stream.socket.fileno() < 0:
-                return None
-            raw = self._raw = socket.socket(fileno=os.dup(stream.socket.fileno()))
-            raw.setblocking(False)
-        return raw
-
     def _send_now(self, data: bytes) -> int:
         """Hand ``data`` to the kernel without a trip through the scheduler: bytes sent.
 
@@ -374,9 +351,12 @@ class PeerSession(ProducerSide, ConsumerSide):
         (kept until the session ends), and leave only what the kernel would not take to
         ``send_all``. The caller holds the send lock, so nothing interleaves. TLS streams
         (and any other kind) always go through ``send_all``."""
-        raw = self._raw_socket()
+        raw = self._raw
         if raw is None:
-            return 0
+            if not isinstance(self.stream, trio.SocketStream) or self.stream.socket.fileno() < 0:
+                return 0
+            raw = self._raw = socket.socket(fileno=os.dup(self.stream.socket.fileno()))
+            raw.setblocking(False)
         try:
             return raw.send(data)
         except BlockingIOError:
@@ -386,36 +366,15 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     async def _reader(self) -> None:
         """Bytes in, events out; at most one turn's work between yields (see
-        :mod:`p2pkv.session.turns`), so no peer's backlog delays the other sessions. While
-        a request's waiter reads the socket (:meth:`_await_answer`), the reader waits;
-        what that waiter left undone it does first."""
+        :mod:`p2pkv.session.turns`), so no peer's backlog delays the other sessions."""
         cfg = self.cfg
         turn = Turn(cfg.max_events_per_turn, cfg.max_keys_per_turn, self._flush)
         while True:
-            if self._lane is not None:
-                free = self._lane_free
-                self._reader_on_lane = True
-                try:
-                    await free.wait()
-                finally:
-                    self._reader_on_lane = False
-                continue
-            if self._undrained:
-                self._undrained = False
-                first, self._handoff = self._handoff, None
-                turn.fresh()  # waiting yielded
-                frames = self.proto.frames_received
-                await self._drain(turn, first)
-                await self._flush()
-                self._saw_frames(frames)
-                continue
             try:
-                data = await self._receive()
+                data = await self.stream.receive_some(RECEIVE_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._fail(exc, f"connection lost: {exc}", "transport")
                 return
-            if data is None:
-                continue  # a waiter took the lane (nothing was received)
             if not data:
                 self._fail(
                     SessionClosed("connection closed by peer", peer=self.peer_id),
@@ -426,197 +385,36 @@ class PeerSession(ProducerSide, ConsumerSide):
             turn.fresh()  # receiving yielded
             frames = self.proto.frames_received
             self.proto.receive_data(data)
-            await self._drain(turn)
+            try:
+                while (event := self.proto.next_event()) is not None:
+                    turn.charge(events=1)
+                    if isinstance(event, LookupRequested):
+                        await self._answer_lookup(event, turn)  # pins in slices
+                    else:
+                        if isinstance(event, FetchRequested):
+                            turn.charge(keys=len(event.keys))
+                        self._handlers[type(event)](event)
+                    await turn.pause_if_spent()
+            except RemoteProtocolError as exc:
+                log.warning("protocol error from %s: %s", self.peer_id, exc)
+                self._fail(exc, f"protocol error: {exc.message}")
+            except HandshakeRejected as exc:
+                log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
+                self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
             # What the events queued goes out first: the peer waits for it, and nothing
             # below is on its path.
             await self._flush()
-            self._saw_frames(frames)
-
-    async def _receive(self) -> bytes | bytearray | None:
-        """The reader's next bytes (empty at the end of the stream), after at least one
-        yield (a receive starts a fresh turn); None if a waiter took the lane meanwhile.
-
-        On a plain TCP stream it reads our duplicate of the socket, and waits for it to be
-        readable in :attr:`_reader_wait`, a scope nothing else runs in: a waiter that sees
-        the reader there, and nothing on the socket, may cancel the wait and read itself.
-        Anything else goes through the stream."""
-        raw = self._raw_socket()
-        if raw is None:
-            return await self.stream.receive_some(RECEIVE_SIZE)
-        await trio.lowlevel.checkpoint_if_cancelled()
-        waited = False
-        while True:
-            try:
-                data = raw.recv(RECEIVE_SIZE)
-            except BlockingIOError:
-                pass
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
-            else:
-                if not waited:  # bytes were there at once: yield all the same
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                return data
-            with trio.CancelScope() as wait:
-                self._reader_wait = wait
-                try:
-                    await trio.lowlevel.wait_readable(raw)
-                finally:
-                    self._reader_wait = None
-            if wait.cancelled_caught:
-                return None
-            waited = True
-
-    async def _drain(self, turn: Turn, first: Any = None) -> None:
-        """Handle ``first`` (if any), then every event the protocol has buffered."""
-        try:
-            event = first if first is not None else self.proto.next_event()
-            while event is not None:
-                turn.charge(events=1)
-                if isinstance(event, LookupRequested):
-                    await self._answer_lookup(event, turn)  # pins in slices
-                else:
-                    if isinstance(event, FetchRequested):
-                        turn.charge(keys=len(event.keys))
-                    self._handlers[type(event)](event)
-                await turn.pause_if_spent()
-                event = self.proto.next_event()
-        except RemoteProtocolError as exc:
-            log.warning("protocol error from %s: %s", self.peer_id, exc)
-            self._fail(exc, f"protocol error: {exc.message}")
-        except HandshakeRejected as exc:
-            log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
-            self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
-
-    def _saw_frames(self, before: int) -> None:
-        """Complete frames came in since the count was ``before``: the peer is alive."""
-        if self.proto.frames_received == before:
-            return  # bytes alone are not a sign of life
-        self._last_rx = trio.current_time()
-        self._rx.unpark_all()
-        # The keepalive need not look before the peer has been quiet this long. Its
-        # deadline moves only once it is within a quarter of that (moving one costs
-        # a few microseconds a frame): it may then wake early, once after a burst,
-        # find the peer was not quiet long enough, and sleep again.
-        if (quiet := self._quiet) is not None and (
-            quiet.deadline < self._last_rx + self._quiet_after * 0.75
-        ):
-            quiet.deadline = self._last_rx + self._quiet_after
-
-    # --- the answer lane ------------------------------------------------------------------
-
-    async def _await_answer(self, p: _Pending) -> None:
-        """Until ``p.event`` is set (answer, error, or its deadline by the lease timer).
-
-        Where it can, the waiting task reads the socket itself instead of waiting for the
-        reader to wake it: the answer then reaches it without a second trip through the
-        scheduler (a reader task waking another task cost ~30 us more than one task
-        reading its own answer on the GPU machine's idle cores; ``bench/control_plane.py``
-        and ``docs/design.md``, "The answer lane"). Only one task reads at a time, and
-        every frame is handled in the order it arrived, by whoever read it: the waiter
-        takes the socket only while the reader has handled everything it received, and
-        hands back (:attr:`_undrained`) at the first event it may not handle itself (a
-        peer's lookup, which pins and may yield) or after a turn's worth of events."""
-        if self._lane_open(p):
-            await self._ride_lane(p)
-        if not p.event.is_set():
-            await p.event.wait()
-
-    def _lane_open(self, p: _Pending) -> bool:
-        """Can ``p``'s waiter take the socket now? If so, it has it (the reader's wait is
-        cancelled; nothing it received is lost, since it received nothing)."""
-        raw = self._raw
-        if (
-            raw is None  # TLS: only the stream reads (and the first send is not out yet)
-            or self._lane is not None
-            or self._undrained
-            or p.event.is_set()
-            or not self.alive
-        ):
-            return False
-        wait = self._reader_wait
-        if wait is not None:
-            # The reader waits in receive. With nothing on the socket (not even an end of
-            # stream), no wake-up with data can be on its way to it: cancelling the wait
-            # loses nothing. Otherwise it reads what is there, and we wait as usual.
-            try:
-                raw.recv(1, socket.MSG_PEEK)
-            except BlockingIOError:
-                pass
-            except OSError:
-                return False
-            else:
-                return False
-            wait.cancel()
-        elif not self._reader_on_lane:
-            return False  # the reader is handling what it received: that comes first
-        self._lane = p
-        return True
-
-    async def _ride_lane(self, p: _Pending) -> None:
-        """Read and handle frames until ``p`` is answered (or woken otherwise), the
-        session ends or the reader must take over; then give the socket back."""
-        raw = self._raw
-        assert raw is not None
-        self.lane_rides += 1
-        try:
-            while not p.event.is_set() and not self._undrained and self.alive:
-                with trio.CancelScope() as lane:
-                    p.lane = lane  # p.wake() ends the wait
-                    try:
-                        await trio.lowlevel.wait_readable(raw)
-                    except trio.ClosedResourceError:
-                        return  # the session is closing: it fails p
-                    finally:
-                        p.lane = None
-                if lane.cancelled_caught:
-                    continue
-                try:
-                    data = raw.recv(RECEIVE_SIZE)
-                except BlockingIOError:
-                    continue
-                except OSError as exc:
-                    broken = trio.BrokenResourceError(f"receive failed: {exc}")
-                    self._fail(broken, f"connection lost: {broken}", "transport")
-                    return
-                if not data:
-                    self._fail(
-                        SessionClosed("connection closed by peer", peer=self.peer_id),
-                        "connection closed by peer",
-                        "transport",
-                    )
-                    return
-                self._take(data)
-        finally:
-            self._lane = None
-            free, self._lane_free = self._lane_free, trio.Event()
-            free.set()
-
-    def _take(self, data: bytes) -> None:
-        """What the lane received: the events the reader would handle without yielding,
-        up to a turn's worth; the first other one (a peer's lookup) and the rest are left
-        to the reader."""
-        frames = self.proto.frames_received
-        self.proto.receive_data(data)
-        try:
-            for _ in range(self.cfg.max_events_per_turn):
-                event = self.proto.next_event()
-                if event is None:
-                    break
-                if isinstance(event, LookupRequested):
-                    self._handoff, self._undrained = event, True
-                    break
-                self._handlers[type(event)](event)
-            else:
-                self._undrained = True  # a turn's worth: the reader drains the rest
-        except RemoteProtocolError as exc:
-            log.warning("protocol error from %s: %s", self.peer_id, exc)
-            self._fail(exc, f"protocol error: {exc.message}")
-        except HandshakeRejected as exc:
-            log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
-            self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
-        self._saw_frames(frames)
-        if self.proto.has_data_to_send():
-            self._flush_soon()
+            if self.proto.frames_received != frames:  # bytes alone are not a sign of life
+                self._last_rx = trio.current_time()
+                self._rx.unpark_all()
+                # The keepalive need not look before the peer has been quiet this long. Its
+                # deadline moves only once it is within a quarter of that (moving one costs
+                # a few microseconds a frame): it may then wake early, once after a burst,
+                # find the peer was not quiet long enough, and sleep again.
+                if (quiet := self._quiet) is not None and (
+                    quiet.deadline < self._last_rx + self._quiet_after * 0.75
+                ):
+                    quiet.deadline = self._last_rx + self._quiet_after
 
     async def _handshake_deadline(self) -> None:
         with trio.move_on_after(self.cfg.handshake_timeout):
@@ -694,7 +492,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             for p in self._pending.values():
                 if p.deadline <= now:
                     p.deadline = math.inf
-                    p.wake()
+                    p.event.set()
             await self._flush()
             deadlines = [r.deadline for r in self._rounds.values()]
             deadlines += [p.deadline for p in self._pending.values() if p.deadline < math.inf]
@@ -780,7 +578,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                 p = self._pending.get(req)
                 if p is not None:
                     p.error = SessionClosed("peer restarted", peer=self.peer_id)
-                    p.wake()
+                    p.event.set()
             self._rounds.clear()
             for req in ev.dropped_rounds:
                 scope = self._writes.get(req)
