@@ -138,6 +138,33 @@ def test_store_ops_table_reads_thread_cpu_and_the_scale(report: Any) -> None:
     assert "opens in 3.7 ms" in out and "65 B" in out and "137 B full" in out
 
 
+def test_python_cost_table_takes_each_cycles_own_copy_out(
+    report: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python per block is the pair's CPU minus its own post calls' CPU in the same rep;
+    the bare pair's difference stands beside it; results of code without the copy figure
+    show "n/a" there, never a number from the other method."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # report imports python_cost
+    ms = 1e-3  # CPU seconds of a 1,000-block cycle: 1 ms is 1 us per block
+    size = {
+        "p2pkv_cpu": [20 * ms, 21 * ms, 19 * ms],
+        "p2pkv_copy": [15 * ms, 16 * ms, 15 * ms],
+        "p2pkv_trio": [3 * ms, 4 * ms, 3 * ms],
+        "p2pkv_gc": [0.0, 0.0, 0.0],
+        "bare_cpu": [16 * ms, 14 * ms, 17 * ms],
+        "baseline_cpu": [22 * ms, 23 * ms, 21 * ms],
+        "baseline_trio": [5 * ms, 5 * ms, 5 * ms],
+        "baseline_gc": [0.0, 0.0, 0.0],
+    }
+    res = {"block_len": 65536, "reps": 3, "baseline": "/old", "sizes": {"1000": size}}
+    out = report.render_python_cost(res, "vm")
+    rows = [line for line in out.splitlines() if line.startswith("| 1,000")]
+    # p2pkv: python 5, 5, 4 -> 5 [4-5]; copy 15 [15-16]; total 20 [19-21];
+    # over bare 4, 7, 2 -> 4 [2-7]; Trio threads 3 [3-4].
+    assert rows[0] == "| 1,000 | p2pkv | 5 [4-5] | 15 [15-16] | 20 [19-21] | 4 [2-7] | 3 [3-4] |"
+    assert rows[1] == "| 1,000 | baseline | n/a | n/a | 22 [21-23] | 6 [4-9] | 5 [5-5] |"
+
+
 def test_a_run_of_some_benches_keeps_the_skip_reasons_of_the_others(
     report: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -149,6 +149,31 @@ def test_scattered_write_lands_byte_exact(make: MakeTransport) -> None:
     assert src.statistics().live_handles == 0
 
 
+def test_post_cpu_counts_the_posting_threads_time_in_transfer(make: MakeTransport) -> None:
+    """``post_cpu_s`` (what bench/python_cost.py takes out as the copy) grows with every
+    post the transport makes, by at most the posting thread's own CPU meanwhile, and a
+    transport that posts nothing reports none."""
+    src_array, src_layout = region(64, seed=5)
+    dst_array, dst_layout = region(64, seed=6)
+    src = make("t1c-src", src_array, src_layout)
+    dst = make("t1c-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t1c-dst", dst.metadata(), dst_layout)
+    assert src.statistics().post_cpu_s == 0.0
+    seen = [0.0]
+    for _ in range(3):
+        thread0 = time.thread_time()
+        handle = src.post_write(peer, list(range(64)), list(range(64))[::-1])
+        spent = time.thread_time() - thread0
+        try:
+            assert wait(src, handle, dst) is TransferState.DONE
+        finally:
+            src.release(handle)
+        now = src.statistics().post_cpu_s
+        assert seen[-1] < now <= seen[-1] + spent + 1e-6
+        seen.append(now)
+    assert dst.statistics().post_cpu_s == 0.0
+
+
 def test_runs_reach_nixl_adjacent_and_land_byte_exact(make: MakeTransport) -> None:
     """Pairs listed out of order are posted ordered by local slot, so NIXL sees each run of
     consecutive slots as adjacent indices (and merges it into one descriptor)."""

@@ -90,6 +90,9 @@ class TransportStatistics:
     remote_peers: int  # live registrations held by this transport
     live_handles: int  # posted and not yet released
     parked_peers: int = 0  # departed peers kept loaded by the data plane for reuse (NIXL)
+    # CPU seconds the posting threads spent inside the data plane's post call (NIXL's
+    # transfer(): over UCX cma on host memory with one copy thread, the copy itself).
+    post_cpu_s: float = 0.0
 
 
 class DataTransport(abc.ABC):

@@ -60,6 +60,7 @@ import logging
 import struct
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -122,6 +123,7 @@ class _State:
     ops: int = 0
     peers: dict[PeerRegistration, RemotePeer] = attrs.Factory(dict)
     handles: dict[NixlXfer, TransferHandle] = attrs.Factory(dict)
+    post_cpu: float = 0.0  # thread CPU inside transfer(); written under the agent's call_lock
 
     def __attrs_post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)
@@ -526,7 +528,11 @@ class NixlTransport(DataTransport):
                     local_descs = agent.get_xfer_descs(pieces[0], shared.mem_type)
                     remote_descs = agent.get_xfer_descs(pieces[1], reg.mem_type)
                     xfer = agent.initialize_xfer("WRITE", local_descs, remote_descs, name)
-                status = agent.transfer(xfer)
+                cpu0 = time.thread_time()
+                try:
+                    status = agent.transfer(xfer)
+                finally:
+                    self._state.post_cpu += time.thread_time() - cpu0
             except Exception as exc:
                 if xfer is not None:
                     shared.release_xfer(xfer)
@@ -645,7 +651,7 @@ class NixlTransport(DataTransport):
             handles = len(st.handles)
         parked = len(st.shared.parked)  # a size read: safe without call_lock
         return TransportStatistics(
-            self.kind, st.agent_name, agents, regions, peers, handles, parked
+            self.kind, st.agent_name, agents, regions, peers, handles, parked, st.post_cpu
         )
 
     def close(self) -> None:
