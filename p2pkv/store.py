@@ -587,31 +587,25 @@ class BlockStore:
         reservation.
         """
         _check_key(key)
-        self._serial.acquire()
+        self._enter_small()
         try:
-            self._turn.acquire()
-            self._turn.release()
-            self._lock.acquire()
-            try:
-                holder = self._holders.get(owner)
-                if (
-                    holder is None
-                    or not isinstance(slot, int | np.integer)
-                    or not 0 <= slot < self.num_blocks
-                    or self._owner_at[slot] != holder.oid
-                ):
-                    raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
-                slot = int(slot)
-                self._unhold_few_locked(holder, [slot])
-                if key in self._map:
-                    self._free_one_locked(slot)
-                    return False
-                self._publish_locked(slot, key)
-                return True
-            finally:
-                self._lock.release()
+            holder = self._holders.get(owner)
+            if (
+                holder is None
+                or not isinstance(slot, int | np.integer)
+                or not 0 <= slot < self.num_blocks
+                or self._owner_at[slot] != holder.oid
+            ):
+                raise ValueError(f"slot {slot!r} is not reserved by {owner!r}")
+            slot = int(slot)
+            self._unhold_few_locked(holder, [slot])
+            if key in self._map:
+                self._free_one_locked(slot)
+                return False
+            self._publish_locked(slot, key)
+            return True
         finally:
-            self._serial.release()
+            self._exit_small()
 
     def commit_many(
         self, owner: Hashable, slots: Sequence[int], keys: Sequence[bytes]
@@ -784,54 +778,65 @@ class BlockStore:
 
     # ------------------------------------------------------------------ scalar path
     # Engine-side calls of at most _small_keys keys or slots (SMALL_KEYS). Each is one
-    # lock section, entered inline (hold _serial; let a waiting host call in through
-    # _turn; hold _lock), with acquire/release in try/finally: two "with" statements cost
-    # twice as much, 0.3 us per call. Slots are read and written one at a time through
-    # the arrays' memoryviews. Each makes the array path's state changes, in the same order: the
-    # same slots leave the free list, enter the LRU and are freed in the same order, and
-    # the same checks refuse the same input before anything changes.
+    # lock section, entered by _enter_small (hold _serial; let a waiting host call in
+    # through _turn; hold _lock) and left by _exit_small in a finally: two "with"
+    # statements cost twice as much, 0.3 us per call. Slots are read and written one at a
+    # time through the arrays' memoryviews. Each makes the array path's state changes, in
+    # the same order: the same slots leave the free list, enter the LRU and are freed in
+    # the same order, and the same checks refuse the same input before anything changes.
 
-    def _pin_small(self, owner: Hashable, keys: Sequence[bytes]) -> list[int | None]:
-        lookup = self._map.get
+    def _enter_small(self) -> None:
+        """Enter a scalar-path section: hold ``_serial``, let a waiting host call in
+        through ``_turn``, hold ``_lock``. The caller leaves with :meth:`_exit_small` in a
+        ``finally``; if entering fails, nothing stays held."""
         self._serial.acquire()
         try:
             self._turn.acquire()
             self._turn.release()
             self._lock.acquire()
-            try:
-                found = list(map(lookup, keys))
-                listed = [slot for slot in found if slot is not None]
-                if not listed:
-                    return found
-                pins = self._pins.get(owner)
-                if pins is None:
-                    pins = self._pins[owner] = _Pins()
-                pin_count, seq_of = self._pin_count_at, self._lru.seq_of_at
-                per_slot: dict[int, int] | None = None
-                if len(listed) > 1 and len(set(listed)) < len(listed):
-                    per_slot = Counter(listed)  # a key listed twice
-                    pins.distinct = False
-                newly = 0
-                held = False  # some slot was pinned already (maybe by this owner)
-                for slot, add in per_slot.items() if per_slot else zip(listed, repeat(1)):
-                    before = pin_count[slot]
-                    pin_count[slot] = before + add
-                    if before:
-                        held = True
-                    else:
-                        seq_of[slot] = -1  # leaves the LRU
-                        newly += 1
-                if held and pins.total:
-                    pins.distinct = False
-                self._lru.count -= newly
-                self._pinned_slots += newly
-                pins.chunks.append(listed)
-                pins.total += len(listed)
-                return found
-            finally:
-                self._lock.release()
-        finally:
+        except BaseException:
             self._serial.release()
+            raise
+
+    def _exit_small(self) -> None:
+        self._lock.release()
+        self._serial.release()
+
+    def _pin_small(self, owner: Hashable, keys: Sequence[bytes]) -> list[int | None]:
+        lookup = self._map.get
+        self._enter_small()
+        try:
+            found = list(map(lookup, keys))
+            listed = [slot for slot in found if slot is not None]
+            if not listed:
+                return found
+            pins = self._pins.get(owner)
+            if pins is None:
+                pins = self._pins[owner] = _Pins()
+            pin_count, seq_of = self._pin_count_at, self._lru.seq_of_at
+            per_slot: dict[int, int] | None = None
+            if len(listed) > 1 and len(set(listed)) < len(listed):
+                per_slot = Counter(listed)  # a key listed twice
+                pins.distinct = False
+            newly = 0
+            held = False  # some slot was pinned already (maybe by this owner)
+            for slot, add in per_slot.items() if per_slot else zip(listed, repeat(1)):
+                before = pin_count[slot]
+                pin_count[slot] = before + add
+                if before:
+                    held = True
+                else:
+                    seq_of[slot] = -1  # leaves the LRU
+                    newly += 1
+            if held and pins.total:
+                pins.distinct = False
+            self._lru.count -= newly
+            self._pinned_slots += newly
+            pins.chunks.append(listed)
+            pins.total += len(listed)
+            return found
+        finally:
+            self._exit_small()
 
     def _drop_all_small_locked(self, pins: _Pins) -> int:
         """Take all of ``pins``' pins off their slots (:meth:`_drop_pins_locked`)."""
@@ -897,28 +902,22 @@ class BlockStore:
         self._lru.push_few(done)
 
     def _reserve_small(self, owner: Hashable, n: int) -> list[int]:
-        self._serial.acquire()
+        self._enter_small()
         try:
-            self._turn.acquire()
-            self._turn.release()
-            self._lock.acquire()
-            try:
-                self._check_room_locked(n, "reserve")
-                if not n:
-                    return []
-                out = self._allocate_few_locked(n)
-                holder = self._holder_locked(owner)
-                state, owners, oid = self._state_at, self._owner_at, holder.oid
-                for slot in out:
-                    state[slot] = _RESERVED
-                    owners[slot] = oid
-                holder.count += n
-                self._n_reserved += n
-                return out
-            finally:
-                self._lock.release()
+            self._check_room_locked(n, "reserve")
+            if not n:
+                return []
+            out = self._allocate_few_locked(n)
+            holder = self._holder_locked(owner)
+            state, owners, oid = self._state_at, self._owner_at, holder.oid
+            for slot in out:
+                state[slot] = _RESERVED
+                owners[slot] = oid
+            holder.count += n
+            self._n_reserved += n
+            return out
         finally:
-            self._serial.release()
+            self._exit_small()
 
     def _allocate_few_locked(self, n: int) -> list[int]:
         """:meth:`_allocate_locked` on the scalar path."""
@@ -970,62 +969,50 @@ class BlockStore:
     def _commit_small(self, owner: Hashable, slots: list[int], keys: list[bytes]) -> list[bool]:
         if len(slots) > 1 and len(set(slots)) < len(slots):
             raise ValueError("a slot is listed twice (a slot commits once)")
-        self._serial.acquire()
+        self._enter_small()
         try:
-            self._turn.acquire()
-            self._turn.release()
-            self._lock.acquire()
-            try:
-                holder = self._reserver_locked(owner, slots)
-                if holder is None or not slots:
-                    return []
-                self._unhold_few_locked(holder, slots)
-                setdefault = self._map.setdefault
-                state, slot_key = self._state_at, self._slot_key
-                out: list[bool] = []
-                kept: list[int] = []
-                for slot, key in zip(slots, keys, strict=True):
-                    if setdefault(key, slot) == slot:  # the key was absent: publish
-                        slot_key[slot] = key
-                        state[slot] = _OCCUPIED
-                        kept.append(slot)
-                        out.append(True)
-                    else:
-                        self._free_one_locked(slot)
-                        out.append(False)
-                self._lru.push_few(kept)
-                return out
-            finally:
-                self._lock.release()
+            holder = self._reserver_locked(owner, slots)
+            if holder is None or not slots:
+                return []
+            self._unhold_few_locked(holder, slots)
+            setdefault = self._map.setdefault
+            state, slot_key = self._state_at, self._slot_key
+            out: list[bool] = []
+            kept: list[int] = []
+            for slot, key in zip(slots, keys, strict=True):
+                if setdefault(key, slot) == slot:  # the key was absent: publish
+                    slot_key[slot] = key
+                    state[slot] = _OCCUPIED
+                    kept.append(slot)
+                    out.append(True)
+                else:
+                    self._free_one_locked(slot)
+                    out.append(False)
+            self._lru.push_few(kept)
+            return out
         finally:
-            self._serial.release()
+            self._exit_small()
 
     def _settle_small(self, owner: Hashable, slots: list[int], until: float | None) -> None:
-        self._serial.acquire()
+        self._enter_small()
         try:
-            self._turn.acquire()
-            self._turn.release()
-            self._lock.acquire()
-            try:
-                holder = self._reserver_locked(owner, slots)
-                if holder is None or not slots:
-                    return
-                if len(slots) > 1:
-                    slots = list(dict.fromkeys(slots))  # duplicates are harmless
-                self._unhold_few_locked(holder, slots)
-                if until is None:
-                    for slot in slots:
-                        self._free_one_locked(slot)
-                    return
-                state, heap = self._state_at, self._deadlines
+            holder = self._reserver_locked(owner, slots)
+            if holder is None or not slots:
+                return
+            if len(slots) > 1:
+                slots = list(dict.fromkeys(slots))  # duplicates are harmless
+            self._unhold_few_locked(holder, slots)
+            if until is None:
                 for slot in slots:
-                    state[slot] = _QUARANTINED
-                    heapq.heappush(heap, (until, slot))
-                self._quarantine.update(dict.fromkeys(slots, (until, holder.owner)))
-            finally:
-                self._lock.release()
+                    self._free_one_locked(slot)
+                return
+            state, heap = self._state_at, self._deadlines
+            for slot in slots:
+                state[slot] = _QUARANTINED
+                heapq.heappush(heap, (until, slot))
+            self._quarantine.update(dict.fromkeys(slots, (until, holder.owner)))
         finally:
-            self._serial.release()
+            self._exit_small()
 
     # ------------------------------------------------------------------ internals
 

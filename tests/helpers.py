@@ -441,3 +441,16 @@ class FailingTransferAgent:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._agent, name)
+
+
+@contextlib.contextmanager
+def failing_lane(agent: Any, index: int) -> Iterator[None]:
+    """Within: lane ``index`` of a staging ``agent`` fails every transfer
+    (:class:`FailingTransferAgent`); its real agent is back afterwards."""
+    lane = agent.lanes[index]
+    real = lane.agent
+    lane.agent = FailingTransferAgent(real)
+    try:
+        yield
+    finally:
+        lane.agent = real

@@ -21,7 +21,7 @@ from p2pkv import NodeConfig, open_node, staging
 from p2pkv.errors import TransportError
 from p2pkv.node import Node
 
-from .helpers import FailingTransferAgent, record_lane_parts
+from .helpers import failing_lane, record_lane_parts
 from .node_proc import (
     ROOT,
     Children,
@@ -192,14 +192,8 @@ async def test_staging_split_over_lanes_is_byte_exact_both_ways_and_fails_as_a_w
         assert np.array_equal(gpu.view(n, BLOCK).cpu().numpy()[at_gpu], host[to_gpu])
         assert np.array_equal(pinned.view(n, BLOCK).numpy()[back], host[to_gpu])
 
-        broken = agent.lanes[2]
-        real = broken.agent
-        broken.agent = FailingTransferAgent(real)
-        try:
-            with pytest.raises(TransportError, match="ERR"):
-                agent.copy(mid, at_gpu, dst, back)
-        finally:
-            broken.agent = real
+        with failing_lane(agent, 2), pytest.raises(TransportError, match="ERR"):
+            agent.copy(mid, at_gpu, dst, back)
         gpu.zero_()
         agent.copy(src, to_gpu, mid, at_gpu)  # the lanes still work after a failed copy
         assert np.array_equal(gpu.view(n, BLOCK).cpu().numpy()[at_gpu], host[to_gpu])

@@ -21,7 +21,7 @@ from p2pkv.session.protocol import LookupAnswered, LookupRequested, SessionProto
 from p2pkv.session.session import PeerSession
 from p2pkv.wire import Fetch, Lookup
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair
 from .protocol_helpers import decode_frames, make_info, ready_pair
 
 BL = 4096
@@ -48,10 +48,7 @@ async def test_back_to_back_lookups_do_not_wake_the_lease_timer_each_time(
     (``expire``, once per wake-up on each side) stay at a handful for 30 lookups, where
     waking it per lookup made 60 or more."""
     with trio.fail_after(30):
-        async with (
-            open_node(config("src", block_len=BL)) as src,
-            open_node(config("dst", block_len=BL)) as dst,
-        ):
+        async with pair({"block_len": BL}, {"block_len": BL}) as (src, dst):
             keys = fill(src.store, 4, BL)
             peer = await dst.connect(src.address)
             await dst.release(peer, await dst.lookup_round(peer, keys))  # arms both timers
@@ -100,10 +97,7 @@ async def test_an_empty_flush_is_no_checkpoint_and_a_cancelled_one_loses_nothing
     before it takes anything from the protocol: the frames stay queued, the stream is not
     marked broken, and the next flush sends them."""
     with trio.fail_after(10):
-        async with (
-            open_node(config("src", block_len=BL)) as src,
-            open_node(config("dst", block_len=BL)) as dst,
-        ):
+        async with pair({"block_len": BL}, {"block_len": BL}) as (src, dst):
             await dst.connect(src.address)
             (session,) = dst._sessions
             assert isinstance(session, PeerSession)
@@ -263,10 +257,7 @@ async def test_a_flush_the_kernel_takes_at_once_does_not_yield_and_a_big_one_arr
     order: the peer answers the lookup. The session's duplicate of the socket is closed with
     the session."""
     with trio.fail_after(20):
-        async with (
-            open_node(config("src", block_len=BL, num_blocks=1100)) as src,
-            open_node(config("dst", block_len=BL)) as dst,
-        ):
+        async with pair({"block_len": BL, "num_blocks": 1100}, {"block_len": BL}) as (src, dst):
             keys = fill(src.store, 1024, BL)
             peer = await dst.connect(src.address)
             (session,) = dst._sessions
@@ -291,10 +282,7 @@ async def test_two_lookups_at_once_on_the_same_keys_through_a_small_send_buffer(
     task's frame starts (frames interleaved on the wire would be a protocol error that
     closes the session). Both rounds are answered, each with every key a hit."""
     with trio.fail_after(20):
-        async with (
-            open_node(config("src", block_len=BL, num_blocks=1100)) as src,
-            open_node(config("dst", block_len=BL)) as dst,
-        ):
+        async with pair({"block_len": BL, "num_blocks": 1100}, {"block_len": BL}) as (src, dst):
             keys = fill(src.store, 1024, BL)
             peer = await dst.connect(src.address)
             (session,) = dst._sessions
@@ -329,10 +317,7 @@ async def test_a_fetch_served_by_one_round_runs_in_the_callers_task_and_two_roun
     nursery and no task of its own; keys spread over two rounds are fetched by one task
     each, at once. Both land every key."""
     with trio.fail_after(30):
-        async with (
-            open_node(config("src", block_len=BL)) as src,
-            open_node(config("dst", block_len=BL)) as dst,
-        ):
+        async with pair({"block_len": BL}, {"block_len": BL}) as (src, dst):
             keys = fill(src.store, 6, BL)
             peer = await dst.connect(src.address)
             spawns = Spawns()

@@ -20,7 +20,7 @@ from p2pkv import staging
 from p2pkv.errors import TransportError
 from p2pkv.staging import lane_parts, run_parts
 
-from .helpers import FailingTransferAgent, record_lane_parts
+from .helpers import failing_lane, record_lane_parts
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 BLOCK = 4096
@@ -145,14 +145,8 @@ def test_host_copy_split_over_three_lanes_is_byte_exact_and_fails_as_a_whole(
             want = a[s[i] * BLOCK : (s[i] + 1) * BLOCK]
             assert np.array_equal(b[d[i] * BLOCK : (d[i] + 1) * BLOCK], want), i
 
-        broken = agent.lanes[1]
-        real = broken.agent
-        broken.agent = FailingTransferAgent(real)
-        try:
-            with pytest.raises(TransportError, match="ERR"):
-                agent.copy(dst, d, src, s)
-        finally:
-            broken.agent = real
+        with failing_lane(agent, 1), pytest.raises(TransportError, match="ERR"):
+            agent.copy(dst, d, src, s)
         b[:] = 0
         agent.copy(src, s, dst, d)  # the lanes still work after a failed copy
         assert np.array_equal(b.reshape(n, BLOCK)[d], a.reshape(n, BLOCK)[s])
