@@ -50,7 +50,8 @@ class NodeConfig:
     block_len: int = attrs.field(default=64 * 1024, validator=_positive)
     transport: Literal["local", "nixl"] = "local"
     # NIXL over host memory: threads copying one transfer (None: P2PKV_NIXL_COPY_THREADS,
-    # else one per 2 cores, at most 8; see docs/design.md, "Data plane parallelism").
+    # else one per 2 cores, at least 2 (1 on a single core), at most 8; see docs/design.md,
+    # "Data plane parallelism").
     nixl_copy_threads: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive)
     )

@@ -36,8 +36,12 @@ Region = np.ndarray[tuple[int], np.dtype[np.uint8]]
 @pytest.mark.parametrize(
     ("resolve", "env", "by_cores"),
     [
-        (resolve_copy_threads, _nixl_agent.COPY_THREADS_ENV, {16: 8, 4: 2, 2: 1, 128: 8}),
-        (staging.resolve_lanes, staging.STAGING_LANES_ENV, {2: 1, 16: 4, 128: 4}),
+        (
+            resolve_copy_threads,
+            _nixl_agent.COPY_THREADS_ENV,
+            {16: 8, 4: 2, 3: 2, 2: 2, 1: 1, 128: 8},
+        ),
+        (staging.resolve_lanes, staging.STAGING_LANES_ENV, {1: 1, 2: 1, 16: 4, 128: 4}),
     ],
     ids=["copy threads", "staging lanes"],
 )
@@ -47,7 +51,9 @@ def test_worker_counts_come_from_the_argument_then_the_environment_then_the_core
     env: str,
     by_cores: dict[int, int],
 ) -> None:
-    """A 2-core box copies in the posting thread and stages through one loopback agent."""
+    """A 2-core box copies with two threads (a second copier doubles what one core's
+    process_vm_writev moves; bench/dataplane.py) and stages through one loopback agent; a
+    1-core box copies in the posting thread."""
     monkeypatch.delenv(env, raising=False)
     for cores, expected in by_cores.items():
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))

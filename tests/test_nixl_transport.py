@@ -175,13 +175,14 @@ def test_post_cpu_counts_the_posting_threads_time_in_transfer(make: MakeTranspor
 
 
 def test_runs_reach_nixl_adjacent_and_land_byte_exact(make: MakeTransport) -> None:
-    """Pairs listed out of order are posted ordered by local slot, so NIXL sees each run of
-    consecutive slots as adjacent indices (and merges it into one descriptor)."""
+    """With one copy thread, pairs listed out of order are posted ordered by local slot,
+    so NIXL sees each run of consecutive slots as adjacent indices (and merges it into one
+    descriptor). Copy threads post runs as explicit pieces: test_nixl_copy_threads."""
     src_array, src_layout = region(64, seed=4)
     dst_array, dst_layout = region(48, seed=5)
     before = dst_array.copy()
-    src = make("t1r-src", src_array, src_layout)
-    dst = make("t1r-dst", dst_array, dst_layout)
+    src = make("t1r-src", src_array, src_layout, copy_threads=1)
+    dst = make("t1r-dst", dst_array, dst_layout, copy_threads=1)
     peer = src.add_remote_peer("t1r-dst", dst.metadata(), dst_layout)
     local = [*range(40, 44), *range(8, 14), 63]  # three runs; 63 -> 47 is the last slot
     remote = [*range(0, 4), *range(20, 26), 47]

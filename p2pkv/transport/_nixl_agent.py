@@ -93,10 +93,13 @@ GPU_BACKEND_PARAMS: dict[str, str] = {}
 # ``SPLIT_DESCS_PER_THREAD * K`` descriptors into K parts copied in parallel; transfer()
 # returns once every part was posted, and the one handle settles only when all parts have.
 # K: the ``copy_threads`` argument, else this environment variable, else one per
-# ``CORES_PER_COPY_THREAD`` cores this process may run on, at most ``MAX_AUTO_COPY_THREADS``
-# (measured on 16 idle cores: 4.2-4.9 GB/s with one thread, 10-15 with 4, 20 with 8).
+# ``CORES_PER_COPY_THREAD`` cores this process may run on, at least ``MIN_AUTO_COPY_THREADS``
+# where it may run on that many, at most ``MAX_AUTO_COPY_THREADS`` (measured on 16 idle
+# cores: 4.2-4.9 GB/s with one thread, 10-15 with 4, 20 with 8; on 2 cores, fetch / bare
+# one-thread NIXL 1.30-1.33 x at 64 KiB and 1.45-1.51 x at 2 MiB with 2, 0.82 / 0.95 with 1).
 COPY_THREADS_ENV = "P2PKV_NIXL_COPY_THREADS"
 CORES_PER_COPY_THREAD = 2
+MIN_AUTO_COPY_THREADS = 2
 MAX_AUTO_COPY_THREADS = 8
 SPLIT_DESCS_PER_THREAD = 4
 # With copy threads, runs are posted as pieces of at most this many bytes: a descriptor of
@@ -165,11 +168,19 @@ def load_nixl() -> NixlBinding:
 
 
 def resolve_parallelism(
-    requested: int | None, env: str, cores_each: int, most: int, what: str, op: str
+    requested: int | None,
+    env: str,
+    cores_each: int,
+    most: int,
+    what: str,
+    op: str,
+    *,
+    least: int = 1,
 ) -> int:
     """How many workers of a kind: ``requested``, else the ``env`` variable, else one per
-    ``cores_each`` cores this process may run on (at least 1, at most ``most``).
-    TransportError for a value that is not a number >= 1."""
+    ``cores_each`` cores this process may run on (at least ``least`` but never more than
+    those cores, at least 1, at most ``most``). TransportError for a value that is not a
+    number >= 1."""
     if requested is None:
         text = os.environ.get(env, "").strip()
         if text:
@@ -179,7 +190,7 @@ def resolve_parallelism(
                 raise TransportError(f"{env}={text!r} is not a number", op=op) from None
     if requested is None:
         cores = len(os.sched_getaffinity(0))
-        return max(1, min(most, cores // cores_each))
+        return max(1, min(least, cores), min(most, cores // cores_each))
     if requested < 1:
         raise TransportError(f"{what} must be >= 1, got {requested}", op=op)
     return requested
@@ -194,6 +205,7 @@ def resolve_copy_threads(requested: int | None = None) -> int:
         MAX_AUTO_COPY_THREADS,
         "copy threads",
         "create",
+        least=MIN_AUTO_COPY_THREADS,
     )
 
 
