@@ -9,13 +9,16 @@ anything is pending or a consumer is waiting for incoming writes (``demand``), a
 on an event when nothing is: an idle node never wakes up for the data plane. When the
 last handle settles or the last demand drops, its sleep is cut short (the deadline of
 its cancel scope moved) so it parks at once rather than waking later inside whatever the
-node does next, e.g. the next lookup.
+node does next, e.g. the next lookup. A transport with a progress thread of its own takes
+a consumer's demand instead (NIXL: :mod:`p2pkv.transport._progress`), so that the
+engine's thread sleeps through a fetch's copy.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import trio
 
@@ -43,10 +46,17 @@ class CompletionPoller:
     def _wake(self) -> None:
         self._wakeup.set()
 
-    def add_demand(self) -> None:
-        """A consumer waits for incoming writes: keep driving progress."""
+    def add_demand(self) -> Callable[[], None]:
+        """A consumer waits for incoming writes: keep driving progress until it calls what
+        this returns. The transport's own progress thread does it where it has one
+        (NIXL: :mod:`p2pkv.transport._progress`); else this task does. The release goes to
+        whichever took the demand, also after a reconfiguration swapped the transport."""
+        transport = self.transport
+        if transport.hold_target_progress():
+            return transport.release_target_progress
         self._demand += 1
         self._wake()
+        return self.drop_demand
 
     def drop_demand(self) -> None:
         self._demand -= 1

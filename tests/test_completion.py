@@ -27,6 +27,9 @@ class CountingTransport:
     def progress(self) -> None:
         self.progress_calls += 1
 
+    def hold_target_progress(self) -> bool:
+        return False  # no thread of its own: the poller drives progress for a demand
+
     def poll(self, handle: Any) -> TransferState:
         n = self.polls[id(handle)] = self.polls.get(id(handle), 0) + 1
         return TransferState.DONE if n > self.polls_until_done else TransferState.PROC

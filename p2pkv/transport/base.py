@@ -93,6 +93,8 @@ class TransportStatistics:
     # CPU seconds the posting threads spent inside the data plane's post call (NIXL's
     # transfer(): over UCX cma on host memory with one copy thread, the copy itself).
     post_cpu_s: float = 0.0
+    # Progress steps taken as the target of writes by the transport's own thread (NIXL).
+    progress_ticks: int = 0
 
 
 class DataTransport(abc.ABC):
@@ -145,6 +147,15 @@ class DataTransport(abc.ABC):
 
     def progress(self) -> None:  # noqa: B027 (optional hook: most transports need none)
         """Drive the data plane's progress (e.g. as the target of a write). Cheap."""
+
+    def hold_target_progress(self) -> bool:
+        """Progress as the target of writes from a thread of the transport's own, until
+        :meth:`release_target_progress`. False if this transport has no such thread: the
+        caller then drives :meth:`progress` itself (the completion poller does)."""
+        return False
+
+    def release_target_progress(self) -> None:  # noqa: B027 (pairs with the hook above)
+        """Undo one :meth:`hold_target_progress` that returned True."""
 
     def release_departed_peers(self, current_members: Collection[str]) -> list[str]:
         """Release every registration whose agent name is not in ``current_members``.

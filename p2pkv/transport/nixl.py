@@ -56,6 +56,7 @@ against both regions. With K = 1 nothing changes: prepared dlists, NIXL merging.
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import sys
@@ -82,6 +83,7 @@ from ._nixl_agent import (
     release_ref,
     resolve_copy_threads,
 )
+from ._progress import TargetProgress
 from ._runs import contiguous_runs, run_order, split_runs
 from .base import (
     DataTransport,
@@ -124,9 +126,13 @@ class _State:
     peers: dict[PeerRegistration, RemotePeer] = attrs.Factory(dict)
     handles: dict[NixlXfer, TransferHandle] = attrs.Factory(dict)
     post_cpu: float = 0.0  # thread CPU inside transfer(); written under the agent's call_lock
+    target: TargetProgress = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.idle = threading.Condition(self.lock)
+        self.target = TargetProgress(
+            functools.partial(_progress, self), f"p2pkv-progress-{self.agent_name}"
+        )
 
     def enter(self) -> bool:
         with self.lock:
@@ -279,6 +285,26 @@ def _release_handle(st: _State, handle: TransferHandle) -> None:
         st.handles.pop(native, None)
 
 
+def _progress(st: _State) -> bool:
+    """Progress the agent's UCX worker (the target side of writes too) unless a thread is
+    inside NIXL already (it progresses the worker itself). False once ``st`` is closing."""
+    if not st.enter():
+        return False
+    try:
+        shared = st.shared
+        if not shared.call_lock.acquire(blocking=False):
+            return True
+        try:
+            shared.agent.get_new_notifs()
+        except Exception:
+            _log.debug("NIXL progress failed", exc_info=True)
+        finally:
+            shared.call_lock.release()
+        return True
+    finally:
+        st.exit()
+
+
 def _shutdown(st: _State) -> None:
     """Close ``st`` once: handles, then registrations, then our reference on the agent.
 
@@ -296,6 +322,7 @@ def _shutdown(st: _State) -> None:
                 return
             handles = list(st.handles.values())
             peers = list(st.peers.items())
+        st.target.stop()  # its next step would find us closing; it is not inside one now
         for handle in handles:
             _release_handle(st, handle)
         for reg, peer in peers:
@@ -627,21 +654,16 @@ class NixlTransport(DataTransport):
             st.exit()
 
     def progress(self) -> None:
-        st = self._state
-        if not st.enter():
-            return
-        try:
-            shared = st.shared
-            if not shared.call_lock.acquire(blocking=False):
-                return  # the thread inside NIXL progresses the worker itself
-            try:
-                shared.agent.get_new_notifs()  # progresses the UCX worker (target side too)
-            except Exception:
-                _log.debug("NIXL progress failed", exc_info=True)
-            finally:
-                shared.call_lock.release()
-        finally:
-            st.exit()
+        _progress(self._state)
+
+    def hold_target_progress(self) -> bool:
+        """The transport's progress thread (:mod:`._progress`) drives the target side while
+        held: the engine's thread sleeps through a fetch's copy instead of waking for each
+        progress step."""
+        return self._state.target.hold()
+
+    def release_target_progress(self) -> None:
+        self._state.target.release()
 
     def statistics(self) -> TransportStatistics:
         agents, regions = registry_counts()
@@ -651,7 +673,15 @@ class NixlTransport(DataTransport):
             handles = len(st.handles)
         parked = len(st.shared.parked)  # a size read: safe without call_lock
         return TransportStatistics(
-            self.kind, st.agent_name, agents, regions, peers, handles, parked, st.post_cpu
+            self.kind,
+            st.agent_name,
+            agents,
+            regions,
+            peers,
+            handles,
+            parked,
+            st.post_cpu,
+            st.target.ticks,
         )
 
     def close(self) -> None:

@@ -1,0 +1,107 @@
+"""The transport's own progress thread (``p2pkv.transport._progress``): it steps only
+while held, parks when not, and ends with its transport. Real threads, no Trio; the step
+is a FAKE counter except in the last tests, which run it on a real NIXL transport."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import numpy as np
+import pytest
+
+from p2pkv.transport._progress import TargetProgress
+from p2pkv.transport.base import RegionLayout
+
+WAIT_S = 10.0  # generous: a bound on a hang, never a timing assertion
+_HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
+
+
+class Steps:
+    """FAKE step: counts calls, notes the calling thread, sets ``reached`` at ``target``."""
+
+    def __init__(self, target: int, result: bool = True) -> None:
+        self.target = target
+        self.result = result
+        self.calls = 0
+        self.threads: set[str] = set()
+        self.reached = threading.Event()
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        if self.calls >= self.target:
+            self.reached.set()
+        return self.result
+
+
+def test_it_steps_from_its_own_thread_while_held_and_parks_when_let_go() -> None:
+    steps = Steps(target=3)
+    tp = TargetProgress(steps, "tp-test")
+    try:
+        assert tp.ticks == 0 and not steps.calls  # no thread before the first hold
+        assert tp.hold()
+        assert steps.reached.wait(WAIT_S)
+        assert steps.threads == {"tp-test"}
+        tp.release()
+        assert tp.wait_parked(WAIT_S)
+        assert tp.holds == 0 and tp.ticks == steps.calls
+        steps.target, steps.reached = steps.calls + 2, threading.Event()
+        assert tp.hold()  # and it comes back when held again
+        assert steps.reached.wait(WAIT_S)
+        tp.release()
+    finally:
+        tp.stop()
+
+
+def test_release_without_a_hold_is_refused() -> None:
+    tp = TargetProgress(Steps(target=1), "tp-unheld")
+    with pytest.raises(RuntimeError):
+        tp.release()
+    tp.stop()
+
+
+def test_stop_ends_a_held_thread_and_later_holds_are_refused() -> None:
+    steps = Steps(target=1)
+    tp = TargetProgress(steps, "tp-stop")
+    assert tp.hold()
+    assert steps.reached.wait(WAIT_S)
+    thread = tp._thread
+    assert thread is not None
+    tp.stop()  # held: it must end anyway
+    assert not thread.is_alive()
+    assert not tp.hold()
+    tp.stop()  # idempotent
+
+
+def test_a_step_that_finds_its_transport_closing_ends_the_thread() -> None:
+    steps = Steps(target=1, result=False)
+    tp = TargetProgress(steps, "tp-closing")
+    assert tp.hold()
+    assert steps.reached.wait(WAIT_S)
+    thread = tp._thread
+    assert thread is not None
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and steps.calls == 1
+    assert not tp.hold()
+
+
+needs_nixl = pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+
+
+@needs_nixl
+def test_closing_a_nixl_transport_ends_its_progress_thread_even_while_held() -> None:
+    from p2pkv.transport.nixl import NixlTransport
+
+    array = np.zeros(8 * 4096, dtype=np.uint8)
+    transport = NixlTransport.create(
+        agent_name="tp-nixl", region=array, layout=RegionLayout(array.ctypes.data, 8, 4096)
+    )
+    target = transport._state.target
+    assert transport.hold_target_progress()
+    thread = target._thread
+    assert thread is not None
+    transport.close()
+    assert not thread.is_alive()
+    assert not transport.hold_target_progress()  # closed: the caller drives nothing
+    assert transport.statistics().progress_ticks == target.ticks
