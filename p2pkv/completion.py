@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 
 import trio
 
@@ -32,12 +31,30 @@ MAX_DELAY = 0.010
 
 class CompletionPoller:
     def __init__(self, transport: DataTransport) -> None:
-        self.transport = transport
+        self._transport = transport
         self._pending: dict[TransferHandle, tuple[trio.Event, DataTransport]] = {}
         self._states: dict[TransferHandle, TransferState] = {}
         self._demand = 0
+        # The transport's own progress thread is held for the demand (NIXL), so this task
+        # need not drive progress for it.
+        self._held = False
         self._wakeup = trio.Event()
         self._nap: trio.CancelScope | None = None  # the poller's sleep between two polls
+
+    @property
+    def transport(self) -> DataTransport:
+        return self._transport
+
+    @transport.setter
+    def transport(self, new: DataTransport) -> None:
+        """A reconfiguration's swap: a demand held on the old transport's progress thread
+        moves to the new one's (or to this task), so a fetch in flight keeps progressing."""
+        old, self._transport = self._transport, new
+        if self._held:
+            self._held = False
+            old.release_target_progress()
+        if self._demand > 0:
+            self._hold_or_wake()
 
     @property
     def in_flight(self) -> int:
@@ -46,27 +63,36 @@ class CompletionPoller:
     def _wake(self) -> None:
         self._wakeup.set()
 
-    def add_demand(self) -> Callable[[], None]:
-        """A consumer waits for incoming writes: keep driving progress until it calls what
-        this returns. The transport's own progress thread does it where it has one
-        (NIXL: :mod:`p2pkv.transport._progress`); else this task does. The release goes to
-        whichever took the demand, also after a reconfiguration swapped the transport."""
-        transport = self.transport
-        if transport.hold_target_progress():
-            return transport.release_target_progress
+    def _driving(self) -> bool:
+        """Whether this task must drive progress for a demand."""
+        return self._demand > 0 and not self._held
+
+    def _hold_or_wake(self) -> None:
+        self._held = self._transport.hold_target_progress()
+        if not self._held:
+            self._wake()
+
+    def add_demand(self) -> None:
+        """A consumer waits for incoming writes: keep driving progress until the matching
+        :meth:`drop_demand`. The transport's own progress thread does it where it has one
+        (NIXL: :mod:`p2pkv.transport._progress`), held once for every demand together;
+        else this task does."""
         self._demand += 1
-        self._wake()
-        return self.drop_demand
+        if self._demand == 1:
+            self._hold_or_wake()
 
     def drop_demand(self) -> None:
         self._demand -= 1
+        if self._demand <= 0 and self._held:
+            self._held = False
+            self._transport.release_target_progress()
         self._idle_if_done()
 
     def _idle_if_done(self) -> None:
         """Nothing pending and nobody waiting: end the poller's nap now, so that it parks
         at once instead of waking up later (inside whatever the node does next) only to
         find nothing to do. Moving the deadline wakes nobody but the poller."""
-        if not self._pending and self._demand <= 0 and self._nap is not None:
+        if not self._pending and not self._driving() and self._nap is not None:
             self._nap.deadline = -math.inf
 
     async def wait(
@@ -95,7 +121,7 @@ class CompletionPoller:
     async def run(self) -> None:
         delay = MIN_DELAY
         while True:
-            if not self._pending and self._demand <= 0:
+            if not self._pending and not self._driving():
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
                 delay = MIN_DELAY
@@ -113,7 +139,7 @@ class CompletionPoller:
                     event.set()
                     finished = True
             delay = MIN_DELAY if finished else min(delay * 2, MAX_DELAY)
-            if not self._pending and self._demand <= 0:
+            if not self._pending and not self._driving():
                 continue  # the last handle just settled: park now, not after a nap
             with trio.move_on_after(delay) as self._nap:
                 await trio.sleep_forever()

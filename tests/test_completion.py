@@ -95,3 +95,64 @@ async def test_dropping_the_last_demand_parks_the_poller_at_once(
         await trio.sleep(0.05)
         assert transport.progress_calls > driven
         poller.drop_demand()
+
+
+class ThreadedTransport(CountingTransport):
+    """FAKE data plane with a progress thread of its own: counts holds and releases (no
+    thread runs: what is checked is who the poller asks to drive progress)."""
+
+    def __init__(self) -> None:
+        super().__init__(polls_until_done=0)
+        self.holds = 0
+        self.releases = 0
+
+    def hold_target_progress(self) -> bool:
+        self.holds += 1
+        return True
+
+    def release_target_progress(self) -> None:
+        self.releases += 1
+
+
+async def test_a_transport_with_its_own_progress_thread_takes_the_demand(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    transport = ThreadedTransport()
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    async with running(poller) as steps:
+        await trio.testing.wait_all_tasks_blocked()
+        before = steps.steps
+        poller.add_demand()
+        poller.add_demand()  # two fetches wait: one hold serves both
+        await trio.sleep(1.0)
+        assert (transport.holds, transport.releases) == (1, 0)
+        assert transport.progress_calls == 0 and steps.steps == before  # the task slept
+        poller.drop_demand()
+        assert transport.releases == 0
+        poller.drop_demand()
+        assert (transport.holds, transport.releases) == (1, 1)
+
+
+async def test_a_swap_moves_the_demand_to_the_new_transport(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reconfiguration mid-fetch: the old transport's thread is let go, the new one's is
+    held; a new transport without a thread gets its progress from the poller's task."""
+    old, new, plain = ThreadedTransport(), ThreadedTransport(), CountingTransport(0)
+    poller = CompletionPoller(old)  # type: ignore[arg-type]
+    async with running(poller):
+        poller.add_demand()
+        poller.transport = new  # type: ignore[assignment]
+        assert (old.holds, old.releases, new.holds, new.releases) == (1, 1, 1, 0)
+        poller.transport = plain  # type: ignore[assignment]
+        assert (new.holds, new.releases) == (1, 1)
+        await trio.sleep(0.05)
+        driven = plain.progress_calls
+        assert driven >= 3
+        poller.drop_demand()
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(1.0)
+        assert plain.progress_calls == driven
+    swapped = CompletionPoller(plain)  # type: ignore[arg-type]
+    swapped.transport = old  # type: ignore[assignment]  # no demand: nothing is held
+    assert old.holds == 1

@@ -791,7 +791,7 @@ class ConsumerSide(SessionParts):
             return
         p.arm()
         p.slots = slots
-        drop_demand = self.node.poller.add_demand()
+        self.node.poller.add_demand()
         try:
             await self._flush()
             await self._wait_for_answer(p, self.cfg.fetch_timeout)
@@ -799,7 +799,7 @@ class ConsumerSide(SessionParts):
             self._give_up(p, landing, keys, outcome, "cancelled")
             raise
         finally:
-            drop_demand()
+            self.node.poller.drop_demand()
         if p.error is not None:
             self._give_up(p, landing, keys, outcome, str(p.error))
             return
