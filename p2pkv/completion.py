@@ -12,6 +12,18 @@ its cancel scope moved) so it parks at once rather than waking later inside what
 node does next, e.g. the next lookup. A transport with a progress thread of its own takes
 a consumer's demand instead (NIXL: :mod:`p2pkv.transport._progress`), so that the
 engine's thread sleeps through a fetch's copy.
+
+Handles are polled on a schedule of their own. With copy threads a post returns before
+its copy is done, and the backoff alone (1, 3, 7, 15, 25, 35... ms) saw a 13 ms copy
+only at 15 ms and a 40 ms one up to 10 ms late. So the poller keeps the rate at which
+recent transfers completed (bytes per second; a sample takes the middle of the last PROC
+poll and the DONE one; a faster sample is followed at once, a slower one halfway) and
+polls a new handle first at ``EARLY`` of the time its bytes should take, then every
+``1/STEPS`` of that time (at least ``MIN_DELAY``, at most ``MAX_DELAY``), and on the
+backoff again once it is ``LATE`` x overdue: a few wake-ups for a copy of known speed,
+each within a twentieth of its time of the end. The first handle (no rate yet) is polled
+on the backoff alone. A copy found done at its first poll counts as having taken half
+the time waited, so a rate that was too slow doubles until polls find copies running.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 
+import attrs
 import trio
 
 from .transport.base import DataTransport, TransferHandle, TransferState
@@ -27,17 +40,44 @@ log = logging.getLogger("p2pkv.completion")
 
 MIN_DELAY = 0.001
 MAX_DELAY = 0.010
+EARLY = 0.85  # the first poll of a handle, as a share of its expected time
+STEPS = 20  # polls after that: every 1/STEPS of the expected time
+LATE = 1.5  # past this share of the expected time, back to the backoff
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    event: trio.Event
+    transport: DataTransport
+    nbytes: int
+    since: float  # when the wait began (the post had returned)
+    expected: float  # seconds its bytes should take at the recent rate; 0: unknown
+    due: float  # next poll
+    step: float  # the backoff's current delay
+    last_proc: float = 0.0  # when a poll last found it PROC
+
+    def schedule(self, now: float) -> None:
+        """After a poll found it PROC at ``now``: when to look next."""
+        self.last_proc = now
+        if self.expected and now < self.since + LATE * self.expected:
+            self.due = now + min(max(self.expected / STEPS, MIN_DELAY), MAX_DELAY)
+        else:
+            self.due = now + self.step
+            self.step = min(self.step * 2, MAX_DELAY)
 
 
 class CompletionPoller:
     def __init__(self, transport: DataTransport) -> None:
         self._transport = transport
-        self._pending: dict[TransferHandle, tuple[trio.Event, DataTransport]] = {}
+        self._pending: dict[TransferHandle, _Waiter] = {}
         self._states: dict[TransferHandle, TransferState] = {}
+        self.rate: float | None = None  # bytes per second of recent transfers; None: none yet
         self._demand = 0
         # The transport's own progress thread is held for the demand (NIXL), so this task
         # need not drive progress for it.
         self._held = False
+        self._demand_due = -math.inf  # when this task next drives progress for a demand
+        self._demand_delay = MIN_DELAY
         self._wakeup = trio.Event()
         self._nap: trio.CancelScope | None = None  # the poller's sleep between two polls
 
@@ -69,8 +109,11 @@ class CompletionPoller:
 
     def _hold_or_wake(self) -> None:
         self._held = self._transport.hold_target_progress()
-        if not self._held:
+        if not self._held:  # this task drives it: now, then on the backoff
+            self._demand_due, self._demand_delay = -math.inf, MIN_DELAY
             self._wake()
+            if self._nap is not None:
+                self._nap.deadline = -math.inf  # it may nap until a distant poll
 
     def add_demand(self) -> None:
         """A consumer waits for incoming writes: keep driving progress until the matching
@@ -107,8 +150,14 @@ class CompletionPoller:
         if state is not TransferState.PROC:
             return state
         event = trio.Event()
-        self._pending[handle] = (event, dp)
+        now = trio.current_time()
+        nbytes = handle.nblocks * handle.peer.layout.block_len
+        expected = nbytes / self.rate if self.rate else 0.0
+        due = now + (EARLY * expected if expected else MIN_DELAY)
+        self._pending[handle] = _Waiter(event, dp, nbytes, now, expected, due, MIN_DELAY, now)
         self._wake()
+        if self._nap is not None and due < self._nap.deadline:
+            self._nap.deadline = due  # napping for a demand or a later handle
         try:
             await event.wait()
         except BaseException:
@@ -118,29 +167,47 @@ class CompletionPoller:
             raise
         return self._states.pop(handle)
 
+    def _settled(self, handle: TransferHandle, w: _Waiter, state: TransferState) -> None:
+        now = trio.current_time()
+        # It ended between the last poll that found it PROC and now: take the middle (a
+        # copy found done at its first poll counts as taking half the time waited, so a
+        # rate that was too slow doubles each time until polls find the copy running).
+        took = (w.last_proc + now) / 2 - w.since
+        if state is TransferState.DONE and took > 0:
+            sample = w.nbytes / took
+            rate = self.rate
+            self.rate = sample if rate is None or sample > rate else (rate + sample) / 2
+        self._states[handle] = state
+        del self._pending[handle]
+        w.event.set()
+
     async def run(self) -> None:
-        delay = MIN_DELAY
         while True:
             if not self._pending and not self._driving():
                 self._wakeup = trio.Event()
                 await self._wakeup.wait()
-                delay = MIN_DELAY
                 continue
-            try:
-                self.transport.progress()
-            except Exception:
-                log.exception("data-plane progress failed")
-            finished = False
-            for handle, (event, dp) in list(self._pending.items()):
-                state = dp.poll(handle)
-                if state is not TransferState.PROC:
-                    self._states[handle] = state
-                    del self._pending[handle]
-                    event.set()
-                    finished = True
-            delay = MIN_DELAY if finished else min(delay * 2, MAX_DELAY)
+            now = trio.current_time()
+            if self._driving() and now >= self._demand_due:
+                try:
+                    self.transport.progress()
+                except Exception:
+                    log.exception("data-plane progress failed")
+                self._demand_due = now + self._demand_delay
+                self._demand_delay = min(self._demand_delay * 2, MAX_DELAY)
+            for handle, w in list(self._pending.items()):
+                if w.due > now:
+                    continue
+                state = w.transport.poll(handle)
+                if state is TransferState.PROC:
+                    w.schedule(now)
+                else:
+                    self._settled(handle, w, state)
             if not self._pending and not self._driving():
                 continue  # the last handle just settled: park now, not after a nap
-            with trio.move_on_after(delay) as self._nap:
+            wake = min((w.due for w in self._pending.values()), default=math.inf)
+            if self._driving():
+                wake = min(wake, self._demand_due)
+            with trio.move_on_at(wake) as self._nap:
                 await trio.sleep_forever()
             self._nap = None

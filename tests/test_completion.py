@@ -5,6 +5,7 @@ the transport is a FAKE that reports DONE after a set number of polls."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,8 +13,16 @@ from typing import Any
 import trio
 import trio.testing
 
-from p2pkv.completion import CompletionPoller
-from p2pkv.transport.base import TransferHandle, TransferState
+from p2pkv.completion import EARLY, MAX_DELAY, STEPS, CompletionPoller
+from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
+
+MiB = 1 << 20
+
+
+def make_handle(nblocks: int = 1, block_len: int = 4096) -> TransferHandle:
+    """A handle of ``nblocks`` blocks of ``block_len`` bytes (what the poller weighs)."""
+    peer = RemotePeer("fake-peer", RegionLayout(0, nblocks, block_len))
+    return TransferHandle(peer, tuple(range(nblocks)), tuple(range(nblocks)))
 
 
 class CountingTransport:
@@ -67,8 +76,7 @@ async def test_the_poller_parks_as_soon_as_the_last_handle_settles(
     transport = CountingTransport(polls_until_done=3)
     poller = CompletionPoller(transport)  # type: ignore[arg-type]
     async with running(poller) as steps:
-        handle: Any = TransferHandle.__new__(TransferHandle)
-        assert await poller.wait(handle) is TransferState.DONE
+        assert await poller.wait(make_handle()) is TransferState.DONE
         assert poller.in_flight == 0
         await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
         before = steps.steps
@@ -156,3 +164,94 @@ async def test_a_swap_moves_the_demand_to_the_new_transport(
     swapped = CompletionPoller(plain)  # type: ignore[arg-type]
     swapped.transport = old  # type: ignore[assignment]  # no demand: nothing is held
     assert old.holds == 1
+
+
+class TimedTransport(CountingTransport):
+    """FAKE data plane: a handle is DONE from a set (Trio clock) time on; polls are noted."""
+
+    def __init__(self) -> None:
+        super().__init__(polls_until_done=0)
+        self.done_at: dict[int, float] = {}
+        self.poll_times: list[float] = []
+
+    def poll(self, handle: Any) -> TransferState:
+        now = trio.current_time()
+        self.poll_times.append(now)
+        return TransferState.DONE if now >= self.done_at[id(handle)] else TransferState.PROC
+
+
+async def timed_wait(
+    poller: CompletionPoller, transport: TimedTransport, handle: TransferHandle, takes: float
+) -> tuple[float, list[float]]:
+    """Wait for ``handle``, DONE ``takes`` seconds from now: (seen after, poll offsets)."""
+    start = trio.current_time()
+    transport.done_at[id(handle)] = start + takes
+    transport.poll_times.clear()
+    assert await poller.wait(handle) is TransferState.DONE
+    return trio.current_time() - start, [t - start for t in transport.poll_times]
+
+
+async def test_a_copy_of_known_speed_is_seen_done_promptly_with_few_polls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Copy threads: the post returns before the copy is done. The first handle is found
+    on the backoff (1, 3, 7, 15 ms...: a 13 ms copy seen at 15 ms); it sets the rate, and
+    the next copy of that speed is polled first at EARLY of its time, then every 1/STEPS of
+    it: seen within that step, in a handful of polls, not up to MAX_DELAY late."""
+    transport = TimedTransport()
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    async with running(poller):
+        seen, polls = await timed_wait(poller, transport, make_handle(256, MiB), 0.013)
+        assert seen >= 0.013 and len(polls) >= 4  # the backoff: no rate yet
+        true_rate = 256 * MiB / 0.013
+        assert poller.rate is not None and true_rate / 2 <= poller.rate <= true_rate * 2
+        for takes in (0.013, 0.013, 0.030):  # 30 ms: more bytes at the same speed
+            nblocks = round(256 * takes / 0.013)
+            expected = nblocks * MiB / poller.rate
+            seen, polls = await timed_wait(poller, transport, make_handle(nblocks, MiB), takes)
+            assert polls[1] >= EARLY * expected - 1e-9  # the poller's first look
+            assert takes <= seen <= takes + max(expected / STEPS, 0.001) + 1e-6
+            assert len(polls) <= 7
+
+
+async def test_a_faster_copy_raises_the_rate_at_once_a_slower_one_halfway(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    transport = TimedTransport()
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    async with running(poller):
+        await timed_wait(poller, transport, make_handle(100, MiB), 0.020)
+        first = poller.rate
+        assert first is not None
+        await timed_wait(poller, transport, make_handle(100, MiB), 0.005)
+        fast = poller.rate
+        assert fast is not None and fast > 2 * first  # followed at once
+        await timed_wait(poller, transport, make_handle(100, MiB), 0.050)
+        slow = poller.rate
+        assert slow is not None and 100 * MiB / 0.060 < slow < fast  # only part of the way
+        # Much slower than expected: past LATE x its time it is still polled, at least
+        # every MAX_DELAY, and seen within that of its end.
+        seen, polls = await timed_wait(poller, transport, make_handle(100, MiB), 0.500)
+        assert 0.500 <= seen <= 0.500 + MAX_DELAY + 1e-6
+        gaps = [b - a for a, b in itertools.pairwise(polls[1:])]
+        assert max(gaps) <= MAX_DELAY + 1e-6
+
+
+async def test_a_demand_is_driven_at_once_while_a_distant_poll_is_due(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A long copy of known speed lets the poller nap until near its end; a consumer that
+    starts waiting meanwhile gets progress at once, not after the nap."""
+    transport = TimedTransport()
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    poller.rate = 100 * MiB  # a 1 s copy: the first look at 0.85 s
+    async with running(poller), trio.open_nursery() as nursery:
+        handle = make_handle(100, MiB)
+        transport.done_at[id(handle)] = trio.current_time() + 1.0
+        nursery.start_soon(poller.wait, handle)
+        await trio.sleep(0.1)
+        assert transport.progress_calls == 0
+        poller.add_demand()
+        await trio.sleep(0.002)
+        assert transport.progress_calls >= 1
+        poller.drop_demand()
