@@ -21,7 +21,10 @@ poll and the DONE one; a faster sample is followed at once, a slower one halfway
 polls a new handle first at ``EARLY`` of the time its bytes should take, then every
 ``1/STEPS`` of that time (at least ``MIN_DELAY``, at most ``MAX_DELAY``), and on the
 backoff again once it is ``LATE`` x overdue: a few wake-ups for a copy of known speed,
-each within a twentieth of its time of the end. The first handle (no rate yet) is polled
+each within a twentieth of its time of the end. Until the first of those looks it is
+polled at least every ``MAX_DELAY`` as on the backoff, so a rate dragged down by copies
+that a slow or hostile peer stalled costs other peers' copies no more than the backoff
+did. The first handle (no rate yet) is polled
 on the backoff alone. A copy found done at its first poll counts as having taken half
 the time waited, so a rate that was too slow doubles until polls find copies running.
 """
@@ -59,7 +62,10 @@ class _Waiter:
     def schedule(self, now: float) -> None:
         """After a poll found it PROC at ``now``: when to look next."""
         self.last_proc = now
-        if self.expected and now < self.since + LATE * self.expected:
+        early = self.since + EARLY * self.expected
+        if self.expected and now < early:  # never more than MAX_DELAY between two looks
+            self.due = min(early, now + MAX_DELAY)
+        elif self.expected and now < self.since + LATE * self.expected:
             self.due = now + min(max(self.expected / STEPS, MIN_DELAY), MAX_DELAY)
         else:
             self.due = now + self.step
@@ -153,7 +159,9 @@ class CompletionPoller:
         now = trio.current_time()
         nbytes = handle.nblocks * handle.peer.layout.block_len
         expected = nbytes / self.rate if self.rate else 0.0
-        due = now + (EARLY * expected if expected else MIN_DELAY)
+        # At most MAX_DELAY to the first look, as on the backoff: a rate that copies
+        # stalled by a slow or hostile peer dragged down delays no one beyond that.
+        due = now + (min(EARLY * expected, MAX_DELAY) if expected else MIN_DELAY)
         self._pending[handle] = _Waiter(event, dp, nbytes, now, expected, due, MIN_DELAY, now)
         self._wake()
         if self._nap is not None and due < self._nap.deadline:

@@ -6,6 +6,7 @@ the transport is a FAKE that reports DONE after a set number of polls."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -209,9 +210,11 @@ async def test_a_copy_of_known_speed_is_seen_done_promptly_with_few_polls(
             nblocks = round(256 * takes / 0.013)
             expected = nblocks * MiB / poller.rate
             seen, polls = await timed_wait(poller, transport, make_handle(nblocks, MiB), takes)
-            assert polls[1] >= EARLY * expected - 1e-9  # the poller's first look
+            assert polls[1] >= min(EARLY * expected, MAX_DELAY) - 1e-9  # the first look
             assert takes <= seen <= takes + max(expected / STEPS, 0.001) + 1e-6
-            assert len(polls) <= 7
+            # One in wait(), one every MAX_DELAY up to EARLY of the expected time, then a
+            # few of a twentieth each: not one every 1, 2, 4, 8, 10 ms from the start.
+            assert len(polls) <= 1 + math.ceil(EARLY * expected / MAX_DELAY) + 4
 
 
 async def test_a_faster_copy_raises_the_rate_at_once_a_slower_one_halfway(
@@ -255,3 +258,22 @@ async def test_a_demand_is_driven_at_once_while_a_distant_poll_is_due(
         await trio.sleep(0.002)
         assert transport.progress_calls >= 1
         poller.drop_demand()
+
+
+async def test_a_rate_dragged_down_by_stalled_copies_delays_no_one_beyond_the_backoff(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that stalls its copies (over tcp the target must progress them) drives the
+    rate down; another peer's quick copy is still seen within MAX_DELAY of its end."""
+    transport = TimedTransport()
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    async with running(poller):
+        await timed_wait(poller, transport, make_handle(100, MiB), 0.010)
+        for _ in range(6):  # stalled: 5 s each, halving the rate every time
+            await timed_wait(poller, transport, make_handle(100, MiB), 5.0)
+        # A 10 ms copy now looks 0.2 s long or more: its first look would be far too late.
+        assert poller.rate is not None and poller.rate < 100 * MiB / 0.2
+        seen, polls = await timed_wait(poller, transport, make_handle(100, MiB), 0.010)
+        assert 0.010 <= seen <= 0.010 + MAX_DELAY + 1e-6
+        gaps = [b - a for a, b in itertools.pairwise(polls)]
+        assert max(gaps) <= MAX_DELAY + 1e-6
