@@ -15,18 +15,19 @@ engine's thread sleeps through a fetch's copy.
 
 Handles are polled on a schedule of their own. With copy threads a post returns before
 its copy is done, and the backoff alone (1, 3, 7, 15, 25, 35... ms) saw a 13 ms copy
-only at 15 ms and a 40 ms one up to 10 ms late. So the poller keeps the rate at which
-recent transfers completed (bytes per second; a sample takes the middle of the last PROC
-poll and the DONE one; a faster sample is followed at once, a slower one halfway) and
-polls a new handle first at ``EARLY`` of the time its bytes should take, then every
-``1/STEPS`` of that time (at least ``MIN_DELAY``, at most ``MAX_DELAY``), and on the
-backoff again once it is ``LATE`` x overdue: a few wake-ups for a copy of known speed,
-each within a twentieth of its time of the end. Until the first of those looks it is
-polled at least every ``MAX_DELAY`` as on the backoff, so a rate dragged down by copies
-that a slow or hostile peer stalled costs other peers' copies no more than the backoff
-did. The first handle (no rate yet) is polled
-on the backoff alone. A copy found done at its first poll counts as having taken half
-the time waited, so a rate that was too slow doubles until polls find copies running.
+only at 15 ms and a 40 ms one up to 10 ms late. So the poller keeps, per peer, the rate
+at which recent transfers to it completed (bytes per second; a sample takes the middle
+of the last PROC poll and the DONE one; a faster sample is followed at once, a slower
+one halfway; a copy found done at its first look counts as having taken half the time
+waited, so a rate that was too slow doubles until looks find copies running). A new
+handle is looked at every ``MAX_DELAY`` at most until ``EARLY`` of the time its bytes
+should take, then every ``1/STEPS`` of that time (``MIN_DELAY`` to ``MAX_DELAY``), and on
+the backoff again once it is ``LATE`` x overdue; a peer without a rate yet gets the
+backoff. A copy of known speed is seen within a twentieth of its time of its end, after
+one look per ``MAX_DELAY`` of its time and a handful near the end. A peer that stalls
+its copies slows only its own schedule, and even that no more than the backoff would.
+Each wake-up polls every handle due within ``SLACK`` of it, so handles due together
+cost one wake-up, not one each.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ MAX_DELAY = 0.010
 EARLY = 0.85  # the first poll of a handle, as a share of its expected time
 STEPS = 20  # polls after that: every 1/STEPS of the expected time
 LATE = 1.5  # past this share of the expected time, back to the backoff
+SLACK = MIN_DELAY  # a wake-up also polls the handles due within this much after it
+MAX_RATES = 1024  # peers whose rate is kept
 
 
 @attrs.define(eq=False)
@@ -60,15 +63,17 @@ class _Waiter:
     last_proc: float = 0.0  # when a poll last found it PROC
 
     def schedule(self, now: float) -> None:
-        """After a poll found it PROC at ``now``: when to look next."""
+        """After a poll found it PROC at ``now``: when to look next. Counted from when the
+        look was due, so handles looked at together (within SLACK) stay together."""
         self.last_proc = now
+        base = max(now, self.due)
         early = self.since + EARLY * self.expected
-        if self.expected and now < early:  # never more than MAX_DELAY between two looks
-            self.due = min(early, now + MAX_DELAY)
-        elif self.expected and now < self.since + LATE * self.expected:
-            self.due = now + min(max(self.expected / STEPS, MIN_DELAY), MAX_DELAY)
+        if self.expected and base < early:  # never more than MAX_DELAY between two looks
+            self.due = min(early, base + MAX_DELAY)
+        elif self.expected and base < self.since + LATE * self.expected:
+            self.due = base + min(max(self.expected / STEPS, MIN_DELAY), MAX_DELAY)
         else:
-            self.due = now + self.step
+            self.due = base + self.step
             self.step = min(self.step * 2, MAX_DELAY)
 
 
@@ -77,11 +82,13 @@ class CompletionPoller:
         self._transport = transport
         self._pending: dict[TransferHandle, _Waiter] = {}
         self._states: dict[TransferHandle, TransferState] = {}
-        self.rate: float | None = None  # bytes per second of recent transfers; None: none yet
+        # Bytes per second of recent transfers, per peer (agent name): a peer that stalls
+        # its copies slows the schedule of no one else's. Oldest first, at most MAX_RATES.
+        self._rates: dict[str, float] = {}
         self._demand = 0
-        # The transport's own progress thread is held for the demand (NIXL), so this task
-        # need not drive progress for it.
-        self._held = False
+        # Demands the transport's own progress thread holds (NIXL); this task drives the
+        # rest.
+        self._held = 0
         self._demand_due = -math.inf  # when this task next drives progress for a demand
         self._demand_delay = MIN_DELAY
         self._wakeup = trio.Event()
@@ -93,47 +100,54 @@ class CompletionPoller:
 
     @transport.setter
     def transport(self, new: DataTransport) -> None:
-        """A reconfiguration's swap: a demand held on the old transport's progress thread
-        moves to the new one's (or to this task), so a fetch in flight keeps progressing."""
+        """A reconfiguration's swap: demands held on the old transport's progress thread
+        move to the new one's (or to this task), so a fetch in flight keeps progressing."""
         old, self._transport = self._transport, new
-        if self._held:
-            self._held = False
+        for _ in range(self._held):
             old.release_target_progress()
-        if self._demand > 0:
-            self._hold_or_wake()
+        self._held = 0
+        for _ in range(self._demand):
+            self._hold_or_drive()
 
     @property
     def in_flight(self) -> int:
         return len(self._pending)
 
+    def rate_of(self, agent_name: str) -> float | None:
+        """Bytes per second recent transfers to this peer ran at; None if none yet."""
+        return self._rates.get(agent_name)
+
     def _wake(self) -> None:
         self._wakeup.set()
 
     def _driving(self) -> bool:
-        """Whether this task must drive progress for a demand."""
-        return self._demand > 0 and not self._held
+        """Whether this task must drive progress for a demand (one the transport's own
+        thread does not hold)."""
+        return self._demand > self._held
 
-    def _hold_or_wake(self) -> None:
-        self._held = self._transport.hold_target_progress()
-        if not self._held:  # this task drives it: now, then on the backoff
-            self._demand_due, self._demand_delay = -math.inf, MIN_DELAY
-            self._wake()
-            if self._nap is not None:
-                self._nap.deadline = -math.inf  # it may nap until a distant poll
+    def _hold_or_drive(self) -> None:
+        """One demand: held by the transport's thread (each hold restarts its backoff, so
+        a new fetch's wire-up is prompt), else driven by this task, now and then on its
+        backoff."""
+        if self._transport.hold_target_progress():
+            self._held += 1
+            return
+        self._demand_due, self._demand_delay = -math.inf, MIN_DELAY
+        self._wake()
+        if self._nap is not None:
+            self._nap.deadline = -math.inf  # it may nap until a later poll
 
     def add_demand(self) -> None:
         """A consumer waits for incoming writes: keep driving progress until the matching
         :meth:`drop_demand`. The transport's own progress thread does it where it has one
-        (NIXL: :mod:`p2pkv.transport._progress`), held once for every demand together;
-        else this task does."""
+        (NIXL: :mod:`p2pkv.transport._progress`); else this task does."""
         self._demand += 1
-        if self._demand == 1:
-            self._hold_or_wake()
+        self._hold_or_drive()
 
     def drop_demand(self) -> None:
         self._demand -= 1
-        if self._demand <= 0 and self._held:
-            self._held = False
+        if self._held > self._demand:
+            self._held -= 1
             self._transport.release_target_progress()
         self._idle_if_done()
 
@@ -158,9 +172,9 @@ class CompletionPoller:
         event = trio.Event()
         now = trio.current_time()
         nbytes = handle.nblocks * handle.peer.layout.block_len
-        expected = nbytes / self.rate if self.rate else 0.0
-        # At most MAX_DELAY to the first look, as on the backoff: a rate that copies
-        # stalled by a slow or hostile peer dragged down delays no one beyond that.
+        rate = self._rates.get(handle.peer.agent_name)
+        expected = nbytes / rate if rate else 0.0
+        # At most MAX_DELAY to the first look, as on the backoff, whatever the rate says.
         due = now + (min(EARLY * expected, MAX_DELAY) if expected else MIN_DELAY)
         self._pending[handle] = _Waiter(event, dp, nbytes, now, expected, due, MIN_DELAY, now)
         self._wake()
@@ -183,8 +197,11 @@ class CompletionPoller:
         took = (w.last_proc + now) / 2 - w.since
         if state is TransferState.DONE and took > 0:
             sample = w.nbytes / took
-            rate = self.rate
-            self.rate = sample if rate is None or sample > rate else (rate + sample) / 2
+            rates, name = self._rates, handle.peer.agent_name
+            rate = rates.pop(name, None)
+            rates[name] = sample if rate is None or sample > rate else (rate + sample) / 2
+            if len(rates) > MAX_RATES:
+                del rates[next(iter(rates))]
         self._states[handle] = state
         del self._pending[handle]
         w.event.set()
@@ -204,7 +221,7 @@ class CompletionPoller:
                 self._demand_due = now + self._demand_delay
                 self._demand_delay = min(self._demand_delay * 2, MAX_DELAY)
             for handle, w in list(self._pending.items()):
-                if w.due > now:
+                if w.due > now + SLACK:  # one wake-up serves handles due about now
                     continue
                 state = w.transport.poll(handle)
                 if state is TransferState.PROC:

@@ -192,12 +192,12 @@ def test_copy_workers_close_their_sockets_to_restarted_peers_at_their_next_write
     for cycle in range(1, 6):
         b.restart()
         cycle_pair(a, b, cycle)  # one block: the copy threads do not run
-    assert open_fds() > steady + ONE_CONNECTION  # NIXL's, not ours: see the docstring
+    left_open = open_fds() - steady  # NIXL's (measured: 10 here); not asserted: not ours
     counts = []
     for cycle in range(6, 10):
         cycle_pair(a, b, cycle, split=True)
         counts.append(open_fds())
-    assert counts[-1] <= steady + ONE_CONNECTION, counts
+    assert counts[-1] <= steady + ONE_CONNECTION, (left_open, counts)
 
 
 def test_peers_taking_turns_within_the_parking_cap_keep_fds_bounded(

@@ -105,3 +105,67 @@ def test_closing_a_nixl_transport_ends_its_progress_thread_even_while_held() -> 
     assert not thread.is_alive()
     assert not transport.hold_target_progress()  # closed: the caller drives nothing
     assert transport.statistics().progress_ticks == target.ticks
+
+
+def test_a_thread_that_cannot_start_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller then drives progress itself; nothing is counted and stop() is safe."""
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    tp = TargetProgress(Steps(target=1), "tp-refused")
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    assert not tp.hold()
+    assert tp.holds == 0 and tp._thread is None
+    monkeypatch.undo()
+    tp.stop()
+
+
+@needs_nixl
+def test_a_shutdown_on_the_progress_thread_hands_itself_to_another_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A collection that finalises the transport on its progress thread, inside a step
+    (an op the shutdown waits for): the shutdown runs elsewhere once the step is over,
+    instead of waiting 30 s for itself and leaking the agent."""
+    from p2pkv.transport import nixl
+
+    array = np.zeros(8 * 4096, dtype=np.uint8)
+    transport = nixl.NixlTransport.create(
+        agent_name="tp-gc", region=array, layout=RegionLayout(array.ctypes.data, 8, 4096)
+    )
+    st = transport._state
+    target = st.target
+    ran = threading.Event()
+
+    def step() -> bool:
+        if not st.enter():
+            return False
+        try:
+            if not ran.is_set():
+                ran.set()
+                nixl._shutdown(st)  # as weakref.finalize would, mid-step
+            return True
+        finally:
+            st.exit()
+
+    target._step = step
+    closers: list[threading.Thread] = []
+
+    class Recorded(threading.Thread):
+        def start(self) -> None:
+            closers.append(self)
+            super().start()
+
+    monkeypatch.setattr(threading, "Thread", Recorded)
+    assert transport.hold_target_progress()
+    assert ran.wait(WAIT_S)
+    thread = target._thread
+    assert thread is not None
+    thread.join(WAIT_S)  # the closer stops it once the step is over
+    assert not thread.is_alive() and st.closing
+    assert [c.name for c in closers] == ["p2pkv-progress-tp-gc", "p2pkv-close"]
+    closers[1].join(WAIT_S)
+    assert not closers[1].is_alive()
+    assert transport.statistics().live_agents == 0
+    transport.close()  # idempotent

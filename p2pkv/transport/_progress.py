@@ -18,8 +18,11 @@ returns False ends it too: its transport is closing).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
+
+_log = logging.getLogger("p2pkv.transport.nixl")
 
 MIN_DELAY = 0.001
 MAX_DELAY = 0.010
@@ -44,17 +47,28 @@ class TargetProgress:
 
     def hold(self) -> bool:
         """One more waiter for incoming writes: progress until it lets go. False (nothing
-        held) once stopped."""
+        held: the caller drives progress itself) once stopped, or if the thread cannot
+        start. While the transport closes it may return True for a thread about to end;
+        the step it would take does nothing then anyway."""
         with self._cond:
             if self._stopped:
                 return False
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                try:
+                    thread.start()
+                except RuntimeError:  # e.g. at interpreter shutdown, or out of threads
+                    _log.warning("no progress thread for %s", self._name, exc_info=True)
+                    return False
+                self._thread = thread
             self._holds += 1
             self._fresh = True
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
             self._cond.notify_all()
             return True
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on this progress thread."""
+        return self._thread is threading.current_thread()
 
     def release(self) -> None:
         """Undo one :meth:`hold` that returned True."""

@@ -309,8 +309,13 @@ def _shutdown(st: _State) -> None:
     """Close ``st`` once: handles, then registrations, then our reference on the agent.
 
     Runs from ``close()`` or from ``weakref.finalize`` (garbage collection, or at exit while
-    module globals still exist; finalize never runs later than that).
+    module globals still exist; finalize never runs later than that). A collection on the
+    progress thread, inside one of its steps (an op it holds), hands the shutdown to a
+    thread of its own: here it would wait for its own op to end.
     """
+    if st.target.is_current():
+        threading.Thread(target=_shutdown, args=(st,), name="p2pkv-close", daemon=True).start()
+        return
     try:
         with st.lock:
             if st.closing:
