@@ -199,6 +199,20 @@ def spawn(
     return Child(argv, name=name)
 
 
+def connect_all(
+    pairs: Sequence[tuple[Child, Child]], tgt: Child, ini: Child, timeout: float
+) -> None:
+    """Once every child is up: each p2pkv pair's consumer (second) connects to its source
+    (first), the bare initiator to the bare target."""
+    for src, dst in pairs:
+        address = src.receive(timeout)["address"]
+        dst.receive(timeout)
+        dst.request({"op": "connect", "address": address})
+    hello = tgt.receive(timeout)
+    ini.receive(timeout)
+    ini.request({"op": "connect", **hello})
+
+
 def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -213,12 +227,7 @@ def run_size(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         spawn(args, "bare", "bare-target") as tgt,
         spawn(args, "bare", "bare-initiator") as ini,
     ):
-        address = src.receive(300)["address"]
-        dst.receive(300)
-        tgt_hello = tgt.receive(300)
-        ini.receive(300)
-        dst.request({"op": "connect", "address": address})
-        ini.request({"op": "connect", **tgt_hello})
+        connect_all([(src, dst)], tgt, ini, 300)
         res: dict[str, dict[str, list[float]]] = {
             mode: {k: [] for k in (*VARIANTS[mode], "lookup", "bare_cpu", "p2pkv_cpu")}
             for mode in args.modes

@@ -50,7 +50,7 @@ from typing import Any
 
 import trio
 from _regions import touched_region  # bench/ is on sys.path when run as a script
-from dataplane import bare_main, order, spawn
+from dataplane import bare_main, connect_all, order, spawn
 
 import p2pkv
 from p2pkv.cli import Child, demo_keys, emit, fill_store, receive_commands, set_env_defaults
@@ -178,13 +178,7 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
             pairs[v] = (src, dst)
         tgt = stack.enter_context(spawn(args, "bare", "bare-target", script=__file__))
         ini = stack.enter_context(spawn(args, "bare", "bare-initiator", script=__file__))
-        for src, dst in pairs.values():
-            address = src.receive(600)["address"]
-            dst.receive(600)
-            dst.request({"op": "connect", "address": address})
-        tgt_hello = tgt.receive(600)
-        ini.receive(600)
-        ini.request({"op": "connect", **tgt_hello})
+        connect_all(list(pairs.values()), tgt, ini, 600)
         order_ = [*variants, "bare"]
         res: dict[str, list[float]] = {}
         for rep in range(args.reps + 1):  # rep 0 warms every path up and is not counted

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dataplane import spawn
+from dataplane import connect_all, spawn
 
 from p2pkv.cli import Child, set_env_defaults
 from p2pkv.transport._nixl_agent import COPY_THREADS_ENV
@@ -44,13 +44,7 @@ def run(block_len: int, blocks: int, threads: list[int], reps: int) -> dict[str,
         os.environ.pop(COPY_THREADS_ENV, None)
         tgt = stack.enter_context(spawn(args, "bare", "bare-target", script=SCRIPT))
         ini = stack.enter_context(spawn(args, "bare", "bare-initiator", script=SCRIPT))
-        for src, dst in pairs.values():
-            address = src.receive(300)["address"]
-            dst.receive(300)
-            dst.request({"op": "connect", "address": address})
-        hello = tgt.receive(300)
-        ini.receive(300)
-        ini.request({"op": "connect", **hello})
+        connect_all(list(pairs.values()), tgt, ini, 300)
         names = ["bare", *pairs]
         for rep in range(reps + 1):  # rep 0 warms up
             k = rep % len(names)
