@@ -38,12 +38,12 @@ import math
 import attrs
 import trio
 
+from .transport._progress import MAX_DELAY as MAX_DELAY  # one backoff for both
+from .transport._progress import MIN_DELAY as MIN_DELAY
 from .transport.base import DataTransport, TransferHandle, TransferState
 
 log = logging.getLogger("p2pkv.completion")
 
-MIN_DELAY = 0.001
-MAX_DELAY = 0.010
 EARLY = 0.85  # the first poll of a handle, as a share of its expected time
 STEPS = 20  # polls after that: every 1/STEPS of the expected time
 LATE = 1.5  # past this share of the expected time, back to the backoff
@@ -59,8 +59,9 @@ class _Waiter:
     since: float  # when the wait began (the post had returned)
     expected: float  # seconds its bytes should take at the recent rate; 0: unknown
     due: float  # next poll
-    step: float  # the backoff's current delay
-    last_proc: float = 0.0  # when a poll last found it PROC
+    last_proc: float  # when a poll last found it PROC
+    step: float = MIN_DELAY  # the backoff's current delay
+    state: TransferState = TransferState.PROC
 
     def schedule(self, now: float) -> None:
         """After a poll found it PROC at ``now``: when to look next. Counted from when the
@@ -81,7 +82,6 @@ class CompletionPoller:
     def __init__(self, transport: DataTransport) -> None:
         self._transport = transport
         self._pending: dict[TransferHandle, _Waiter] = {}
-        self._states: dict[TransferHandle, TransferState] = {}
         # Bytes per second of recent transfers, per peer (agent name): a peer that stalls
         # its copies slows the schedule of no one else's. Oldest first, at most MAX_RATES.
         self._rates: dict[str, float] = {}
@@ -169,25 +169,25 @@ class CompletionPoller:
         state = dp.poll(handle)
         if state is not TransferState.PROC:
             return state
-        event = trio.Event()
         now = trio.current_time()
         nbytes = handle.nblocks * handle.peer.layout.block_len
         rate = self._rates.get(handle.peer.agent_name)
         expected = nbytes / rate if rate else 0.0
         # At most MAX_DELAY to the first look, as on the backoff, whatever the rate says.
         due = now + (min(EARLY * expected, MAX_DELAY) if expected else MIN_DELAY)
-        self._pending[handle] = _Waiter(event, dp, nbytes, now, expected, due, MIN_DELAY, now)
+        w = self._pending[handle] = _Waiter(
+            trio.Event(), dp, nbytes, since=now, expected=expected, due=due, last_proc=now
+        )
         self._wake()
         if self._nap is not None and due < self._nap.deadline:
             self._nap.deadline = due  # napping for a demand or a later handle
         try:
-            await event.wait()
+            await w.event.wait()
         except BaseException:
             self._pending.pop(handle, None)
-            self._states.pop(handle, None)
             self._idle_if_done()
             raise
-        return self._states.pop(handle)
+        return w.state
 
     def _settled(self, handle: TransferHandle, w: _Waiter, state: TransferState) -> None:
         now = trio.current_time()
@@ -202,7 +202,7 @@ class CompletionPoller:
             rates[name] = sample if rate is None or sample > rate else (rate + sample) / 2
             if len(rates) > MAX_RATES:
                 del rates[next(iter(rates))]
-        self._states[handle] = state
+        w.state = state
         del self._pending[handle]
         w.event.set()
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 _log = logging.getLogger("p2pkv.transport.nixl")
 
-MIN_DELAY = 0.001
+MIN_DELAY = 0.001  # the backoff, here and in the completion poller: 1 ms doubling to 10
 MAX_DELAY = 0.010
 JOIN_TIMEOUT_S = 5.0
 
