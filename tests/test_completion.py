@@ -15,7 +15,15 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv.completion import EARLY, MAX_DELAY, MIN_DELAY, SLACK, STEPS, CompletionPoller
+from p2pkv.completion import (
+    EARLY,
+    MAX_DELAY,
+    MAX_RATES,
+    MIN_DELAY,
+    SLACK,
+    STEPS,
+    CompletionPoller,
+)
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 
 MiB = 1 << 20
@@ -332,3 +340,20 @@ async def test_handles_due_together_cost_one_wake_up(
         assert poller.in_flight == 0
         # ~25 looks of the backoff up to 0.2 s, shared: not 25 for each of 32 handles.
         assert steps.steps - before <= 30
+
+
+async def test_rates_are_kept_for_at_most_max_rates_peers_newest_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Peers that come and go (or one that reconnects under ever new names) cannot grow
+    the poller's memory: the peer updated longest ago is forgotten first."""
+    transport = TimedTransport()
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    async with running(poller):
+        for i in range(MAX_RATES + 5):
+            await timed_wait(poller, transport, make_handle(1, MiB, f"peer-{i}"), 0.002)
+        await timed_wait(poller, transport, make_handle(1, MiB, "peer-5"), 0.002)  # renewed
+        await timed_wait(poller, transport, make_handle(1, MiB, "late"), 0.002)
+        assert len(poller._rates) == MAX_RATES
+        assert poller.rate_of("peer-5") is not None and poller.rate_of("late") is not None
+        assert poller.rate_of("peer-0") is None and poller.rate_of("peer-6") is None

@@ -120,6 +120,35 @@ async def test_fetch_from_another_process_lands_byte_exact_in_scattered_slots(
             assert remote["inflight_transfers"] == 0 and remote["pinned_slots"] == 0
 
 
+async def test_two_fetches_at_once_on_overlapping_keys_over_nixl(children: Children) -> None:
+    """Two fetches of the same keys at once, each holding the progress thread: both load
+    the source's bytes (the second shares the first one's transfer), and once they are
+    done no hold is left and the thread parks."""
+    seed, count = 13, 64
+    with trio.fail_after(60):
+        src = await children.start(
+            "o-src", num_blocks=count, block_len=BLOCK, seed=seed, count=count
+        )
+        async with open_node(nixl_config("o-dst", 2 * count)) as dst:
+            keys = [block_key(seed, i) for i in range(count)]
+            peer = await dst.connect(src.address)
+            results: list[Any] = []
+
+            async def fetch(ks: list[bytes]) -> None:
+                results.append(await dst.fetch(peer, ks))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, keys)
+                nursery.start_soon(fetch, keys[count // 2 :])
+            assert sorted(len(r.loaded) for r in results) == [count // 2, count]
+            assert all(r.failed == {} for r in results)
+            for i, key in enumerate(keys):
+                assert bytes(dst.store.get(key) or b"") == block_bytes(seed, i, BLOCK), i
+            target = dst.transport._state.target  # type: ignore[attr-defined]
+            assert target.holds == 0 and target.wait_parked(10.0)
+            assert dst.statistics().reserved_slots == 0
+
+
 async def test_peer_killed_mid_transfer_fails_its_keys_in_time_while_others_are_served(
     children: Children, monkeypatch: pytest.MonkeyPatch
 ) -> None:
