@@ -132,10 +132,12 @@ def cycle_pair(a: Node, b: Node, cycle: int, *, split: bool = False) -> None:
     assert a.transport.statistics().remote_peers == 0
 
 
-def assert_bounded(counts: list[int]) -> None:
+def assert_bounded(counts: list[int], lingering: int = 0) -> None:
+    """No growth over the cycles beyond one connection's two ends, plus ``lingering``:
+    sockets a cycle may leave for the next ones to close (a leak grows every cycle)."""
     steady = counts[0]
     worst = max(counts)
-    assert worst <= steady + ONE_CONNECTION, (
+    assert worst <= steady + ONE_CONNECTION + lingering, (
         f"fds grew from {steady} to {worst} (last {counts[-1]}) over {len(counts)} cycles"
     )
 
@@ -172,7 +174,10 @@ def test_a_peer_restarting_with_new_metadata_keeps_fds_bounded(
         metadata = b.transport.metadata()
         cycle_pair(a, b, cycle, split=copy_threads > 1)
         counts.append(open_fds())
-    assert_bounded(counts)
+    # With copy threads a restarted peer's worker sockets close within the next few split
+    # writes (the next test), so the last restarts' may still be open: up to 2 per thread
+    # (measured once: +3 over the steady count with 2 threads; a leak would add ~2 a cycle).
+    assert_bounded(counts, lingering=2 * copy_threads if copy_threads > 1 else 0)
 
 
 def test_copy_workers_close_their_sockets_to_restarted_peers_at_their_next_write(
