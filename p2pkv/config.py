@@ -19,6 +19,11 @@ def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
         raise ValueError(f"{attr.name} must be > 0, got {value!r}")
 
 
+def _positive_or_none(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None:
+        _positive(inst, attr, value)
+
+
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
     return None if value is None else os.fspath(value)
 
@@ -55,6 +60,12 @@ class NodeConfig:
     nixl_copy_threads: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive)
     )
+    # While a node runs on its own engine thread (start_node, the vLLM integrations): the
+    # interpreter's switch interval at most this (seconds), so that a host thread busy in
+    # Python hands the GIL to the engine within it instead of Python's 5 ms; None leaves it
+    # alone. Process-wide and shared by the running engines (see p2pkv._switch and
+    # docs/design.md, "A busy host and the GIL"); open_node never touches it.
+    switch_interval: float | None = attrs.field(default=0.001, validator=_positive_or_none)
 
     # Compatibility: peers must agree on these (checked at handshake).
     fingerprint: str = ""  # e.g. model + dtype + layout; opaque to p2pkv

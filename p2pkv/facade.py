@@ -52,6 +52,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import trio
 
+from . import _switch
 from .config import NodeConfig
 from .errors import P2PKVTimeout, PortalClosed
 from .node import Node, NodeStatistics, Peer, TransportFactory, open_node
@@ -100,6 +101,17 @@ def start_node(
     board: TicketBoard[TicketResult] = TicketBoard()
 
     async def main(ctx: EngineContext[Node]) -> None:
+        # Until the engine ends, however it ends: a host thread busy in Python gives the
+        # engine the GIL within this interval (p2pkv._switch).
+        interval = cfg.switch_interval
+        release_interval = _switch.hold(interval) if interval is not None else None
+        try:
+            await _serve(ctx)
+        finally:
+            if release_interval is not None:
+                release_interval()
+
+    async def _serve(ctx: EngineContext[Node]) -> None:
         failure: BaseException | None = None
         try:
             async with open_node(

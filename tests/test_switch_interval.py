@@ -1,0 +1,147 @@
+"""The switch interval while engine threads run (p2pkv._switch, start_node).
+
+Synchronous tests: the holds are taken and released from plain threads, as engine threads
+do. Every test leaves the interpreter's interval as it found it (the ``interval`` fixture
+checks that, then restores it whatever happened).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from p2pkv import NodeConfig, PortalClosed, _switch, start_node
+from p2pkv.store import BlockStore
+from p2pkv.transport.base import DataTransport
+
+from .helpers import config
+
+BOUND = 10.0  # seconds: "this did not hang"
+DEFAULT = 0.005  # Python's own
+
+
+@pytest.fixture
+def interval() -> Iterator[float]:
+    """Python's default interval for the test; afterwards it must be back."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(DEFAULT)
+    start = sys.getswitchinterval()
+    try:
+        yield start
+        assert sys.getswitchinterval() == start, "the interval was not restored"
+        assert not _switch._wanted, "a hold was left behind"
+    finally:
+        _switch._wanted.clear()
+        sys.setswitchinterval(before)
+
+
+def test_a_hold_lowers_the_interval_and_its_release_restores_it(interval: float) -> None:
+    release = _switch.hold(0.001)
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    release()
+    assert sys.getswitchinterval() == interval
+    release()  # a second release changes nothing
+    assert sys.getswitchinterval() == interval
+
+
+def test_a_hold_never_raises_an_interval_already_lower(interval: float) -> None:
+    sys.setswitchinterval(0.0002)
+    user = sys.getswitchinterval()
+    release = _switch.hold(0.001)
+    assert sys.getswitchinterval() == user
+    release()
+    assert sys.getswitchinterval() == user
+    sys.setswitchinterval(interval)
+
+
+def test_holds_are_counted_and_the_lowest_wins(interval: float) -> None:
+    slow = _switch.hold(0.002)
+    assert sys.getswitchinterval() == pytest.approx(0.002)
+    fast = _switch.hold(0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    fast()  # the other engine still runs: its interval, not the original
+    assert sys.getswitchinterval() == pytest.approx(0.002)
+    again = _switch.hold(0.001)
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    slow()
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    again()
+    assert sys.getswitchinterval() == interval
+
+
+def test_an_interval_someone_else_sets_meanwhile_is_theirs(interval: float) -> None:
+    first = _switch.hold(0.001)
+    sys.setswitchinterval(0.003)  # the host decides
+    theirs = sys.getswitchinterval()
+    second = _switch.hold(0.0005)  # a hold taken after that does not override it
+    assert sys.getswitchinterval() == theirs
+    first()
+    second()
+    assert sys.getswitchinterval() == theirs  # and nothing "restores" over it
+    sys.setswitchinterval(interval)
+    # The next holds manage it again, from what it is now.
+    release = _switch.hold(0.001)
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    release()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_a_hold_of_no_positive_interval_is_refused(interval: float, bad: float) -> None:
+    with pytest.raises(ValueError, match="switch interval"):
+        _switch.hold(bad)
+    with pytest.raises(ValueError, match="switch_interval"):
+        NodeConfig(peer_id="a", switch_interval=bad)
+
+
+def test_holds_taken_and_released_from_many_threads_at_once(interval: float) -> None:
+    rounds, workers = 300, 8
+    barrier = threading.Barrier(workers)
+    seen_above: list[float] = []
+
+    def work(i: int) -> None:
+        barrier.wait(BOUND)
+        for _ in range(rounds):
+            release = _switch.hold(0.001 if i % 2 else 0.0005)
+            now = sys.getswitchinterval()
+            if now > 0.001 + 1e-9:  # this hold is on: never above what it asked for
+                seen_above.append(now)
+            release()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND)
+        assert not t.is_alive()
+    assert seen_above == []
+    assert sys.getswitchinterval() == interval
+
+
+def test_start_node_lowers_the_interval_while_its_engine_runs(interval: float) -> None:
+    with start_node(config("a"), start_timeout=BOUND) as node:
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+        with start_node(config("b", switch_interval=0.0005), start_timeout=BOUND) as other:
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+            other.close(timeout=BOUND)
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+        node.close(timeout=BOUND)
+    assert sys.getswitchinterval() == interval
+
+
+def test_start_node_with_no_interval_leaves_it_alone(interval: float) -> None:
+    with start_node(config("a", switch_interval=None), start_timeout=BOUND) as node:
+        assert sys.getswitchinterval() == interval
+        node.close(timeout=BOUND)
+    assert sys.getswitchinterval() == interval
+
+
+def test_a_node_that_cannot_start_restores_the_interval(interval: float) -> None:
+    def broken(cfg: NodeConfig, store: BlockStore) -> DataTransport:
+        raise RuntimeError("no data plane today")
+
+    with pytest.raises(PortalClosed):
+        start_node(config("a"), transport=broken, start_timeout=BOUND)
+    assert sys.getswitchinterval() == interval
