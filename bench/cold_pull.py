@@ -49,28 +49,39 @@ MiB = 1 << 20
 # --- the source process: a node on its engine thread, the host thread busy in 1 s steps ---
 
 
-def _step(mode: str) -> None:
+def _step(mode: str) -> int:
+    """One 1 s step of the host; returns how much Python work it did (spin: loops)."""
+    done = 0
     if mode == "sleep":
         time.sleep(1.0)
     elif mode == "spin":
         end = time.perf_counter() + 1.0
         while time.perf_counter() < end:
             sum(range(2000))  # Python bytecode: holds the GIL between switch intervals
+            done += 1
+    return done
 
 
 def source_main(args: argparse.Namespace) -> None:
+    node_interval = args.node_switch_interval_us * 1e-6 if args.node_switch_interval_us else None
     cfg = p2pkv.NodeConfig(
-        peer_id="source", num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
+        peer_id="source",
+        num_blocks=args.blocks,
+        block_len=args.block_len,
+        transport="nixl",
+        switch_interval=node_interval,
     )
     if args.switch_interval_us:
         sys.setswitchinterval(args.switch_interval_us * 1e-6)
     with p2pkv.start_node(cfg) as node:
         fill_store(node.store, demo_keys(args.blocks), 0)
-        emit({"event": "listening", "address": list(node.address)})
+        interval_us = sys.getswitchinterval() * 1e6
+        emit({"event": "listening", "address": list(node.address), "interval_us": interval_us})
         mode, steps, pending = "idle", 0, b""
+        work, since = 0, time.perf_counter()  # the host's work in this mode, and since when
         while True:
             if mode != "idle":
-                _step(mode)
+                work += _step(mode)
                 steps += 1
             wait = None if mode == "idle" else 0.0
             if not select.select([0], [], [], wait)[0]:
@@ -80,9 +91,11 @@ def source_main(args: argparse.Namespace) -> None:
                 return  # EOF: the orchestrator is done (or gone)
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
+                rate = work / (time.perf_counter() - since)  # of the mode now ending
                 if line.strip():
                     mode = json.loads(line)["mode"]  # idle | sleep | spin
-                emit({"mode": mode, "steps": steps})
+                emit({"mode": mode, "steps": steps, "work_per_s": rate})
+                work, since = 0, time.perf_counter()
 
 
 # --- the consumer (this process) ------------------------------------------------------------
@@ -136,9 +149,16 @@ async def consume(args: argparse.Namespace, source: Child, address: tuple[str, i
             peer_id=peer_id, num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
         )
 
+    host_rates: list[float] = []  # the spinning host's loops per second, per spin condition
+    current = "idle"
+
     async def set_mode(mode: str) -> None:
+        nonlocal current
         reply = await trio.to_thread.run_sync(source.request, {"mode": mode})
         assert reply["mode"] == mode, reply
+        if current == "spin":
+            host_rates.append(reply["work_per_s"])
+        current = mode
 
     async with p2pkv.open_node(cfg("warm"), region=touched_region(nbytes)) as warm:
         peer = await warm.connect(address)
@@ -166,13 +186,14 @@ async def consume(args: argparse.Namespace, source: Child, address: tuple[str, i
                     flush=True,
                 )
         await set_mode("idle")
-    return report(args, times, connects)
+    return report(args, times, connects, host_rates)
 
 
 def report(
     args: argparse.Namespace,
     times: dict[tuple[str, str], list[float]],
     connects: dict[str, list[float]],
+    host_rates: list[float],
 ) -> int:
     med = {c: statistics.median(v) for c, v in times.items()}
     base = med["warm", "idle"]
@@ -180,7 +201,7 @@ def report(
     print(
         f"\ncold pull: {args.blocks:,} blocks x {args.block_len // 1024} KiB = "
         f"{size / MiB:,.0f} MiB, scattered order, {args.reps} reps, 2-process NIXL, "
-        f"source switch interval {args.switch_interval_us or 5000:.0f} us"
+        f"source switch interval {args.interval_us:.0f} us while its node runs"
     )
     print(
         f"  {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load average "
@@ -197,6 +218,12 @@ def report(
             f"{min(values) * 1e3:8.1f}ms{max(values) * 1e3:8.1f}ms"
             f"{med[kind, mode] / base:13.2f}x{conn:>10}"
         )
+    if host_rates:
+        print(
+            f"  the spinning host's own work while its node served these pulls: "
+            f"{statistics.median(host_rates):,.0f} loops/s (median of {len(host_rates)} "
+            f"spin conditions; [{min(host_rates):,.0f}-{max(host_rates):,.0f}])"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -207,6 +234,7 @@ def report(
                     "load": os.getloadavg(),
                     "times_s": {f"{kind}, {mode}": v for (kind, mode), v in times.items()},
                     "connect_s": connects,
+                    "host_loops_per_s": host_rates,
                 },
                 f,
                 indent=1,
@@ -237,7 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--switch-interval-us",
         type=float,
         default=0.0,
-        help="experiment: sys.setswitchinterval in the source process (default: Python's 5000 us)",
+        help="experiment: sys.setswitchinterval in the source before its node starts "
+        "(default: Python's 5000 us)",
+    )
+    parser.add_argument(
+        "--node-switch-interval-us",
+        type=float,
+        default=1000.0,
+        help="the source node's NodeConfig.switch_interval in us; 0: None, the node leaves "
+        "the interval alone (default: %(default)s, the config's default)",
     )
     parser.add_argument(
         "--role", default="bench", choices=["bench", "source"], help=argparse.SUPPRESS
@@ -252,9 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv_child = [sys.executable, __file__, "--role", "source", "--blocks", str(args.blocks)]
     argv_child += ["--block-len", str(args.block_len)]
     argv_child += ["--switch-interval-us", str(args.switch_interval_us)]
+    argv_child += ["--node-switch-interval-us", str(args.node_switch_interval_us)]
     with Child(argv_child, name="source process") as source:
         hello: dict[str, Any] = source.receive(timeout=300)
         host, port = hello["address"]
+        args.interval_us = hello["interval_us"]
         return trio.run(consume, args, source, (host, int(port)))
 
 

@@ -166,7 +166,18 @@ def render_cold_pull(res: Json, machine: str) -> str:
     size = a["blocks"] * a["block_len"]
     out = [
         f"{a['blocks']:,} x {a['block_len'] // 1024} KiB = {size / 2**20:,.0f} MiB, "
-        f"{a['reps']} reps; warm idle {size / base / 1e9:.2f} GB/s.",
+        f"{a['reps']} reps; warm idle {size / base / 1e9:.2f} GB/s."
+        + (
+            f" The source's switch interval while its node ran: {a['interval_us']:.0f} us."
+            if "interval_us" in a
+            else ""
+        )
+        + (
+            " Its spinning host's own work while the node served: "
+            f"{statistics.median(res['host_loops_per_s']):,.0f} loops/s."
+            if res.get("host_loops_per_s")
+            else ""
+        ),
         table(["condition", "time", "vs warm, idle", "connect"], rows),
     ]
 
