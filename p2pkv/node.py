@@ -37,7 +37,7 @@ import math
 import secrets
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -60,6 +60,7 @@ from .store import BlockStore, StoreStatistics
 from .transport.base import DataTransport, RegionLayout, RemotePeer, TransportStatistics
 from .wire import Hello
 
+T = TypeVar("T")
 log = logging.getLogger("p2pkv.node")
 
 TransportFactory = Callable[[NodeConfig, BlockStore], DataTransport]
@@ -128,6 +129,11 @@ class Node:
         self.registrar = Registrar(transport, offload)
         self.poller = CompletionPoller(transport)
         self.data_limiter = trio.CapacityLimiter(1)
+        # Tasks that wait for or hold data_limiter (changed on the Trio thread only). A
+        # fetch's posts run in one worker thread, chunk after chunk, while no one but that
+        # fetch is counted; the thread reads it between chunks (an int, under the GIL), so
+        # any other task that wants the data plane gets in at the next chunk.
+        self.data_wanted = 0
         self.cpu_limiter = trio.CapacityLimiter(1)
         self.address: tuple[str, int] = (config.host, config.port)
         self._nursery: trio.Nursery | None = None
@@ -475,7 +481,7 @@ class Node:
             oneoff = trio.CapacityLimiter(1)
             # No registration and no post runs from here to the end of the swap: a post
             # reads the transport and the peer's registration while holding data_limiter.
-            async with self.registrar.limiter, self.data_limiter:
+            async with self.registrar.limiter, self._data_plane():
                 new = await self.offload(
                     self._transport_factory, self.config, self.store, limiter=oneoff
                 )
@@ -519,6 +525,24 @@ class Node:
             self._retired_transports.append(old)
             self._nursery_or_raise().start_soon(self._retire_transport, old)
             return departed
+
+    @asynccontextmanager
+    async def _data_plane(self) -> AsyncIterator[None]:
+        """Hold ``data_limiter``, counted in :attr:`data_wanted` from before it is taken."""
+        self.data_wanted += 1
+        try:
+            async with self.data_limiter:
+                yield
+        finally:
+            self.data_wanted -= 1
+
+    async def offload_data(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread holding ``data_limiter`` (counted, as above)."""
+        self.data_wanted += 1
+        try:
+            return await self.offload(fn, *args, limiter=self.data_limiter)
+        finally:
+            self.data_wanted -= 1
 
     async def _retire_transport(self, old: DataTransport) -> None:
         """Close a replaced transport once no write it posted is in flight."""

@@ -14,7 +14,8 @@ up. A round keeps only its hits and their source slots, as two lists in the look
 order (the fetch repeats the keys): a fetch of exactly those keys, the usual case, takes
 the slots as they are; any other fetch looks its keys up in a map built on first use.
 
-A fetch becomes one task that posts the writes in chunks off the Trio thread, waits for
+A fetch becomes one task that posts the writes in chunks off the Trio thread (one worker
+thread posts chunk after chunk until another task wants the data plane), waits for
 every handle to settle, and only then replies; it releases the round's source pins after
 the reply is sent, so the consumer lands while the producer unpins. Outcomes start as
 failed and become OK only when the data plane reported the chunk DONE, so no exit path
@@ -247,16 +248,16 @@ class ProducerSide(SessionParts):
                             plan_dst.append(ev.slots[i])
                             self.inflight_bytes += bl
                 per_chunk = max(1, cfg.transfer_chunk_bytes // bl)
-                for j in range(0, len(plan_idx), per_chunk):
-                    part = slice(j, j + per_chunk)
-                    try:
-                        dp, h = await node.offload(
-                            self._post, plan_src[part], plan_dst[part], limiter=node.data_limiter
-                        )
-                    except TransportError as exc:
+                parts = [slice(j, j + per_chunk) for j in range(0, len(plan_idx), per_chunk)]
+                while parts:
+                    run = await node.offload_data(self._post_run, plan_src, plan_dst, parts, req)
+                    for part, dp, h in run.posted:
+                        posted.append((plan_idx[part], h, dp))
+                    for exc in run.refused:
                         log.warning("posting writes to %s failed: %s", self.peer_id, exc)
-                        continue
-                    posted.append((plan_idx[part], h, dp))
+                    if run.error is not None:
+                        raise run.error
+                    del parts[: run.tried]
                 for chunk, h, dp in posted:
                     state = await node.poller.wait(h, dp)
                     settled.add(id(h))
@@ -292,6 +293,45 @@ class ProducerSide(SessionParts):
                     if self.alive:
                         await self._flush()
 
+    def _post_run(
+        self,
+        src: list[int],
+        dst: list[int],
+        parts: list[slice],
+        req: int,
+    ) -> _PostRun:
+        """Runs in the worker thread, holding the data-plane limiter: posts the chunks of
+        ``parts`` one after another, and stops early (the rest are for the next run) once
+        another task wants the data plane (``Node.data_wanted``), the session is closing,
+        or the request is no longer being written (aborted, or dropped with a restarted
+        peer). It reads plain attributes and dict entries that the Trio thread sets: a
+        cancel scope's ``cancel_called`` may not be read from another thread.
+
+        A chunk that went back to the Trio thread and out again would wait for the GIL
+        twice, each time up to a switch interval with a busy host (docs/design.md, "A busy
+        host and the GIL"). Between the chunks of one fetch, nothing needs the Trio thread.
+        """
+        run = _PostRun()
+        node = self.node
+        for part in parts:
+            if run.tried and (
+                node.data_wanted > 1
+                or self.close_reason is not None
+                or self.proto.in_state(req) is not InState.WRITING
+            ):
+                break
+            run.tried += 1
+            try:
+                dp, h = self._post(src[part], dst[part])
+            except TransportError as exc:
+                run.refused.append(exc)
+            except Exception as exc:  # a bug: what was posted must still be settled
+                run.error = exc
+                break
+            else:
+                run.posted.append((part, dp, h))
+        return run
+
     def _post(
         self, local: list[int], remote_slots: list[int]
     ) -> tuple[DataTransport, TransferHandle]:
@@ -318,8 +358,18 @@ class ProducerSide(SessionParts):
                 dp.release(h)
             else:
                 quiet = False
-                await node.offload(dp.release, h, limiter=node.data_limiter)
+                await node.offload_data(dp.release, h)
         return quiet
+
+
+@attrs.define
+class _PostRun:
+    """What one run of posts did (:meth:`ProducerSide._post_run`)."""
+
+    tried: int = 0  # chunks taken from the front of the list, posted or refused
+    posted: list[tuple[slice, DataTransport, TransferHandle]] = attrs.Factory(list)
+    refused: list[TransportError] = attrs.Factory(list)  # their keys stay failed
+    error: Exception | None = None  # a bug: raised on the Trio thread once posted is kept
 
 
 def _set_all(outcomes: list[int], indices: list[int], value: int) -> None:

@@ -1,0 +1,250 @@
+"""A fetch's posts: one worker thread posts chunk after chunk, and lets anyone else who
+wants the data plane in at the next chunk (ProducerSide._post_run, Node.data_wanted).
+
+Two nodes in one process over the FAKE (fault-injection) transport. The first source
+transport's first post blocks on a gate (a ``threading.Event``), so a test can line up
+what happens while a run of posts is in its worker thread. Real worker threads, so the
+real clock: ``fail_after`` only says "this did not hang".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import NodeConfig, open_node
+from p2pkv.registrar import to_thread
+from p2pkv.session.producer import ProducerSide
+from p2pkv.session.protocol import AbortRequested
+from p2pkv.store import BlockStore
+from p2pkv.transport.base import RemotePeer, TransferHandle
+
+from .helpers import FaultTransport, config, fill
+
+T = TypeVar("T")
+BOUND = 20.0  # seconds: "this did not hang"
+BLOCK = 4096
+CHUNK = 4  # blocks per chunk: a 16-block fetch is 4 chunks
+
+
+class GatedPosts(FaultTransport):
+    """FAKE data plane (fault injection): while ``gated``, the next post waits for
+    ``gate``; ``entered`` is set once it does."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.gated = False
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def post_write(
+        self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> TransferHandle:
+        if self.gated:
+            self.gated = False
+            self.entered.set()
+            assert self.gate.wait(BOUND), "the post gate never opened"
+        return super().post_write(peer, local_slots, remote_slots)
+
+
+class Factory:
+    """Builds GatedPosts transports; the first one's first post is gated."""
+
+    def __init__(self) -> None:
+        self.built: list[GatedPosts] = []
+
+    def __call__(self, cfg: NodeConfig, store: BlockStore) -> GatedPosts:
+        t = GatedPosts(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
+        t.gated = not self.built
+        self.built.append(t)
+        return t
+
+
+class CountingOffload:
+    """The real offload (worker threads), counting calls by function name."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+
+    def __call__(
+        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter
+    ) -> Awaitable[T]:
+        name = getattr(fn, "__name__", repr(fn))
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return to_thread(fn, *args, limiter=limiter)
+
+
+def src_config() -> NodeConfig:
+    return config("src", num_blocks=64, block_len=BLOCK, transfer_chunk_bytes=CHUNK * BLOCK)
+
+
+async def entered(t: GatedPosts) -> None:
+    assert await trio.to_thread.run_sync(t.entered.wait, BOUND)
+
+
+async def test_the_chunks_of_a_fetch_go_out_in_one_worker_thread_trip() -> None:
+    factory, offload = Factory(), CountingOffload()
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(src_config(), transport=factory, offload=offload) as src,
+            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
+        ):
+            factory.built[0].gated = False
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert sorted(result.loaded) == sorted(keys)
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
+            assert factory.built[0].posts == 16 // CHUNK
+            assert offload.calls.get("_post_run") == 1
+            assert src.data_wanted == 0
+
+
+async def test_a_reconfiguration_gets_the_data_plane_at_the_next_chunk() -> None:
+    """The run stops after the chunk in hand; the swap goes in; the rest of the chunks are
+    posted on the new transport, and every byte lands."""
+    factory = Factory()
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(src_config(), transport=factory) as src,
+            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
+        ):
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            got: list[Any] = []
+            swapped = trio.Event()
+
+            async def fetch() -> None:
+                got.append(await dst.fetch(peer, keys))
+
+            async def reconfigure() -> None:
+                assert await src.reconfigure(["dst"]) == []
+                swapped.set()
+
+            first = factory.built[0]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await entered(first)  # the run is in its first post
+                nursery.start_soon(reconfigure)
+                await trio.testing.wait_all_tasks_blocked()
+                assert src.data_wanted == 2  # the fetch's run and the waiting swap
+                first.gate.set()
+                await swapped.wait()
+            assert first.posts == 1  # the run stopped after the chunk in hand
+            assert factory.built[1].posts == 16 // CHUNK - 1  # the rest, after the swap
+            assert sorted(got[0].loaded) == sorted(keys)
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
+            assert src.data_wanted == 0
+
+
+async def test_an_aborted_fetch_posts_no_more_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    factory = Factory()
+    aborted = trio.Event()
+    on_abort = ProducerSide._on_abort
+
+    def abort_seen(self: ProducerSide, ev: AbortRequested) -> None:
+        on_abort(self, ev)
+        aborted.set()
+
+    monkeypatch.setattr(ProducerSide, "_on_abort", abort_seen)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(src_config(), transport=factory) as src,
+            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
+        ):
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            first = factory.built[0]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dst.fetch, peer, keys)
+                await entered(first)
+                nursery.cancel_scope.cancel()  # the consumer gives up: it sends an abort
+            await aborted.wait()  # the source has cancelled the fetch's scope
+            first.gate.set()
+            with trio.move_on_after(BOUND):
+                while src.statistics().pinned_slots:  # the round ends with its abort_ack
+                    await trio.sleep(0.01)
+            assert first.posts == 1
+            assert src.statistics().pinned_slots == 0
+            assert src.data_wanted == 0
+
+
+async def test_another_peers_fetch_gets_the_data_plane_at_the_next_chunk() -> None:
+    """Two consumers' fetches share the source's data plane chunk by chunk."""
+    factory = Factory()
+    order: list[str] = []
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(src_config(), transport=factory) as src,
+            open_node(config("c1", num_blocks=64, block_len=BLOCK)) as c1,
+            open_node(config("c2", num_blocks=64, block_len=BLOCK)) as c2,
+        ):
+            first = factory.built[0]
+            post = first.post_write
+
+            def recorded(
+                peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+            ) -> TransferHandle:
+                order.append(peer.agent_name)
+                return post(peer, local_slots, remote_slots)
+
+            first.post_write = recorded  # type: ignore[method-assign]
+            keys = fill(src.store, 32, BLOCK)
+            p1, p2 = await c1.connect(src.address), await c2.connect(src.address)
+            results: dict[str, Any] = {}
+
+            async def fetch(name: str, node: Any, peer: Any, ks: list[bytes]) -> None:
+                results[name] = await node.fetch(peer, ks)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, "c1", c1, p1, keys[:16])
+                await entered(first)  # c1's run is in its first post
+                nursery.start_soon(fetch, "c2", c2, p2, keys[16:])
+                await trio.testing.wait_all_tasks_blocked()
+                assert src.data_wanted == 2
+                first.gate.set()
+            assert order[:2] == ["c1", "c2"]  # c2 got in at c1's next chunk
+            assert sorted(order) == ["c1"] * 4 + ["c2"] * 4
+            assert sorted(results["c1"].loaded) == sorted(keys[:16])
+            assert sorted(results["c2"].loaded) == sorted(keys[16:])
+            for node, ks in ((c1, keys[:16]), (c2, keys[16:])):
+                for k in ks:
+                    assert bytes(node.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
+            assert src.data_wanted == 0
+
+
+async def test_a_bug_in_a_later_post_still_settles_the_chunks_already_posted() -> None:
+    factory = Factory()
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(src_config(), transport=factory) as src,
+            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
+        ):
+            first = factory.built[0]
+            first.gated = False
+            post = first.post_write
+
+            def second_breaks(
+                peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+            ) -> TransferHandle:
+                if first.posts == 1:
+                    first.posts += 1
+                    raise RuntimeError("a bug in the data plane")
+                return post(peer, local_slots, remote_slots)
+
+            first.post_write = second_breaks  # type: ignore[method-assign]
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == []
+            assert first.posts == 2  # the chunk before the bug, then the bug
+            assert first.statistics().live_handles == 0  # the posted chunk was settled
+            assert src.statistics().pinned_slots == 0
+            assert src.data_wanted == 0
