@@ -129,6 +129,8 @@ class Node:
         self.registrar = Registrar(transport, offload)
         self.poller = CompletionPoller(transport)
         self.data_limiter = trio.CapacityLimiter(1)
+        # Take data_limiter only through _data_plane() or offload_data(): they count the
+        # task in data_wanted, and a fetch's run of posts yields only to counted tasks.
         # Tasks that wait for or hold data_limiter (changed on the Trio thread only). A
         # fetch's posts run in one worker thread, chunk after chunk, while no one but that
         # fetch is counted; the thread reads it between chunks (an int, under the GIL), so

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import NodeConfig, open_node
+from p2pkv import NodeConfig, TransportError, open_node
 from p2pkv.registrar import to_thread
 from p2pkv.session.producer import ProducerSide
 from p2pkv.session.protocol import AbortRequested
@@ -168,7 +168,7 @@ async def test_an_aborted_fetch_posts_no_more_chunks(monkeypatch: pytest.MonkeyP
                 nursery.cancel_scope.cancel()  # the consumer gives up: it sends an abort
             await aborted.wait()  # the source has cancelled the fetch's scope
             first.gate.set()
-            with trio.move_on_after(BOUND):
+            with trio.move_on_after(BOUND / 2):  # inside fail_after: the assert reports
                 while src.statistics().pinned_slots:  # the round ends with its abort_ack
                     await trio.sleep(0.01)
             assert first.posts == 1
@@ -247,4 +247,67 @@ async def test_a_bug_in_a_later_post_still_settles_the_chunks_already_posted() -
             assert first.posts == 2  # the chunk before the bug, then the bug
             assert first.statistics().live_handles == 0  # the posted chunk was settled
             assert src.statistics().pinned_slots == 0
+            assert src.data_wanted == 0
+
+
+async def test_a_closing_session_posts_no_more_chunks() -> None:
+    factory = Factory()
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(src_config(), transport=factory) as src,
+            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
+        ):
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            first = factory.built[0]
+            got: list[Any] = []
+
+            async def fetch() -> None:
+                got.append(await dst.fetch(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await entered(first)
+                session = src._by_peer["dst"]
+                session.close("closed by the test")
+                first.gate.set()
+                await session.finished.wait()
+            assert first.posts == 1
+            assert got[0].loaded == []  # the session ended before any reply
+            assert src.data_wanted == 0
+
+
+async def test_a_refused_chunk_fails_its_keys_and_the_run_goes_on() -> None:
+    factory = Factory()
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(src_config(), transport=factory) as src,
+            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
+        ):
+            first = factory.built[0]
+            first.gated = False
+            post = first.post_write
+            refused: list[Sequence[int]] = []
+
+            def refuse_the_second(
+                peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+            ) -> TransferHandle:
+                if first.posts == 1:
+                    first.posts += 1
+                    refused.append(local_slots)
+                    raise TransportError("refused by the test")
+                return post(peer, local_slots, remote_slots)
+
+            first.post_write = refuse_the_second  # type: ignore[method-assign]
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            lost = {k for k in keys if src.store.slot_of(k) in set(refused[0])}
+            assert len(lost) == CHUNK
+            assert set(result.failed) == lost
+            assert set(result.failed.values()) == {"transfer_failed"}
+            assert sorted(result.loaded) == sorted(set(keys) - lost)
+            for k in result.loaded:
+                assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
+            assert first.posts == 16 // CHUNK
             assert src.data_wanted == 0

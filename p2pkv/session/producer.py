@@ -100,7 +100,7 @@ class ProducerSide(SessionParts):
     if TYPE_CHECKING:  # provided by PeerSession
         inflight_bytes: int
         _pinned: dict[int, HeldRound]
-        _writes: dict[int, trio.CancelScope]
+        _writes: dict[int, WriteScope]
         _write_done: dict[int, trio.Event]
 
     async def _answer_lookup(self, ev: LookupRequested, turn: Turn) -> None:
@@ -168,10 +168,10 @@ class ProducerSide(SessionParts):
         self._release_round(ev.req_id)
 
     def _on_abort(self, ev: AbortRequested) -> None:
-        scope = self._writes.get(ev.req_id)
+        write = self._writes.get(ev.req_id)
         held = self._pinned.get(ev.req_id)
-        if scope is not None:
-            scope.cancel()  # the write task drains, releases and replies
+        if write is not None:
+            write.cancel()  # the write task drains, releases and replies
         elif held is None or not held.quarantined:
             self._release_round(ev.req_id)
             self.proto.send_abort_ack(ev.req_id)
@@ -183,10 +183,10 @@ class ProducerSide(SessionParts):
             self.proto.send_transfer_done(ev.req_id, [int(Outcome.OVER_CAP)] * len(ev.keys))
             return
         assert self._nursery is not None
-        scope = trio.CancelScope()
-        self._writes[ev.req_id] = scope
+        write = WriteScope()
+        self._writes[ev.req_id] = write
         self._write_done[ev.req_id] = trio.Event()
-        self._nursery.start_soon(self._serve_fetch, ev, scope)
+        self._nursery.start_soon(self._serve_fetch, ev, write)
 
     def _reply(self, req: int, outcomes: list[int], sums: list[int] | None) -> None:
         """No write of the round can land any more: send its terminal reply."""
@@ -208,7 +208,7 @@ class ProducerSide(SessionParts):
         self._reply(req, outcomes, sums)
         self._wake_lease.set()  # the lease timer sends it
 
-    async def _serve_fetch(self, ev: FetchRequested, scope: trio.CancelScope) -> None:
+    async def _serve_fetch(self, ev: FetchRequested, write: WriteScope) -> None:
         node, cfg, bl, req = self.node, self.cfg, self.cfg.block_len, ev.req_id
         # Pessimistic: a key is OK only once the data plane reported its write DONE, so no
         # exit path (error, cancellation, a bug) can report bytes that never landed.
@@ -223,7 +223,7 @@ class ProducerSide(SessionParts):
         settled: set[int] = set()
         sums: list[int] | None = None
         try:
-            with scope:
+            with write.scope:
                 per_turn, sources = cfg.max_keys_per_turn, held.sources(keys)
                 for start in range(0, n, per_turn):
                     if start:
@@ -250,7 +250,9 @@ class ProducerSide(SessionParts):
                 per_chunk = max(1, cfg.transfer_chunk_bytes // bl)
                 parts = [slice(j, j + per_chunk) for j in range(0, len(plan_idx), per_chunk)]
                 while parts:
-                    run = await node.offload_data(self._post_run, plan_src, plan_dst, parts, req)
+                    run = await node.offload_data(
+                        self._post_run, plan_src, plan_dst, parts, req, write
+                    )
                     for part, dp, h in run.posted:
                         posted.append((plan_idx[part], h, dp))
                     for exc in run.refused:
@@ -299,13 +301,15 @@ class ProducerSide(SessionParts):
         dst: list[int],
         parts: list[slice],
         req: int,
+        write: WriteScope,
     ) -> _PostRun:
         """Runs in the worker thread, holding the data-plane limiter: posts the chunks of
         ``parts`` one after another, and stops early (the rest are for the next run) once
-        another task wants the data plane (``Node.data_wanted``), the session is closing,
-        or the request is no longer being written (aborted, or dropped with a restarted
-        peer). It reads plain attributes and dict entries that the Trio thread sets: a
-        cancel scope's ``cancel_called`` may not be read from another thread.
+        another task wants the data plane (``Node.data_wanted``), the write was cancelled
+        (``write.stopped``), the session is closing (a node's close closes each), or the
+        request is no longer being written (aborted, or dropped with a restarted peer).
+        It reads plain attributes and dict entries that the Trio thread sets: a cancel
+        scope's ``cancel_called`` may not be read from another thread.
 
         A chunk that went back to the Trio thread and out again would wait for the GIL
         twice, each time up to a switch interval with a busy host (docs/design.md, "A busy
@@ -316,6 +320,7 @@ class ProducerSide(SessionParts):
         for part in parts:
             if run.tried and (
                 node.data_wanted > 1
+                or write.stopped
                 or self.close_reason is not None
                 or self.proto.in_state(req) is not InState.WRITING
             ):
@@ -360,6 +365,22 @@ class ProducerSide(SessionParts):
                 quiet = False
                 await node.offload_data(dp.release, h)
         return quiet
+
+
+@attrs.define(eq=False)
+class WriteScope:
+    """The cancel scope of a fetch's write task, and a flag a worker thread may read.
+
+    Cancel it through :meth:`cancel` only: a run of posts in a worker thread reads
+    ``stopped``, never the scope (whose ``cancel_called`` may not be read off the Trio
+    thread)."""
+
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    stopped: bool = False
+
+    def cancel(self) -> None:
+        self.stopped = True
+        self.scope.cancel()
 
 
 @attrs.define

@@ -64,7 +64,7 @@ from .consumer import (
     _Pending,
     _Round,
 )
-from .producer import HeldRound, ProducerSide
+from .producer import HeldRound, ProducerSide, WriteScope
 from .protocol import (
     AbortAcknowledged,
     AbortRequested,
@@ -142,7 +142,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._claim_index: dict[bytes, _Claim] | None = None  # see ConsumerSide._claimed
         self._limits_cache: tuple[object, RequestLimits] | None = None  # (hello, limits)
         self._pinned: dict[int, HeldRound] = {}  # producer round -> what it holds
-        self._writes: dict[int, trio.CancelScope] = {}
+        self._writes: dict[int, WriteScope] = {}
         self._write_done: dict[int, trio.Event] = {}
         self._last_rx = trio.current_time()
         self._quiet: trio.CancelScope | None = None  # the keepalive's sleep, while it sleeps
@@ -581,9 +581,9 @@ class PeerSession(ProducerSide, ConsumerSide):
                     p.event.set()
             self._rounds.clear()
             for req in ev.dropped_rounds:
-                scope = self._writes.get(req)
-                if scope is not None:
-                    scope.cancel()
+                write = self._writes.get(req)
+                if write is not None:
+                    write.cancel()
             for req in ev.dropped_rounds:
                 done = self._write_done.get(req)
                 if done is not None:
