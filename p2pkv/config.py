@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import attrs
 
+from ._switch import MIN_INTERVAL
 from .errors import P2PKVError
 
 PROTOCOL_MAJOR = 1
@@ -19,9 +20,9 @@ def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
         raise ValueError(f"{attr.name} must be > 0, got {value!r}")
 
 
-def _positive_or_none(inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
-    if value is not None:
-        _positive(inst, attr, value)
+def _switch_interval(_inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
+    if value is not None and not value >= MIN_INTERVAL:
+        raise ValueError(f"{attr.name} must be None or >= {MIN_INTERVAL} s, got {value!r}")
 
 
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
@@ -65,7 +66,7 @@ class NodeConfig:
     # Python hands the GIL to the engine within it instead of Python's 5 ms; None leaves it
     # alone. Process-wide and shared by the running engines (see p2pkv._switch and
     # docs/design.md, "A busy host and the GIL"); open_node never touches it.
-    switch_interval: float | None = attrs.field(default=0.001, validator=_positive_or_none)
+    switch_interval: float | None = attrs.field(default=0.001, validator=_switch_interval)
 
     # Compatibility: peers must agree on these (checked at handshake).
     fingerprint: str = ""  # e.g. model + dtype + layout; opaque to p2pkv

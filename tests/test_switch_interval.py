@@ -7,8 +7,10 @@ checks that, then restores it whatever happened).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -88,12 +90,70 @@ def test_an_interval_someone_else_sets_meanwhile_is_theirs(interval: float) -> N
     release()
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
-def test_a_hold_of_no_positive_interval_is_refused(interval: float, bad: float) -> None:
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), 1e-9])
+def test_a_hold_under_a_microsecond_is_refused(interval: float, bad: float) -> None:
+    """CPython keeps whole microseconds: less than one would be stored as 0."""
     with pytest.raises(ValueError, match="switch interval"):
         _switch.hold(bad)
     with pytest.raises(ValueError, match="switch_interval"):
         NodeConfig(peer_id="a", switch_interval=bad)
+
+
+def test_a_hold_above_the_interval_changes_nothing(interval: float) -> None:
+    release = _switch.hold(0.010)
+    assert sys.getswitchinterval() == interval
+    release()
+    assert sys.getswitchinterval() == interval
+
+
+def test_an_interval_of_odd_microseconds_comes_back_exactly(interval: float) -> None:
+    """Setting what was read back would lose a microsecond to truncation each time."""
+    sys.setswitchinterval(0.00102)  # 1,019 or 1,020 us, as CPython truncates it
+    user = sys.getswitchinterval()
+    for _ in range(5):
+        release = _switch.hold(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        release()
+        assert sys.getswitchinterval() == user
+    # Two holds, the lower one released first: back to the other, then to the user's.
+    slow, fast = _switch.hold(0.0009), _switch.hold(0.0005)
+    fast()
+    assert sys.getswitchinterval() == pytest.approx(0.0009)
+    slow()
+    assert sys.getswitchinterval() == user
+    sys.setswitchinterval(interval)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_gets_the_interval_from_before_its_parents_holds(
+    interval: float,
+) -> None:
+    release = _switch.hold(0.001)
+    try:
+        read, write = os.pipe()
+        with warnings.catch_warnings():  # 3.12+ warns of fork with threads; ours is checked
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: no engine thread came along
+            try:
+                os.close(read)
+                now = sys.getswitchinterval()
+                again = _switch.hold(0.002)  # the lock works; the new holds count afresh
+                during = sys.getswitchinterval()
+                again()
+                os.write(write, f"{now!r} {during!r} {sys.getswitchinterval()!r}".encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as f:
+            now, during, after = (float(v) for v in f.read().split())
+        os.waitpid(pid, 0)
+        assert now == interval  # given back at the fork
+        assert during == pytest.approx(0.002)
+        assert after == interval
+        assert sys.getswitchinterval() == pytest.approx(0.001)  # the parent's hold stays
+    finally:
+        release()
 
 
 def test_holds_taken_and_released_from_many_threads_at_once(interval: float) -> None:
