@@ -49,17 +49,34 @@ MiB = 1 << 20
 # --- the source process: a node on its engine thread, the host thread busy in 1 s steps ---
 
 
-def _step(mode: str) -> int:
-    """One 1 s step of the host; returns how much Python work it did (spin: loops)."""
-    done = 0
+LOOPS_PER_TICK = 16  # the spinning host notes the time after this many loops
+
+
+def _step(mode: str, ticks: list[float]) -> None:
+    """One 1 s step of the host; a spinning host appends a tick to ``ticks`` every
+    LOOPS_PER_TICK loops of its own work (perf_counter, one clock for both processes)."""
     if mode == "sleep":
         time.sleep(1.0)
     elif mode == "spin":
         end = time.perf_counter() + 1.0
-        while time.perf_counter() < end:
-            sum(range(2000))  # Python bytecode: holds the GIL between switch intervals
-            done += 1
-    return done
+        while (now := time.perf_counter()) < end:
+            for _ in range(LOOPS_PER_TICK):
+                sum(range(2000))  # Python bytecode: holds the GIL between switch intervals
+            ticks.append(now)
+
+
+def _host_rates(ticks: list[float], since: float, window: list[float] | None) -> list[float]:
+    """The spinning host's loops per second inside ``window`` (a pull) and outside it,
+    since ``since``, and the window's length; [] without a window or ticks."""
+    if not window or not ticks:
+        return []
+    t0, t1 = window
+    inside = sum(t0 <= t <= t1 for t in ticks) * LOOPS_PER_TICK
+    outside = len(ticks) * LOOPS_PER_TICK - inside
+    span = ticks[-1] - since
+    if not 0 < t1 - t0 < span:
+        return []
+    return [inside / (t1 - t0), outside / (span - (t1 - t0)), t1 - t0]
 
 
 def source_main(args: argparse.Namespace) -> None:
@@ -78,10 +95,11 @@ def source_main(args: argparse.Namespace) -> None:
         interval_us = sys.getswitchinterval() * 1e6
         emit({"event": "listening", "address": list(node.address), "interval_us": interval_us})
         mode, steps, pending = "idle", 0, b""
-        work, since = 0, time.perf_counter()  # the host's work in this mode, and since when
+        ticks: list[float] = []  # the spinning host's work in this mode, since `since`
+        since = time.perf_counter()
         while True:
             if mode != "idle":
-                work += _step(mode)
+                _step(mode, ticks)
                 steps += 1
             wait = None if mode == "idle" else 0.0
             if not select.select([0], [], [], wait)[0]:
@@ -91,11 +109,13 @@ def source_main(args: argparse.Namespace) -> None:
                 return  # EOF: the orchestrator is done (or gone)
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
-                rate = work / (time.perf_counter() - since)  # of the mode now ending
+                rates: list[float] = []
                 if line.strip():
-                    mode = json.loads(line)["mode"]  # idle | sleep | spin
-                emit({"mode": mode, "steps": steps, "work_per_s": rate})
-                work, since = 0, time.perf_counter()
+                    request = json.loads(line)
+                    rates = _host_rates(ticks, since, request.get("window"))
+                    mode = request["mode"]  # idle | sleep | spin
+                emit({"mode": mode, "steps": steps, "host_rates": rates})
+                ticks, since = [], time.perf_counter()
 
 
 # --- the consumer (this process) ------------------------------------------------------------
@@ -117,7 +137,7 @@ async def timed_pull(
             f"pull failed: {len(result.failed)} blocks, e.g. "
             f"{next(iter(result.failed.values()), '?')}"
         )
-    return {"total": t2 - t0, "connect": t1 - t0}
+    return {"total": t2 - t0, "connect": t1 - t0, "start": t0, "end": t2}
 
 
 def evict_all(node: Node, keys: Sequence[bytes]) -> None:
@@ -149,15 +169,18 @@ async def consume(args: argparse.Namespace, source: Child, address: tuple[str, i
             peer_id=peer_id, num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
         )
 
-    host_rates: list[float] = []  # the spinning host's loops per second, per spin condition
-    current = "idle"
+    # The spinning host's loops per second during each pull and around it, per spin pull.
+    host_rates: list[list[float]] = []
+    current, window = "idle", [0.0, 0.0]
 
     async def set_mode(mode: str) -> None:
         nonlocal current
-        reply = await trio.to_thread.run_sync(source.request, {"mode": mode})
+        reply = await trio.to_thread.run_sync(
+            source.request, {"mode": mode, "window": window if current == "spin" else None}
+        )
         assert reply["mode"] == mode, reply
-        if current == "spin":
-            host_rates.append(reply["work_per_s"])
+        if current == "spin" and reply["host_rates"]:
+            host_rates.append(reply["host_rates"])
         current = mode
 
     async with p2pkv.open_node(cfg("warm"), region=touched_region(nbytes)) as warm:
@@ -180,6 +203,7 @@ async def consume(args: argparse.Namespace, source: Child, address: tuple[str, i
                             raise SystemExit(f"{len(bad)} blocks differ from the source's")
                     connects[mode].append(t["connect"])
                 times[kind, mode].append(t["total"])
+                window = [t["start"], t["end"]]
                 print(
                     f"  rep {rep + 1}/{args.reps} {kind:<4} {mode:<5} {t['total'] * 1e3:8.1f} ms",
                     file=sys.stderr,
@@ -193,7 +217,7 @@ def report(
     args: argparse.Namespace,
     times: dict[tuple[str, str], list[float]],
     connects: dict[str, list[float]],
-    host_rates: list[float],
+    host_rates: list[list[float]],
 ) -> int:
     med = {c: statistics.median(v) for c, v in times.items()}
     base = med["warm", "idle"]
@@ -219,10 +243,15 @@ def report(
             f"{med[kind, mode] / base:13.2f}x{conn:>10}"
         )
     if host_rates:
+        during = statistics.median(r[0] for r in host_rates)
+        around = statistics.median(r[1] for r in host_rates)
+        # What serving a pull cost the host: the share of its rate it lost, over the pull.
+        lost = statistics.median((1 - r[0] / r[1]) * r[2] for r in host_rates)
         print(
-            f"  the spinning host's own work while its node served these pulls: "
-            f"{statistics.median(host_rates):,.0f} loops/s (median of {len(host_rates)} "
-            f"spin conditions; [{min(host_rates):,.0f}-{max(host_rates):,.0f}])"
+            f"  the spinning host's own work, loops/s: {during:,.0f} while a pull ran, "
+            f"{around:,.0f} around it in the same 1 s steps ({during / around:.2f} of it); "
+            f"host time lost per pull {lost * 1e3:.1f} ms (medians of {len(host_rates)} "
+            f"spin pulls)"
         )
     if args.json:
         with open(args.json, "w") as f:
@@ -234,7 +263,7 @@ def report(
                     "load": os.getloadavg(),
                     "times_s": {f"{kind}, {mode}": v for (kind, mode), v in times.items()},
                     "connect_s": connects,
-                    "host_loops_per_s": host_rates,
+                    "host_loops_per_s_during_around": host_rates,
                 },
                 f,
                 indent=1,

@@ -29,8 +29,9 @@ Block length is the same on every node (peers must agree); the 4 KiB default kee
 20,000 blocks at 80 MiB. The bulk blocks' bytes are checked against A's afterwards.
 
 ``--switch-interval`` sets ``sys.setswitchinterval`` before the nodes start (default:
-leave Python's 5 ms); the nodes then lower it to ``--node-switch-interval-us`` (their
-config's ``switch_interval``, 1 ms by default; 0 leaves it alone) while they run. A host
+leave Python's 5 ms, in seconds); while they run, the nodes hold it at most
+``--node-switch-interval-us`` (their config's ``switch_interval``, 1 ms by default; 0
+leaves it alone), so it drops only if that is lower. A host
 thread waiting for the GIL waits up to one switch interval per runnable thread, so
 the GIL, not p2pkv, bounds the tail of any Python call in a busy process; the report says
 which interval was in force.

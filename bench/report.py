@@ -173,9 +173,12 @@ def render_cold_pull(res: Json, machine: str) -> str:
             else ""
         )
         + (
-            " Its spinning host's own work while the node served: "
-            f"{statistics.median(res['host_loops_per_s']):,.0f} loops/s."
-            if res.get("host_loops_per_s")
+            " Its spinning host's own work while a pull ran: "
+            f"{statistics.median(r[0] for r in rates):,.0f} loops/s, against "
+            f"{statistics.median(r[1] for r in rates):,.0f} around the pulls; host time "
+            f"lost per pull {statistics.median((1 - r[0] / r[1]) * r[2] for r in rates) * 1e3:.1f}"
+            " ms."
+            if (rates := res.get("host_loops_per_s_during_around"))
             else ""
         ),
         table(["condition", "time", "vs warm, idle", "connect"], rows),
