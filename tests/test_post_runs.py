@@ -10,7 +10,8 @@ real clock: ``fail_after`` only says "this did not hang".
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 import pytest
@@ -18,6 +19,7 @@ import trio
 import trio.testing
 
 from p2pkv import NodeConfig, TransportError, open_node
+from p2pkv.node import Node
 from p2pkv.registrar import to_thread
 from p2pkv.session.producer import ProducerSide
 from p2pkv.session.protocol import AbortRequested
@@ -34,17 +36,24 @@ CHUNK = 4  # blocks per chunk: a 16-block fetch is 4 chunks
 
 class GatedPosts(FaultTransport):
     """FAKE data plane (fault injection): while ``gated``, the next post waits for
-    ``gate``; ``entered`` is set once it does."""
+    ``gate``; ``entered`` is set once it does. With ``fail_second`` set, the second post
+    raises it."""
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.gated = False
         self.gate = threading.Event()
         self.entered = threading.Event()
+        self.fail_second: Exception | None = None  # the second post raises this
+        self.failed_slots: list[int] = []  # the local slots of the post that raised
 
     def post_write(
         self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
     ) -> TransferHandle:
+        if self.fail_second is not None and self.posts == 1:
+            self.posts += 1
+            self.failed_slots = list(local_slots)
+            raise self.fail_second
         if self.gated:
             self.gated = False
             self.entered.set()
@@ -83,6 +92,18 @@ def src_config() -> NodeConfig:
     return config("src", num_blocks=64, block_len=BLOCK, transfer_chunk_bytes=CHUNK * BLOCK)
 
 
+@asynccontextmanager
+async def source_and_consumer(
+    factory: Factory, offload: CountingOffload | None = None
+) -> AsyncIterator[tuple[Node, Node]]:
+    """The source over ``factory``'s transports, and a consumer, both open."""
+    async with (
+        open_node(src_config(), transport=factory, offload=offload) as src,
+        open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
+    ):
+        yield src, dst
+
+
 async def entered(t: GatedPosts) -> None:
     assert await trio.to_thread.run_sync(t.entered.wait, BOUND)
 
@@ -90,10 +111,7 @@ async def entered(t: GatedPosts) -> None:
 async def test_the_chunks_of_a_fetch_go_out_in_one_worker_thread_trip() -> None:
     factory, offload = Factory(), CountingOffload()
     with trio.fail_after(BOUND):
-        async with (
-            open_node(src_config(), transport=factory, offload=offload) as src,
-            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
-        ):
+        async with source_and_consumer(factory, offload) as (src, dst):
             factory.built[0].gated = False
             keys = fill(src.store, 16, BLOCK)
             peer = await dst.connect(src.address)
@@ -111,10 +129,7 @@ async def test_a_reconfiguration_gets_the_data_plane_at_the_next_chunk() -> None
     posted on the new transport, and every byte lands."""
     factory = Factory()
     with trio.fail_after(BOUND):
-        async with (
-            open_node(src_config(), transport=factory) as src,
-            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
-        ):
+        async with source_and_consumer(factory) as (src, dst):
             keys = fill(src.store, 16, BLOCK)
             peer = await dst.connect(src.address)
             got: list[Any] = []
@@ -155,10 +170,7 @@ async def test_an_aborted_fetch_posts_no_more_chunks(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(ProducerSide, "_on_abort", abort_seen)
     with trio.fail_after(BOUND):
-        async with (
-            open_node(src_config(), transport=factory) as src,
-            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
-        ):
+        async with source_and_consumer(factory) as (src, dst):
             keys = fill(src.store, 16, BLOCK)
             peer = await dst.connect(src.address)
             first = factory.built[0]
@@ -223,23 +235,10 @@ async def test_another_peers_fetch_gets_the_data_plane_at_the_next_chunk() -> No
 async def test_a_bug_in_a_later_post_still_settles_the_chunks_already_posted() -> None:
     factory = Factory()
     with trio.fail_after(BOUND):
-        async with (
-            open_node(src_config(), transport=factory) as src,
-            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
-        ):
+        async with source_and_consumer(factory) as (src, dst):
             first = factory.built[0]
             first.gated = False
-            post = first.post_write
-
-            def second_breaks(
-                peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
-            ) -> TransferHandle:
-                if first.posts == 1:
-                    first.posts += 1
-                    raise RuntimeError("a bug in the data plane")
-                return post(peer, local_slots, remote_slots)
-
-            first.post_write = second_breaks  # type: ignore[method-assign]
+            first.fail_second = RuntimeError("a bug in the data plane")
             keys = fill(src.store, 16, BLOCK)
             peer = await dst.connect(src.address)
             result = await dst.fetch(peer, keys)
@@ -253,10 +252,7 @@ async def test_a_bug_in_a_later_post_still_settles_the_chunks_already_posted() -
 async def test_a_closing_session_posts_no_more_chunks() -> None:
     factory = Factory()
     with trio.fail_after(BOUND):
-        async with (
-            open_node(src_config(), transport=factory) as src,
-            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
-        ):
+        async with source_and_consumer(factory) as (src, dst):
             keys = fill(src.store, 16, BLOCK)
             peer = await dst.connect(src.address)
             first = factory.built[0]
@@ -280,29 +276,14 @@ async def test_a_closing_session_posts_no_more_chunks() -> None:
 async def test_a_refused_chunk_fails_its_keys_and_the_run_goes_on() -> None:
     factory = Factory()
     with trio.fail_after(BOUND):
-        async with (
-            open_node(src_config(), transport=factory) as src,
-            open_node(config("dst", num_blocks=64, block_len=BLOCK)) as dst,
-        ):
+        async with source_and_consumer(factory) as (src, dst):
             first = factory.built[0]
             first.gated = False
-            post = first.post_write
-            refused: list[Sequence[int]] = []
-
-            def refuse_the_second(
-                peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
-            ) -> TransferHandle:
-                if first.posts == 1:
-                    first.posts += 1
-                    refused.append(local_slots)
-                    raise TransportError("refused by the test")
-                return post(peer, local_slots, remote_slots)
-
-            first.post_write = refuse_the_second  # type: ignore[method-assign]
+            first.fail_second = TransportError("refused by the test")
             keys = fill(src.store, 16, BLOCK)
             peer = await dst.connect(src.address)
             result = await dst.fetch(peer, keys)
-            lost = {k for k in keys if src.store.slot_of(k) in set(refused[0])}
+            lost = {k for k in keys if src.store.slot_of(k) in set(first.failed_slots)}
             assert len(lost) == CHUNK
             assert set(result.failed) == lost
             assert set(result.failed.values()) == {"transfer_failed"}
