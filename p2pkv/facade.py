@@ -101,18 +101,11 @@ def start_node(
     board: TicketBoard[TicketResult] = TicketBoard()
 
     async def main(ctx: EngineContext[Node]) -> None:
+        failure: BaseException | None = None
         # Until the engine ends, however it ends: a host thread busy in Python gives the
         # engine the GIL within this interval (p2pkv._switch).
         interval = cfg.switch_interval
         release_interval = _switch.hold(interval) if interval is not None else None
-        try:
-            await _serve(ctx)
-        finally:
-            if release_interval is not None:
-                release_interval()
-
-    async def _serve(ctx: EngineContext[Node]) -> None:
-        failure: BaseException | None = None
         try:
             async with open_node(
                 cfg, region=region, transport=transport, offload=offload, pin_source=pin_source
@@ -123,6 +116,8 @@ def start_node(
             failure = exc
             raise
         finally:
+            if release_interval is not None:
+                release_interval()
             if failure is None:
                 board.fail_all(
                     PortalClosed("node is closed (the operation did not finish)", op="ticket")

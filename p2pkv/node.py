@@ -129,12 +129,11 @@ class Node:
         self.registrar = Registrar(transport, offload)
         self.poller = CompletionPoller(transport)
         self.data_limiter = trio.CapacityLimiter(1)
-        # Take data_limiter only through _data_plane() or offload_data(): they count the
-        # task in data_wanted, and a fetch's run of posts yields only to counted tasks.
-        # Tasks that wait for or hold data_limiter (changed on the Trio thread only). A
-        # fetch's posts run in one worker thread, chunk after chunk, while no one but that
-        # fetch is counted; the thread reads it between chunks (an int, under the GIL), so
-        # any other task that wants the data plane gets in at the next chunk.
+        # Tasks that wait for or hold data_limiter, changed on the Trio thread only: take
+        # the limiter through _data_plane() or offload_data(), which count the task. A
+        # fetch's posts run in one worker thread, chunk after chunk, while no other task
+        # is counted; the thread reads this between chunks (an int, under the GIL), so any
+        # other task that wants the data plane gets in at the next chunk.
         self.data_wanted = 0
         self.cpu_limiter = trio.CapacityLimiter(1)
         self.address: tuple[str, int] = (config.host, config.port)
