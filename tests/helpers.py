@@ -30,7 +30,7 @@ import pytest
 import trio
 import trio.lowlevel
 
-from p2pkv import Node, NodeConfig, open_node, staging
+from p2pkv import FetchResult, Node, NodeConfig, open_node, staging
 from p2pkv.errors import RegistrationFailed, TransportError
 from p2pkv.session.protocol import ByeReceived, Event, LocalInfo, SessionProtocol
 from p2pkv.store import BlockStore
@@ -413,6 +413,20 @@ async def pair(
         open_node(config("dst", **(dst_kw or {})), offload=offload) as dst,
     ):
         yield src, dst
+
+
+async def fetch_at_once(node: Node, peer: Any, *key_lists: list[bytes]) -> list[FetchResult]:
+    """One ``node.fetch(peer, keys)`` per list, all started together; the results in the
+    order they finished."""
+    results: list[FetchResult] = []
+
+    async def fetch(keys: list[bytes]) -> None:
+        results.append(await node.fetch(peer, keys))
+
+    async with trio.open_nursery() as nursery:
+        for keys in key_lists:
+            nursery.start_soon(fetch, keys)
+    return results
 
 
 def record_lane_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:

@@ -38,6 +38,7 @@ from .helpers import (
     RawPeer,
     VirtualOffload,
     config,
+    fetch_at_once,
     fill,
     inline_offload,
     pair,
@@ -124,14 +125,7 @@ async def test_a_second_fetch_of_keys_in_flight_shares_the_first_ones_transfer()
         async with pair(src_transport=factory) as (src, dst):
             keys = fill(src.store, 6, BLOCK)
             peer = await dst.connect(src.address)
-            results: list[FetchResult] = []
-
-            async def fetch(ks: list[bytes]) -> None:
-                results.append(await dst.fetch(peer, ks))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fetch, keys)
-                nursery.start_soon(fetch, keys[2:])  # overlaps the first one
+            results = await fetch_at_once(dst, peer, keys, keys[2:])  # overlapping
             assert sorted(len(r.loaded) for r in results) == [4, 6]
             for r in results:
                 assert not r.failed

@@ -21,6 +21,7 @@ from p2pkv import NodeConfig, PeerUnavailable, open_node
 from p2pkv.node import Node
 from p2pkv.transport import _nixl_agent
 
+from .helpers import fetch_at_once
 from .node_proc import (
     Children,
     NodeProcess,
@@ -132,14 +133,7 @@ async def test_two_fetches_at_once_on_overlapping_keys_over_nixl(children: Child
         async with open_node(nixl_config("o-dst", 2 * count)) as dst:
             keys = [block_key(seed, i) for i in range(count)]
             peer = await dst.connect(src.address)
-            results: list[Any] = []
-
-            async def fetch(ks: list[bytes]) -> None:
-                results.append(await dst.fetch(peer, ks))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fetch, keys)
-                nursery.start_soon(fetch, keys[count // 2 :])
+            results = await fetch_at_once(dst, peer, keys, keys[count // 2 :])
             assert sorted(len(r.loaded) for r in results) == [count // 2, count]
             assert all(r.failed == {} for r in results)
             for i, key in enumerate(keys):

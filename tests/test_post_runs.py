@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import NodeConfig, TransportError, open_node
+from p2pkv import FetchResult, NodeConfig, TransportError, open_node
 from p2pkv.node import Node
 from p2pkv.registrar import to_thread
 from p2pkv.session.producer import ProducerSide
@@ -26,7 +26,7 @@ from p2pkv.session.protocol import AbortRequested
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RemotePeer, TransferHandle
 
-from .helpers import FaultTransport, config, fill
+from .helpers import FaultTransport, config, fetch_at_once, fill
 
 T = TypeVar("T")
 BOUND = 20.0  # seconds: "this did not hang"
@@ -232,16 +232,24 @@ async def test_another_peers_fetch_gets_the_data_plane_at_the_next_chunk() -> No
             assert src.data_wanted == 0
 
 
+async def fetch_with_a_failing_second_post(
+    src: Node, dst: Node, first: GatedPosts, error: Exception
+) -> tuple[list[bytes], FetchResult]:
+    """Fetch 16 blocks (4 chunks) from ``src`` while its second post raises ``error``."""
+    first.gated = False
+    first.fail_second = error
+    keys = fill(src.store, 16, BLOCK)
+    peer = await dst.connect(src.address)
+    return keys, await dst.fetch(peer, keys)
+
+
 async def test_a_bug_in_a_later_post_still_settles_the_chunks_already_posted() -> None:
     factory = Factory()
     with trio.fail_after(BOUND):
         async with source_and_consumer(factory) as (src, dst):
             first = factory.built[0]
-            first.gated = False
-            first.fail_second = RuntimeError("a bug in the data plane")
-            keys = fill(src.store, 16, BLOCK)
-            peer = await dst.connect(src.address)
-            result = await dst.fetch(peer, keys)
+            bug = RuntimeError("a bug in the data plane")
+            _, result = await fetch_with_a_failing_second_post(src, dst, first, bug)
             assert result.loaded == []
             assert first.posts == 2  # the chunk before the bug, then the bug
             assert first.statistics().live_handles == 0  # the posted chunk was settled
@@ -278,11 +286,8 @@ async def test_a_refused_chunk_fails_its_keys_and_the_run_goes_on() -> None:
     with trio.fail_after(BOUND):
         async with source_and_consumer(factory) as (src, dst):
             first = factory.built[0]
-            first.gated = False
-            first.fail_second = TransportError("refused by the test")
-            keys = fill(src.store, 16, BLOCK)
-            peer = await dst.connect(src.address)
-            result = await dst.fetch(peer, keys)
+            refusal = TransportError("refused by the test")
+            keys, result = await fetch_with_a_failing_second_post(src, dst, first, refusal)
             lost = {k for k in keys if src.store.slot_of(k) in set(first.failed_slots)}
             assert len(lost) == CHUNK
             assert set(result.failed) == lost
@@ -292,3 +297,23 @@ async def test_a_refused_chunk_fails_its_keys_and_the_run_goes_on() -> None:
                 assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
             assert first.posts == 16 // CHUNK
             assert src.data_wanted == 0
+
+
+async def test_two_fetches_at_once_of_the_same_keys_while_chunks_are_posted() -> None:
+    """The second fetch of keys whose chunks are being posted shares their writes: each
+    block is written once, both results load it, and nothing is left counted."""
+    factory = Factory()
+    with trio.fail_after(BOUND):
+        async with source_and_consumer(factory) as (src, dst):
+            first = factory.built[0]
+            first.gated = False
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            results = await fetch_at_once(dst, peer, keys, keys[4:12])
+            assert sorted(len(r.loaded) for r in results) == [8, 16]
+            assert all(r.failed == {} for r in results)
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
+            assert first.posts == 16 // CHUNK  # every chunk once
+            assert src.data_wanted == 0
+            assert dst.statistics().reserved_slots == 0
