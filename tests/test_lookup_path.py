@@ -6,8 +6,10 @@ nothing). Latency itself is measured by ``bench/control_plane.py``, never here."
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
-from collections.abc import Callable, Iterator
+import struct
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -18,7 +20,7 @@ import trio.testing
 from p2pkv import open_node
 from p2pkv.errors import LocalProtocolError
 from p2pkv.session.protocol import LookupAnswered, LookupRequested, SessionProtocol
-from p2pkv.session.session import PeerSession
+from p2pkv.session.session import RECEIVE_SIZE, PeerSession
 from p2pkv.wire import Fetch, Lookup
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair
@@ -339,3 +341,133 @@ async def test_a_fetch_served_by_one_round_runs_in_the_callers_task_and_two_roun
                 "_lookup_and_fetch",
             ]
             assert all(k in dst.store for k in keys)
+
+
+class _WatchedSocket(socket.socket):
+    """A session's duplicate descriptor that records each receive: its size, ``"again"``
+    for one the kernel had nothing for; ``fail_next`` makes the next receives fail as if
+    woken without bytes."""
+
+    log: list[object]
+    fail_next: int
+
+    def recv(self, bufsize: int, flags: int = 0, /) -> bytes:
+        if self.fail_next:
+            self.fail_next -= 1
+            self.log.append("again")
+            raise BlockingIOError
+        try:
+            data = super().recv(bufsize, flags)
+        except BlockingIOError:
+            self.log.append("again")
+            raise
+        self.log.append(len(data))
+        return data
+
+
+@contextlib.asynccontextmanager
+async def watched_reader(
+    session: PeerSession, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[_WatchedSocket]:
+    """From the next receive on, ``session``'s reader reads a :class:`_WatchedSocket`; its
+    log also records each wait for the descriptor (``"wait"``)."""
+    assert isinstance(session.stream, trio.SocketStream)
+    old = session._raw
+    assert old is not None  # the handshake made it
+    watched = _WatchedSocket(fileno=os.dup(session.stream.socket.fileno()))
+    watched.setblocking(False)
+    watched.log, watched.fail_next = [], 0
+    session._raw = watched
+    waits = trio.lowlevel.wait_readable
+
+    async def wait_readable(sock: Any) -> None:
+        if sock is watched:
+            watched.log.append("wait")
+        await waits(sock)
+
+    monkeypatch.setattr(trio.lowlevel, "wait_readable", wait_readable)
+    try:
+        yield watched
+    finally:
+        trio.lowlevel.notify_closing(old)
+        old.close()
+
+
+async def test_the_reader_waits_before_it_receives_unless_its_last_receive_filled_the_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On plain TCP each session reads its own duplicate of the socket. A frame arriving on
+    a quiet session costs one wait and one receive, never a receive that finds nothing (as
+    ``SocketStream.receive_some`` makes, since it receives before it waits). A receive that
+    fills the buffer (a frame over 64 KiB) is followed by another receive at once."""
+    with trio.fail_after(20):
+        async with pair({"block_len": BL, "num_blocks": 4200}, {"block_len": BL}) as (src, dst):
+            keys = fill(src.store, 4096, BL)
+            peer = await dst.connect(src.address)
+            (session,) = dst._sessions
+            (serving,) = src._sessions
+            assert isinstance(session, PeerSession) and isinstance(serving, PeerSession)
+            await dst.lookup(peer, keys[:1])  # each reader is parked on its old descriptor
+            async with (
+                watched_reader(session, monkeypatch) as answers,
+                watched_reader(serving, monkeypatch) as requests,
+            ):
+                await dst.lookup(peer, keys[:1])  # the readers move to the watched ones
+                answers.log.clear()
+                requests.log.clear()
+                for _ in range(10):
+                    assert await dst.lookup(peer, keys[:1]) == [True]
+                assert "again" not in answers.log and "again" not in requests.log
+                # the reader waits again before the lookup's task resumes
+                assert answers.log == [answers.log[0], "wait"] * 10
+                requests.log.clear()
+                assert await dst.lookup(peer, keys) == [True] * 4096  # a 160 KB frame
+                sizes = [entry for entry in requests.log if isinstance(entry, int)]
+                assert sum(sizes) > RECEIVE_SIZE and sizes[0] == RECEIVE_SIZE
+                after_full = requests.log.index(RECEIVE_SIZE) + 1
+                assert requests.log[after_full] != "wait"  # received again without waiting
+
+
+async def test_a_reader_woken_without_bytes_waits_again_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A wake-up with nothing to read (the kernel's receive fails with EAGAIN) sends the
+    reader back to waiting; the answer that arrives next is read whole."""
+    with trio.fail_after(20):
+        async with pair({"block_len": BL}, {"block_len": BL}) as (src, dst):
+            keys = fill(src.store, 4, BL)
+            peer = await dst.connect(src.address)
+            (session,) = dst._sessions
+            assert isinstance(session, PeerSession)
+            await dst.lookup(peer, keys)
+            async with watched_reader(session, monkeypatch) as answers:
+                await dst.lookup(peer, keys)
+                answers.log.clear()
+                answers.fail_next = 2
+                assert await dst.lookup(peer, keys) == [True] * 4
+                assert answers.log[:4] == ["again", "wait", "again", "wait"]
+                assert isinstance(answers.log[4], int) and answers.log[5] == "wait"
+                assert session.alive
+
+
+async def test_a_peer_that_resets_the_connection_ends_only_its_own_session() -> None:
+    """A receive that fails (the peer reset the connection) closes that session with a
+    reason; the node lives on and serves its other peers."""
+    with trio.fail_after(20):
+        async with pair({"block_len": BL}, {"block_len": BL}) as (src, dst):
+            keys = fill(src.store, 4, BL)
+            raw = RawPeer(block_len=BL)
+            await raw.connect(src.address)
+            await raw.handshake()
+            peer = await dst.connect(src.address)
+            assert await dst.lookup(peer, keys) == [True] * 4
+            (victim,) = [s for s in src._sessions if s.peer_id == raw.peer_id]
+            assert isinstance(victim, PeerSession)
+            assert raw.stream is not None
+            raw.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await raw.aclose()  # a reset, not a close
+            await victim.finished.wait()
+            assert victim.close_reason is not None
+            assert victim.close_reason.startswith("connection lost"), victim.close_reason
+            assert await dst.lookup(peer, keys) == [True] * 4
+            assert src.statistics().peers == 1

@@ -135,6 +135,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._send_lock = trio.StrictFIFOLock()
         self._send_broken = False
         self._raw: socket.socket | None = None  # a duplicate of a plain stream's socket
+        self._drained = True  # the reader's last receive took every byte there was
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
@@ -265,6 +266,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             await self._close_down()
         finally:
             if self._raw is not None:
+                trio.lowlevel.notify_closing(self._raw)  # forget any epoll registration
                 self._raw.close()  # our duplicate of the descriptor, not the stream's
                 self._raw = None
 
@@ -347,22 +349,57 @@ class PeerSession(ProducerSide, ConsumerSide):
 
         ``SocketStream.send_all`` yields once per send even when the kernel takes every
         byte at once, as it nearly always does for control frames; on a plain TCP stream
-        we try a non-blocking send first, through a duplicate of the socket's descriptor
-        (kept until the session ends), and leave only what the kernel would not take to
-        ``send_all``. The caller holds the send lock, so nothing interleaves. TLS streams
-        (and any other kind) always go through ``send_all``."""
-        raw = self._raw
+        we try a non-blocking send first, through :meth:`_raw_socket`, and leave only what
+        the kernel would not take to ``send_all``. The caller holds the send lock, so
+        nothing interleaves. TLS streams (and any other kind) always go through
+        ``send_all``."""
+        raw = self._raw_socket()
         if raw is None:
-            if not isinstance(self.stream, trio.SocketStream) or self.stream.socket.fileno() < 0:
-                return 0
-            raw = self._raw = socket.socket(fileno=os.dup(self.stream.socket.fileno()))
-            raw.setblocking(False)
+            return 0
         try:
             return raw.send(data)
         except BlockingIOError:
             return 0
         except OSError as exc:
             raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+
+    def _raw_socket(self) -> socket.socket | None:
+        """A non-blocking duplicate of a plain TCP stream's descriptor, kept until the
+        session ends; None for TLS (and any other kind of stream) or a closed one."""
+        raw = self._raw
+        if raw is None:
+            if not isinstance(self.stream, trio.SocketStream) or self.stream.socket.fileno() < 0:
+                return None
+            raw = self._raw = socket.socket(fileno=os.dup(self.stream.socket.fileno()))
+            raw.setblocking(False)
+        return raw
+
+    async def _receive(self) -> bytes | bytearray:
+        """The peer's next bytes, b"" once it has closed; always a checkpoint.
+
+        On a plain TCP stream the reader reads the duplicate descriptor itself.
+        ``SocketStream.receive_some`` tries a receive before it waits, so every frame that
+        arrives on a quiet session costs a receive that fails, and its layers (a conflict
+        check, an error translator, a partial) run each time. Here a receive that left
+        bytes behind (it filled the buffer) is followed by another receive; otherwise the
+        reader waits for the descriptor first. TLS streams use ``receive_some``."""
+        raw = self._raw_socket()
+        if raw is None:
+            return await self.stream.receive_some(RECEIVE_SIZE)
+        if self._drained:
+            await trio.lowlevel.wait_readable(raw)
+        else:
+            await trio.lowlevel.checkpoint()
+        while True:
+            try:
+                data = raw.recv(RECEIVE_SIZE)
+            except BlockingIOError:  # woken without bytes (rare): wait again
+                await trio.lowlevel.wait_readable(raw)
+                continue
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
+            self._drained = len(data) < RECEIVE_SIZE
+            return data
 
     async def _reader(self) -> None:
         """Bytes in, events out; at most one turn's work between yields (see
@@ -371,7 +408,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         turn = Turn(cfg.max_events_per_turn, cfg.max_keys_per_turn, self._flush)
         while True:
             try:
-                data = await self.stream.receive_some(RECEIVE_SIZE)
+                data = await self._receive()
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._fail(exc, f"connection lost: {exc}", "transport")
                 return
