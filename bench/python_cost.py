@@ -151,10 +151,12 @@ async def node_main(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def pythonpath(path: str | None) -> Iterator[None]:
-    """Children spawned inside import p2pkv from ``path`` (None: as we do)."""
+    """Children spawned inside import p2pkv from ``path`` (None: as we do); the rest of
+    ``PYTHONPATH`` (where a machine without a package index keeps the dependencies) stays
+    behind it."""
     old = os.environ.get("PYTHONPATH")
     if path is not None:
-        os.environ["PYTHONPATH"] = os.path.abspath(path)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(path), old]))
     try:
         yield
     finally:
