@@ -418,8 +418,11 @@ async def test_the_reader_waits_before_it_receives_unless_its_last_receive_fille
                 for _ in range(10):
                     assert await dst.lookup(peer, keys[:1]) == [True]
                 assert "again" not in answers.log and "again" not in requests.log
-                # the reader waits again before the lookup's task resumes
-                assert answers.log == [answers.log[0], "wait"] * 10
+                # One receive per wait, and the reader waits again before the lookup's task
+                # resumes (a keepalive frame in between would add one more such pair).
+                receives, waits = answers.log[::2], answers.log[1::2]
+                assert len(receives) >= 10 and waits == ["wait"] * len(receives)
+                assert all(isinstance(entry, int) and entry > 0 for entry in receives)
                 requests.log.clear()
                 assert await dst.lookup(peer, keys) == [True] * 4096  # a 160 KB frame
                 sizes = [entry for entry in requests.log if isinstance(entry, int)]
@@ -428,11 +431,11 @@ async def test_the_reader_waits_before_it_receives_unless_its_last_receive_fille
                 assert requests.log[after_full] != "wait"  # received again without waiting
 
 
-async def test_a_reader_woken_without_bytes_waits_again_and_loses_nothing(
+async def test_a_reader_woken_without_bytes_waits_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A wake-up with nothing to read (the kernel's receive fails with EAGAIN) sends the
-    reader back to waiting; the answer that arrives next is read whole."""
+    """A wake-up with nothing to read (the receive fails with EAGAIN; here made to fail
+    twice) sends the reader back to waiting, and the answer is then read and delivered."""
     with trio.fail_after(20):
         async with pair({"block_len": BL}, {"block_len": BL}) as (src, dst):
             keys = fill(src.store, 4, BL)
@@ -468,6 +471,6 @@ async def test_a_peer_that_resets_the_connection_ends_only_its_own_session() -> 
             await raw.aclose()  # a reset, not a close
             await victim.finished.wait()
             assert victim.close_reason is not None
-            assert victim.close_reason.startswith("connection lost"), victim.close_reason
+            assert victim.close_reason.startswith("connection lost: receive failed")
             assert await dst.lookup(peer, keys) == [True] * 4
             assert src.statistics().peers == 1

@@ -382,7 +382,12 @@ class PeerSession(ProducerSide, ConsumerSide):
         arrives on a quiet session costs a receive that fails, and its layers (a conflict
         check, an error translator, a partial) run each time. Here a receive that left
         bytes behind (it filled the buffer) is followed by another receive; otherwise the
-        reader waits for the descriptor first. TLS streams use ``receive_some``."""
+        reader waits for the descriptor first. TLS streams use ``receive_some``.
+
+        The duplicate keeps the connection open on its own: closing ``self.stream`` from
+        another task would no longer wake the reader, so only ``_close_down`` closes the
+        stream (after the reader has ended); anything else ends a session with
+        :meth:`close`."""
         raw = self._raw_socket()
         if raw is None:
             return await self.stream.receive_some(RECEIVE_SIZE)
