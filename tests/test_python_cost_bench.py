@@ -19,15 +19,17 @@ def test_summary_is_the_median_and_the_range() -> None:
 
 
 def test_pythonpath_is_set_for_the_children_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old checkout goes in front; what was on the path (a machine's dependencies)
+    stays behind it; the path is restored afterwards."""
     monkeypatch.setenv("PYTHONPATH", "/ours")
     with python_cost.pythonpath("/old/checkout"):
-        assert os.environ["PYTHONPATH"] == "/old/checkout"
+        assert os.environ["PYTHONPATH"] == os.pathsep.join(["/old/checkout", "/ours"])
     assert os.environ["PYTHONPATH"] == "/ours"
     monkeypatch.delenv("PYTHONPATH")
     with python_cost.pythonpath(None):
         assert "PYTHONPATH" not in os.environ
     with python_cost.pythonpath("/old/checkout"):
-        pass
+        assert os.environ["PYTHONPATH"] == "/old/checkout"
     assert "PYTHONPATH" not in os.environ
 
 
