@@ -156,7 +156,8 @@ def test_two_requests_sharing_a_prefix_in_one_step(vllm_nodes: Nodes) -> None:
 
 def _pull_to_a_frozen_source(nodes: Nodes, name: str) -> tuple[H.VllmNode, H.VllmNode, float]:
     """Start a pull whose load is submitted while the source is SIGSTOPped: it is in flight
-    for sure. Returns (source, consumer, when the load was submitted)."""
+    for sure (with p2pkv's tier: its fetches are sent, so their writes may land and must be
+    waited out). Returns (source, consumer, when the load was submitted)."""
     src, dst = nodes.start("src"), nodes.start("dst")
     keys, warm = H.make_keys(name, 64), H.make_keys(f"{name}-warm", 4)
     src.fill(keys + warm, SEED)
@@ -166,7 +167,10 @@ def _pull_to_a_frozen_source(nodes: Nodes, name: str) -> tuple[H.VllmNode, H.Vll
     dst.wait_gate(name)  # the lookups found the keys; the load is not submitted yet
     src.sigstop()
     submitted = time.monotonic()
-    dst.open_gate(name)
+    # The load is submitted when the gate opens; p2pkv posts its fetches a moment later, on
+    # its own thread. A test that kills the source before then would see a fetch that was
+    # never sent fail at once, rightly without a quarantine.
+    dst.open_gate(name, posted_keys=len(keys) if nodes.tier is P2PKV else 0)
     return src, dst, submitted
 
 

@@ -257,10 +257,19 @@ class VllmNode:
         if not self.call("wait_gate", timeout_s + 5.0, req_id=req_id, timeout_s=timeout_s):
             raise TimeoutError(f"{self.name}: {req_id} never reached its gate")
 
-    def open_gate(self, req_id: str, timeout_s: float = 30.0) -> None:
-        """Let the gated step go on; returns once its load has been submitted."""
-        if not self.call("open_gate", timeout_s + 5.0, req_id=req_id, timeout_s=timeout_s):
-            raise TimeoutError(f"{self.name}: the step gated by {req_id} did not end")
+    def open_gate(self, req_id: str, timeout_s: float = 30.0, *, posted_keys: int = 0) -> None:
+        """Let the gated step go on; returns once its load has been submitted and, with
+        ``posted_keys``, once p2pkv has sent fetches for that many keys (p2pkv tier only)."""
+        if not self.call(
+            "open_gate",
+            timeout_s + 5.0,
+            req_id=req_id,
+            timeout_s=timeout_s,
+            posted_keys=posted_keys,
+        ):
+            raise TimeoutError(
+                f"{self.name}: the step gated by {req_id} did not end or post {posted_keys} keys"
+            )
 
     def finish(self, req_id: str) -> None:
         self.call("finish", req_id=req_id)

@@ -138,6 +138,8 @@ class _Node:
         self._stop = False
         self.steps: list[float] = []  # lock-held seconds per step, gate time excluded
         self._fills = 0
+        self._posted = 0  # keys of the fetches p2pkv posted in this process (_probe_fetches)
+        self._posted_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=SCHEDULER_THREAD, daemon=True)
         self._thread.start()
 
@@ -363,11 +365,42 @@ class _Node:
     def wait_gate(self, req_id: str, timeout_s: float) -> bool:
         return self._all[req_id].gate_reached.wait(timeout_s)
 
-    def open_gate(self, req_id: str, timeout_s: float) -> bool:
-        """Let the gated step go on; returns once it has called ``on_schedule_end``."""
+    def open_gate(self, req_id: str, timeout_s: float, posted_keys: int = 0) -> bool:
+        """Let the gated step go on; returns once it has called ``on_schedule_end`` and, when
+        ``posted_keys`` > 0, once p2pkv has posted fetches for that many more keys: their
+        writes may land from then on, so p2pkv must quarantine them if it gives up."""
         req = self._all[req_id]
+        deadline = time.monotonic() + timeout_s
+        if posted_keys:
+            self._probe_fetches()
+        with self._posted_cond:
+            want = self._posted + posted_keys  # nothing of this load is posted before the gate
         req.gate_open.set()
-        return req.gate_passed.wait(timeout_s)
+        if not req.gate_passed.wait(timeout_s):
+            return False
+        with self._posted_cond:
+            return self._posted_cond.wait_for(
+                lambda: self._posted >= want, max(0.0, deadline - time.monotonic())
+            )
+
+    def _probe_fetches(self) -> None:
+        """A test probe (installed once): count the keys of every fetch that p2pkv's
+        sessions in this process post, wrapped around ``SessionProtocol.send_fetch``. Once
+        that returns, the consumer treats the fetch's writes as possibly landing."""
+        from p2pkv.session.protocol import SessionProtocol
+
+        original = SessionProtocol.send_fetch
+        if getattr(original, "harness_probe", False):
+            return
+
+        def send_fetch(proto: Any, req_id: int, keys: Any, slots: Any, **kw: Any) -> None:
+            original(proto, req_id, keys, slots, **kw)
+            with self._posted_cond:
+                self._posted += len(keys)
+                self._posted_cond.notify_all()
+
+        send_fetch.harness_probe = True  # type: ignore[attr-defined]
+        SessionProtocol.send_fetch = send_fetch  # type: ignore[method-assign,assignment]
 
     def finish(self, req_id: str) -> None:
         with self.mgr.lock:
