@@ -135,7 +135,6 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._send_lock = trio.StrictFIFOLock()
         self._send_broken = False
         self._raw: socket.socket | None = None  # a duplicate of a plain stream's socket
-        self._drained = True  # the reader's last receive took every byte there was
         self._requests = trio.Semaphore(self.cfg.max_open_requests)
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
@@ -374,15 +373,16 @@ class PeerSession(ProducerSide, ConsumerSide):
             raw.setblocking(False)
         return raw
 
-    async def _receive(self) -> bytes | bytearray:
+    async def _receive(self, wait_first: bool = True) -> bytes | bytearray:
         """The peer's next bytes, b"" once it has closed; always a checkpoint.
 
         On a plain TCP stream the reader reads the duplicate descriptor itself.
         ``SocketStream.receive_some`` tries a receive before it waits, so every frame that
         arrives on a quiet session costs a receive that fails, and its layers (a conflict
         check, an error translator, a partial) run each time. Here a receive that left
-        bytes behind (it filled the buffer) is followed by another receive; otherwise the
-        reader waits for the descriptor first. TLS streams use ``receive_some``.
+        bytes behind (it filled the buffer) is followed by another receive
+        (``wait_first=False``); otherwise the reader waits for the descriptor first. TLS
+        streams use ``receive_some``.
 
         The duplicate keeps the connection open on its own: closing ``self.stream`` from
         another task would no longer wake the reader, so only ``_close_down`` closes the
@@ -391,7 +391,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         raw = self._raw_socket()
         if raw is None:
             return await self.stream.receive_some(RECEIVE_SIZE)
-        if self._drained:
+        if wait_first:
             await trio.lowlevel.wait_readable(raw)
         else:
             await trio.lowlevel.checkpoint()
@@ -403,7 +403,6 @@ class PeerSession(ProducerSide, ConsumerSide):
                 continue
             except OSError as exc:
                 raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
-            self._drained = len(data) < RECEIVE_SIZE
             return data
 
     async def _reader(self) -> None:
@@ -411,9 +410,11 @@ class PeerSession(ProducerSide, ConsumerSide):
         :mod:`p2pkv.session.turns`), so no peer's backlog delays the other sessions."""
         cfg = self.cfg
         turn = Turn(cfg.max_events_per_turn, cfg.max_keys_per_turn, self._flush)
+        data: bytes | bytearray = b""
         while True:
             try:
-                data = await self._receive()
+                # A receive that filled the buffer left bytes behind: read again at once.
+                data = await self._receive(wait_first=len(data) < RECEIVE_SIZE)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._fail(exc, f"connection lost: {exc}", "transport")
                 return
