@@ -155,6 +155,10 @@ array built, no GIL offer (it is far shorter than :data:`GIL_OFFER_AFTER_S`). Nu
 ~1 us per whole-array operation, so below this size per-element work (~30 ns through a
 memoryview) is cheaper; above it the array path wins (``bench/store_ops.py``)."""
 
+_POS32_ENTRIES: Final = 2**29
+"""The LRU log's positions are 32-bit while the log holds fewer entries than this (it can
+double once, in ``_Lru._grow``, and stay below 2**31); 64-bit beyond."""
+
 _FREE: Final = 0
 _OCCUPIED: Final = 1
 _RESERVED: Final = 2
@@ -813,7 +817,7 @@ class BlockStore:
             pins = self._pins.get(owner)
             if pins is None:
                 pins = self._pins[owner] = _Pins()
-            pin_count, seq_of = self._pin_count_at, self._lru.seq_of_at
+            pin_count, pos_of = self._pin_count_at, self._lru.pos_of_at
             per_slot: dict[int, int] | None = None
             if len(listed) > 1 and len(set(listed)) < len(listed):
                 per_slot = Counter(listed)  # a key listed twice
@@ -826,7 +830,7 @@ class BlockStore:
                 if before:
                     held = True
                 else:
-                    seq_of[slot] = -1  # leaves the LRU
+                    pos_of[slot] = -1  # leaves the LRU
                     newly += 1
             if held and pins.total:
                 pins.distinct = False
@@ -1369,7 +1373,7 @@ class BlockStore:
             assert keyed[(state == _OCCUPIED) & ~pinned].all()  # unpinned orphans are freed
             assert self._n_orphans == int(((state == _OCCUPIED) & ~keyed).sum())
             evictable = keyed & ~pinned
-            assert ((self._lru.seq_of >= 0) == evictable).all()
+            assert ((self._lru.pos_of >= 0) == evictable).all()
             live = self._lru.live()
             assert sorted(live.tolist()) == np.flatnonzero(evictable).tolist()
             assert self._lru.count == len(live)
@@ -1382,29 +1386,28 @@ class _Lru:
     """The evictable slots in the order they became evictable (published, touched, or
     their last pin dropped): least recently used first. Used under ``BlockStore._lock``.
 
-    A log of entries ``(slot, seq)``, appended at the tail, read from the head; ``seq``
-    numbers every entry ever made. An entry is live while ``seq_of[slot]`` is its seq:
-    a slot leaves (pinned, evicted, freed, overwritten in place) by setting that to -1,
-    and a later entry of the slot supersedes an earlier one. Dead entries are dropped by
-    a compaction that runs in steps of ``4 * room`` entries, one per push, so that no
-    call does more than a bounded amount of it: once the tail passes half the log, live
-    entries are copied, in order, from ``r`` down to ``w`` at the front. The log holds
+    A log of slots, appended at the tail, read from the head. An entry is live while
+    ``pos_of[slot]`` is its position in the log: a slot leaves (pinned, evicted, freed,
+    overwritten in place) by setting that to -1, and a later entry of the slot supersedes
+    an earlier one. Dead entries are dropped by a compaction that runs in steps of
+    ``4 * room`` entries, one per push, so that no call does more than a bounded amount of
+    it: once the tail passes half the log, live entries are copied, in order, from ``r``
+    down to ``w`` at the front (their ``pos_of`` moves with them). The log holds
     ``slots[head:w]`` then ``slots[r:tail]`` (the gap between is garbage); outside a
-    compaction ``w == r``. A step copies at least four entries for each one pushed, so
-    a compaction ends long before the log fills, with at most ``num_blocks`` live
-    entries plus those pushed meanwhile.
+    compaction ``w == r``. A step copies at least four entries for each one pushed, so a
+    compaction ends long before the log fills, with at most ``num_blocks`` live entries
+    plus those pushed meanwhile. Positions, not sequence numbers, mark the live entries:
+    4 bytes per slot and per log entry, where a 64-bit sequence number per entry and per
+    slot cost 16 and 8 (docs/design.md, "Store in bulk").
     """
 
     __slots__ = (
         "compacting",
         "count",
         "head",
-        "next_seq",
+        "pos_of",
+        "pos_of_at",
         "r",
-        "seq_of",
-        "seq_of_at",
-        "seqs",
-        "seqs_at",
         "slots",
         "slots_at",
         "step",
@@ -1414,15 +1417,13 @@ class _Lru:
 
     def __init__(self, num_blocks: int, room: int) -> None:
         size = 3 * (num_blocks + room)
-        self.seq_of = np.full(num_blocks, -1, dtype=np.int64)  # per slot; -1: not evictable
-        self.slots = np.empty(size, dtype=np.int32)
-        self.seqs = np.empty(size, dtype=np.int64)
-        # memoryviews of the three, for the scalar path (BlockStore._state_at and so on)
-        self.seq_of_at = self.seq_of.data
+        dtype = np.int32 if size < _POS32_ENTRIES else np.int64
+        self.pos_of: _Slots = np.full(num_blocks, -1, dtype=dtype)  # per slot; -1: not evictable
+        self.slots: _Slots = np.empty(size, dtype=dtype)
+        # memoryviews of the two, for the scalar path (BlockStore._state_at and so on)
+        self.pos_of_at = self.pos_of.data
         self.slots_at = self.slots.data
-        self.seqs_at = self.seqs.data
         self.head = self.w = self.r = self.tail = 0
-        self.next_seq = 0
         self.count = 0  # live entries: evictable slots
         self.step = 4 * room
         self.compacting = False
@@ -1432,23 +1433,20 @@ class _Lru:
         n = len(slots)
         if self.tail + n > len(self.slots):
             self._grow(n)
-        tail, seq = self.tail, self.next_seq
-        seqs = np.arange(seq, seq + n)
+        tail = self.tail
         self.slots[tail : tail + n] = slots
-        self.seqs[tail : tail + n] = seqs
-        self.seq_of[slots] = seqs
-        self.tail, self.next_seq = tail + n, seq + n
+        self.pos_of[slots] = np.arange(tail, tail + n)
+        self.tail = tail + n
         self.count += n
         self._compact_step()
 
     def push_one(self, slot: int) -> None:
         if self.tail == len(self.slots):
             self._grow(1)
-        tail, seq = self.tail, self.next_seq
+        tail = self.tail
         self.slots_at[tail] = slot
-        self.seqs_at[tail] = seq
-        self.seq_of_at[slot] = seq
-        self.tail, self.next_seq = tail + 1, seq + 1
+        self.pos_of_at[slot] = tail
+        self.tail = tail + 1
         self.count += 1
         if self.compacting or 2 * self.tail >= len(self.slots):
             self._compact_step()
@@ -1458,27 +1456,25 @@ class _Lru:
         n = len(slots)
         if self.tail + n > len(self.slots):
             self._grow(n)
-        tail, seq = self.tail, self.next_seq
-        slots_at, seqs_at, seq_of_at = self.slots_at, self.seqs_at, self.seq_of_at
+        tail = self.tail
+        slots_at, pos_of_at = self.slots_at, self.pos_of_at
         for slot in slots:
             slots_at[tail] = slot
-            seqs_at[tail] = seq
-            seq_of_at[slot] = seq
+            pos_of_at[slot] = tail
             tail += 1
-            seq += 1
-        self.tail, self.next_seq = tail, seq
+        self.tail = tail
         self.count += n
         if self.compacting or 2 * tail >= len(self.slots):
             self._compact_step()
 
     def drop(self, slot: int) -> None:
         """An evictable slot leaves."""
-        self.seq_of_at[slot] = -1
+        self.pos_of_at[slot] = -1
         self.count -= 1
 
     def drop_many(self, slots: _Slots) -> None:
         """Evictable (distinct) slots leave."""
-        self.seq_of[slots] = -1
+        self.pos_of[slots] = -1
         self.count -= len(slots)
 
     def take(self, n: int) -> _Slots:
@@ -1492,7 +1488,7 @@ class _Lru:
             if hi == lo:  # never: count says there are n; fail rather than spin under _lock
                 raise RuntimeError(f"LRU log holds fewer than {n} live entries")
             seg = self.slots[lo:hi]
-            live = np.flatnonzero(self.seq_of[seg] == self.seqs[lo:hi])[:need]
+            live = np.flatnonzero(self.pos_of[seg] == np.arange(lo, hi))[:need]
             parts.append(seg[live])
             need -= len(live)
             end = lo + int(live[-1]) + 1 if not need else hi
@@ -1507,7 +1503,7 @@ class _Lru:
     def take_few(self, n: int) -> list[int] | None:
         """:meth:`take` on the scalar path, with the same result and the same log state
         after it; or None, nothing taken, if more than ``n + 64`` entries would be read."""
-        slots_at, seqs_at, seq_of_at = self.slots_at, self.seqs_at, self.seq_of_at
+        slots_at, pos_of_at = self.slots_at, self.pos_of_at
         budget = n + 64
         out: list[int] = []
         back = (False, self.r, self.tail)
@@ -1518,7 +1514,7 @@ class _Lru:
                     return None
                 budget -= 1
                 slot = slots_at[pos]
-                if seq_of_at[slot] == seqs_at[pos]:
+                if pos_of_at[slot] == pos:
                     out.append(slot)
                     if len(out) == n:
                         if in_front:
@@ -1526,7 +1522,7 @@ class _Lru:
                         else:  # nothing is left in front: the gap closes behind what was read
                             self.head = self.w = self.r = pos + 1
                         for slot in out:
-                            seq_of_at[slot] = -1
+                            pos_of_at[slot] = -1
                         self.count -= n
                         return out
         raise RuntimeError(f"LRU log holds fewer than {n} live entries")
@@ -1534,7 +1530,7 @@ class _Lru:
     def live(self) -> _Slots:
         """Test hook: the live entries' slots, least recently used first."""
         parts = [(self.head, self.w), (self.r, self.tail)]
-        live = [self.slots[a:b][self.seq_of[self.slots[a:b]] == self.seqs[a:b]] for a, b in parts]
+        live = [self.slots[a:b][self.pos_of[self.slots[a:b]] == np.arange(a, b)] for a, b in parts]
         out: _Slots = np.concatenate(live)
         return out
 
@@ -1547,11 +1543,11 @@ class _Lru:
             self.r, self.head, self.w = self.head, 0, 0
         r, w = self.r, self.w
         end = min(self.tail, r + self.step)
-        seg, seqs = self.slots[r:end], self.seqs[r:end]
-        live = self.seq_of[seg] == seqs
-        n = int(np.count_nonzero(live))
-        self.slots[w : w + n] = seg[live]
-        self.seqs[w : w + n] = seqs[live]
+        seg = self.slots[r:end]
+        moved = seg[self.pos_of[seg] == np.arange(r, end)]
+        n = len(moved)
+        self.slots[w : w + n] = moved
+        self.pos_of[moved] = np.arange(w, w + n)
         self.w, self.r = w + n, end
         if end == self.tail:
             self.tail = self.r = self.w
@@ -1559,13 +1555,15 @@ class _Lru:
 
     def _grow(self, room: int) -> None:
         # Not reached while compaction keeps up (see the class docstring); a safety net.
+        # Positions keep their values, so pos_of holds; it widens if they could outgrow it.
         size = 2 * (len(self.slots) + room)
-        for name in ("slots", "seqs"):
-            old = getattr(self, name)
-            new = np.empty(size, dtype=old.dtype)
-            new[: self.tail] = old[: self.tail]
-            setattr(self, name, new)
-            setattr(self, f"{name}_at", new.data)
+        dtype = self.slots.dtype if size < _POS32_ENTRIES else np.dtype(np.int64)
+        new: _Slots = np.empty(size, dtype=dtype)
+        new[: self.tail] = self.slots[: self.tail]
+        self.slots, self.slots_at = new, new.data
+        if self.pos_of.dtype != dtype:
+            self.pos_of = self.pos_of.astype(dtype)
+            self.pos_of_at = self.pos_of.data
 
 
 class _Pins:

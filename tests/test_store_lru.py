@@ -1,0 +1,76 @@
+"""The store's LRU log (``p2pkv.store._Lru``) on its own, against an ordered dict: every
+push, drop and take in random order, with pushes larger than its compaction step, so that
+it compacts in steps, grows, and widens its positions from 32 to 64 bits."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from p2pkv import store as store_mod
+from p2pkv.store import _Lru
+
+
+def run(lru: _Lru, n: int, seed: int, ops: int = 1500) -> None:
+    rng = random.Random(seed)
+    ref: OrderedDict[int, None] = OrderedDict()  # evictable slots, least recently used first
+    for _ in range(ops):
+        op = rng.random()
+        outside = [s for s in range(n) if s not in ref]
+        if op < 0.45 and outside:
+            picked = rng.sample(outside, rng.randint(1, len(outside)))
+            how = rng.random()
+            if how < 0.4:
+                lru.push(np.array(picked, dtype=np.int64))
+            elif how < 0.8:
+                lru.push_few(picked)
+            else:
+                for slot in picked:
+                    lru.push_one(slot)
+            ref.update(dict.fromkeys(picked))
+        elif op < 0.7 and ref:
+            picked = rng.sample(list(ref), rng.randint(1, len(ref)))
+            if rng.random() < 0.5:
+                lru.drop_many(np.array(picked, dtype=np.int64))
+            else:
+                for slot in picked:
+                    lru.drop(slot)
+            for slot in picked:
+                del ref[slot]
+        elif ref:
+            k = rng.randint(1, len(ref))
+            want = list(ref)[:k]
+            if rng.random() < 0.5:
+                got = lru.take(k).tolist()
+            else:
+                few = lru.take_few(k)
+                got = lru.take(k).tolist() if few is None else few
+            assert got == want
+            for slot in want:
+                del ref[slot]
+        assert lru.live().tolist() == list(ref)
+        assert lru.count == len(ref)
+        assert ((lru.pos_of >= 0) == np.isin(np.arange(n), list(ref))).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_log_keeps_lru_order_through_compactions_and_growth(seed: int) -> None:
+    lru = _Lru(24, 2)
+    size = len(lru.slots)
+    run(lru, 24, seed)
+    assert len(lru.slots) > size, "the test never made the log grow"
+    assert lru.pos_of.dtype == np.int32
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_positions_widen_to_64_bits_when_the_log_outgrows_32(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod, "_POS32_ENTRIES", 100)  # a stand-in for 2**29
+    lru = _Lru(24, 2)  # 78 entries: 32-bit
+    assert lru.pos_of.dtype == lru.slots.dtype == np.int32
+    run(lru, 24, seed)
+    assert lru.pos_of.dtype == lru.slots.dtype == np.int64
