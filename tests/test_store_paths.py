@@ -61,9 +61,7 @@ def internals(store: BlockStore, *, same_batches: bool) -> dict[str, object]:
         "owner": store._owner.tolist(),
         "free": store._free[: store._n_free].tolist(),
         "lru": lru.live().tolist(),
-        "lru_log": (lru.head, lru.w, lru.r, lru.tail, lru.compacting)
-        if same_batches
-        else None,
+        "lru_log": (lru.head, lru.w, lru.r, lru.tail, lru.compacting) if same_batches else None,
         "lru_count": lru.count,
         "map": list(store._map.items()),
         "pins": {
