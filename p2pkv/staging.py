@@ -64,7 +64,7 @@ import numpy.typing as npt
 
 from .errors import TransportError
 from .region import region_memory
-from .transport._nixl_agent import block_descs, load_nixl, resolve_parallelism
+from .transport._nixl_agent import block_descs, load_nixl, nixl_cause, resolve_parallelism
 
 __all__ = [
     "LoopbackAgent",
@@ -262,7 +262,9 @@ class LoopbackAgent:
                     reg.lanes.append(lane.register(base, key[1], reg))
             except Exception as exc:
                 self._undo(reg)
-                raise TransportError(f"staging registration failed: {exc!r}", op="stage") from exc
+                raise TransportError(
+                    f"staging registration failed: {exc!r}", op="stage"
+                ) from nixl_cause(exc)
             reg.refs = 1
             self.regions[key] = reg
             return reg

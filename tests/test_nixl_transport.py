@@ -6,8 +6,10 @@ alive. Two-process tests run ``nixl_helpers.py`` (a write target) as a script.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
+import logging
 import os
 import signal
 import socket
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -564,14 +567,52 @@ def spawn() -> Iterator[Callable[..., Target]]:
         target.close()
 
 
+class _NoCollect:
+    """Stands in for ``gc`` in ``_nixl_agent``: counts the collections its teardown asks
+    for and runs none, so a test sees what a close destroys by itself."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def collect(self) -> int:
+        self.asked += 1
+        return 0
+
+
+@pytest.fixture
+def no_gc(monkeypatch: pytest.MonkeyPatch) -> Iterator[_NoCollect]:
+    """No garbage collection at all while the test runs: the automatic one is off, and the
+    teardown's own is counted instead of run."""
+    stub = _NoCollect()
+    monkeypatch.setattr(_nixl_agent, "gc", stub)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield stub
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def native_agent(transport: NixlTransport) -> weakref.ref[Any]:
+    """A weak reference to the transport's native NIXL agent (the pybind object whose
+    destruction destroys the agent and its UCX worker)."""
+    return weakref.ref(transport._state.shared.agent.agent)
+
+
 @pytest.mark.parametrize("copy_threads", [1, 2])
 def test_killed_target_reports_err_and_dead_peer(
     make: MakeTransport,
     spawn: Callable[..., Target],
     monkeypatch: pytest.MonkeyPatch,
+    no_gc: _NoCollect,
     copy_threads: int,
 ) -> None:
-    """With copy threads the big write is split into parts: one handle, failed as a whole."""
+    """With copy threads the big write is split into parts: one handle, failed as a whole.
+    The failure (kept as the handle's cause) holds no frame of NIXL's: closing the
+    transport destroys the agent at once, with no garbage collection. A run of the suite
+    once crashed with SIGSEGV when a collection in a later test destroyed this agent, kept
+    alive by such frames, and purged its write still queued to the dead target."""
     # tcp: asynchronous (transfer() returns PROC) and stalls while the target is not progressing.
     monkeypatch.setenv("UCX_TLS", "tcp")
     num_blocks = 1024  # 64 MiB
@@ -609,6 +650,42 @@ def test_killed_target_reports_err_and_dead_peer(
     src.release(handle)
     assert survivor.call(("digest", remote)) == crcs(src_array, src_layout, local)
     assert not src.is_peer_dead(survivor.name)
+    native = native_agent(src)
+    src.close()
+    assert native() is None, "the NIXL agent outlived its transport's close"
+    assert no_gc.asked == 0
+
+
+def test_close_collects_garbage_that_holds_the_agent(
+    make: MakeTransport, no_gc: _NoCollect, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Garbage (a reference cycle) that holds the native agent does not keep it past the
+    close: the teardown collects it, then and there."""
+    array, layout = region(16)
+    src = make("t10-src", array, layout)
+    native = native_agent(src)
+    cycle: list[Any] = [src._state.shared.agent.agent]
+    cycle.append(cycle)
+    del cycle
+    monkeypatch.setattr(_nixl_agent, "gc", gc)  # the real collector, for the teardown only
+    src.close()
+    assert native() is None
+
+
+def test_close_warns_when_something_live_holds_the_agent(
+    make: MakeTransport, no_gc: _NoCollect, caplog: pytest.LogCaptureFixture
+) -> None:
+    array, layout = region(16)
+    src = make("t11-src", array, layout)
+    native = native_agent(src)
+    holder = [src._state.shared.agent.agent]
+    with caplog.at_level(logging.WARNING, logger="p2pkv.transport.nixl"):
+        src.close()
+    assert no_gc.asked == 1
+    assert native() is not None
+    assert "t11-src outlives its teardown" in caplog.text
+    holder.clear()  # the last reference: destroyed here
+    assert native() is None
 
 
 @pytest.mark.parametrize("copy_threads", [1, 2])

@@ -54,11 +54,13 @@ loaded replaces that agent's entry, so a check after the call would come too lat
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import os
 import sys
 import threading
+import weakref
 from types import ModuleType
 from typing import Any
 
@@ -71,6 +73,19 @@ from ..region import region_memory
 from .base import RegionLayout
 
 _log = logging.getLogger("p2pkv.transport.nixl")
+
+
+def nixl_cause(exc: BaseException) -> BaseException:
+    """``exc``, raised inside NIXL, without its traceback: what p2pkv chains or keeps.
+
+    The traceback's frames hold the NIXL agent and its transfer handles. An exception kept
+    in a reference cycle (a failed transfer that records its cause, a caller that stores
+    the error it caught) would keep the native agent alive after its teardown, until some
+    later garbage collection destroyed it and its UCX worker at a random point: purging a
+    write that was still queued to a dead peer there crashed a test run with SIGSEGV
+    (docs/design.md, "The agent dies at its teardown")."""
+    return exc.with_traceback(None)
+
 
 # Set before the first agent exists, and only where the user has not set them (notes: env).
 ENV_DEFAULTS = {
@@ -316,6 +331,7 @@ class SharedAgent:
         self.dead: set[str] = set()
         self.pending: set[Any] = set()  # posted transfers (NixlXfer) still PROC
         self.leaked: list[Any] = []  # xfer handles whose release failed; retried at teardown
+        self.native: weakref.ref[Any] | None = None  # the native agent, once torn down
         api = binding.api
         config = api.nixl_agent_config(
             enable_prog_thread=False,
@@ -494,7 +510,14 @@ class SharedAgent:
             self.registered = False
             self._reg_descs = None
             self._region = None
+            self.native = weakref.ref(agent.agent)
             del agent  # the last reference: NIXL destroys the agent (and its UCX worker) here
+
+    def outlived(self) -> bool:
+        """After :meth:`teardown`: the native NIXL agent is still alive (something else
+        holds it or one of its handles)."""
+        native = self.native
+        return native is not None and native() is not None
 
 
 def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
@@ -545,7 +568,7 @@ def acquire_agent(
         except Exception as exc:
             raise TransportError(
                 f"creating the NIXL agent failed: {exc!r}", peer=name, op="create"
-            ) from exc
+            ) from nixl_cause(exc)
         shared.refs = 1
         _registry.agents[key] = shared
         return shared
@@ -568,6 +591,18 @@ def release_ref(shared: SharedAgent) -> None:
         # Torn down under the lock: a new transport over the region waits for it, so the
         # region is never registered twice, not even for a moment.
         shared.teardown()
+    if shared.outlived():
+        # Held by garbage, most likely: an exception's frames in a reference cycle (p2pkv
+        # keeps none, see nixl_cause; a caller may). Collect it now, outside the lock (a
+        # collection runs finalisers, and a transport's finaliser takes it), so the agent
+        # dies here, before the caller frees its region, not in some later collection.
+        gc.collect()
+        if shared.outlived():
+            shared._log.warning(
+                "NIXL agent %s outlives its teardown: something still holds it or one of "
+                "its transfer handles; it is destroyed when that lets go",
+                shared.name,
+            )
 
 
 def registry_counts() -> tuple[int, int]:

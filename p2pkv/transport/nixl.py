@@ -79,6 +79,7 @@ from ._nixl_agent import (
     block_descs,
     load_nixl,
     metadata_agent_name,
+    nixl_cause,
     registry_counts,
     release_ref,
     resolve_copy_threads,
@@ -238,7 +239,7 @@ def _check(shared: SharedAgent, native: NixlXfer) -> TransferState:
             native.cause = PeerDisconnected(f"peer disconnected: {exc!r}", peer=name, op="poll")
         else:
             native.cause = TransportError(f"transfer failed: {exc!r}", peer=name, op="poll")
-        native.cause.__cause__ = exc
+        native.cause.__cause__ = nixl_cause(exc)  # kept: no frames (they hold the agent)
         status = "ERR"
     if status == "DONE":
         native.state = TransferState.DONE
@@ -434,7 +435,6 @@ class NixlTransport(DataTransport):
             raise RegistrationFailed(
                 f"metadata refused: {problem}", peer=name, op="add_remote_peer"
             )
-        agent = shared.agent
         with shared.call_lock:
             old = shared.live.get(name)
             reuse = shared.reusable(name, metadata)
@@ -447,18 +447,18 @@ class NixlTransport(DataTransport):
                 except Exception as exc:
                     raise RegistrationFailed(
                         f"NIXL refused the metadata: {exc!r}", peer=name, op="add_remote_peer"
-                    ) from exc
+                    ) from nixl_cause(exc)
             try:
                 # The peer's memory type and device: read from its metadata (VRAM or DRAM).
                 mem_type, device = shared.remote_memory(name, layout) or ("DRAM", 0)
                 descs = block_descs(layout.base_addr, layout.num_blocks, layout.block_len, device)
-                dlist = agent.prep_xfer_dlist(name, descs, mem_type)
+                dlist = shared.agent.prep_xfer_dlist(name, descs, mem_type)
             except Exception as exc:
                 if old is None:
                     shared.unload(name)
                 raise RegistrationFailed(
                     f"preparing the peer's blocks failed: {exc!r}", peer=name, op="add_remote_peer"
-                ) from exc
+                ) from nixl_cause(exc)
             if old is not None:  # same incarnation: its in-flight writes still complete
                 shared.drop_registration(old, stale=True)
             reg = PeerRegistration(
@@ -568,14 +568,16 @@ class NixlTransport(DataTransport):
             except Exception as exc:
                 if xfer is not None:
                     shared.release_xfer(xfer)
+                # This frame goes with the error to whoever catches it: not the agent.
+                agent = xfer = local_descs = remote_descs = None
                 if shared.binding.is_remote_disconnect(exc):
                     shared.set_dead(name, True)
                     raise PeerDisconnected(
                         f"peer disconnected: {exc!r}", peer=name, op="post_write"
-                    ) from exc
+                    ) from nixl_cause(exc)
                 raise TransportError(
                     f"NIXL refused the write: {exc!r}", peer=name, op="post_write"
-                ) from exc
+                ) from nixl_cause(exc)
             if status == "ERR":
                 shared.release_xfer(xfer)
                 raise TransportError("NIXL reported ERR at post", peer=name, op="post_write")
