@@ -458,13 +458,15 @@ BENCHES: list[Bench] = [
     Bench(
         "control_plane",
         "Control plane: lookup round trip",
-        lambda quick: ["--quick"] if quick else ["--sweep"],
+        # 15 reps of 60 samples: the median ratio of 5 moved by +-0.3 between runs minutes
+        # apart on the GPU machine (its cores are shared).
+        lambda quick: ["--quick"] if quick else ["--sweep", "--reps", "15", "--samples", "900"],
         render_control_plane,
     ),
     Bench(
         "python_cost",
         "Python CPU per block of a lookup + fetch",
-        lambda quick: ["--quick"] if quick else ["--reps", "5"],
+        lambda quick: ["--quick"] if quick else ["--reps", "9"],
         render_python_cost,
     ),
     Bench(

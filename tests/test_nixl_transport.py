@@ -123,14 +123,18 @@ def make() -> Iterator[MakeTransport]:
             agent_name=name, region=array, layout=layout, copy_threads=copy_threads
         )
         made.append(transport)
+        natives.append(native_agent(transport))
         return transport
 
+    natives: list[weakref.ref[Any]] = []
     yield create
     for transport in reversed(made):
         transport.close()
     if made:
         stats = made[0].statistics()
         assert (stats.live_agents, stats.registered_regions) == (0, 0)
+    # NIXL's own agents too, not just p2pkv's records of them: none outlives its close.
+    assert [ref for ref in natives if ref() is not None] == []
 
 
 def test_scattered_write_lands_byte_exact(make: MakeTransport) -> None:
