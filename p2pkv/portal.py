@@ -175,6 +175,11 @@ class EngineThread(Generic[V]):
             raise P2PKVTimeout(
                 f"engine did not start within {start_timeout} s", op="start"
             ) from None
+        except BaseException:
+            # The engine ended before it started: its thread settles this future as its
+            # very last step, so it is gone a moment later. No thread is left behind.
+            self._thread.join(_EXIT_CLOSE_TIMEOUT)
+            raise
         return self
 
     @property

@@ -341,9 +341,9 @@ def check_no_leaked_threads() -> Iterator[None]:
     """Body of a ``no_leaked_threads`` fixture: every thread the test started has ended."""
     before = set(threading.enumerate())
     yield
-    extra = leftover_threads(before)
-    for t in extra:  # a failing test may leave one: end it, then fail loudly
+    for t in leftover_threads(before):  # one may still be ending: give it time, then look
         t.join(BOUND)
+    extra = leftover_threads(before)
     assert extra == [], f"threads left behind: {extra}"
 
 

@@ -45,7 +45,8 @@ class Tier:
 
     @property
     def fail_within_s(self) -> float:
-        return self.load_timeout_s + self.settle_s + 1.0
+        # 3 s of slack over the deadlines: a stalled thread on a busy 2-core machine
+        return self.load_timeout_s + self.settle_s + 3.0
 
 
 P2PKV = Tier("p2pkv", load_timeout_s=2.0, settle_s=1.5)
@@ -126,14 +127,15 @@ def test_cold_pull_first_contact_is_byte_exact(vllm_nodes: Nodes) -> None:
 
 def test_source_sleeping_in_1s_steps_serves_between_steps(vllm_nodes: Nodes) -> None:
     """The source's lock is free while it "runs the model"; its tier answers in between."""
-    src = vllm_nodes.start("src", step_s=1.0)
+    step_s = 5.0  # a first-contact pull takes 0.1-0.4 s here: far from one step
+    src = vllm_nodes.start("src", step_s=step_s)
     dst = vllm_nodes.start("dst")
     keys = H.make_keys("sleepy", 128)
     src.fill(keys, SEED)
     result = dst.pull(src, "r-sleepy", keys, seed=SEED)
     assert H.bytes_ok(result), result["outcome"]
-    # Served only at step boundaries, a pull needs a lookup step and a fetch step: >= 1 s.
-    assert result["elapsed_s"] < 1.0, f"the pull waited for the source's steps: {result}"
+    # Served only at step boundaries, a pull needs a lookup step and a fetch step: >= 5 s.
+    assert result["elapsed_s"] < step_s, f"the pull waited for the source's steps: {result}"
     assert_steps_fast(dst, 0)
     assert_clean_shutdown(dst)
     assert_clean_shutdown(src)
