@@ -23,10 +23,11 @@ from typing import Any
 import pytest
 import trio
 
+from p2pkv import portal
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PortalClosed
 from p2pkv.portal import EngineContext, EngineThread, TicketBoard
 
-from .helpers import check_no_leaked_threads, in_thread, wait_for
+from .helpers import check_no_leaked_threads, in_thread, leftover_threads, wait_for
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SHORT = 0.2  # seconds: a timeout that is the behaviour under test
@@ -220,6 +221,28 @@ def test_main_failing_before_started_fails_start_with_the_cause() -> None:
     with pytest.raises(PortalClosed) as info:
         start(main)
     assert type(info.value.__cause__) is EngineBroke
+
+
+def test_start_that_fails_leaves_no_thread_even_one_slow_to_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine thread fails ``start`` as its very last step; a thread held up right
+    after that (a fault injected here) must still be gone when ``start`` raises."""
+    settle = portal._settle_exc
+
+    def settle_then_linger(fut: Any, exc: BaseException) -> None:
+        settle(fut, exc)
+        time.sleep(0.3)  # the injected fault: the engine thread ends late
+
+    monkeypatch.setattr(portal, "_settle_exc", settle_then_linger)
+
+    async def main(ctx: EngineContext[None]) -> None:
+        raise EngineBroke("cannot bind")
+
+    before = set(threading.enumerate())
+    with pytest.raises(PortalClosed):
+        start(main)
+    assert leftover_threads(before) == []  # looked at once, without joining anything
 
 
 def test_main_returning_without_started_fails_start() -> None:
