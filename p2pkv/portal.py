@@ -175,10 +175,14 @@ class EngineThread(Generic[V]):
             raise P2PKVTimeout(
                 f"engine did not start within {start_timeout} s", op="start"
             ) from None
-        except BaseException:
+        except PortalClosed:
             # The engine ended before it started: its thread settles this future as its
             # very last step, so it is gone a moment later. No thread is left behind.
             self._thread.join(_EXIT_CLOSE_TIMEOUT)
+            raise
+        except BaseException:  # e.g. Ctrl-C while it starts: stop it as a timeout does
+            self._request_cancel()
+            self._thread.join(min(1.0, start_timeout))
             raise
         return self
 

@@ -212,6 +212,7 @@ class _Lane:
                 raise TransportError(f"staging copy ended {state}", op="stage")
         finally:
             agent.release_xfer_handle(xfer)
+            agent = xfer = None  # an error raised here goes on without them (see nixl_cause)
 
 
 class LoopbackAgent:
@@ -351,9 +352,13 @@ def run_parts(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor | Non
     if not errors:
         return
     first = errors[0]
-    if isinstance(first, TransportError) or not isinstance(first, Exception):
-        raise first
-    raise TransportError(f"staging copy failed: {first!r}", op="stage") from first
+    del errors, jobs, futures  # no cycle through this frame keeps the lanes' agents
+    try:
+        if isinstance(first, TransportError) or not isinstance(first, Exception):
+            raise first
+        raise TransportError(f"staging copy failed: {first!r}", op="stage") from nixl_cause(first)
+    finally:
+        del first
 
 
 def _checked(slots: Sequence[int], num_blocks: int, side: str) -> Slots:

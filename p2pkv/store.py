@@ -156,8 +156,9 @@ array built, no GIL offer (it is far shorter than :data:`GIL_OFFER_AFTER_S`). Nu
 memoryview) is cheaper; above it the array path wins (``bench/store_ops.py``)."""
 
 _POS32_ENTRIES: Final = 2**29
-"""The LRU log's positions are 32-bit while the log holds fewer entries than this (it can
-double once, in ``_Lru._grow``, and stay below 2**31); 64-bit beyond."""
+"""The LRU log's slots and positions are 32-bit while the log holds fewer entries than
+this (checked when it is made and each time ``_Lru._grow`` doubles it), 64-bit beyond:
+far below 2**31, so no position can overflow."""
 
 _FREE: Final = 0
 _OCCUPIED: Final = 1
@@ -1397,8 +1398,9 @@ class _Lru:
     compaction ``w == r``. A step copies at least four entries for each one pushed, so a
     compaction ends long before the log fills, with at most ``num_blocks`` live entries
     plus those pushed meanwhile. Positions, not sequence numbers, mark the live entries:
-    4 bytes per slot and per log entry, where a 64-bit sequence number per entry and per
-    slot cost 16 and 8 (docs/design.md, "Store in bulk").
+    4 bytes per slot and 4 per log entry (the log holds 3 entries per slot), where the
+    slot and its 64-bit sequence number cost 12 per entry and the sequence 8 per slot: 28
+    bytes per block less (docs/design.md, "Store in bulk").
     """
 
     __slots__ = (

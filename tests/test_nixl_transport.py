@@ -661,6 +661,64 @@ def test_killed_target_reports_err_and_dead_peer(
     assert no_gc.asked == 0
 
 
+def test_a_post_nixl_refuses_keeps_no_agent_alive_in_a_caught_error(
+    make: MakeTransport, no_gc: _NoCollect
+) -> None:
+    """NIXL reports ERR at post; the caller keeps the error where its own frame holds it
+    (as the producer's post run does: a reference cycle). The agent still dies at close."""
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t12-src", src_array, src_layout)
+    dst = make("t12-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t12-dst", dst.metadata(), dst_layout)
+    native = native_agent(src)
+    # Patched on the wrapper itself and deleted after (monkeypatch would hold the wrapper).
+    src._state.shared.agent.transfer = lambda xfer: "ERR"
+
+    def post_and_keep_the_error() -> None:
+        kept: list[BaseException] = []
+        try:
+            src.post_write(peer, [0], [1])
+        except TransportError as exc:
+            kept.append(exc)  # kept -> traceback -> this frame -> kept
+        assert kept and "ERR at post" in str(kept[0])
+
+    post_and_keep_the_error()
+    del src._state.shared.agent.transfer
+    src.close()
+    assert native() is None
+    assert no_gc.asked == 0
+
+
+def test_a_release_nixl_refuses_is_logged_without_its_frames(
+    make: MakeTransport, no_gc: _NoCollect, caplog: pytest.LogCaptureFixture
+) -> None:
+    """pytest's log capture keeps every record of a test, as any buffering handler would:
+    a warning logged with the traceback of NIXL's refusal would keep the agent alive."""
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t13-src", src_array, src_layout)
+    dst = make("t13-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t13-dst", dst.metadata(), dst_layout)
+    shared = src._state.shared
+    native = native_agent(src)
+    handle = src.post_write(peer, [0], [1])
+
+    def refuse(xfer: object) -> None:
+        raise RuntimeError("NIXL_ERR_BUSY: cannot cancel")  # a stand-in for NIXL's refusal
+
+    shared.agent.release_xfer_handle = refuse  # on the wrapper; deleted after
+    with caplog.at_level(logging.WARNING, logger="p2pkv.transport.nixl"):
+        src.release(handle)
+    del shared.agent.release_xfer_handle
+    assert "releasing a NIXL transfer handle failed" in caplog.text
+    assert all(r.exc_info is None for r in caplog.records)
+    dst.close()
+    src.close()  # the teardown releases the handle it kept
+    assert native() is None
+    assert no_gc.asked == 0
+
+
 def test_close_collects_garbage_that_holds_the_agent(
     make: MakeTransport, no_gc: _NoCollect, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -125,7 +125,7 @@ def test_cold_pull_first_contact_is_byte_exact(vllm_nodes: Nodes) -> None:
     assert_clean_shutdown(src)
 
 
-def test_source_sleeping_in_1s_steps_serves_between_steps(vllm_nodes: Nodes) -> None:
+def test_source_sleeping_in_long_steps_serves_between_steps(vllm_nodes: Nodes) -> None:
     """The source's lock is free while it "runs the model"; its tier answers in between."""
     step_s = 5.0  # a first-contact pull takes 0.1-0.4 s here: far from one step
     src = vllm_nodes.start("src", step_s=step_s)

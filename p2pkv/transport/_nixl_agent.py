@@ -78,7 +78,9 @@ _log = logging.getLogger("p2pkv.transport.nixl")
 def nixl_cause(exc: BaseException) -> BaseException:
     """``exc``, raised inside NIXL, without its traceback: what p2pkv chains or keeps.
 
-    The traceback's frames hold the NIXL agent and its transfer handles. An exception kept
+    The traceback's frames hold the NIXL agent and its transfer handles (for the same
+    reason p2pkv logs NIXL's errors through it, never with ``exc_info``: a handler may
+    keep the record, its arguments and so the frames). An exception kept
     in a reference cycle (a failed transfer that records its cause, a caller that stores
     the error it caught) would keep the native agent alive after its teardown, until some
     later garbage collection destroyed it and its UCX worker at a random point: purging a
@@ -408,8 +410,8 @@ class SharedAgent:
         except Exception:
             try:  # NIXL may keep what it loaded before failing; drop it (only `name`)
                 self.agent.remove_remote_agent(name)
-            except Exception:
-                self._log.debug("nothing of %s was loaded", name, exc_info=True)
+            except Exception as exc:  # logged without its frames (see nixl_cause)
+                self._log.debug("nothing of %s was loaded: %r", name, nixl_cause(exc))
             raise
         got_name = got.decode() if isinstance(got, bytes) else str(got)
         if got_name != name:  # metadata_agent_name disagrees with this NIXL build
@@ -425,8 +427,8 @@ class SharedAgent:
             self.parked.pop(name, None)
             try:
                 self.agent.remove_remote_agent(name)
-            except Exception:
-                self._log.warning("remove_remote_agent(%s) failed", name, exc_info=True)
+            except Exception as exc:
+                self._log.warning("remove_remote_agent(%s) failed: %r", name, nixl_cause(exc))
 
     def park(self, name: str) -> None:
         """``name`` has no live registration any more: keep it loaded for reuse (see the
@@ -464,16 +466,18 @@ class SharedAgent:
         with self.call_lock:
             try:
                 dlist.release()
-            except Exception:
-                self._log.warning("releasing a NIXL dlist of %s failed", self.name, exc_info=True)
+            except Exception as exc:
+                self._log.warning(
+                    "releasing a NIXL dlist of %s failed: %r", self.name, nixl_cause(exc)
+                )
 
     def release_xfer(self, xfer: Any) -> None:
         """Release a NIXL transfer handle; one NIXL refuses is kept for a retry at teardown."""
         with self.call_lock:
             try:
                 self.agent.release_xfer_handle(xfer)
-            except Exception:
-                self._log.warning("releasing a NIXL transfer handle failed", exc_info=True)
+            except Exception as exc:
+                self._log.warning("releasing a NIXL transfer handle failed: %r", nixl_cause(exc))
                 self.leaked.append(xfer)
 
     def teardown(self) -> None:
@@ -490,8 +494,8 @@ class SharedAgent:
             for name in list(self.loaded):
                 try:
                     agent.remove_remote_agent(name)
-                except Exception:
-                    log.warning("remove_remote_agent(%s) failed", name, exc_info=True)
+                except Exception as exc:
+                    log.warning("remove_remote_agent(%s) failed: %r", name, nixl_cause(exc))
             self.loaded.clear()
             self.parked.clear()
             self.release_dlist(self.local_dlist)
@@ -499,18 +503,23 @@ class SharedAgent:
             for handle in self.leaked:
                 try:
                     handle.release()
-                except Exception:
-                    log.warning("a leaked NIXL transfer handle stays unreleased", exc_info=True)
+                except Exception as exc:
+                    log.warning(
+                        "a leaked NIXL transfer handle stays unreleased: %r", nixl_cause(exc)
+                    )
             self.leaked.clear()
             if self._reg_descs is not None and self.registered:
                 try:
                     agent.deregister_memory(self._reg_descs)
-                except Exception:
-                    log.warning("deregister_memory of %s failed", self.name, exc_info=True)
+                except Exception as exc:
+                    log.warning("deregister_memory of %s failed: %r", self.name, nixl_cause(exc))
             self.registered = False
             self._reg_descs = None
             self._region = None
-            self.native = weakref.ref(agent.agent)
+            try:  # the native agent inside NIXL's wrapper (an internal of nixl 1.5.1)
+                self.native = weakref.ref(agent.agent)
+            except Exception:
+                self.native = None
             del agent  # the last reference: NIXL destroys the agent (and its UCX worker) here
 
     def outlived(self) -> bool:
@@ -593,9 +602,12 @@ def release_ref(shared: SharedAgent) -> None:
         shared.teardown()
     if shared.outlived():
         # Held by garbage, most likely: an exception's frames in a reference cycle (p2pkv
-        # keeps none, see nixl_cause; a caller may). Collect it now, outside the lock (a
-        # collection runs finalisers, and a transport's finaliser takes it), so the agent
-        # dies here, before the caller frees its region, not in some later collection.
+        # means to keep none, see nixl_cause; a caller may). Collect it now, outside the
+        # lock (a collection runs finalisers, and a transport's finaliser takes it), so the
+        # agent dies here, before the caller frees its region, not in some later
+        # collection. (Inside a finaliser that a collection runs, a nested collection
+        # does nothing: the warning below may then precede the agent's end in that same
+        # collection.)
         gc.collect()
         if shared.outlived():
             shared._log.warning(

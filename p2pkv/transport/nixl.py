@@ -297,8 +297,8 @@ def _progress(st: _State) -> bool:
             return True
         try:
             shared.agent.get_new_notifs()
-        except Exception:
-            _log.debug("NIXL progress failed", exc_info=True)
+        except Exception as exc:  # logged without its frames (see nixl_cause)
+            _log.debug("NIXL progress failed: %r", nixl_cause(exc))
         finally:
             shared.call_lock.release()
         return True
@@ -580,6 +580,7 @@ class NixlTransport(DataTransport):
                 ) from nixl_cause(exc)
             if status == "ERR":
                 shared.release_xfer(xfer)
+                agent = xfer = None  # as above
                 raise TransportError("NIXL reported ERR at post", peer=name, op="post_write")
             if status == "DONE":
                 return NixlXfer(xfer, reg, self._state, state=TransferState.DONE)
