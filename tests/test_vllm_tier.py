@@ -171,8 +171,10 @@ def _pull_to_a_frozen_source(nodes: Nodes, name: str) -> tuple[H.VllmNode, H.Vll
     submitted = time.monotonic()
     # The load is submitted when the gate opens; p2pkv posts its fetches a moment later, on
     # its own thread. A test that kills the source before then would see a fetch that was
-    # never sent fail at once, rightly without a quarantine.
-    dst.open_gate(name, posted_keys=len(keys) if nodes.tier is P2PKV else 0)
+    # never sent fail at once, rightly without a quarantine. One posted fetch is enough: the
+    # load's result waits for the quarantine of every write it gave up on. (Not all 64
+    # keys: in 1 of 10 suite runs the wait for all 64 timed out after 30 s.)
+    dst.open_gate(name, posted_keys=1 if nodes.tier is P2PKV else 0)
     return src, dst, submitted
 
 

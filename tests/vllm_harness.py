@@ -267,8 +267,10 @@ class VllmNode:
             timeout_s=timeout_s,
             posted_keys=posted_keys,
         ):
+            detail = self.call("diagnose", req_id=req_id)
             raise TimeoutError(
-                f"{self.name}: the step gated by {req_id} did not end or post {posted_keys} keys"
+                f"{self.name}: the step gated by {req_id} did not end or post {posted_keys} "
+                f"keys\n{detail}"
             )
 
     def finish(self, req_id: str) -> None:

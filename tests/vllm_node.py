@@ -350,6 +350,7 @@ class _Node:
 
         lines = [
             f"result so far: {req.result}",
+            f"keys in fetches p2pkv posted (counted once a test asks): {self._posted}",
             f"pending {sum(req.pending)} failed {sum(req.failed)} submits {sum(req.submits)}",
             f"steps {len(self.steps)}, max step {max(self.steps, default=0.0):.4f} s",
         ]
@@ -484,6 +485,7 @@ class _Node:
             "wait_pull": self.wait_pull,
             "wait_gate": self.wait_gate,
             "open_gate": self.open_gate,
+            "diagnose": lambda req_id: self._diagnosis(self._all[req_id]),
             "finish": self.finish,
             "reset_cache": self.reset_cache,
             "set_step": self.set_step,
