@@ -1490,7 +1490,7 @@ class _Lru:
             if hi == lo:  # never: count says there are n; fail rather than spin under _lock
                 raise RuntimeError(f"LRU log holds fewer than {n} live entries")
             seg = self.slots[lo:hi]
-            live = np.flatnonzero(self.pos_of[seg] == np.arange(lo, hi))[:need]
+            live = np.flatnonzero(self._is_live(seg, lo))[:need]
             parts.append(seg[live])
             need -= len(live)
             end = lo + int(live[-1]) + 1 if not need else hi
@@ -1531,10 +1531,15 @@ class _Lru:
 
     def live(self) -> _Slots:
         """Test hook: the live entries' slots, least recently used first."""
-        parts = [(self.head, self.w), (self.r, self.tail)]
-        live = [self.slots[a:b][self.pos_of[self.slots[a:b]] == np.arange(a, b)] for a, b in parts]
-        out: _Slots = np.concatenate(live)
+        parts = ((self.head, self.w), (self.r, self.tail))
+        segs = [(self.slots[a:b], a) for a, b in parts]
+        out: _Slots = np.concatenate([seg[self._is_live(seg, a)] for seg, a in segs])
         return out
+
+    def _is_live(self, seg: _Slots, lo: int) -> npt.NDArray[np.bool_]:
+        """Which entries of ``seg`` (the log from position ``lo`` on) are live."""
+        live: npt.NDArray[np.bool_] = self.pos_of[seg] == np.arange(lo, lo + len(seg))
+        return live
 
     def _compact_step(self) -> None:
         if not self.compacting:
@@ -1546,7 +1551,7 @@ class _Lru:
         r, w = self.r, self.w
         end = min(self.tail, r + self.step)
         seg = self.slots[r:end]
-        moved = seg[self.pos_of[seg] == np.arange(r, end)]
+        moved = seg[self._is_live(seg, r)]
         n = len(moved)
         self.slots[w : w + n] = moved
         self.pos_of[moved] = np.arange(w, w + n)
