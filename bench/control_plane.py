@@ -8,17 +8,18 @@ Reproduce (about 30 s on 2 cores; ``--quick`` for a smoke run)::
 Three processes: a source (``p2pkv serve --fill 1024``, NIXL), a bare server (this script
 with ``--bare-server``: plain Trio TCP, no p2pkv) and this process as the client of both,
 each connected once. A p2pkv sample is one ``node.lookup(peer, keys)`` with every key
-present (every key is pinned at the source, the usual case before a fetch); between
-samples, untimed, a one-block fetch closes the round (that releases the pins and the
-request slot; a lookup round otherwise stays open for its lease) and the block is evicted
-again. A bare sample sends the very frame that lookup puts on the wire and reads back the
-very frame its answer is, over a Trio TCP stream, with nothing else on either side: what
-the round trip would cost with no engine at all. The two kinds alternate sample by sample
-(their order flips each time) for 1 key and for ``--keys`` keys, so both see the same
-load. The samples are split into ``--reps`` consecutive reps; each ratio (p2pkv p50 over
-bare p50) is the median of the reps' ratios with their min-max. The CPU time of the
-consumer's Trio thread per lookup is printed too: what else shares the cores moves it
-less than it moves a latency (on a busy 2-core box it still swings by a third).
+present (every key is pinned at the source, the usual case before a fetch); between samples,
+untimed, a one-block fetch closes the round (that releases the pins and the request slot; a
+lookup round otherwise stays open for its lease) and the block is evicted again. ``--close
+release`` closes it with a release instead (an empty fetch frame: no data plane between
+samples). A bare sample sends the very frame that lookup puts on the wire and reads back the
+very frame its answer is, over a Trio TCP stream, with nothing else on either side: what the
+round trip would cost with no engine at all. The two kinds alternate sample by sample (their
+order flips each time) for 1 key and for ``--keys`` keys, so both see the same load. The
+samples are split into ``--reps`` consecutive reps; each ratio (p2pkv p50 over bare p50) is
+the median of the reps' ratios with their min-max. The CPU time of the consumer's Trio
+thread per lookup is printed too: what else shares the cores moves it less than it moves a
+latency (on a busy 2-core box it still swings by a third).
 
 Targets (issue 9): ``--keys`` 1,024 at p50 <= 1.5 ms on a 2-core machine, <= 1 ms with
 more cores; 1 key within 1.5 x the bare round trip.
@@ -125,15 +126,24 @@ async def measure(
         cpu: list[float] = []
 
         async def p2pkv_lookup(n: int) -> float:
+            release = args.close == "release"
             c0, t0 = time.thread_time(), time.perf_counter()
-            hits = await node.lookup(peer, keys[:n])
+            if release:  # node.lookup's path, keeping the round's handle
+                held = await node.lookup_round(peer, keys[:n])
+                hits = held.hits
+            else:
+                hits = await node.lookup(peer, keys[:n])
             elapsed = time.perf_counter() - t0
             cpu.append(time.thread_time() - c0)
             if not all(hits):
                 raise SystemExit(f"lookup missed {hits.count(False)} keys")
-            result = await node.fetch(peer, keys[:1])  # closes the round
-            assert result.loaded == keys[:1], result.failed
-            node.store.evict(keys[0])
+            # Untimed: close the round, which releases the pins and the request slot.
+            if release:
+                assert await node.release(peer, held) == 1
+            else:
+                result = await node.fetch(peer, keys[:1])
+                assert result.loaded == keys[:1], result.failed
+                node.store.evict(keys[0])
             return elapsed
 
         bare_frames = {n: frames(n) for n in counts}
@@ -151,10 +161,13 @@ async def measure(
             ("p2pkv", p2pkv_lookup),
             ("bare", bare_round_trip),
         ]
+        settle = args.settle_ms / 1e3
         for i in range(args.warmup + per_rep * args.reps):
             rep = (i - args.warmup) // per_rep
             for n in counts:
                 for kind, sample in kinds if i % 2 else kinds[::-1]:
+                    if settle:
+                        await trio.sleep(settle)
                     elapsed = await sample(n)
                     if rep >= 0:
                         samples[kind][n][rep].append(elapsed)
@@ -188,6 +201,7 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
         },
         "reps": args.reps,
         "samples_per_kind": args.reps * len(samples["p2pkv"][1][0]),
+        "close": args.close,
         "p2pkv_module": os.path.dirname(p2pkv.__file__),
         "latency_s": {},
         "consumer_cpu_s": {},
@@ -227,7 +241,8 @@ def print_report(out: dict[str, Any]) -> None:
     m = out["machine"]
     print(
         f"\ncontrol plane: lookup round trip, 3 processes on loopback, "
-        f"{out['samples_per_kind']} samples per kind in {out['reps']} alternating reps"
+        f"{out['samples_per_kind']} samples per kind in {out['reps']} alternating reps; "
+        f"each p2pkv round closed by a {out.get('close', 'fetch')}, untimed"
     )
     print(
         f"  {out['when']}, {m['host']}, {m['cores']} cores, load average "
@@ -275,6 +290,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sweep",
         action="store_true",
         help="also 16 and 128 keys (latency against key count; slower)",
+    )
+    parser.add_argument(
+        "--close",
+        choices=["fetch", "release"],
+        default="fetch",
+        help="how each p2pkv sample's round is closed, untimed: a one-block fetch over NIXL"
+        " (default), or a release (an empty fetch frame: no data plane between samples)",
+    )
+    parser.add_argument(
+        "--settle-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long before each sample of either kind, so that no work left from"
+        " the untimed fetch before a p2pkv sample overlaps it (default: %(default)s)",
     )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

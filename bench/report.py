@@ -303,7 +303,8 @@ def render_control_plane(res: Json, machine: str) -> str:
         for name, t in res["targets"].items()
     ]
     out = [
-        f"{res['samples_per_kind']} samples per kind in {res['reps']} alternating reps.",
+        f"{res['samples_per_kind']} samples per kind in {res['reps']} alternating reps; "
+        f"each p2pkv round closed, untimed, by a {res.get('close', 'one-block fetch')}.",
         table(header, rows),
         "; ".join(verdicts) + ".",
     ]
