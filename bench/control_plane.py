@@ -242,7 +242,8 @@ def print_report(out: dict[str, Any]) -> None:
     print(
         f"\ncontrol plane: lookup round trip, 3 processes on loopback, "
         f"{out['samples_per_kind']} samples per kind in {out['reps']} alternating reps; "
-        f"each p2pkv round closed by a {out.get('close', 'fetch')}, untimed"
+        f"each p2pkv round closed, untimed, by a "
+        f"{'release' if out['close'] == 'release' else 'one-block fetch'}"
     )
     print(
         f"  {out['when']}, {m['host']}, {m['cores']} cores, load average "

@@ -302,9 +302,10 @@ def render_control_plane(res: Json, machine: str) -> str:
         f"{'PASS' if t['pass'] else 'FAIL'} {name}: {t['got']:.3g} (target <= {t['limit']:.3g})"
         for name, t in res["targets"].items()
     ]
+    closed_by = "release" if res.get("close") == "release" else "one-block fetch"
     out = [
         f"{res['samples_per_kind']} samples per kind in {res['reps']} alternating reps; "
-        f"each p2pkv round closed, untimed, by a {res.get('close', 'one-block fetch')}.",
+        f"each p2pkv round closed, untimed, by a {closed_by}.",
         table(header, rows),
         "; ".join(verdicts) + ".",
     ]
