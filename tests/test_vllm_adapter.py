@@ -451,3 +451,42 @@ def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
     tier.on_request_finished(req)
     wait_for(lambda: src.statistics().pinned_slots == 0)
     tier.shutdown()
+
+
+def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """vLLM asks ``lookup`` key by key. If the batch's answer came in between two of those
+    calls and the later keys saw it, vLLM would promote them in this step and the earlier
+    ones in the next: two load jobs, and the first one's fetch closes the round the second
+    one needs (it looks its keys up again). The source's engine is wedged so that the
+    answer is out of reach at the scan's first key and in before its second."""
+    src = nodes("src")
+    spy = SpyNode(nodes("dst"))
+    keys = fill(src.store, 4, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r-scan", source_params(src))
+    tier.prepare(req)
+    wait_for(lambda: spy.is_connected("src"))
+    assert [tier.lookup(k, req) for k in keys] == [None] * 4
+    release = wedge(src)  # the source cannot answer until released
+    tier.step()  # the batch goes out
+    wait_for(lambda: spy.lookups == [keys])
+    # The next step's scan: its first key finds no answer...
+    assert tier.lookup(keys[0], req) is None
+    release.set()
+    wait_for(lambda: spy.pending() == 0)  # ...then the answer is in, unread
+    # ...and the rest of the same scan does not see it either.
+    assert [tier.lookup(k, req) for k in keys[1:]] == [None] * 3
+    tier.step()
+    assert [tier.lookup(k, req) for k in keys] == [True] * 4
+    tier.submit_load(LoadJob(1, "r-scan", keys))  # one job: vLLM promotes them together
+    deadline = time.monotonic() + BOUND
+    done: list[JobResult] = []
+    while not done:
+        assert time.monotonic() < deadline
+        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+        done = tier.get_finished_jobs()
+    assert done[0].success and sorted(done[0].loaded) == sorted(keys)
+    assert spy.lookups == [keys]  # the load used the batch's round: no second lookup
+    tier.shutdown()

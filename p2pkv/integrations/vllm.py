@@ -212,6 +212,7 @@ class _Request:
     rounds: list[LookupRound] = attrs.field(factory=list)  # its answered batches
     waiting_loads: list[_Load] = attrs.field(factory=list)  # source still connecting
     failed: str | None = None
+    polled_at: int = -1  # the step in which a lookup() last polled its batches
 
 
 @attrs.define(eq=False)
@@ -253,6 +254,7 @@ class P2PTier:
         self._orphans: set[int] = set()  # tickets whose outcome nobody needs any more
         self._finished: list[JobResult] = []
         self._holds: list[tuple[float, JobResult]] = []  # (report at, result)
+        self._steps = 0  # step() calls so far: lookup() polls a request once per step
         self._closed = False
 
     @classmethod
@@ -272,7 +274,13 @@ class P2PTier:
             return False
         known = st.probes.get(key, _UNSEEN)
         if known is None:  # in flight: maybe the answer is in by now
-            self._advance(st, time.monotonic())
+            # Once per step, at the request's first key still in flight: an answer that
+            # comes in while vLLM scans the request's keys is seen by all of them at the
+            # next step, not by the keys after it alone. Otherwise vLLM loads the batch as
+            # two jobs, and the first one's fetch closes the round the second needs.
+            if st.polled_at != self._steps:
+                st.polled_at = self._steps
+                self._advance(st, time.monotonic())
             return False if st.failed is not None else st.probes.get(key)
         if known is not _UNSEEN:
             return bool(known)
@@ -340,6 +348,7 @@ class P2PTier:
         if self._closed:
             return
         now = time.monotonic()
+        self._steps += 1
         self._poll_connects(now)
         self._flush(now)
         self._batching = None
