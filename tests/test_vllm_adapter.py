@@ -22,10 +22,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from p2pkv import BlockingNode, Peer
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo, SourceSpec
+from p2pkv.session.protocol import SessionProtocol
 
 from .helpers import FaultFactory, config, fill, wait_for
 
@@ -454,24 +456,32 @@ def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
 
 
 def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
-    nodes: Callable[..., BlockingNode],
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM asks ``lookup`` key by key. If the batch's answer came in between two of those
     calls and the later keys saw it, vLLM would promote them in this step and the earlier
     ones in the next: two load jobs, and the first one's fetch closes the round the second
     one needs (it looks its keys up again). The source's engine is wedged so that the
     answer is out of reach at the scan's first key and in before its second."""
+    sent: list[int] = []  # PROBE: the key counts of the lookups the consumer's engine sends
+    send_lookup = SessionProtocol.send_lookup
+
+    def counting(proto: SessionProtocol, keys: Sequence[bytes], **kw: Any) -> int:
+        sent.append(len(keys))
+        return send_lookup(proto, keys, **kw)
+
+    monkeypatch.setattr(SessionProtocol, "send_lookup", counting)
     src = nodes("src")
     spy = SpyNode(nodes("dst"))
     keys = fill(src.store, 4, BLOCK)
     tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
     req = RequestInfo("r-scan", source_params(src))
     tier.prepare(req)
-    wait_for(lambda: spy.is_connected("src"))
+    wait_for(lambda: spy.pending() == 0)  # the dial's ticket is out: step() will read it
     assert [tier.lookup(k, req) for k in keys] == [None] * 4
     release = wedge(src)  # the source cannot answer until released
     tier.step()  # the batch goes out
-    wait_for(lambda: spy.lookups == [keys])
+    assert spy.lookups == [keys]
     # The next step's scan: its first key finds no answer...
     assert tier.lookup(keys[0], req) is None
     release.set()
@@ -488,5 +498,5 @@ def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
         time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
         done = tier.get_finished_jobs()
     assert done[0].success and sorted(done[0].loaded) == sorted(keys)
-    assert spy.lookups == [keys]  # the load used the batch's round: no second lookup
+    assert sent == [4]  # the load fetched on the batch's round: no lookup of its own
     tier.shutdown()

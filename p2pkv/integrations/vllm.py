@@ -44,10 +44,12 @@ cache (True / False, or None while in flight). A key it has not seen joins the r
 
 A request that asks more keys in a later step gets another batch (another round).
 
-Deadlines. A key resolves to False at the latest ``lookup_timeout`` after it was first
-asked, whatever the source does (no answer, no connection, dead, wedged): the deadline is
-kept on this side, on the host's clock, and also given to the engine so the work is
-cancelled there. A load finishes (``success=False`` if not everything arrived) at the
+Deadlines. A key resolves to False at the first :meth:`P2PTier.step` (or
+``get_finished_jobs``) at least ``lookup_timeout`` after it was first asked, whatever the
+source does (no answer, no connection, dead, wedged): the deadline is kept on this side,
+on the host's clock, and also given to the engine so the work is cancelled there. The host
+must step between its scans: ``lookup`` looks for answers only at a request's first key in
+flight after each step. A load finishes (``success=False`` if not everything arrived) at the
 latest ``load_timeout`` after ``submit_load``. A request whose lookup or connection
 failed is *failed*: every key it asks afterwards misses at once (vLLM then recomputes).
 
@@ -266,7 +268,8 @@ class P2PTier:
 
     def lookup(self, key: bytes, request: RequestLike) -> bool | None:
         """True: the source holds ``key`` (pinned there); False: miss, no source, source
-        unreachable or too slow; None: asked, answer not in yet (ask again next step)."""
+        unreachable or too slow; None: asked, answer not in yet (ask again after the next
+        :meth:`step`: answers are looked for at most once per request between steps)."""
         if self._closed:
             return False
         st = self._request(request)
@@ -274,10 +277,12 @@ class P2PTier:
             return False
         known = st.probes.get(key, _UNSEEN)
         if known is None:  # in flight: maybe the answer is in by now
-            # Once per step, at the request's first key still in flight: an answer that
-            # comes in while vLLM scans the request's keys is seen by all of them at the
-            # next step, not by the keys after it alone. Otherwise vLLM loads the batch as
-            # two jobs, and the first one's fetch closes the round the second needs.
+            # Once between two step() calls, at the request's first key still in flight:
+            # an answer that comes in while vLLM scans the request's keys reaches all of
+            # them after the next step(), not the keys after it alone. Otherwise vLLM loads
+            # the batch as two jobs, and the first one's fetch closes the round the second
+            # needs. (step() polls every batch itself: vLLM must not run it, through
+            # get_finished_jobs, in the middle of a scan; its manager's lock keeps it out.)
             if st.polled_at != self._steps:
                 st.polled_at = self._steps
                 self._advance(st, time.monotonic())
