@@ -389,6 +389,20 @@ def run_interleaved(
         raise errors[0]
 
 
+def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type[Any], name: str) -> Callable[[], int]:
+    """PROBE: count the calls of ``cls.name`` (from any thread) for the rest of the test."""
+    calls = 0
+    original = getattr(cls, name)
+
+    def counted(self: Any, *args: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(self, *args, **kw)
+
+    monkeypatch.setattr(cls, name, counted)
+    return lambda: calls
+
+
 def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:
     """Yield the GIL until condition holds: a gate on state that no event exposes."""
     deadline = time.monotonic() + bound

@@ -9,7 +9,7 @@ import contextlib
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import attrs
@@ -23,23 +23,10 @@ from p2pkv.session.protocol import LookupAnswered, LookupRequested, SessionProto
 from p2pkv.session.session import RECEIVE_SIZE, PeerSession
 from p2pkv.wire import Fetch, Lookup
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, count_calls, fill, pair
 from .protocol_helpers import decode_frames, make_info, ready_pair
 
 BL = 4096
-
-
-def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type[Any], name: str) -> Callable[[], int]:
-    calls = 0
-    original = getattr(cls, name)
-
-    def counted(self: Any, *args: Any, **kw: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        return original(self, *args, **kw)
-
-    monkeypatch.setattr(cls, name, counted)
-    return lambda: calls
 
 
 async def test_back_to_back_lookups_do_not_wake_the_lease_timer_each_time(

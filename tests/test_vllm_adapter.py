@@ -29,7 +29,7 @@ from p2pkv import BlockingNode, Peer
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo, SourceSpec
 from p2pkv.session.protocol import SessionProtocol
 
-from .helpers import FaultFactory, config, fill, wait_for
+from .helpers import FaultFactory, config, count_calls, fill, wait_for
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 STEP = 0.005  # the scheduler's step period
@@ -463,14 +463,7 @@ def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
     ones in the next: two load jobs, and the first one's fetch closes the round the second
     one needs (it looks its keys up again). The source's engine is wedged so that the
     answer is out of reach at the scan's first key and in before its second."""
-    sent: list[int] = []  # PROBE: the key counts of the lookups the consumer's engine sends
-    send_lookup = SessionProtocol.send_lookup
-
-    def counting(proto: SessionProtocol, keys: Sequence[bytes], **kw: Any) -> int:
-        sent.append(len(keys))
-        return send_lookup(proto, keys, **kw)
-
-    monkeypatch.setattr(SessionProtocol, "send_lookup", counting)
+    lookups_sent = count_calls(monkeypatch, SessionProtocol, "send_lookup")  # by any engine
     src = nodes("src")
     spy = SpyNode(nodes("dst"))
     keys = fill(src.store, 4, BLOCK)
@@ -498,5 +491,5 @@ def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
         time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
         done = tier.get_finished_jobs()
     assert done[0].success and sorted(done[0].loaded) == sorted(keys)
-    assert sent == [4]  # the load fetched on the batch's round: no lookup of its own
+    assert lookups_sent() == 1  # the load fetched on the batch's round: no lookup of its own
     tier.shutdown()

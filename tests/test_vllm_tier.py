@@ -171,13 +171,13 @@ def _pull_to_a_frozen_source(nodes: Nodes, name: str) -> tuple[H.VllmNode, H.Vll
     submitted = time.monotonic()
     # The load is submitted when the gate opens; p2pkv posts its fetch a moment later, on
     # its own thread. A test that kills the source before then would see a fetch that was
-    # never sent fail at once, rightly without a quarantine. The 64 keys were looked up in
+    # never sent fail at once, rightly without a quarantine. The keys were looked up in
     # one batch, whose answer every key sees in the same step, so vLLM loads them as one
     # job, in one fetch. (Until the tier polled a request once per step, an answer that
     # came in mid-scan split the load into two jobs; the second one's keys needed a new
     # lookup, which the frozen source never answered: this wait timed out, or the job
     # holding the first key failed at its lookup deadline without a quarantine.)
-    dst.open_gate(name, posted_keys=64 if nodes.tier is P2PKV else 0)
+    dst.open_gate(name, posted_keys=len(keys) if nodes.tier is P2PKV else 0)
     return src, dst, submitted
 
 
