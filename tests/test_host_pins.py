@@ -434,6 +434,45 @@ async def test_release_unused_pins_unpins_idle_rounds_in_the_store() -> None:
             assert dst.statistics().reserved_slots == 0
 
 
+async def test_release_unused_pins_while_a_lookup_is_pinned_in_slices_leaves_no_pin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A big lookup is pinned in slices, the reader pausing between them. The round
+    released in such a pause (a host draining its memory) pins no further slice for
+    nobody: it is answered all misses and no pin outlives it."""
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("src", max_keys_per_turn=2)) as src,
+            open_node(config("dst")) as dst,
+        ):
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            first_slice = trio.Event()
+            real_pin = src.store.pin
+            slices: list[int] = []
+
+            def pin(owner: object, ks: Sequence[bytes]) -> list[int | None]:
+                first_slice.set()
+                slices.append(len(ks))
+                return real_pin(owner, ks)
+
+            monkeypatch.setattr(src.store, "pin", pin)
+            hits: list[list[bool]] = []
+
+            async def lookup() -> None:
+                hits.append(await dst.lookup(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lookup)
+                await first_slice.wait()  # the reader pauses after a slice: we run then
+                assert await src.release_unused_pins() == 1
+                released_after = len(slices)
+            assert released_after < len(keys) // 2  # the release came mid-lookup
+            assert len(slices) == released_after  # and no slice was pinned after it
+            assert hits == [[False] * len(keys)]
+            assert src.statistics().pinned_slots == 0
+
+
 async def test_release_unused_pins_while_the_host_answers_a_lookup_gives_that_token_back() -> None:
     """The round is released while its pins are being taken: the host's answer, when it
     comes, is released at once and the lookup is answered all misses."""

@@ -145,6 +145,12 @@ class ProducerSide(SessionParts):
                 turn.charge(keys=len(part))
                 if i < len(keys) and room > 0:  # more to pin: let the other sessions run
                     await turn.pause_if_spent()
+                    if self._pinned.get(ev.req_id) is not held:
+                        # Released meanwhile (release_unused_pins, the session's end):
+                        # its pins are gone, and no later slice may pin for nobody.
+                        self.node.unpin(held.owner)
+                        hits = [False] * len(keys)
+                        break
                 # else the answer goes out first: the reader pauses after this event
         if self.proto.in_state(ev.req_id) is InState.ANSWERING:
             now = trio.current_time()
