@@ -23,10 +23,11 @@ from p2pkv.session.protocol import (
     HelloReceived,
     LocalInfo,
     LookupRequested,
+    PongReceived,
     Ready,
     SessionProtocol,
 )
-from p2pkv.wire import HEADER, Challenge, encode
+from p2pkv.wire import HEADER, Challenge, Ping, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 
@@ -269,4 +270,77 @@ async def test_a_consumer_splits_by_the_limits_its_peer_advertised() -> None:
                 assert "too long" in result.failed[b"k" * 41]
                 assert dst.statistics().peers == 1  # never cut off
                 nursery.cancel_scope.cancel()
+            await raw.aclose()
+
+
+async def answer_one_lookup(raw: RawPeer) -> None:
+    """Read until a lookup comes; answer every key a hit."""
+    while True:
+        ev = await raw.next_event()
+        assert ev is not None, "the node closed the session"
+        if isinstance(ev, LookupRequested):
+            raw.proto.send_lookup_resp(ev.req_id, [True] * len(ev.keys), 0.0, 60.0)
+            await raw.flush()
+            return
+
+
+async def test_a_restart_on_the_same_connection_gives_back_our_request_slots() -> None:
+    """Our rounds open at the peer's restart end with its old incarnation, and their
+    request slots come back: nothing of the new incarnation would ever end them (no
+    transfer_done or abort_ack comes for an old request). Two open rounds use both slots;
+    after the restart a lookup gets a slot (it would wait out its deadline otherwise)."""
+    async with node("dst", max_open_requests=2, lookup_timeout=2.0) as dst:
+        raw = RawPeer("r")
+        try:
+            with trio.fail_after(10):
+                await raw.connect(dst.address)
+                await raw.handshake()
+                for i in range(2):  # two anonymous rounds stay open: nobody fetches them
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(answer_one_lookup, raw)
+                        assert await dst.lookup("r", [bytes([i]) * 32]) == [True]
+                await restart_on_same_connection(raw, epoch=99)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(answer_one_lookup, raw)
+                    assert await dst.lookup("r", [b"k" * 32]) == [True]
+                assert dst.is_connected("r")
+        finally:
+            await raw.aclose()
+
+
+async def test_pings_before_the_peers_ack_hold_one_pong_not_one_each() -> None:
+    """Our replies wait for the peer's hello_ack, pongs too. A peer that pings without
+    acking gets nothing back, so nothing bounds what it makes us hold but us: at most one
+    pong (the latest) is held. Once the peer acks, that one pong goes out."""
+    n = 1000
+    async with node("src") as src:
+        raw = RawPeer("r")
+        try:
+            with trio.fail_after(10):
+                await raw.connect(src.address)
+                raw.proto.start()
+                await raw.flush()
+                assert raw.stream is not None
+                while not raw.proto._peer_acked:  # src registered us and acked
+                    data = await raw.stream.receive_some(65536)
+                    assert data, "the node closed the session"
+                    raw.proto.receive_data(data)
+                    while raw.proto.next_event() is not None:
+                        pass
+                # We do not ack: pings only.
+                await raw.send_raw(b"".join(encode(Ping(nonce=i + 1)) for i in range(n)))
+                assert isinstance(raw.proto.registration_succeeded(), Ready)  # our ack
+                await raw.flush()
+                await raw.send_raw(encode(Ping(nonce=n + 1)))  # after the ack: answered
+                pongs = []
+                while True:
+                    ev = await raw.next_event()
+                    assert ev is not None, "the node closed the session"
+                    if isinstance(ev, PongReceived):
+                        if ev.nonce == n + 1:
+                            break
+                        pongs.append(ev.nonce)
+            assert pongs == [n], f"{len(pongs)} pongs held for pings before our ack"
+            assert src.is_connected("r")
+        finally:
             await raw.aclose()

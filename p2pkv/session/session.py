@@ -622,6 +622,9 @@ class PeerSession(ProducerSide, ConsumerSide):
                 if p is not None:
                     p.error = SessionClosed("peer restarted", peer=self.peer_id)
                     p.event.set()
+                    # Nothing of the new incarnation will end it (no transfer_done or
+                    # abort_ack comes for an old request): its request slot is free now.
+                    self._request_ended(req)
             self._rounds.clear()
             for req in ev.dropped_rounds:
                 write = self._writes.get(req)
