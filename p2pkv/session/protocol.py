@@ -645,9 +645,13 @@ class SessionProtocol:
         if isinstance(msg, Abort):
             return self._on_abort(msg)
         if isinstance(msg, Ping):
-            # Through _emit, like every other reply: the ping may arrive before the
-            # peer's hello_ack (the peer has our ack, we do not have its ack yet), and a pong
-            # on the wire before the peer's ack was sent is a protocol error at the peer.
+            # Held like every other reply until the peer's hello_ack is in: the ping may
+            # arrive before it (the peer has our ack, we do not have its ack yet), and a
+            # pong on the wire before the peer's ack was sent is a protocol error at the
+            # peer. At most one pong is held (the latest): a peer that pings without
+            # acking gets no other reply, so nothing else would bound what it makes us keep.
+            if not self._peer_acked:
+                self._held = [m for m in self._held if not isinstance(m, Pong)]
             self._emit(Pong(nonce=msg.nonce))
             return None
         if isinstance(msg, Pong):
