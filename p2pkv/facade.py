@@ -45,6 +45,7 @@ node listens, so reading them needs no hop either.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -94,9 +95,11 @@ def start_node(
 
     The arguments are :func:`~p2pkv.node.open_node`'s. Raises ``PortalClosed``
     (``__cause__``: why) if the node fails to start, ``P2PKVTimeout`` if it takes longer
-    than ``start_timeout`` (no thread is left behind either way). Close the node (or use
-    it as a context manager) to stop the thread; one still running at interpreter exit
-    is closed then.
+    than ``start_timeout``. No thread is left behind either way: after a timeout the
+    engine is cancelled and its thread joined, up to 5 s more for a call that cannot be
+    cancelled (registering the region) to return; the error says if it outlived that.
+    Close the node (or use it as a context manager) to stop the thread; one still
+    running at interpreter exit is closed then.
     """
     board: TicketBoard[TicketResult] = TicketBoard()
 
@@ -119,18 +122,16 @@ def start_node(
             if release_interval is not None:
                 release_interval()
             if failure is None:
-                board.fail_all(
-                    PortalClosed("node is closed (the operation did not finish)", op="ticket")
-                )
+                board.fail_all(_not_finished)
             elif not _is_cancellation(failure):
-                board.fail_all(_closed("node died", failure))
+                board.fail_all(functools.partial(_closed, "node died", failure))
             # Cancelled: main cannot tell why; on_finished seals the board with the cause.
 
     def on_finished(failure: BaseException | None) -> None:
         board.fail_all(
-            _closed("node died", failure)
+            functools.partial(_closed, "node died", failure)
             if failure is not None
-            else PortalClosed("node is closed (the operation did not finish)", op="ticket")
+            else _not_finished
         )
 
     engine = EngineThread.start(
@@ -278,13 +279,13 @@ class BlockingNode:
         ``PortalClosed``. Raises ``P2PKVTimeout`` if the engine thread is wedged in a
         blocking call and does not end in time (a later close() may try again).
         """
+        # Refused on the engine thread before anything is sealed: the node stays usable.
+        self._engine._refuse_reentry("close")
         try:
             self._engine.close(self._timeout("close", timeout))
         finally:
             # Normally sealed already (by main or on_finished); this covers a wedged engine.
-            self._board.fail_all(
-                PortalClosed("node is closed (the operation did not finish)", op="ticket")
-            )
+            self._board.fail_all(_not_finished)
 
     def __enter__(self) -> BlockingNode:
         return self
@@ -436,6 +437,10 @@ def _unwrap(exc: Exception) -> Exception:
     while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+def _not_finished() -> PortalClosed:
+    return PortalClosed("node is closed (the operation did not finish)", op="ticket")
 
 
 def _closed(message: str, cause: BaseException | None) -> PortalClosed:

@@ -10,6 +10,7 @@ ticket still in flight and seals the board, so no ticket waits forever.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Generic, TypeVar
 
 __all__ = ["TicketBoard"]
@@ -25,9 +26,12 @@ class TicketBoard(Generic[T]):
     whatever the engine is doing. ``None`` means "in flight", so ``T`` should not
     include ``None``.
 
-    After ``fail_all(exc)`` the board is sealed: the engine is gone, so a ticket handed
-    out later is born finished with ``exc`` instead of waiting forever. A publish for a
-    ticket that already finished (``fail_all`` won the race) is ignored.
+    After ``fail_all(make)`` the board is sealed: the engine is gone, so a ticket handed
+    out later is born finished with an exception of ``make()`` instead of waiting forever.
+    Each ticket gets an exception of its own: one instance raised again and again (by
+    every poll of a host that keeps trying) would carry every raiser's frames in its
+    traceback, and keep them alive. A publish for a ticket that already finished
+    (``fail_all`` won the race) is ignored.
     """
 
     def __init__(self) -> None:
@@ -35,14 +39,14 @@ class TicketBoard(Generic[T]):
         self._next = 0
         self._in_flight: set[int] = set()
         self._finished: dict[int, T | BaseException] = {}
-        self._sealed: BaseException | None = None
+        self._sealed: Callable[[], BaseException] | None = None
 
     def new_ticket(self) -> int:
         with self._lock:
             ticket = self._next
             self._next += 1
             if self._sealed is not None:
-                self._finished[ticket] = self._sealed
+                self._finished[ticket] = self._sealed()
             else:
                 self._in_flight.add(ticket)
             return ticket
@@ -75,14 +79,15 @@ class TicketBoard(Generic[T]):
             self._finished.clear()
         return done
 
-    def fail_all(self, exc: BaseException) -> None:
-        """Finish every in-flight ticket with ``exc`` and seal the board (engine stopping)."""
+    def fail_all(self, make: Callable[[], BaseException]) -> None:
+        """Finish every in-flight ticket with an exception of ``make()`` (a fresh one
+        each) and seal the board (engine stopping). The first seal's ``make`` stands."""
         with self._lock:
             for ticket in self._in_flight:
-                self._finished[ticket] = exc
+                self._finished[ticket] = make()
             self._in_flight.clear()
             if self._sealed is None:
-                self._sealed = exc
+                self._sealed = make
 
     def pending(self) -> int:
         """How many tickets are still in flight (finished but unread ones do not count)."""

@@ -230,6 +230,29 @@ def test_a_lookup_is_answered_while_the_producers_host_thread_is_in_a_model_step
 # ---------------------------------------------------------------- failure and close
 
 
+def test_a_close_refused_on_the_engine_thread_leaves_the_node_working(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """close() from the engine thread would deadlock and is refused; the node stays alive,
+    and so do its tickets: none fails, and a later submit is served."""
+    a, b = nodes("a"), nodes("b")
+    keys = fill(b.store, 2, BLOCK)
+    peer = a.connect(b.address, timeout=BOUND)
+    in_flight = a.submit_lookup(peer, keys)
+
+    async def reenter() -> str:
+        try:
+            a.close()
+        except P2PKVError as exc:
+            return str(exc)
+        return "no error"
+
+    assert "re-entrant" in a._engine.call(reenter, timeout=BOUND)
+    assert a.alive
+    assert wait_ticket(a, in_flight) == [True, True]
+    assert wait_ticket(a, a.submit_lookup(peer, keys)) == [True, True]
+
+
 def test_engine_death_fails_calls_and_tickets_with_portal_closed_and_the_cause(
     nodes: Callable[..., BlockingNode],
 ) -> None:

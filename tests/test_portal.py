@@ -472,8 +472,7 @@ def test_ticket_board_fail_all_finishes_in_flight_and_seals() -> None:
     board: TicketBoard[int] = TicketBoard()
     done, a, b = board.new_ticket(), board.new_ticket(), board.new_ticket()
     board.publish(done, 7)
-    closed = PortalClosed("engine stopped")
-    board.fail_all(closed)
+    board.fail_all(lambda: PortalClosed("engine stopped"))
     assert board.pending() == 0
     assert not board.publish(a, 1)  # the first outcome stands
     assert board.poll(done) == 7  # results already published are kept
@@ -481,7 +480,31 @@ def test_ticket_board_fail_all_finishes_in_flight_and_seals() -> None:
         board.poll(a)
     later = board.new_ticket()  # sealed: born finished, never stuck in flight
     assert board.pending() == 0
-    assert dict(board.drain_finished()) == {b: closed, later: closed}
+    finished = dict(board.drain_finished())
+    assert finished.keys() == {b, later}
+    assert all(
+        isinstance(e, PortalClosed) and str(e) == "engine stopped" for e in finished.values()
+    )
+
+
+def test_ticket_board_gives_each_sealed_ticket_an_exception_of_its_own() -> None:
+    """A host that keeps polling after the engine stopped (a tier re-dialling a source
+    every backoff) raises the sealed tickets' exceptions again and again: one shared
+    instance would collect every raiser's frames in its traceback, without bound."""
+    board: TicketBoard[int] = TicketBoard()
+    in_flight = [board.new_ticket() for _ in range(3)]
+    board.fail_all(lambda: PortalClosed("engine stopped"))
+    tickets = in_flight + [board.new_ticket() for _ in range(50)]
+    errors = []
+    for t in tickets:
+        with pytest.raises(PortalClosed) as info:
+            board.poll(t)
+        errors.append(info.value)
+    assert len({id(e) for e in errors}) == len(tickets)
+    depth, tb = 0, errors[-1].__traceback__
+    while tb is not None:
+        depth, tb = depth + 1, tb.tb_next
+    assert depth <= 2, f"the last ticket's traceback holds {depth} frames"
 
 
 def test_ticket_board_two_threads_every_ticket_seen_exactly_once() -> None:
