@@ -147,8 +147,10 @@ class EngineThread(Generic[V]):
         """Start the engine thread; return once ``main`` has called ``ctx.started()``.
 
         Raises ``PortalClosed`` (``__cause__``: what main raised) if the engine ended
-        before it started, and ``P2PKVTimeout`` after ``start_timeout`` (the engine is
-        then cancelled, so that a slow start leaves no thread behind).
+        before it started, and ``P2PKVTimeout`` after ``start_timeout``: the engine is
+        then cancelled, and its thread joined (up to 5 s more, for a blocking call that
+        cannot be cancelled, such as registering the region, to return), so that a slow
+        start leaves no thread behind; the error says if the thread outlived that bound.
 
         ``on_finished(failure)`` runs on the engine thread once ``trio.run`` has returned
         and ``failure`` is final (``None`` after a clean stop), before pending calls are
@@ -170,10 +172,19 @@ class EngineThread(Generic[V]):
         try:
             self._started.result(start_timeout)
         except TimeoutError:
+            # Cancelled at its next checkpoint; a blocking call it is in (registering a
+            # large region with NIXL) runs to its end first, and the caller may free what
+            # that call reads once we return: wait for it, within a bound.
             self._request_cancel()
-            self._thread.join(min(1.0, start_timeout))
+            self._thread.join(_EXIT_CLOSE_TIMEOUT)
+            still = (
+                "; its thread is still running (in a call that cannot be cancelled) and "
+                "ends on its own"
+                if self._thread.is_alive()
+                else ""
+            )
             raise P2PKVTimeout(
-                f"engine did not start within {start_timeout} s", op="start"
+                f"engine did not start within {start_timeout} s{still}", op="start"
             ) from None
         except PortalClosed:
             # The engine ended before it started: its thread settles this future as its

@@ -263,6 +263,26 @@ def test_start_times_out_and_leaves_no_thread() -> None:
     # no_leaked_threads checks that the cancelled engine thread is gone.
 
 
+def test_start_timing_out_in_a_blocking_call_returns_once_its_thread_ended() -> None:
+    """Main times out inside a blocking call no cancellation reaches (a node registering a
+    large region with NIXL): ``start`` raises only once the thread has ended, since the
+    caller may free what that call reads (vLLM unmaps the region) as soon as it does."""
+
+    def register_region() -> None:  # the injected fault: one blocking call, past the deadline
+        time.sleep(SHORT + 1.0)
+
+    async def main(ctx: EngineContext[None]) -> None:
+        register_region()
+        ctx.started()
+        await ctx.wait_closing()
+
+    before = set(threading.enumerate())
+    with pytest.raises(P2PKVTimeout) as info:
+        EngineThread.start(main, name="test-engine", start_timeout=SHORT)
+    assert leftover_threads(before) == []  # looked at once, without joining anything
+    assert "still running" not in str(info.value)
+
+
 def test_calls_pending_at_close_get_portal_closed_never_cancelled() -> None:
     graceful = threading.Event()
 

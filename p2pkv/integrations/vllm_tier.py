@@ -77,7 +77,7 @@ from vllm.v1.kv_offload.tiering.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ..config import NodeConfig
-from ..errors import PortalClosed
+from ..errors import P2PKVTimeout, PortalClosed
 from ..facade import start_node
 from ..pins import HostPins, PinRequest
 from .vllm import JobResult as LoadResult
@@ -304,6 +304,8 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             node = start_node(cfg, region=region, pin_source=self._pins)
         except PortalClosed as exc:  # e.g. the port is taken: say so, not "engine ended"
             failed = str(exc.__cause__ if exc.__cause__ is not None else exc)
+        except P2PKVTimeout as exc:  # e.g. registering a large region took too long
+            failed = str(exc)
         if failed:
             # No traceback may keep an array over the region alive: vLLM unmaps it next.
             del region
