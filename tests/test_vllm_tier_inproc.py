@@ -82,14 +82,16 @@ def tier_config(**kw: Any) -> dict[str, Any]:
     }
 
 
-def offloading_config(tier: dict[str, Any], engine_id: str) -> OffloadingConfig:
+def offloading_config(
+    tier: dict[str, Any], engine_id: str, poll_s: float = 0.001
+) -> OffloadingConfig:
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=CHUNK,
         enable_kv_cache_events=False,
         extra_config={
             "cpu_bytes_to_use": CHUNKS * CHUNK,
-            "tier_poll_interval_s": 0.001,
+            "tier_poll_interval_s": poll_s,  # 0: no tier-poll thread, steps only
             "secondary_tiers": [tier],
         },
         engine_id=engine_id,
@@ -217,12 +219,12 @@ def pull(dst: Engine, ctx: ReqContext, keys: list[OffloadKey]) -> tuple[list[Loo
 def engines() -> Iterator[Callable[..., Engine]]:
     built: list[Engine] = []
 
-    def build(**tier_kw: Any) -> Engine:
+    def build(poll_s: float = 0.001, **tier_kw: Any) -> Engine:
         engine_id = f"p2pkvtest{os.getpid()}x{next(_ids)}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             spec = vllm_spec.TieringOffloadingSpec(
-                offloading_config(tier_config(**tier_kw), engine_id)
+                offloading_config(tier_config(**tier_kw), engine_id, poll_s)
             )
             mgr = spec.get_manager()
         assert isinstance(mgr, TieringOffloadingManager)
@@ -414,6 +416,41 @@ def test_reset_cache_drains_a_peers_unfetched_round_under_the_lock(
         assert src.jobs() == 0
         got = peer.fetch(remote, keys, rounds=rnd, timeout=BOUND)
         assert got.loaded == [] and set(got.failed.values()) == {"not_pinned"}
+    finally:
+        peer.close()
+
+
+def test_a_peers_lookup_waiting_for_a_step_keeps_an_idle_engine_stepping(
+    engines: Callable[..., Engine],
+) -> None:
+    """Without the tier-poll thread (``tier_poll_interval_s: 0``, or once it gave up after
+    30 s of failures) a peer's lookup is served only from a step, and an idle engine
+    steps only while a tier has pending work: the waiting lookup must count as such."""
+    src = engines(poll_s=0)
+    keys = make_keys(3, "idle")
+    src.fill(keys)
+
+    def idle_step() -> None:
+        with src.mgr.lock:
+            src.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+
+    until(lambda: not src.tier.has_pending_work(), "the engine to go idle", step=idle_step)
+    peer_cfg = attrs.evolve(src.tier._node.config, peer_id="raw-peer", port=0)
+    peer: BlockingNode = start_node(peer_cfg)
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        ticket = peer.submit_lookup(remote, keys)
+        until(src.tier._pins.any_waiting, "the peer's lookup to wait for a step")
+        assert src.tier.has_pending_work()  # vLLM steps the idle engine for it
+        hits: list[bool] | None = None
+
+        def answered() -> bool:
+            nonlocal hits
+            hits = peer.poll(ticket)  # type: ignore[assignment]
+            return hits is not None
+
+        until(answered, "the step to serve the lookup", step=idle_step)
+        assert hits == [True] * len(keys)
     finally:
         peer.close()
 

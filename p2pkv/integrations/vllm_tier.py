@@ -384,10 +384,14 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         self._core.on_request_finished(self._view(req_context))
 
     def has_pending_work(self) -> bool:
+        # A peer's lookup waiting for serve_external_requests is work: without the
+        # tier-poll thread, only a step serves it, and an idle engine steps only for this.
         return bool(
             self._done
             or self._serving
             or self._loads
+            or self._unfinished_ctx
+            or self._pins.any_waiting()
             or self._core.has_pending_work()
             or self._pins.held()
         )
