@@ -96,6 +96,9 @@ class SessionPairMachine(RuleBasedStateMachine):
         self.rounds: dict[str, dict[int, InModel]] = {s: {} for s in SIDES}
         # Rounds whose lease ran out (a tombstone at most) while the consumer's request lives.
         self.expired: dict[str, set[int]] = {s: set() for s in SIDES}
+        # Rounds expired at a side when it closed: a fetch it answered from their
+        # tombstones before its bye may still be on the wire to the other side.
+        self.expired_at_close: dict[str, set[int]] = {s: set() for s in SIDES}
         self.terminal: dict[str, dict[int, list[str]]] = {s: {} for s in SIDES}
         self.issued: dict[str, list[int]] = {s: [] for s in SIDES}
         self.seen_ids: dict[str, list[int]] = {s: [] for s in SIDES}  # peer ids, in order
@@ -156,7 +159,7 @@ class SessionPairMachine(RuleBasedStateMachine):
             assert m.state is OutState.FETCH_SENT, "transfer_done after an abort leaked out"
             sent = self.sent_outcomes[other(s)].pop(ev.req_id, None)
             if sent is None:  # the protocol answered a fetch of an expired round itself
-                assert ev.req_id in self.expired[other(s)]
+                assert ev.req_id in self.expired[other(s)] | self.expired_at_close[other(s)]
                 sent = [int(Outcome.LEASE_EXPIRED)] * m.nfetch
             assert ev.outcomes == sent
             assert len(ev.outcomes) == m.nfetch
@@ -193,6 +196,7 @@ class SessionPairMachine(RuleBasedStateMachine):
             self.end(s, req, "closed")
         self.out[s].clear()
         self.rounds[s].clear()
+        self.expired_at_close[s] |= self.expired[s]
         self.expired[s].clear()
 
     # --- rules ------------------------------------------------------------------------
