@@ -12,7 +12,7 @@ from ._switch import MIN_INTERVAL
 from .errors import P2PKVError
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 
 
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:

@@ -89,6 +89,11 @@ def _blob(limit: int) -> Callable[[object, attrs.Attribute[bytes], bytes], None]
     return check
 
 
+def _opt_u64(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _u64(inst, attr, value)
+
+
 def _opt_blob(limit: int) -> Callable[[object, attrs.Attribute[Any], Any], None]:
     inner = _blob(limit)
 
@@ -224,6 +229,9 @@ class Hello:
     max_keys_per_request: int = attrs.field(validator=_u64)
     max_key_len: int = attrs.field(validator=_u64)
     auth: bytes | None = attrs.field(default=None, validator=_opt_blob(64))
+    # How many of the peer's requests this side lets be open at once (protocol 1.1; None:
+    # not advertised, as from a 1.0 peer): the consumer keeps to the smaller of its own.
+    max_open_requests: int | None = attrs.field(default=None, validator=_opt_u64)
 
 
 @attrs.frozen(kw_only=True)

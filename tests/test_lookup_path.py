@@ -202,7 +202,7 @@ async def test_keys_checked_before_a_new_hello_are_checked_again_before_they_are
 
                 nursery.start_soon(waiting_lookup)
                 await trio.testing.wait_all_tasks_blocked()
-                assert session._requests.value == 0 and not got
+                assert session._requests.free == 0 and not got
                 assert session.proto.peer is not None
                 session.proto.peer = attrs.evolve(session.proto.peer, max_key_len=20)
                 assert await dst.release("small", held) == 1
@@ -210,7 +210,7 @@ async def test_keys_checked_before_a_new_hello_are_checked_again_before_they_are
                 assert len(got) == 1 and "every key must be bytes of 1..20" in str(got[0])
                 assert sent() == 1  # refused inside send_lookup, before anything queued
                 assert not session.proto.has_data_to_send()
-                assert session._requests.value == 1  # its request slot was given back
+                assert session._requests.free == 1  # its request slot was given back
                 nursery.cancel_scope.cancel()
             await raw.aclose()
 
@@ -461,3 +461,76 @@ async def test_a_peer_that_resets_the_connection_ends_only_its_own_session() -> 
             assert victim.close_reason.startswith("connection lost: receive failed")
             assert await dst.lookup(peer, keys) == [True] * 4
             assert src.statistics().peers == 1
+
+
+# ---------------------------------------------------------------- request slots
+
+
+async def test_a_consumer_keeps_to_the_open_requests_its_producer_advertises() -> None:
+    """``max_open_requests`` is per node, and a producer closes a session that opens more
+    than its own: the hello advertises it and the consumer keeps to the smaller of the
+    two. Here the consumer allows 4 and the producer 2: a third lookup while two rounds
+    are open waits for a slot (one closes) instead of getting the session cut off."""
+    with trio.fail_after(10):
+        async with (
+            open_node(config("src", max_open_requests=2)) as src,
+            open_node(config("dst", max_open_requests=4)) as dst,
+        ):
+            keys = fill(src.store, 3, 4096)
+            peer = await dst.connect(src.address)
+            first = await dst.lookup_round(peer, keys[:1])
+            await dst.lookup_round(peer, keys[1:2])
+            got: list[list[bool]] = []
+
+            async def third() -> None:
+                got.append(await dst.lookup(peer, keys[2:]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(third)
+                await trio.testing.wait_all_tasks_blocked()
+                assert got == []  # waiting for a slot, nothing sent
+                assert await dst.release(peer, first) == 1
+            assert got == [[True]]
+            assert dst.is_connected("src") and src.is_connected("dst")
+
+
+async def test_a_lookup_split_into_more_requests_than_may_be_open_is_refused_at_once() -> None:
+    """A lookup keeps every round it sends until all are answered: split into more rounds
+    than may be open at the peer it could never finish, so it is refused before anything
+    is sent. Within the limit, it takes the slots of all its rounds together."""
+    with trio.fail_after(10):
+        async with (
+            open_node(config("src", max_keys_per_request=4)) as src,
+            open_node(config("dst", max_open_requests=2)) as dst,
+        ):
+            keys = fill(src.store, 12, 4096)
+            peer = await dst.connect(src.address)
+            with pytest.raises(LocalProtocolError, match="3 requests"):
+                await dst.lookup(peer, keys)  # 3 rounds of 4 keys; 2 may be open
+            assert await dst.lookup(peer, keys[:8]) == [True] * 8  # 2 rounds: fine
+            assert dst.is_connected("src")
+
+
+async def test_two_split_lookups_never_each_hold_half_of_what_the_other_needs() -> None:
+    """Two lookups of two rounds each, with two request slots: each takes both slots at
+    once, so one runs while the other waits, and both are answered (taken one by one,
+    each could hold one slot and wait for the other's until its deadline)."""
+    with trio.fail_after(10):
+        async with (
+            open_node(config("src", max_keys_per_request=2)) as src,
+            open_node(config("dst", max_open_requests=2)) as dst,
+        ):
+            keys = fill(src.store, 8, 4096)
+            peer = await dst.connect(src.address)
+            got: list[list[bool]] = []
+
+            async def lookup_and_fetch(part: list[bytes]) -> None:
+                rnd = await dst.lookup_round(peer, part)
+                got.append(rnd.hits)
+                result = await dst.fetch(peer, part, rounds=rnd)
+                assert sorted(result.loaded) == sorted(part)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lookup_and_fetch, keys[:4])
+                nursery.start_soon(lookup_and_fetch, keys[4:])
+            assert got == [[True] * 4, [True] * 4]

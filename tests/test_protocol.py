@@ -280,6 +280,7 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], str]] = [
     ("region_past_u64", {"base_addr": (1 << 64) - 4096}, "does not fit the address space"),
     ("other_agent", {"agent_name": "victim"}, "is not the peer id"),
     ("zero_key_limit", {"max_key_len": 0}, "zero request limits"),
+    ("zero_open_requests", {"max_open_requests": 0}, "zero request limits"),
 ]
 
 
@@ -1407,3 +1408,11 @@ def test_checked_answers_still_refuse_what_the_wire_would_not_carry(
         with pytest.raises(LocalProtocolError):
             send(checked=True)
     assert snapshot(pair.b) == before and pair.b.data_to_send() == b""
+
+
+def test_the_open_requests_limit_is_the_smaller_of_ours_and_the_peers_advertised() -> None:
+    pair = ready_pair(make_info("a", max_open_requests=8), make_info("b", max_open_requests=3))
+    assert pair.a.open_requests_limit() == 3
+    assert pair.b.open_requests_limit() == 3
+    lone = SessionProtocol(make_info("c", max_open_requests=5))
+    assert lone.open_requests_limit() == 5  # no hello yet: our own

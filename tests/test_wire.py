@@ -90,6 +90,7 @@ STRATEGIES: dict[str, st.SearchStrategy[Any]] = {
         max_keys_per_request=u64,
         max_key_len=u64,
         auth=st.none() | st.binary(max_size=64),
+        max_open_requests=st.none() | u64,
     ),
     "challenge": st.builds(Challenge, nonce=st.binary(max_size=64)),
     "hello_ack": st.builds(

@@ -64,6 +64,9 @@ from .protocol import (
     TransferCompleted,
 )
 
+if TYPE_CHECKING:
+    from .slots import RequestSlots
+
 log = logging.getLogger("p2pkv.session")
 
 #: Bytes a key may cost in a lookup or fetch frame beyond its own length (msgpack header
@@ -283,7 +286,7 @@ class ConsumerSide(SessionParts):
     """Mixin of :class:`~p2pkv.session.session.PeerSession`: the consumer's calls."""
 
     if TYPE_CHECKING:  # provided by PeerSession
-        _requests: trio.Semaphore
+        _requests: RequestSlots
         _pending: dict[int, _Pending]
         _rounds: dict[int, _Round]
         _claims: list[_Claim]
@@ -312,7 +315,7 @@ class ConsumerSide(SessionParts):
 
     def _request_ended(self, req: int) -> None:
         if self._pending.pop(req, None) is not None:
-            self._requests.release()
+            self._requests.give_back()
 
     # --- limits ---------------------------------------------------------------------------
 
@@ -397,20 +400,33 @@ class ConsumerSide(SessionParts):
 
         ``held``: the rounds belong to the returned handle's holder (see
         :class:`LookupRound`); otherwise any fetch may use them. A request over the key
-        cap is sent as several rounds. Raises :class:`LocalProtocolError` for a key we
-        could not send, before anything is sent."""
+        cap is sent as several rounds, whose request slots it takes together. Raises
+        :class:`LocalProtocolError` for a key we could not send, or for more rounds than
+        may be open at this peer at once, before anything is sent."""
         keys = list(keys)
         lim = self._check_keys(keys, "lookup")
+        chunks = request_chunks(keys, max_keys=lim.max_keys, max_bytes=lim.max_bytes)
+        # Every round of a lookup stays open until all are answered, so a lookup of several
+        # takes all their request slots at once: two could otherwise each hold part of
+        # what the other waits for, or one all it has and wait for itself.
+        unsent = len(chunks) if len(chunks) > 1 else 0
+        if unsent:
+            await self._take_request_slots(unsent)
         answered: list[_Round] = []
         hits: list[bool] = []
         try:
-            for chunk in request_chunks(keys, max_keys=lim.max_keys, max_bytes=lim.max_bytes):
-                req, chunk_hits = await self._lookup_round(chunk, lim)
+            for chunk in chunks:
+                if unsent:  # the slot is the round's from here on
+                    unsent -= 1
+                    req, chunk_hits = await self._lookup_round(chunk, lim, has_slot=True)
+                else:
+                    req, chunk_hits = await self._lookup_round(chunk, lim)
                 hits += chunk_hits
                 found = chunk if all(chunk_hits) else list(compress(chunk, chunk_hits))
                 lease_end = trio.current_time() + self.cfg.lease * 0.9
                 answered.append(_Round(req, found, lease_end, held=held))
         except BaseException:
+            self._requests.give_back(unsent)
             for rnd in answered:  # a partial answer is no answer: give the pins back
                 self._close_round(rnd.req_id)
             self._flush_soon()
@@ -429,20 +445,27 @@ class ConsumerSide(SessionParts):
             self._flush_soon()
         return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in answered))
 
-    async def _lookup_round(self, keys: list[bytes], lim: RequestLimits) -> tuple[int, list[bool]]:
+    async def _lookup_round(
+        self, keys: list[bytes], lim: RequestLimits, *, has_slot: bool = False
+    ) -> tuple[int, list[bool]]:
         """One lookup request (keys already checked against ``lim`` and within it). The
         round is the caller's: it is not among the open rounds until the caller puts it
-        there."""
-        self._check_usable("lookup")
-        try:  # waiting for a request slot is part of the lookup's deadline
-            self._requests.acquire_nowait()  # the usual case: a slot is free, no checkpoint
-        except trio.WouldBlock:
-            await self._wait_for_request_slot()
+        there. ``has_slot``: the caller took its request slot (which is now this call's)."""
+        try:
+            self._check_usable("lookup")
+        except BaseException:
+            if has_slot:
+                self._requests.give_back()
+            raise
+        # Waiting for a request slot is part of the lookup's deadline; the usual case, a
+        # slot free, takes no checkpoint.
+        if not has_slot and not self._requests.take_nowait():
+            await self._take_request_slots(1)
         try:
             self._check_usable("lookup")
             req = self.proto.send_lookup(keys, checked=lim is self._limits())
         except BaseException:
-            self._requests.release()
+            self._requests.give_back()
             raise
         p = self._pending[req] = _Pending(req)
         try:
@@ -472,14 +495,22 @@ class ConsumerSide(SessionParts):
         finally:
             p.deadline = math.inf
 
-    async def _wait_for_request_slot(self) -> None:
+    async def _take_request_slots(self, n: int) -> None:
+        """``n`` request slots together, within the lookup's deadline. A lookup that
+        needs more than may ever be open at this peer is refused at once."""
+        if n > self._requests.limit:
+            raise LocalProtocolError(
+                f"a lookup of {n} requests (split by the key limits) is more than the "
+                f"{self._requests.limit} that may be open at this peer",
+                peer=self.peer_id,
+                op="lookup",
+            )
         try:
             with trio.fail_after(self.cfg.lookup_timeout):
-                await self._requests.acquire()
+                await self._requests.take(n)
         except trio.TooSlowError:
             raise P2PKVTimeout(
-                f"no request slot free within the lookup deadline "
-                f"({self.cfg.max_open_requests} open)",
+                f"no request slot free within the lookup deadline ({self._requests.limit} open)",
                 peer=self.peer_id,
                 op="lookup",
             ) from None

@@ -409,6 +409,7 @@ class SessionProtocol:
             nonce=li.nonce,
             max_keys_per_request=li.max_keys_per_request,
             max_key_len=li.max_key_len,
+            max_open_requests=li.max_open_requests,
         )
         if li.secret is not None:
             assert self._challenge is not None
@@ -491,7 +492,7 @@ class SessionProtocol:
             return f"region of {h.num_blocks} blocks (this node accepts 1..{li.max_peer_blocks})"
         if h.base_addr + h.num_blocks * h.block_len > U64_MAX:
             return "region does not fit the address space"
-        if h.max_keys_per_request == 0 or h.max_key_len == 0:
+        if h.max_keys_per_request == 0 or h.max_key_len == 0 or h.max_open_requests == 0:
             return "peer advertises zero request limits"
         return None
 
@@ -773,6 +774,14 @@ class SessionProtocol:
             max_key_len = min(max_key_len, peer.max_key_len)
         return max_keys, max_key_len
 
+    def open_requests_limit(self) -> int:
+        """How many of our requests may be open at once: our own limit and, once its
+        hello is in, the one the peer advertised (it closes the session beyond that)."""
+        limit, peer = self.local.max_open_requests, self.peer
+        if peer is not None and peer.max_open_requests is not None:
+            limit = min(limit, peer.max_open_requests)
+        return limit
+
     def _check_own_keys(self, keys: Sequence[bytes], op: str) -> None:
         """Our own request, before anything is sent: the peer would close the session."""
         max_keys, max_key_len = self.request_limits()
@@ -791,7 +800,9 @@ class SessionProtocol:
         checked ``keys`` against :meth:`request_limits` (and the wire's), so they are not
         walked again."""
         self._require_open("send_lookup")
-        if len(self._out) >= self.local.max_open_requests:
+        if len(self._out) >= self.local.max_open_requests:  # the session keeps to the
+            # peer's limit too (open_requests_limit): it counts a round open until it has
+            # closed it, never less long than the peer does
             raise CapacityExceeded("too many open requests", peer=self.peer_id, op="lookup")
         if not checked:
             self._check_own_keys(keys, "lookup")

@@ -79,6 +79,7 @@ from .protocol import (
     SessionProtocol,
     TransferCompleted,
 )
+from .slots import RequestSlots
 from .turns import Turn
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._send_lock = trio.StrictFIFOLock()
         self._send_broken = False
         self._raw: socket.socket | None = None  # a duplicate of a plain stream's socket
-        self._requests = trio.Semaphore(self.cfg.max_open_requests)
+        self._requests = RequestSlots(self.cfg.max_open_requests)  # resized by each hello
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
         self._claims: list[_Claim] = []  # our fetches running: the keys each brings in
@@ -554,6 +555,7 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _on_hello(self, ev: HelloReceived) -> None:
         tls.check_peer_id(self.stream, ev.hello.peer_id)  # before the node acts on the hello
+        self._requests.set_limit(self.proto.open_requests_limit())
         assert self._nursery is not None
         old, inc = self.incarnation, Incarnation(ev.hello)
         self.incarnation = inc
