@@ -455,6 +455,57 @@ def test_a_peers_lookup_waiting_for_a_step_keeps_an_idle_engine_stepping(
         peer.close()
 
 
+def test_vllm_raising_while_peers_are_served_loses_and_repeats_no_answer(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM raises from a lookup while the tier serves two peers' requests in one call,
+    after the first was answered: the next call answers the second, and never the first
+    again (answering it twice raised there, and on every call after)."""
+    src = engines(poll_s=0)
+    keys = make_keys(4, "raise")
+    src.fill(keys)
+
+    def idle_step() -> None:
+        with src.mgr.lock:
+            src.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+
+    until(lambda: not src.tier.has_pending_work(), "the engine to go idle", step=idle_step)
+    peers: list[BlockingNode] = []
+    try:
+        tickets = []
+        for i, part in enumerate((keys[:2], keys[2:])):  # two sessions: one request each
+            cfg = attrs.evolve(src.tier._node.config, peer_id=f"raw-peer-{i}", port=0)
+            peers.append(peer := start_node(cfg))
+            remote = peer.connect(src.tier.address, timeout=BOUND)
+            tickets.append((peer, peer.submit_lookup(remote, part)))
+        until(lambda: len(src.tier._pins._inbox) == 2, "both lookups to wait for a step")
+        real_ask, calls = src.tier._ask, []
+
+        def ask_failing_once(parent: Any, srv: Any, budget: int) -> int:
+            calls.append(srv)
+            if len(calls) == 2:
+                raise RuntimeError("vLLM failed a lookup")
+            return real_ask(parent, srv, budget)
+
+        monkeypatch.setattr(src.tier, "_ask", ask_failing_once)
+        with pytest.raises(RuntimeError, match="vLLM failed"):
+            idle_step()
+        results: dict[int, object] = {}
+
+        def answered() -> bool:
+            for i, (peer, ticket) in enumerate(tickets):
+                if i not in results and (r := peer.poll(ticket)) is not None:
+                    results[i] = r
+            return len(results) == len(tickets)
+
+        until(answered, "both lookups to be answered", step=idle_step)
+        assert results == {0: [True, True], 1: [True, True]}
+        idle_step()  # and the calls after it serve on, raising nothing
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 def test_a_lookup_larger_than_one_serve_call_is_answered_over_several(
     engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -448,17 +448,23 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             self._serving.append(_Serve(req, ctx, [None] * n, list(range(n))))
         budget = self.SERVE_KEYS_PER_CALL
         now = time.monotonic()
-        still: list[_Serve] = []
-        for srv in self._serving:
-            if not srv.req.abandoned and budget > 0:
-                budget -= self._ask(parent, srv, budget)
-            # Answer before the engine stops waiting; keys still pending are misses.
-            if srv.pending and not srv.req.abandoned and now < srv.req.deadline - 0.05:
-                still.append(srv)
-                continue
-            parent.on_request_finished(srv.ctx)
-            self._pins.answer(srv.req, srv.slots, tuple(srv.jobs) if srv.jobs else None)
-        self._serving = still
+        serving, still = self._serving, []
+        done = 0  # serving[:done] are answered (dropped) or in still
+        try:
+            for srv in serving:
+                if not srv.req.abandoned and budget > 0:
+                    budget -= self._ask(parent, srv, budget)
+                # Answer before the engine stops waiting; keys still pending are misses.
+                if srv.pending and not srv.req.abandoned and now < srv.req.deadline - 0.05:
+                    still.append(srv)
+                else:
+                    parent.on_request_finished(srv.ctx)
+                    self._pins.answer(srv.req, srv.slots, tuple(srv.jobs) if srv.jobs else None)
+                done += 1
+        finally:
+            # If vLLM raised, the requests answered so far are gone and the rest (the one
+            # it raised on included, with what it pinned) wait for the next call.
+            self._serving = still + serving[done:]
 
     def _ask(self, parent: ParentManager, srv: _Serve, budget: int) -> int:
         """Ask vLLM about at most ``budget`` of the request's pending keys and pin the
