@@ -434,6 +434,27 @@ async def test_release_unused_pins_unpins_idle_rounds_in_the_store() -> None:
             assert dst.statistics().reserved_slots == 0
 
 
+async def test_pins_released_for_the_host_no_longer_count_against_the_peers_pin_cap() -> None:
+    """A peer at its pin cap; the host takes the pins of its idle round back. Its next
+    lookup is not refused for pins it no longer holds, though that round is still open
+    (a fetch on it finds its keys not pinned)."""
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("src", max_pinned_blocks=4)) as src,
+            open_node(config("dst")) as dst,
+        ):
+            keys = fill(src.store, 8, BLOCK)
+            peer = await dst.connect(src.address)
+            idle = await dst.lookup_round(peer, keys[:4])
+            assert idle.hits == [True] * 4
+            assert await dst.lookup(peer, keys[4:]) == [False] * 4  # the cap: 4 pinned
+            # The idle round, and the all-miss one if its close is still on the way.
+            assert await src.release_unused_pins() in (1, 2)
+            assert await dst.lookup(peer, keys[4:]) == [True] * 4
+            r = await dst.fetch(peer, keys[:4], rounds=idle)
+            assert r.failed == dict.fromkeys(keys[:4], "not_pinned")
+
+
 async def test_release_unused_pins_while_a_lookup_is_pinned_in_slices_leaves_no_pin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

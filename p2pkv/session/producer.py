@@ -168,6 +168,7 @@ class ProducerSide(SessionParts):
         idle = [r for r, h in self._pinned.items() if r not in self._writes and not h.quarantined]
         for req in idle:
             self._release_round(req)
+            self.proto.pins_released(req)  # nor do they count against the peer's pin cap
         return len(idle)
 
     def _on_round_closed(self, ev: RoundClosed) -> None:

@@ -332,6 +332,14 @@ class SessionProtocol:
     def pins_held(self) -> int:
         return sum(r.pins for r in self._in.values())
 
+    def pins_released(self, req_id: int) -> None:
+        """The driver gave back the pins of the peer's open round ``req_id`` before the
+        round ended (the host draining its memory): they no longer count against the
+        peer's caps. The round stays open; a fetch on it finds its keys not pinned."""
+        r = self._in.get(req_id)
+        if r is not None and r.state is InState.PINNED:
+            r.pins = 0
+
     def keys_held(self) -> int:
         """Keys the driver holds for the peer's open rounds (see the module docstring)."""
         return sum(r.keys_held for r in self._in.values())
