@@ -359,7 +359,10 @@ class BlockStore:
         Returns the slot. An unpinned existing block is overwritten in place; a pinned one
         is left untouched (its readers keep their bytes) and the key moves to a new slot.
         Raises :class:`StoreFull`, with nothing changed, if no slot can be freed (slots
-        claimed by a :meth:`reserve` in progress count as taken).
+        claimed by a :meth:`reserve` in progress count as taken). If the copy itself
+        raises (a CUDA error, an interrupt), that exception propagates, the slot is free
+        again and ``key`` is not stored, even if it was before: an old block overwritten in
+        place is half overwritten by then.
         """
         _check_key(key)
         src: Any = (

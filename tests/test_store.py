@@ -95,6 +95,34 @@ def test_put_of_the_wrong_length_raises_and_stores_nothing(length: int) -> None:
     assert b"k" not in store and store.statistics().free == 2
 
 
+def test_a_put_whose_copy_raises_frees_its_slot_and_drops_the_half_written_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy raises midway (a CUDA error, an interrupt) over a block stored before: the
+    key goes (its bytes are half overwritten), the slot is free again, and no reservation
+    of the put is left behind."""
+    import p2pkv.store as store_module
+
+    class Interrupted(Exception):
+        pass
+
+    class FailingCopy:
+        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+            raise Interrupted
+
+    store = BlockStore(2, L)
+    store.put(b"k", blk(1))
+    monkeypatch.setattr(store_module, "block_source", lambda data, n: FailingCopy())
+    with pytest.raises(Interrupted):
+        store.put(b"k", blk(2))
+    assert b"k" not in store
+    stats = store.statistics()
+    assert (stats.free, stats.used, stats.reserved) == (2, 0, 0)
+    monkeypatch.undo()
+    store.put(b"k", blk(3))
+    assert bytes(store.get(b"k") or b"") == blk(3)
+
+
 def test_put_rejects_keys_that_are_not_non_empty_bytes() -> None:
     store = BlockStore(2, L)
     with pytest.raises(TypeError):
