@@ -439,14 +439,19 @@ class P2PTier:
         is left and, if the tier owns the node, closes it: no engine thread, data-plane
         agent or pin at a source is left behind (closing the node ends its sessions, and
         the sources release their pins with them). A slot load cut short by the close
-        makes shutdown wait out its quarantine, so that no write can land in the host's
-        memory after this returns."""
+        makes shutdown wait out its quarantine; on a node it does not own (nothing closes
+        it), shutdown waits for each slot load's ``fetch_into`` to end instead (within its
+        deadline and quarantines). Either way no write can land in the host's memory
+        after this returns."""
         if self._closed:
             return
         limit = self.load_timeout + self.quarantine + 1.0
         self._drain(limit if drain_timeout is None else drain_timeout, slot_loads_only=True)
         self._closed = True
-        cut_short = any(load.slots is not None for load in self._loads.values())
+        if self.owns_node:  # closed below: whatever it cuts short waits out a quarantine
+            cut_short = any(load.slots is not None for load in self._loads.values())
+        else:
+            cut_short = not self._await_slot_loads()
         for load in self._loads.values():
             self._fail_job(load.job, load.keys, "tier shut down")
         for st in self._requests.values():
@@ -468,6 +473,32 @@ class P2PTier:
             self.node.close()
         if cut_short:
             time.sleep(self.quarantine)
+
+    def _await_slot_loads(self) -> bool:
+        """The node goes on (another owner's), so a slot load's ``fetch_into`` is not cut
+        by a close: only its own end says that no write into its slots can land any more.
+        Wait for that end, within the bound the engine keeps to (its load deadline, then a
+        quarantine, for the ticket and for the engine each, and a second); the results are
+        dropped (shutdown fails the loads next). False if one is still running then."""
+        running = [t for t, ld in self._loads.items() if ld.slots is not None]
+        if not running:
+            return True
+        end = max(self._loads[t].deadline for t in running) + 2 * self.quarantine + 1.0
+        while True:
+            still = []
+            for ticket in running:
+                try:
+                    if self.node.poll(ticket) is None:
+                        still.append(ticket)
+                except Exception:  # ended with an error: ended all the same
+                    pass
+            running = still
+            if not running or time.monotonic() >= end:
+                break
+            time.sleep(0.002)
+        if running:
+            log.warning("%d slot loads still running at shutdown", len(running))
+        return not running
 
     def debug_state(self) -> dict[str, Any]:
         """A summary of what is in flight, for diagnosing a request that never ends."""
