@@ -23,9 +23,10 @@ from p2pkv.session.protocol import (
     SessionProtocol,
     TransferCompleted,
 )
+from p2pkv.transport.base import TransferHandle, TransferState
 from p2pkv.wire import Bye, FrameDecoder, Outcome, Ping
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .helpers import FaultFactory, FaultTransport, RawPeer, VirtualOffload, config, fill
 
 
 @asynccontextmanager
@@ -378,3 +379,132 @@ async def test_abort_of_a_pinned_round_is_acked_at_once(
         assert isinstance(ack, AbortAcknowledged) and ack.req_id == req
         assert src.statistics().pinned_slots == 0
         await raw.aclose()
+
+
+# ---------------------------------------------------------------- writes let go in time
+
+
+def record_inflight_releases(t: FaultTransport, released_at: list[float]) -> None:
+    """PROBE: note the (virtual) time of every release of a handle that is still PROC,
+    i.e. a write the data plane may still land (notes/nixl.md hazard 4)."""
+    original = t.release
+
+    def release(h: TransferHandle) -> None:
+        if not h.released and h.native is TransferState.PROC:
+            released_at.append(trio.current_time())
+        original(h)
+
+    t.release = release  # type: ignore[method-assign, assignment]
+
+
+async def test_a_fetch_of_several_unsettled_chunks_is_released_within_the_consumers_quarantine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The consumer keeps its slots quarantined for ``quarantine`` (> abort_timeout +
+    landing_margin) after it gave up. The producer must therefore have released every
+    unsettled handle of the round within abort_timeout of the abort. It waits
+    abort_timeout for each handle *in turn* (ProducerSide._settle), so the k-th hanging
+    chunk stays in flight k x abort_timeout: past the consumer's quarantine from k = 3."""
+    released_at: list[float] = []
+
+    def hang(t: FaultTransport) -> None:
+        t.hang = True
+        record_inflight_releases(t, released_at)
+
+    hanging = FaultFactory(hang)
+    kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
+    async with (
+        node("src", factory=hanging, transfer_chunk_bytes=4096, **kw) as src,
+        node("dst", fetch_timeout=4.0, **kw) as dst,
+    ):
+        keys = fill(src.store, 4, 4096)  # 4 chunks: 4 handles, all left PROC
+        peer = await dst.connect(src.address)
+        result = await dst.fetch(peer, keys)
+        gave_up = trio.current_time()
+        assert set(result.failed.values()) == {"timeout"}
+        assert hanging.transport.posts == 4
+        # Until the producer has let go of every write (and the hold after it).
+        with trio.fail_after(60):
+            while len(released_at) < 4 or src.statistics().pinned_slots:
+                await trio.sleep(0.5)
+        slots_free_at = gave_up + dst.config.quarantine
+        last_landing = max(released_at) + src.config.landing_margin
+        assert last_landing <= slots_free_at, (
+            f"a released write may land until t={last_landing:.1f}, but the consumer's "
+            f"slots were free again at t={slots_free_at:.1f} (releases at {released_at}, "
+            f"gave up at {gave_up:.1f})"
+        )
+
+
+class _ClosingReleasesHandles(FaultTransport):
+    """FAKE, as :meth:`NixlTransport.close` (``_shutdown``): closing releases every live
+    handle, also one still PROC, and a poll of it then says ERR. (LocalTransport.close
+    only forgets them.)"""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.handles: list[TransferHandle] = []
+
+    def post_write(self, peer: Any, local_slots: Any, remote_slots: Any) -> TransferHandle:
+        h = super().post_write(peer, local_slots, remote_slots)
+        self.handles.append(h)
+        return h
+
+    def close(self) -> None:
+        for h in self.handles:
+            self.release(h)
+        super().close()
+
+
+class _ClosingFactory(FaultFactory):
+    def __call__(self, cfg: Any, store: Any) -> FaultTransport:
+        t = _ClosingReleasesHandles(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
+        if self.configure is not None:
+            self.configure(t)
+        self.built.append(t)
+        return t
+
+
+async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_settled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Node._retire_transport closes a replaced transport after fetch_timeout +
+    abort_timeout even if a write is still in flight; the close releases that handle, the
+    producer's write task sees ERR, counts it as settled and sends ``transfer_done`` at
+    once. The consumer frees the slots on that word while the released write may still
+    land (landing_margin). The producer's rule ("either reply means no write of this round
+    can land any more") needs the round held for the quarantine, as _settle does."""
+    released_at: list[float] = []
+
+    def first_hangs(t: FaultTransport) -> None:
+        if not factory.built:
+            t.hang = True
+            record_inflight_releases(t, released_at)
+
+    factory = _ClosingFactory(first_hangs)
+    kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
+    async with (
+        node("src", factory=factory, fetch_timeout=4.0, **kw) as src,
+        node("dst", fetch_timeout=60.0, **kw) as dst,  # its own, longer deadline
+    ):
+        keys = fill(src.store, 2, 4096)
+        peer = await dst.connect(src.address)
+        got: list[Any] = []
+        async with trio.open_nursery() as nursery:
+
+            async def fetch() -> None:
+                got.append(await dst.fetch(peer, keys))
+                got.append(trio.current_time())
+
+            nursery.start_soon(fetch)
+            await trio.testing.wait_all_tasks_blocked()
+            assert factory.built[0].posts == 1  # the write is in flight (PROC)
+            assert await src.reconfigure(["dst"]) == []
+        result, answered = got
+        assert released_at, "the retired transport's close released the in-flight write"
+        assert result.loaded == [] and set(result.failed) == set(keys)
+        assert answered >= released_at[0] + src.config.landing_margin, (
+            f"transfer_done came at t={answered:.2f}, {answered - released_at[0]:.2f} s "
+            f"after the write was released in flight (landing_margin "
+            f"{src.config.landing_margin} s): the consumer freed slots it may still get"
+        )

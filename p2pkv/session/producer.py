@@ -269,6 +269,8 @@ class ProducerSide(SessionParts):
                     del parts[: run.tried]
                 for chunk, h, dp in posted:
                     state = await node.poller.wait(h, dp)
+                    if h.released:  # cut by its transport's close: it may still land
+                        continue
                     settled.add(id(h))
                     if state is TransferState.DONE:
                         _set_all(outcomes, chunk, _OK)
@@ -357,20 +359,33 @@ class ProducerSide(SessionParts):
         return dp, dp.post_write(remote, local, remote_slots)
 
     async def _settle(self, posted: list[Posted], settled: set[int], outcomes: list[int]) -> bool:
-        """Wait (bounded) for unsettled handles, release all; True if everything is quiet."""
+        """Wait (bounded) for unsettled handles, release all; True if everything is quiet.
+
+        One deadline, ``abort_timeout`` from now, for all of them together, then every
+        one still unsettled is released at once: the consumer frees its slots
+        ``quarantine`` after it gave up (more than ``abort_timeout + landing_margin``),
+        and a wait per handle in turn would keep the k-th in flight k times as long. A
+        handle its transport released under us (a close) is never settled: the write may
+        still land, and the round is held for the quarantine."""
         node, quiet = self.node, True
+        deadline = trio.current_time() + self.cfg.abort_timeout
+        unsettled: list[tuple[DataTransport, TransferHandle]] = []
         for chunk, h, dp in posted:
             if id(h) not in settled:
-                with trio.move_on_after(self.cfg.abort_timeout):
-                    await node.poller.wait(h, dp)
-                    settled.add(id(h))
+                if not h.released:
+                    with trio.move_on_at(deadline):
+                        await node.poller.wait(h, dp)
+                        if not h.released:
+                            settled.add(id(h))
                 # Cut short: whatever landed is not reported as loaded.
                 _set_all(outcomes, chunk, _ABORTED)
             if id(h) in settled:
                 dp.release(h)
             else:
                 quiet = False
-                await node.offload_data(dp.release, h)
+                unsettled.append((dp, h))
+        if unsettled:
+            await node.offload_data(_release_all, unsettled)
         return quiet
 
 
@@ -398,6 +413,18 @@ class _PostRun:
     posted: list[tuple[slice, DataTransport, TransferHandle]] = attrs.Factory(list)
     refused: list[TransportError] = attrs.Factory(list)  # their keys stay failed
     error: Exception | None = None  # a bug: raised on the Trio thread once posted is kept
+
+
+def _release_all(handles: list[tuple[DataTransport, TransferHandle]]) -> None:
+    """Release every handle (in a worker thread), the first failure raised after all."""
+    error: BaseException | None = None
+    for dp, h in handles:
+        try:
+            dp.release(h)
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 def _set_all(outcomes: list[int], indices: list[int], value: int) -> None:
