@@ -482,39 +482,38 @@ class Node:
             oneoff = trio.CapacityLimiter(1)
             # No registration and no post runs from here to the end of the swap: a post
             # reads the transport and the peer's registration while holding data_limiter.
+            # All or nothing, so shielded: re-registering a peer on the new transport may
+            # invalidate its registration on the old one (NIXL: one agent per process), so a
+            # reconfiguration cut short would leave the survivors' writes failing and the
+            # new transport open. A cancel lands once it is through (its calls are threads,
+            # which no cancel interrupts anyway); an error closes what it built.
             async with self.registrar.limiter, self._data_plane():
-                new = await self.offload(
-                    self._transport_factory, self.config, self.store, limiter=oneoff
-                )
-                swaps: list[tuple[PeerSession, RemotePeer]] = []
-                for session in list(self._by_peer.values()):
-                    h, job = session.proto.peer, session.job
-                    if h is None or job is None or session.remote is None or not session.alive:
-                        continue
+                with trio.CancelScope(shield=True):
+                    new = await self.offload(
+                        self._transport_factory, self.config, self.store, limiter=oneoff
+                    )
+                    swaps: list[tuple[PeerSession, RemotePeer]] = []
                     try:
-                        rp = await self.offload(
-                            new.add_remote_peer,
-                            h.agent_name,
-                            h.agent_metadata,
-                            RegionLayout(h.base_addr, h.num_blocks, h.block_len),
-                            limiter=oneoff,
-                        )
-                    except P2PKVError as exc:
-                        session.close(f"re-registration failed: {exc}", "reconfigure")
-                        continue
-                    swaps.append((session, rp))
-                # Go live: no checkpoint from here to the end of the swap.
-                old = self.transport
-                self.transport = self.registrar.transport = self.poller.transport = new
-                stale: list[RemotePeer] = []
-                for session, rp in swaps:
-                    assert session.job is not None
-                    if session.alive and self.registrar.replace(session.job, rp):
-                        session.remote = rp
-                    else:
-                        stale.append(rp)
-            for rp in stale:
-                await self.offload(new.remove_remote_peer, rp, limiter=self.registrar.limiter)
+                        await self._reregister(new, swaps, oneoff)
+                    except BaseException:
+                        for session, _rp in swaps:
+                            session.close("reconfiguration failed", "reconfigure")
+                        await self.offload(new.close, limiter=oneoff)
+                        raise
+                    # Go live: no checkpoint from here to the end of the swap.
+                    old = self.transport
+                    self.transport = self.registrar.transport = self.poller.transport = new
+                    self._retired_transports.append(old)
+                    self._nursery_or_raise().start_soon(self._retire_transport, old)
+                    stale: list[RemotePeer] = []
+                    for session, rp in swaps:
+                        assert session.job is not None
+                        if session.alive and self.registrar.replace(session.job, rp):
+                            session.remote = rp
+                        else:
+                            stale.append(rp)
+                    for rp in stale:
+                        await self.offload(new.remove_remote_peer, rp, limiter=oneoff)
             live_agents = {
                 s.proto.peer.agent_name
                 for s in self._by_peer.values()
@@ -522,10 +521,34 @@ class Node:
             }
             gone = {s.proto.peer.agent_name for s in leaving if s.proto.peer is not None}
             gone.update(new.release_departed_peers(live_agents))
-            departed = sorted(gone - live_agents)
-            self._retired_transports.append(old)
-            self._nursery_or_raise().start_soon(self._retire_transport, old)
-            return departed
+            return sorted(gone - live_agents)
+
+    async def _reregister(
+        self,
+        new: DataTransport,
+        swaps: list[tuple[PeerSession, RemotePeer]],
+        limiter: trio.CapacityLimiter,
+    ) -> None:
+        """Register every live, registered peer on ``new``; each one into ``swaps`` as it
+        is done. A peer whose registration fails is closed (it may dial again)."""
+        for session in list(self._by_peer.values()):
+            h, job = session.proto.peer, session.job
+            # Published (job.peer), whether or not its session has woken to take it yet:
+            # the swap hands it the new registration either way.
+            if h is None or job is None or job.peer is None or not session.alive:
+                continue
+            try:
+                rp = await self.offload(
+                    new.add_remote_peer,
+                    h.agent_name,
+                    h.agent_metadata,
+                    RegionLayout(h.base_addr, h.num_blocks, h.block_len),
+                    limiter=limiter,
+                )
+            except P2PKVError as exc:
+                session.close(f"re-registration failed: {exc}", "reconfigure")
+                continue
+            swaps.append((session, rp))
 
     @asynccontextmanager
     async def _data_plane(self) -> AsyncIterator[None]:

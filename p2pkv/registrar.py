@@ -158,6 +158,13 @@ class Registrar:
             except Exception:
                 log.exception("releasing the registration of %s failed", peer.agent_name)
 
+    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
+        """Register on the current transport; in the worker, with the limiter held. The
+        transport is read only then: a reconfiguration swaps it while holding the limiter,
+        and a registration that waited for the limiter meanwhile belongs on the new one,
+        not on the transport being retired."""
+        return self.transport.add_remote_peer(agent_name, metadata, layout)
+
     async def drain(self) -> None:
         """Wait until no registration thread runs (shutdown, tests)."""
         async with self.limiter:
@@ -172,7 +179,7 @@ class Registrar:
             self._running = True
             try:
                 peer = await self._offload(
-                    self.transport.add_remote_peer,
+                    self.add_remote_peer,
                     job.agent_name,
                     job.metadata,
                     job.layout,

@@ -508,3 +508,72 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
             f"after the write was released in flight (landing_margin "
             f"{src.config.landing_margin} s): the consumer freed slots it may still get"
         )
+
+
+# ---------------------------------------------------------------- reconfiguration
+
+
+async def test_a_registration_queued_behind_a_reconfiguration_goes_to_the_new_transport(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Registrar.run reads ``self.transport.add_remote_peer`` *before* it waits for the
+    registrar's limiter; a reconfiguration holds that limiter while it builds the new
+    transport and swaps it in. A peer that connects meanwhile is then registered on the
+    transport being retired: its registration fails when that one closes first, or it is
+    published there and every write to the peer fails (NIXL: "peer was not registered by
+    this transport"; here: the closed transport released it)."""
+    factory = FaultFactory()
+    factory.__name__ = "make_transport"  # type: ignore[attr-defined]  # VirtualOffload's key
+    async with (
+        node("hub", factory=factory, delays={"make_transport": 5.0}) as hub,
+        node("late") as late,
+    ):
+        keys = fill(hub.store, 2, 4096)
+        errors: list[BaseException] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hub.reconfigure, ["late"])
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(factory.built) == 1  # building the new transport (5 s, virtual)
+
+            async def connect() -> None:
+                try:
+                    await late.connect(hub.address)
+                except Exception as exc:
+                    errors.append(exc)
+
+            nursery.start_soon(connect)
+        with trio.fail_after(5):
+            while hub._retired_transports:
+                await trio.sleep(0.01)
+        assert errors == [], f"connect failed: {errors}"
+        result = await late.fetch("hub", keys)
+        assert sorted(result.loaded) == sorted(keys), (
+            f"fetch failed {result.failed}; registrations of 'late' per transport "
+            f"(old, new): {[t.adds for t in factory.built]}"
+        )
+
+
+async def test_a_reconfiguration_cancelled_midway_completes_and_leaves_nothing_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reconfiguration is all or nothing: cancelled between two re-registrations (the
+    caller's timeout), it still goes through, since a peer re-registered on the new
+    transport may have lost its registration on the old one (NIXL: one agent per
+    process). The survivors are served, and once the node has closed no transport is
+    left open (with the registrations it holds)."""
+    factory = FaultFactory()
+    async with (
+        node("hub", factory=factory, delays={"add_remote_peer": 5.0}) as hub,
+        node("p1") as p1,
+        node("p2") as p2,
+    ):
+        keys = fill(hub.store, 2, 4096)
+        await p1.connect(hub.address)
+        await p2.connect(hub.address)
+        with trio.move_on_after(3.0):  # inside the first re-registration's 5 s
+            await hub.reconfigure(["p1", "p2"])
+        assert len(factory.built) == 2 and hub.transport is factory.built[1]
+        for p in (p1, p2):
+            result = await p.fetch("hub", keys)
+            assert sorted(result.loaded) == sorted(keys)
+    assert all(t._closed for t in factory.built)  # closing releases its registrations
