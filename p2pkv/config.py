@@ -3,26 +3,63 @@
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 from typing import Any, Literal
 
 import attrs
 
 from ._switch import MIN_INTERVAL
-from .errors import P2PKVError
+from .errors import ConfigError
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
 
 
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (numbers.Integral,),  # NumPy's integers too
+    "float": (numbers.Real,),
+    "bool": (bool,),
+    "str": (str,),
+    "bytes": (bytes,),
+    "None": (type(None),),
+}
+
+
+def _check_type(attr: attrs.Attribute[Any], value: object) -> None:
+    """``value`` is of ``attr``'s declared type (an int is a float; a bool is neither)."""
+    declared = str(attr.type)
+    if declared.startswith("Literal"):
+        return  # checked in __attrs_post_init__
+    allowed = tuple(t for part in declared.split(" | ") for t in _TYPES.get(part, (object,)))
+    ok = isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
+    if not ok:
+        hint = " (e.g. 'text'.encode())" if bytes in allowed and isinstance(value, str) else ""
+        raise ConfigError(
+            f"{attr.name} must be {declared}{hint}, got {type(value).__name__} {value!r}"
+        )
+
+
+def _typed(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
+    _check_type(attr, value)
+
+
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    _check_type(attr, value)
     if not value > 0:
-        raise ValueError(f"{attr.name} must be > 0, got {value!r}")
+        raise ConfigError(f"{attr.name} must be > 0, got {value!r}")
 
 
 def _switch_interval(_inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
+    _check_type(attr, value)
     if value is not None and not value >= MIN_INTERVAL:
-        raise ValueError(f"{attr.name} must be None or >= {MIN_INTERVAL} s, got {value!r}")
+        raise ConfigError(f"{attr.name} must be None or >= {MIN_INTERVAL} s, got {value!r}")
+
+
+def _port(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
+    _check_type(attr, value)
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{attr.name} must be 0..65535 (0: any free port), got {value!r}")
 
 
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
@@ -32,12 +69,13 @@ def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
 def _all_or_no_tls_files(inst: NodeConfig, _attr: attrs.Attribute[Any], _value: object) -> None:
     given = [f for f in ("tls_cert", "tls_key", "tls_ca") if getattr(inst, f) is not None]
     if given and len(given) != 3:
-        raise P2PKVError(f"TLS needs tls_cert, tls_key and tls_ca together; only {given} given")
+        raise ConfigError(f"TLS needs tls_cert, tls_key and tls_ca together; only {given} given")
 
 
 def _non_negative(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
+    _check_type(attr, value)
     if not value >= 0:
-        raise ValueError(f"{attr.name} must be >= 0, got {value!r}")
+        raise ConfigError(f"{attr.name} must be >= 0, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -49,9 +87,9 @@ class NodeConfig:
     hash differently or lay out blocks differently must never exchange them.
     """
 
-    peer_id: str
-    host: str = "127.0.0.1"
-    port: int = 0
+    peer_id: str = attrs.field(validator=_typed)
+    host: str = attrs.field(default="127.0.0.1", validator=_typed)
+    port: int = attrs.field(default=0, validator=_port)
     num_blocks: int = attrs.field(default=1024, validator=_positive)
     block_len: int = attrs.field(default=64 * 1024, validator=_positive)
     transport: Literal["local", "nixl"] = "local"
@@ -69,13 +107,13 @@ class NodeConfig:
     switch_interval: float | None = attrs.field(default=0.001, validator=_switch_interval)
 
     # Compatibility: peers must agree on these (checked at handshake).
-    fingerprint: str = ""  # e.g. model + dtype + layout; opaque to p2pkv
-    hash_algo: str = "sha256"
-    hash_seed: bytes = b""
+    fingerprint: str = attrs.field(default="", validator=_typed)  # e.g. model + dtype
+    hash_algo: str = attrs.field(default="sha256", validator=_typed)
+    hash_seed: bytes = attrs.field(default=b"", validator=_typed)
     # Optional HMAC authentication of peers: both sides must hold the same secret.
-    secret: bytes | None = attrs.field(default=None, repr=False)
+    secret: bytes | None = attrs.field(default=None, repr=False, validator=_typed)
     # Producer sends a crc32 per block in transfer_done; consumer verifies before loading.
-    verify_checksums: bool = False
+    verify_checksums: bool = attrs.field(default=False, validator=_typed)
 
     # Deadlines (seconds).
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
@@ -136,13 +174,18 @@ class NodeConfig:
 
     def __attrs_post_init__(self) -> None:
         if not self.peer_id or len(self.peer_id) > 128:
-            raise P2PKVError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
+            raise ConfigError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
         if self.transport not in ("local", "nixl"):
-            raise P2PKVError(f"unknown transport {self.transport!r} (use 'local' or 'nixl')")
+            raise ConfigError(f"unknown transport {self.transport!r} (use 'local' or 'nixl')")
         if self.max_key_len > 1024:
-            raise P2PKVError("max_key_len must be <= 1024")
+            raise ConfigError("max_key_len must be <= 1024")
+        if not self.idle_timeout > self.heartbeat_interval:
+            raise ConfigError(
+                f"idle_timeout ({self.idle_timeout} s) must exceed heartbeat_interval "
+                f"({self.heartbeat_interval} s): an idle peer would be dropped before its ping"
+            )
         if not self.quarantine > self.abort_timeout + self.landing_margin:
-            raise P2PKVError(
+            raise ConfigError(
                 f"quarantine ({self.quarantine} s) must exceed abort_timeout "
                 f"({self.abort_timeout} s) + landing_margin ({self.landing_margin} s): "
                 "a write may land until then"

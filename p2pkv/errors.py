@@ -98,12 +98,18 @@ class PortalClosed(P2PKVError):
     """The engine behind a sync facade has stopped (``__cause__`` says why if it died)."""
 
 
+class ConfigError(P2PKVError, ValueError):
+    """A configuration value is out of range or of the wrong type (raised when the
+    :class:`~p2pkv.NodeConfig` is built). A ``ValueError`` too."""
+
+
 class PeerDisconnected(TransportError):
     """The data plane saw the peer go away (NIXL: ``nixlRemoteDisconnectError``)."""
 
 
 __all__ = [
     "CapacityExceeded",
+    "ConfigError",
     "DuplicateSession",
     "HandshakeRejected",
     "LocalProtocolError",

@@ -1,0 +1,55 @@
+"""NodeConfig refuses what would break later, up front, with one error type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from p2pkv import ConfigError, NodeConfig, P2PKVError
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"port": 70000}, "port must be 0..65535"),  # was bound as port 4464
+        ({"port": -1}, "port must be 0..65535"),
+        ({"port": "5710"}, "port must be int"),
+        ({"secret": "s3cret"}, r"secret must be bytes \| None \(e\.g\. 'text'\.encode\(\)\)"),
+        ({"secret": 5}, "secret must be bytes"),
+        ({"hash_seed": "abc"}, "hash_seed must be bytes"),
+        ({"verify_checksums": "no"}, "verify_checksums must be bool"),
+        ({"num_blocks": 0}, "num_blocks must be > 0"),
+        ({"num_blocks": 1.5}, "num_blocks must be int"),
+        ({"block_len": "64"}, "block_len must be int"),
+        ({"lease": True}, "lease must be float"),
+        ({"peer_id": ""}, "peer_id must be 1..128"),
+        ({"host": None}, "host must be str"),
+        ({"transport": "tcp"}, "unknown transport"),
+        ({"landing_margin": -1.0}, "landing_margin must be >= 0"),
+        ({"switch_interval": 0.0}, "switch_interval must be None or >="),
+        ({"heartbeat_interval": 5.0, "idle_timeout": 2.0}, "idle_timeout .* must exceed"),
+        ({"quarantine": 1.0}, "quarantine .* must exceed abort_timeout"),
+        ({"tls_cert": "c.pem"}, "tls_cert, tls_key and tls_ca together"),
+    ],
+    ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
+)
+def test_a_bad_value_is_a_config_error_naming_it(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match) as info:
+        NodeConfig(**{"peer_id": "a", **kw})
+    # One type, caught either way a caller may expect.
+    assert isinstance(info.value, P2PKVError) and isinstance(info.value, ValueError)
+
+
+def test_numbers_of_any_kind_that_mean_the_same_are_accepted() -> None:
+    cfg = NodeConfig(
+        peer_id="a",
+        num_blocks=np.int64(8),  # type: ignore[arg-type]  # what a computed size often is
+        lease=3,  # an int where seconds are asked
+        fetch_timeout=np.float32(2.5),  # type: ignore[arg-type]
+        nixl_copy_threads=None,
+        switch_interval=None,
+        secret=b"s",
+    )
+    assert (cfg.num_blocks, cfg.lease, cfg.fetch_timeout) == (8, 3, 2.5)
