@@ -80,6 +80,25 @@ def cert_peer_ids(cert: dict[str, Any]) -> list[str]:
     ]
 
 
+def cert_file_peer_id(path: str) -> str:
+    """The one peer id the certificate in the PEM file ``path`` names (a node's default
+    peer id under TLS). P2PKVError if it names none or several, or cannot be read."""
+    import _ssl
+
+    decode = getattr(_ssl, "_test_decode_cert", None)  # CPython's reader of a PEM file
+    if decode is None:
+        raise P2PKVError(f"cannot read the peer id {path} names here: give the peer id")
+    try:
+        ids = cert_peer_ids(decode(path))
+    except (OSError, ssl.SSLError) as exc:
+        raise P2PKVError(f"cannot read the certificate {path}: {exc}") from exc
+    if len(ids) != 1:
+        raise P2PKVError(
+            f"the certificate {path} names {len(ids)} peer ids ({URI_SCHEME}...): give the peer id"
+        )
+    return ids[0]
+
+
 def _context(purpose: int, cfg: NodeConfig) -> ssl.SSLContext:
     assert cfg.tls_cert is not None and cfg.tls_key is not None and cfg.tls_ca is not None
     ctx = ssl.SSLContext(purpose)

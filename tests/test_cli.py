@@ -302,3 +302,62 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "OK: every block arrived intact" in done.stdout
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("argv", "config", "message"),
+    [
+        (["fetch", "nocolon"], None, "expected HOST:PORT"),
+        (["fetch", "127.0.0.1:notaport"], None, "numeric port"),
+        (["fetch", "127.0.0.1:70000"], None, "port must be 1..65535"),
+        (["serve", "--port", "70000"], None, "must be 0..65535"),
+        (["serve", "--fill", "-5"], None, "must be >= 0"),
+        (["demo", "--batch", "-3"], None, "must be >= 0"),  # fetched nothing, said "differ"
+        (["serve", "--config", "{cfg}"], "port = \n", "not valid TOML"),
+        (["serve", "--config", "{cfg}"], 'fill = "x"\n', "fill must be an int >= 0"),
+        (["serve", "--config", "{cfg}"], 'port = "5710"\n', "port must be int"),
+        (["serve", "--config", "{cfg}.json"], "{port: 1}", "not valid JSON"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_not_a_traceback(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    config: str | None,
+    message: str,
+) -> None:
+    from p2pkv.cli import main
+
+    cfg = tmp_path / "node.toml"
+    argv = [a.replace("{cfg}", str(cfg)) for a in argv]
+    if config is not None:
+        Path(argv[-1]).write_text(config)
+    try:
+        code = main([*argv, "--transport", "local"])
+    except SystemExit as exc:  # argparse: usage error, exit 2
+        code = int(exc.code or 0)
+    err = capsys.readouterr().err
+    assert code in (1, 2) and message in err and "Traceback" not in err, err
+
+
+def test_fetch_takes_an_ipv6_address_in_brackets() -> None:
+    from p2pkv.cli import build_parser
+
+    for text in ("[::1]:5710", "::1:5710"):
+        assert build_parser().parse_args(["fetch", text]).address == ("::1", 5710)
+
+
+def test_serve_ignores_a_line_on_stdin_that_is_not_json() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "p2pkv", "serve", "--transport", "local", "--exit-on-eof"],
+        input="hello\n[1, 2]\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-600:]
+    assert "not JSON" in done.stderr

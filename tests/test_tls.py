@@ -31,7 +31,7 @@ from cryptography.x509.oid import NameOID
 from p2pkv import HandshakeRejected, NodeConfig, P2PKVError, P2PKVTimeout, open_node
 from p2pkv.cli import build_parser
 from p2pkv.cli.settings import consumer_config, serve_settings
-from p2pkv.tls import cert_peer_ids, peer_uri
+from p2pkv.tls import cert_file_peer_id, cert_peer_ids, peer_uri
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 
@@ -384,7 +384,7 @@ def test_serve_and_fetch_take_the_tls_files_from_flags_or_a_config_file(
 
     conf = tmp_path / "conf" / "node.toml"
     conf.parent.mkdir()
-    conf.write_text('tls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "../ca.pem"\n')
+    conf.write_text('peer_id = "s"\ntls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "../ca.pem"\n')
     cfg, _fill, _seed = serve_settings(build_parser().parse_args(["serve", "--config", str(conf)]))
     assert cfg.tls_cert == os.fspath(conf.parent / "c.pem")
     assert cfg.tls_ca == os.fspath(conf.parent / "../ca.pem")
@@ -392,6 +392,19 @@ def test_serve_and_fetch_take_the_tls_files_from_flags_or_a_config_file(
     args = build_parser().parse_args(["fetch", "127.0.0.1:1", *flags])
     cfg = consumer_config(args, "f")
     assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == tuple(files.values())
+
+
+def test_with_tls_the_peer_id_defaults_to_the_one_the_certificate_names(pki: PKI) -> None:
+    """As ``--help`` says: under TLS a node without ``--peer-id`` is the peer its
+    certificate names (a HOSTNAME-PID id would fail every handshake); a certificate
+    naming several is refused, asking for the id."""
+    flags = [f"--{k.replace('_', '-')}={os.fspath(v)}" for k, v in pki.tls("node-a").items()]
+    cfg, _fill, _seed = serve_settings(build_parser().parse_args(["serve", *flags]))
+    assert cfg.peer_id == "node-a"
+    two = [f"--{k.replace('_', '-')}={os.fspath(v)}" for k, v in pki.tls("a", "b").items()]
+    with pytest.raises(P2PKVError, match="names 2 peer ids"):
+        serve_settings(build_parser().parse_args(["serve", *two]))
+    assert cert_file_peer_id(os.fspath(pki.tls("client")["tls_cert"])) == "client"
 
 
 def test_serve_refuses_an_incomplete_set_of_tls_flags(pki: PKI) -> None:

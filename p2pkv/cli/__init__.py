@@ -20,7 +20,15 @@ from .child import Child, ChildFailed, emit, receive_commands
 from .demo import cmd_demo
 from .pull import Progress, PullReport, cmd_fetch, finish, pull, render
 from .serve import cmd_serve, serve, wait_for_stop
-from .settings import ENV_DEFAULTS, KiB, MiB, is_loopback, load_config, set_env_defaults
+from .settings import (
+    ENV_DEFAULTS,
+    KiB,
+    MiB,
+    is_loopback,
+    load_config,
+    parse_address,
+    set_env_defaults,
+)
 
 
 def _positive_int(text: str) -> int:
@@ -28,6 +36,27 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text, 0)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text, 0)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
+    return value
+
+
+def _address(text: str) -> tuple[str, int]:
+    try:
+        return parse_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _add_blocks(p: argparse.ArgumentParser, *, blocks: int) -> None:
@@ -50,7 +79,10 @@ def _add_blocks(p: argparse.ArgumentParser, *, blocks: int) -> None:
         help="seed of the demo keys and block contents (default: %(default)s)",
     )
     p.add_argument(
-        "--batch", type=int, default=0, help="blocks per fetch call (default: all in one)"
+        "--batch",
+        type=_non_negative_int,
+        default=0,
+        help="blocks per fetch call (default: 0, all in one)",
     )
     p.add_argument("--fingerprint", default="", help="compatibility fingerprint (default: none)")
     p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
@@ -120,14 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="this node's peer id (default: HOSTNAME-PID; with TLS, the one its certificate names)",
     )
     serve_p.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
-    serve_p.add_argument("--port", type=int, help="port to listen on (default: 0, any)")
+    serve_p.add_argument("--port", type=_port, help="port to listen on (default: 0, any)")
     serve_p.add_argument(
         "--blocks", type=_positive_int, help="store capacity in blocks (default: max(fill, 1024))"
     )
     serve_p.add_argument("--block-len", type=_positive_int, help="bytes per block (default 65536)")
     serve_p.add_argument("--transport", choices=["nixl", "local"], help="data plane (default nixl)")
     serve_p.add_argument("--fingerprint", help="compatibility fingerprint")
-    serve_p.add_argument("--fill", type=int, help="put this many demo blocks in the store")
+    serve_p.add_argument(
+        "--fill", type=_non_negative_int, help="put this many demo blocks in the store"
+    )
     serve_p.add_argument("--seed", type=int, help="seed of the demo blocks (default 0)")
     serve_p.add_argument(
         "--exit-on-eof",
@@ -143,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Connect to HOST:PORT (a `p2pkv serve --fill N --seed S`), fetch the N "
         "demo blocks and verify every byte. Exits 0 only if every byte matched.",
     )
-    fetch.add_argument("address", help="HOST:PORT of the serving node")
+    fetch.add_argument(
+        "address", type=_address, help="HOST:PORT of the serving node ([V6]:PORT for IPv6)"
+    )
     fetch.add_argument(
         "--peer-id",
         help="this node's peer id (default: HOSTNAME-fetch-PID; with TLS, the one its "
@@ -172,6 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except (P2PKVError, OSError) as exc:
         print(f"p2pkv {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except MemoryError as exc:  # e.g. --blocks x --block-len beyond this machine
+        print(f"p2pkv {args.command}: error: not enough memory ({exc})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -127,7 +127,15 @@ async def receive_commands() -> AsyncIterator[dict[str, Any]]:
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
                 if line.strip():
-                    yield json.loads(line)
+                    try:
+                        command = json.loads(line)
+                    except json.JSONDecodeError:
+                        log.warning("ignoring a line on stdin that is not JSON: %r", line[:80])
+                        continue
+                    if isinstance(command, dict):
+                        yield command
+                    else:
+                        log.warning("ignoring a JSON line that is not an object: %r", line[:80])
 
 
 def emit(message: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
+from .. import tls
 from ..node import Node, open_node
 from .blocks import demo_keys, verify_blocks
 from .settings import KiB, MiB, consumer_config, is_loopback, set_env_defaults
@@ -167,8 +168,14 @@ async def consume(
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    host, _, port = args.address.rpartition(":")
+    host, port = args.address  # parsed by the command line (parse_address)
     set_env_defaults(loopback=is_loopback(host))
-    peer_id = args.peer_id or f"{socket.gethostname()}-fetch-{os.getpid()}"
-    report = trio.run(consume, args, (host, int(port)), peer_id, stderr_progress("fetch"))
+    peer_id = args.peer_id
+    if peer_id is None:
+        peer_id = (
+            tls.cert_file_peer_id(args.tls_cert)
+            if args.tls_cert
+            else f"{socket.gethostname()}-fetch-{os.getpid()}"
+        )
+    report = trio.run(consume, args, (host, port), peer_id, stderr_progress("fetch"))
     return finish(report, args.transport)

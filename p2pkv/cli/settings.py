@@ -13,6 +13,7 @@ from typing import Any
 
 import attrs
 
+from .. import tls
 from ..config import NodeConfig
 from ..errors import P2PKVError
 
@@ -34,7 +35,24 @@ def set_env_defaults(*, loopback: bool = True) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (an IPv6 host in brackets, ``[::1]:5710``, or bare, ``::1:5710``) as
+    (host, port); ValueError naming what is wrong."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"expected HOST:PORT with a numeric port, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise ValueError(f"port must be 1..65535, got {port}")
+    return host, port
 
 
 _NODE_FLAGS = {  # flag dest -> NodeConfig field
@@ -56,7 +74,11 @@ _PATH_FIELDS = {"tls_cert", "tls_key", "tls_ca"}  # relative to the config file'
 def load_config(path: Path) -> dict[str, Any]:
     """A TOML (``.toml``) or JSON file of NodeConfig fields, plus ``fill`` and ``seed``."""
     text = path.read_text()
-    data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    try:
+        data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        kind = "TOML" if path.suffix == ".toml" else "JSON (a .toml file is read as TOML)"
+        raise P2PKVError(f"{path}: not valid {kind}: {exc}") from exc
     if not isinstance(data, dict):
         raise P2PKVError(f"{path}: expected a table of settings")
     known = {a.name for a in attrs.fields(NodeConfig)} | {"fill", "seed"}
@@ -80,8 +102,15 @@ def serve_settings(args: argparse.Namespace) -> tuple[NodeConfig, int, int]:
     for dest in ("fill", "seed"):
         if getattr(args, dest) is not None:
             settings[dest] = getattr(args, dest)
-    fill, seed = int(settings.pop("fill", 0)), int(settings.pop("seed", 0))
-    settings.setdefault("peer_id", f"{socket.gethostname()}-{os.getpid()}")
+    fill, seed = settings.pop("fill", 0), settings.pop("seed", 0)
+    for name, value in (("fill", fill), ("seed", seed)):
+        if type(value) is not int or value < 0:
+            raise P2PKVError(f"{name} must be an int >= 0, got {value!r}")
+    if "peer_id" not in settings:
+        cert = settings.get("tls_cert")
+        settings["peer_id"] = (
+            tls.cert_file_peer_id(cert) if cert else f"{socket.gethostname()}-{os.getpid()}"
+        )
     settings.setdefault("transport", "nixl")
     settings.setdefault("num_blocks", max(fill, 1024))
     try:
