@@ -179,6 +179,11 @@ class NodeConfig:
             raise ConfigError(f"unknown transport {self.transport!r} (use 'local' or 'nixl')")
         if self.max_key_len > 1024:
             raise ConfigError("max_key_len must be <= 1024")
+        if self.max_inflight_bytes < self.block_len:
+            raise ConfigError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) is less than one block "
+                f"({self.block_len}): every fetch from this node would be refused"
+            )
         if not self.idle_timeout > self.heartbeat_interval:
             raise ConfigError(
                 f"idle_timeout ({self.idle_timeout} s) must exceed heartbeat_interval "

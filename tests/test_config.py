@@ -31,6 +31,7 @@ from p2pkv import ConfigError, NodeConfig, P2PKVError
         ({"switch_interval": 0.0}, "switch_interval must be None or >="),
         ({"heartbeat_interval": 5.0, "idle_timeout": 2.0}, "idle_timeout .* must exceed"),
         ({"quarantine": 1.0}, "quarantine .* must exceed abort_timeout"),
+        ({"block_len": 4096, "max_inflight_bytes": 1024}, "less than one block"),
         ({"tls_cert": "c.pem"}, "tls_cert, tls_key and tls_ca together"),
     ],
     ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
