@@ -4,10 +4,14 @@ A semaphore whose size can change: the limit is the smaller of our ``max_open_re
 and the one the peer advertises in its hello, which comes after the session exists and
 may change when the peer restarts. A lookup split into several requests takes the slots
 of all its requests at once (:meth:`RequestSlots.take`), so two such lookups can never
-each hold part of what the other waits for.
+each hold part of what the other waits for. Waiters are served first come, first
+served: slots given back go to the oldest waiter, and nobody takes a slot past one, so a
+lookup that needs several slots is not starved by a stream of single ones.
 """
 
 from __future__ import annotations
+
+import collections
 
 import trio
 
@@ -20,7 +24,7 @@ class RequestSlots:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._used = 0
-        self._lot = trio.lowlevel.ParkingLot()
+        self._waiters: collections.deque[tuple[int, trio.Event]] = collections.deque()
 
     @property
     def limit(self) -> int:
@@ -33,25 +37,42 @@ class RequestSlots:
     def set_limit(self, limit: int) -> None:
         """A new limit; slots taken stay taken (over a lowered limit, until given back)."""
         self._limit = limit
-        self._lot.unpark_all()
+        self._hand_over()
 
     def take_nowait(self, n: int = 1) -> bool:
-        """Take ``n`` slots if they are free now (no checkpoint either way)."""
-        if self._used + n <= self._limit:
-            self._used += n
-            return True
-        return False
+        """Take ``n`` slots if they are free now and nobody waits (no checkpoint)."""
+        if self._waiters or self._used + n > self._limit:
+            return False
+        self._used += n
+        return True
 
     async def take(self, n: int = 1) -> None:
-        """Take ``n`` slots together, waiting until that many are free. The caller makes
-        sure ``n`` is within the limit (more would never be free). A checkpoint only when
-        it waits."""
-        while not self.take_nowait(n):
-            await self._lot.park()
+        """Take ``n`` slots together, after those who wait already. The caller makes sure
+        ``n`` is within the limit (more would never be free). A checkpoint only when it
+        waits; cancelled while waiting, it takes nothing."""
+        if self.take_nowait(n):
+            return
+        entry = (n, trio.Event())
+        self._waiters.append(entry)
+        try:
+            await entry[1].wait()
+        except BaseException:
+            if entry[1].is_set():  # handed over as we were cancelled: give them back
+                self._used -= n
+            else:
+                self._waiters.remove(entry)
+            self._hand_over()  # whoever waited behind us may fit now
+            raise
 
     def give_back(self, n: int = 1) -> None:
         if n > self._used:
             raise RuntimeError(f"giving back {n} request slots of {self._used} taken")
         self._used -= n
-        if self._lot:
-            self._lot.unpark_all()  # each waiter looks again: a small count, rarely many
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Free slots to the waiters, oldest first, while the oldest fits."""
+        while self._waiters and self._used + self._waiters[0][0] <= self._limit:
+            n, taken = self._waiters.popleft()
+            self._used += n
+            taken.set()

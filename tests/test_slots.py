@@ -1,0 +1,61 @@
+"""Request slots (p2pkv.session.slots): taken together, handed over first come first served."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from p2pkv.session.slots import RequestSlots
+
+
+async def test_a_waiter_for_several_slots_is_not_overtaken_by_single_ones() -> None:
+    slots = RequestSlots(2)
+    assert slots.take_nowait(2)
+    got: list[str] = []
+
+    async def take(name: str, n: int) -> None:
+        await slots.take(n)
+        got.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, "pair", 2)
+        await trio.testing.wait_all_tasks_blocked()
+        slots.give_back(1)
+        assert not slots.take_nowait(1)  # one is free, but the pair waits for it first
+        nursery.start_soon(take, "single", 1)
+        await trio.testing.wait_all_tasks_blocked()
+        slots.give_back(1)  # both free: the pair's, then the single one waits its turn
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == ["pair"] and slots.free == 0
+        slots.give_back(2)
+    assert got == ["pair", "single"] and slots.free == 1
+
+
+async def test_a_cancelled_waiter_takes_nothing_and_lets_the_next_one_in() -> None:
+    slots = RequestSlots(2)
+    assert slots.take_nowait(1)
+    got: list[int] = []
+    head = trio.CancelScope()
+
+    async def take(n: int, scope: trio.CancelScope) -> None:
+        with scope:
+            await slots.take(n)
+            got.append(n)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(take, 2, head)  # waits at the head: one slot is taken
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(take, 1, trio.CancelScope())  # behind it, though one is free
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []
+        head.cancel()  # the head leaves without a slot; the one behind it gets in
+    assert got == [1] and slots.free == 0
+
+
+async def test_a_lowered_limit_holds_new_takers_until_enough_is_given_back() -> None:
+    slots = RequestSlots(4)
+    assert slots.take_nowait(3)
+    slots.set_limit(2)
+    assert slots.free == 0 and not slots.take_nowait(1)
+    slots.give_back(2)
+    assert slots.free == 1 and slots.take_nowait(1)
