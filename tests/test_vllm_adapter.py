@@ -19,13 +19,15 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
 import pytest
 import trio
 
-from p2pkv import BlockingNode, Peer
+from p2pkv import BlockingNode, P2PKVTimeout, Peer
+from p2pkv.integrations import vllm as vllm_module
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo, SourceSpec
 from p2pkv.session.protocol import SessionProtocol
 
@@ -461,6 +463,47 @@ def test_shutdown_on_a_node_it_does_not_own_waits_for_its_slot_loads_to_end(
     tier.shutdown(drain_timeout=0.0)
     assert dst._board.pending() == 0  # its fetch_into has ended: nothing can land now
     assert [r.job_id for r in tier.get_finished_jobs()] == [1]  # reported, once
+
+
+def test_shutdown_on_a_node_it_does_not_own_waits_a_quarantine_for_a_slot_load_that_raised(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot load's ticket that ends in an exception (its deadline cut the fetch, the
+    node closed) says nothing of its writes: shutdown then waits out a quarantine before
+    it returns, as for a load it cut short itself."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    src = nodes("src", transport=hanging)
+    dst = nodes("dst", fetch_timeout=0.5, abort_timeout=0.2, landing_margin=0.1, quarantine=0.4)
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, load_timeout=0.5)
+    info = RequestInfo("r1", source_params(src))
+
+    def answered() -> bool:
+        tier.step()
+        return all(tier.lookup(k, info) is not None for k in keys)
+
+    wait_for(answered)
+    tier.submit_load(LoadJob(1, "r1", keys, slots=[3, 5]))
+
+    def posted() -> bool:
+        tier.step()
+        return hanging.transport.posts >= 1
+
+    wait_for(posted)
+    real_poll, slept = dst.poll, list[float]()
+
+    def poll(ticket: int) -> object:
+        if ticket in tier._loads:  # the slot load's ticket: cut by its own deadline
+            raise P2PKVTimeout("fetch_into did not finish in time", op="fetch_into")
+        return real_poll(ticket)
+
+    monkeypatch.setattr(dst, "poll", poll)
+    monkeypatch.setattr(tier, "_drain", lambda *a, **kw: False)  # straight to the wait
+    clock = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)  # sleeps recorded
+    monkeypatch.setattr(vllm_module, "time", clock)
+    tier.shutdown(drain_timeout=0.0)
+    assert slept == [dst.config.quarantine]
+    assert [r.job_id for r in tier.get_finished_jobs()] == [1]
 
 
 def _unused_port() -> int:

@@ -479,26 +479,29 @@ class P2PTier:
         by a close: only its own end says that no write into its slots can land any more.
         Wait for that end, within the bound the engine keeps to (its load deadline, then a
         quarantine, for the ticket and for the engine each, and a second); the results are
-        dropped (shutdown fails the loads next). False if one is still running then."""
+        dropped (shutdown fails the loads next). False if one is still running then, or
+        ended in an exception (the ticket's deadline cut it, the node closed: no word that
+        its writes settled, so shutdown waits out a quarantine)."""
         running = [t for t, ld in self._loads.items() if ld.slots is not None]
         if not running:
             return True
         end = max(self._loads[t].deadline for t in running) + 2 * self.quarantine + 1.0
+        settled = True
         while True:
             still = []
             for ticket in running:
                 try:
                     if self.node.poll(ticket) is None:
                         still.append(ticket)
-                except Exception:  # ended with an error: ended all the same
-                    pass
+                except Exception:
+                    settled = False
             running = still
             if not running or time.monotonic() >= end:
                 break
             time.sleep(0.002)
         if running:
             log.warning("%d slot loads still running at shutdown", len(running))
-        return not running
+        return settled and not running
 
     def debug_state(self) -> dict[str, Any]:
         """A summary of what is in flight, for diagnosing a request that never ends."""

@@ -438,9 +438,8 @@ class P2pkvSecondaryTier(SecondaryTierManager):
     def serve_external_requests(self, parent: ParentManager) -> None:
         if not (self._serving or self._unfinished_ctx or self._pins.any_waiting()):
             return  # the idle path: vLLM's tier-poll thread calls this every millisecond
-        for ctx in self._unfinished_ctx:
-            parent.on_request_finished(ctx)
-        self._unfinished_ctx.clear()
+        while self._unfinished_ctx:  # one at a time: vLLM may raise midway
+            parent.on_request_finished(self._unfinished_ctx.pop(0))
         for req in self._pins.take(limit=64):
             ctx = ReqContext(req_id=f"p2pkv:serve:{next(self._ctx_names)}")
             parent.on_new_request(ctx)
@@ -455,15 +454,16 @@ class P2pkvSecondaryTier(SecondaryTierManager):
                 if not srv.req.abandoned and budget > 0:
                     budget -= self._ask(parent, srv, budget)
                 # Answer before the engine stops waiting; keys still pending are misses.
+                done += 1  # from here on it is in still, or done with (never twice)
                 if srv.pending and not srv.req.abandoned and now < srv.req.deadline - 0.05:
                     still.append(srv)
                 else:
                     parent.on_request_finished(srv.ctx)
                     self._pins.answer(srv.req, srv.slots, tuple(srv.jobs) if srv.jobs else None)
-                done += 1
         finally:
-            # If vLLM raised, the requests answered so far are gone and the rest (the one
-            # it raised on included, with what it pinned) wait for the next call.
+            # If vLLM raised, the requests answered so far are gone and the rest wait for
+            # the next call: the one it raised on in a lookup (with what it pinned), and
+            # those after it. One it raised on while finishing is not tried again.
             self._serving = still + serving[done:]
 
     def _ask(self, parent: ParentManager, srv: _Serve, budget: int) -> int:
