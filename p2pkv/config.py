@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import operator
 import os
 from typing import Any, Literal
 
@@ -173,6 +174,14 @@ class NodeConfig:
     landing_margin: float = attrs.field(default=1.0, validator=_non_negative)
 
     def __attrs_post_init__(self) -> None:
+        # Plain Python numbers from here on: a NumPy number passes the checks above but
+        # behaves differently later (np.float32 deadlines stay float32 on Trio's clock).
+        for field in attrs.fields(NodeConfig):
+            value = getattr(self, field.name)
+            kind = str(field.type).split(" | ")[0]
+            if kind in ("int", "float") and value is not None and type(value) not in (int, float):
+                plain = operator.index(value) if kind == "int" else float(value)
+                object.__setattr__(self, field.name, plain)
         if not self.peer_id or len(self.peer_id) > 128:
             raise ConfigError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
         if self.transport not in ("local", "nixl"):

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
+import trio
 
-from p2pkv import ConfigError, NodeConfig, P2PKVError
+from p2pkv import ConfigError, NodeConfig, P2PKVError, open_node
+
+from .helpers import fill
 
 
 @pytest.mark.parametrize(
@@ -43,14 +47,26 @@ def test_a_bad_value_is_a_config_error_naming_it(kw: dict[str, Any], match: str)
     assert isinstance(info.value, P2PKVError) and isinstance(info.value, ValueError)
 
 
-def test_numbers_of_any_kind_that_mean_the_same_are_accepted() -> None:
+async def test_numbers_of_any_kind_that_mean_the_same_are_plain_python_numbers() -> None:
+    """A size or deadline computed with NumPy is taken as the plain number it means: a
+    np.float32 deadline kept as such broke Trio's clock, a np.int64 size the store."""
     cfg = NodeConfig(
         peer_id="a",
         num_blocks=np.int64(8),  # type: ignore[arg-type]  # what a computed size often is
         lease=3,  # an int where seconds are asked
         fetch_timeout=np.float32(2.5),  # type: ignore[arg-type]
+        lookup_timeout=np.float64(1.5),
+        max_open_requests=np.int32(4),  # type: ignore[arg-type]
         nixl_copy_threads=None,
         switch_interval=None,
         secret=b"s",
     )
     assert (cfg.num_blocks, cfg.lease, cfg.fetch_timeout) == (8, 3, 2.5)
+    assert type(cfg.num_blocks) is int and type(cfg.max_open_requests) is int
+    assert type(cfg.fetch_timeout) is float and type(cfg.lookup_timeout) is float
+    with trio.fail_after(10):
+        async with open_node(cfg) as a, open_node(attrs.evolve(cfg, peer_id="b")) as b:
+            keys = fill(a.store, 2, cfg.block_len)
+            peer = await b.connect(a.address)
+            assert await b.lookup(peer, keys) == [True, True]
+            assert sorted((await b.fetch(peer, keys)).loaded) == sorted(keys)

@@ -269,8 +269,8 @@ class ProducerSide(SessionParts):
                     del parts[: run.tried]
                 for chunk, h, dp in posted:
                     state = await node.poller.wait(h, dp)
-                    if h.released:  # cut by its transport's close: it may still land
-                        continue
+                    if h.released and state is not TransferState.DONE:
+                        continue  # cut by its transport's close: it may still land
                     settled.add(id(h))
                     if state is TransferState.DONE:
                         _set_all(outcomes, chunk, _OK)
