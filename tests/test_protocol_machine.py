@@ -13,8 +13,9 @@ model; no request reaches two terminal outcomes; request ids are never reused; w
 the wire is quiet, each consumer request and its producer round are in matching states
 (nothing waits for a message that will never come). When both drivers have finished their
 work ("settle"), every request has exactly one terminal outcome from the protocol itself
-(transfer_done, abort_ack or an empty fetch) and every ping its pong (or a later one's,
-where the peer held its pong for our ack); after the bye
+(transfer_done, abort_ack or an empty fetch) and every ping its pong (or, for a ping sent
+before the peer had our ack, a later ping's: the peer holds only its latest pong until
+then); after the bye
 nothing is left on either side.
 """
 
@@ -104,6 +105,9 @@ class SessionPairMachine(RuleBasedStateMachine):
         self.seen_ids: dict[str, list[int]] = {s: [] for s in SIDES}  # peer ids, in order
         self.sent_outcomes: dict[str, dict[int, list[int]]] = {s: {} for s in SIDES}
         self.pings: dict[str, set[int]] = {s: set() for s in SIDES}
+        # Pings sent while the other side did not have our ack yet: it may hold their
+        # pongs, and keeps only the latest, so a later pong may answer them.
+        self.early_pings: dict[str, set[int]] = {s: set() for s in SIDES}
         self.hello_seen = dict.fromkeys(SIDES, False)
         self.registered = dict.fromkeys(SIDES, False)
         self.ready_count = dict.fromkeys(SIDES, 0)
@@ -172,9 +176,12 @@ class SessionPairMachine(RuleBasedStateMachine):
             self.end(s, ev.req_id, "abort_ack")
         elif isinstance(ev, PongReceived):
             assert ev.nonce in self.pings[s]
-            # It answers every earlier ping too: a peer that has not had our ack yet
-            # holds one pong, the latest (a ping pinned no more than that on it).
-            self.pings[s] = {n for n in self.pings[s] if n > ev.nonce}
+            self.pings[s].discard(ev.nonce)
+            # It answers the earlier pings the other side may have held for our ack too
+            # (it keeps the latest pong only); every other ping gets its own.
+            answered = {n for n in self.early_pings[s] if n < ev.nonce}
+            self.pings[s] -= answered
+            self.early_pings[s] -= answered | {ev.nonce}
         else:
             assert isinstance(ev, ByeReceived)
             self.close_model(s)
@@ -398,7 +405,10 @@ class SessionPairMachine(RuleBasedStateMachine):
 
     def do_ping(self, data: st.DataObject) -> None:
         s = self.side(data)
-        self.pings[s].add(self.proto[s].send_ping())
+        nonce = self.proto[s].send_ping()
+        self.pings[s].add(nonce)
+        if not self.proto[other(s)]._peer_acked:
+            self.early_pings[s].add(nonce)
         self.flush(s)
 
     def do_bye(self, data: st.DataObject) -> None:

@@ -401,10 +401,10 @@ async def test_a_fetch_of_several_unsettled_chunks_is_released_within_the_consum
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """The consumer keeps its slots quarantined for ``quarantine`` (> abort_timeout +
-    landing_margin) after it gave up. The producer must therefore have released every
-    unsettled handle of the round within abort_timeout of the abort. It waits
-    abort_timeout for each handle *in turn* (ProducerSide._settle), so the k-th hanging
-    chunk stays in flight k x abort_timeout: past the consumer's quarantine from k = 3."""
+    landing_margin) after it gave up, so the producer must have released every unsettled
+    handle of the round within abort_timeout of the abort: one deadline for all of them
+    (a wait of abort_timeout per handle in turn kept the k-th hanging chunk in flight
+    k x abort_timeout, past the consumer's quarantine from k = 3)."""
     released_at: list[float] = []
 
     def hang(t: FaultTransport) -> None:
@@ -469,11 +469,11 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Node._retire_transport closes a replaced transport after fetch_timeout +
-    abort_timeout even if a write is still in flight; the close releases that handle, the
-    producer's write task sees ERR, counts it as settled and sends ``transfer_done`` at
-    once. The consumer frees the slots on that word while the released write may still
-    land (landing_margin). The producer's rule ("either reply means no write of this round
-    can land any more") needs the round held for the quarantine, as _settle does."""
+    abort_timeout even if a write is still in flight, and the close releases that handle
+    (ERR). The write task must not take that for settled (it used to, and sent
+    ``transfer_done`` at once, and the consumer freed the slots while the released write
+    could still land): either reply means no write of this round can land any more, so
+    the round is held for the quarantine, as _settle does for a write it released."""
     released_at: list[float] = []
 
     def first_hangs(t: FaultTransport) -> None:
@@ -516,12 +516,11 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
 async def test_a_registration_queued_behind_a_reconfiguration_goes_to_the_new_transport(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Registrar.run reads ``self.transport.add_remote_peer`` *before* it waits for the
-    registrar's limiter; a reconfiguration holds that limiter while it builds the new
-    transport and swaps it in. A peer that connects meanwhile is then registered on the
-    transport being retired: its registration fails when that one closes first, or it is
-    published there and every write to the peer fails (NIXL: "peer was not registered by
-    this transport"; here: the closed transport released it)."""
+    """A reconfiguration holds the registrar's limiter while it builds the new transport
+    and swaps it in; a peer that connects meanwhile is registered once the limiter is
+    free, on the new transport. (Read before the wait, the transport was the one being
+    retired: the registration failed when that one closed first, or was published there
+    and every write to the peer failed.)"""
     factory = FaultFactory()
     factory.__name__ = "make_transport"  # type: ignore[attr-defined]  # VirtualOffload's key
     async with (

@@ -103,9 +103,10 @@ def serve_settings(args: argparse.Namespace) -> tuple[NodeConfig, int, int]:
         if getattr(args, dest) is not None:
             settings[dest] = getattr(args, dest)
     fill, seed = settings.pop("fill", 0), settings.pop("seed", 0)
-    for name, value in (("fill", fill), ("seed", seed)):
-        if type(value) is not int or value < 0:
-            raise P2PKVError(f"{name} must be an int >= 0, got {value!r}")
+    if type(fill) is not int or fill < 0:
+        raise P2PKVError(f"fill must be an int >= 0, got {fill!r}")
+    if type(seed) is not int:
+        raise P2PKVError(f"seed must be an int, got {seed!r}")
     if "peer_id" not in settings:
         cert = settings.get("tls_cert")
         settings["peer_id"] = (
