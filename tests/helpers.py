@@ -137,14 +137,20 @@ class FaultTransport(LocalTransport):
 
 
 class FaultFactory:
-    """A transport factory for ``open_node(transport=...)`` that keeps what it built."""
+    """A transport factory for ``open_node(transport=...)`` that keeps what it built
+    (``kind``: a subclass of FaultTransport with faults of its own)."""
 
-    def __init__(self, configure: Callable[[FaultTransport], None] | None = None) -> None:
+    def __init__(
+        self,
+        configure: Callable[[FaultTransport], None] | None = None,
+        kind: type[FaultTransport] = FaultTransport,
+    ) -> None:
         self.configure = configure
+        self.kind = kind
         self.built: list[FaultTransport] = []
 
     def __call__(self, cfg: NodeConfig, store: BlockStore) -> FaultTransport:
-        t = FaultTransport(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
+        t = self.kind(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
         if self.configure is not None:
             self.configure(t)
         self.built.append(t)

@@ -456,15 +456,6 @@ class _ClosingReleasesHandles(FaultTransport):
         super().close()
 
 
-class _ClosingFactory(FaultFactory):
-    def __call__(self, cfg: Any, store: Any) -> FaultTransport:
-        t = _ClosingReleasesHandles(agent_name=cfg.peer_id, region=store.array, layout=store.layout)
-        if self.configure is not None:
-            self.configure(t)
-        self.built.append(t)
-        return t
-
-
 async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_settled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -481,7 +472,7 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
             t.hang = True
             record_inflight_releases(t, released_at)
 
-    factory = _ClosingFactory(first_hangs)
+    factory = FaultFactory(first_hangs, kind=_ClosingReleasesHandles)
     kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
     async with (
         node("src", factory=factory, fetch_timeout=4.0, **kw) as src,

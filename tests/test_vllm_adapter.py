@@ -424,13 +424,10 @@ def test_shutdown_leaves_no_thread_agent_or_pin_behind(
     assert st.transport.live_agents == 1 and st.transport.remote_peers == 0
 
 
-def test_shutdown_on_a_node_it_does_not_own_waits_for_its_slot_loads_to_end(
-    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The node goes on after the tier's shutdown, so nothing cuts a slot load's
-    fetch_into short: shutdown returns only once it has ended (its writes settled or
-    quarantined out), whatever ``drain_timeout`` says. Here the source's writes never
-    settle: the fetch gives up at its deadline and waits out the quarantine."""
+def hanging_slot_load(nodes: Callable[..., BlockingNode]) -> tuple[P2PTier, BlockingNode]:
+    """A tier on a node it does not own (dst), with one slot load (job 1) whose writes
+    the source has posted and never settle: the fetch gives up at its deadline (0.5 s)
+    and then waits out the quarantine (0.4 s)."""
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))
     src = nodes("src", transport=hanging)
     dst = nodes("dst", fetch_timeout=0.5, abort_timeout=0.2, landing_margin=0.1, quarantine=0.4)
@@ -444,22 +441,23 @@ def test_shutdown_on_a_node_it_does_not_own_waits_for_its_slot_loads_to_end(
 
     wait_for(answered)
     assert [tier.lookup(k, info) for k in keys] == [True, True]
-    tickets: list[int] = []
-    submit = dst.submit_fetch_into
-
-    def recorded(*args: Any, **kw: Any) -> int:
-        tickets.append(ticket := submit(*args, **kw))
-        return ticket
-
-    monkeypatch.setattr(dst, "submit_fetch_into", recorded)
     tier.submit_load(LoadJob(1, "r1", keys, slots=[3, 5]))
 
-    def submitted() -> bool:
+    def posted() -> bool:
         tier.step()
-        return bool(tickets)
+        return hanging.transport.posts >= 1
 
-    wait_for(submitted)
-    wait_for(lambda: hanging.transport.posts >= 1)  # the writes are posted, and hang
+    wait_for(posted)
+    return tier, dst
+
+
+def test_shutdown_on_a_node_it_does_not_own_waits_for_its_slot_loads_to_end(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The node goes on after the tier's shutdown, so nothing cuts a slot load's
+    fetch_into short: shutdown returns only once it has ended (its writes settled or
+    quarantined out), whatever ``drain_timeout`` says."""
+    tier, dst = hanging_slot_load(nodes)
     tier.shutdown(drain_timeout=0.0)
     assert dst._board.pending() == 0  # its fetch_into has ended: nothing can land now
     assert [r.job_id for r in tier.get_finished_jobs()] == [1]  # reported, once
@@ -471,25 +469,7 @@ def test_shutdown_on_a_node_it_does_not_own_waits_a_quarantine_for_a_slot_load_t
     """A slot load's ticket that ends in an exception (its deadline cut the fetch, the
     node closed) says nothing of its writes: shutdown then waits out a quarantine before
     it returns, as for a load it cut short itself."""
-    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
-    src = nodes("src", transport=hanging)
-    dst = nodes("dst", fetch_timeout=0.5, abort_timeout=0.2, landing_margin=0.1, quarantine=0.4)
-    keys = fill(src.store, 2, BLOCK)
-    tier = P2PTier(dst, load_timeout=0.5)
-    info = RequestInfo("r1", source_params(src))
-
-    def answered() -> bool:
-        tier.step()
-        return all(tier.lookup(k, info) is not None for k in keys)
-
-    wait_for(answered)
-    tier.submit_load(LoadJob(1, "r1", keys, slots=[3, 5]))
-
-    def posted() -> bool:
-        tier.step()
-        return hanging.transport.posts >= 1
-
-    wait_for(posted)
+    tier, dst = hanging_slot_load(nodes)
     real_poll, slept = dst.poll, list[float]()
 
     def poll(ticket: int) -> object:

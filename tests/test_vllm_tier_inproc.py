@@ -154,6 +154,11 @@ class Engine:
             self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
         return out
 
+    def idle_step(self) -> None:
+        """A scheduler step with nothing scheduled (what an idle engine that steps does)."""
+        with self.mgr.lock:
+            self.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+
     def jobs(self) -> int:
         with self.mgr.lock:
             return len(self.mgr._jobs)
@@ -430,10 +435,7 @@ def test_a_peers_lookup_waiting_for_a_step_keeps_an_idle_engine_stepping(
     keys = make_keys(3, "idle")
     src.fill(keys)
 
-    def idle_step() -> None:
-        with src.mgr.lock:
-            src.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
-
+    idle_step = src.idle_step
     until(lambda: not src.tier.has_pending_work(), "the engine to go idle", step=idle_step)
     peer_cfg = attrs.evolve(src.tier._node.config, peer_id="raw-peer", port=0)
     peer: BlockingNode = start_node(peer_cfg)
@@ -465,10 +467,7 @@ def test_vllm_raising_while_peers_are_served_loses_and_repeats_no_answer(
     keys = make_keys(4, "raise")
     src.fill(keys)
 
-    def idle_step() -> None:
-        with src.mgr.lock:
-            src.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
-
+    idle_step = src.idle_step
     until(lambda: not src.tier.has_pending_work(), "the engine to go idle", step=idle_step)
     peers: list[BlockingNode] = []
     try:
