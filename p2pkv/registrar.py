@@ -185,6 +185,15 @@ class Registrar:
                     job.layout,
                     limiter=self.limiter,
                 )
+            except trio.Cancelled:
+                # Only before its thread started (the thread is never abandoned): nothing
+                # was registered, and the job ends here.
+                self._running = False
+                self._started -= 1
+                if not job.done.is_set():
+                    job.error = SessionClosed("registrar stopped", peer=job.agent_name)
+                    job.done.set()
+                raise
             except Exception as exc:
                 self._running = False
                 self._failed += 1

@@ -13,8 +13,10 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import HandshakeRejected, PeerUnavailable, open_node
+from p2pkv import HandshakeRejected, PeerUnavailable, SessionClosed, open_node
+from p2pkv.registrar import Registrar
 from p2pkv.session.protocol import ByeReceived, SessionProtocol
+from p2pkv.transport.base import RegionLayout
 from p2pkv.wire import Fetch, Lookup, encode
 
 from .helpers import FaultFactory, RawPeer, config, fill, rejected_registration
@@ -177,3 +179,23 @@ async def test_peer_restart_on_the_same_connection_reregisters() -> None:
             assert src.statistics().registrations.live == 1
             assert src.statistics().peers == 1
         await raw.aclose()
+
+
+async def test_a_registrar_stopped_before_its_thread_starts_leaves_no_count_behind() -> None:
+    """The executor is cancelled (the node closes) while its next job waits for the
+    limiter: nothing was registered, so nothing counts as started or running, and the
+    job's waiter gets an answer instead of waiting out its deadline."""
+    peer = RawPeer("r")
+    reg = Registrar(peer.transport)
+    layout = RegionLayout(peer.array.ctypes.data, 64, 4096)
+    with trio.fail_after(10):
+        # The limiter held: the job waits for it, and its thread never starts.
+        async with trio.open_nursery() as nursery, reg.limiter:
+            nursery.start_soon(reg.run)
+            job = reg.submit("other", peer.transport.metadata(), layout)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        stats = reg.statistics()
+        assert (stats.started, stats.running, stats.live) == (0, False, 0)
+        with pytest.raises(SessionClosed):
+            await job.wait()
