@@ -32,6 +32,7 @@ registration still published is released, and the transport is closed.
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import secrets
@@ -62,6 +63,7 @@ from .wire import Hello
 
 T = TypeVar("T")
 log = logging.getLogger("p2pkv.node")
+_REGISTRATION_IDS = 4096  # peer ids whose recent registrations a node remembers
 
 TransportFactory = Callable[[NodeConfig, BlockStore], DataTransport]
 
@@ -143,6 +145,10 @@ class Node:
         self._by_peer: dict[str, PeerSession] = {}
         self._dialed: set[PeerSession] = set()
         self._admitting: dict[str, trio.Lock] = {}  # one admit decision at a time per peer
+        # When each peer id started its recent registrations (oldest first): the budget of
+        # max_peer_registrations per peer_registration_window. At most _REGISTRATION_IDS ids
+        # are remembered; an id forgotten early only gets a fresh budget.
+        self._registered_at: dict[str, collections.deque[float]] = {}
         self._dialing: dict[tuple[str, int], trio.Event] = {}  # connects in progress
         self._peers_changed = trio.lowlevel.ParkingLot()  # a session became ready or ended
         self._closing = False
@@ -179,6 +185,33 @@ class Node:
             max_peer_blocks=cfg.max_peer_blocks,
             dialer=dialer,
         )
+
+    def count_registration(self, pid: str) -> None:
+        """Spend one of ``pid``'s registrations in the current window, before its session
+        is admitted; raises :class:`HandshakeRejected` once they are spent (a peer in a
+        restart or reconnect loop), and the session ends. Nothing is spent then: a peer
+        that stops trying gets a fresh budget once its oldest registration leaves the
+        window."""
+        cfg, now = self.config, trio.current_time()
+        times = self._registered_at.pop(pid, None)  # re-inserted last: newest at the end
+        if times is None:
+            times = collections.deque()
+        while times and times[0] <= now - cfg.peer_registration_window:
+            times.popleft()
+        if len(times) >= cfg.max_peer_registrations:
+            self._registered_at[pid] = times
+            raise HandshakeRejected(
+                f"peer {pid!r} registered {len(times)} times within "
+                f"{cfg.peer_registration_window:g} s (max_peer_registrations): it may "
+                f"register again in {times[0] + cfg.peer_registration_window - now:.1f} s",
+                peer=pid,
+            )
+        times.append(now)
+        self._registered_at[pid] = times
+        if len(self._registered_at) > _REGISTRATION_IDS:
+            # The least recently registered ids go first (insertion order).
+            for old in list(self._registered_at)[: len(self._registered_at) // 4]:
+                del self._registered_at[old]
 
     async def admit(self, session: PeerSession, hello: Hello) -> None:
         """Make ``session`` the one live session of its peer id, or reject it (see the

@@ -18,8 +18,9 @@ import trio
 import trio.testing
 
 from p2pkv import open_node
-from p2pkv.node import Node
+from p2pkv.node import _REGISTRATION_IDS, Node
 from p2pkv.session.protocol import (
+    ByeReceived,
     HelloReceived,
     LocalInfo,
     LookupRequested,
@@ -344,3 +345,102 @@ async def test_pings_before_the_peers_ack_hold_one_pong_not_one_each() -> None:
             assert src.is_connected("r")
         finally:
             await raw.aclose()
+
+
+async def restart_until_refused(raw: RawPeer, epoch: int) -> str | None:
+    """Like :func:`restart_on_same_connection`; the bye's reason if the node refuses the
+    new hello, None if the restart handshakes."""
+    info: LocalInfo = attrs.evolve(raw.proto.local, epoch=epoch)
+    raw.proto = SessionProtocol(info)
+    raw.proto.start()
+    await raw.flush()
+    while True:
+        ev = await raw.next_event()
+        if isinstance(ev, ByeReceived):
+            return ev.reason
+        assert ev is not None, "the node closed the session without a bye"
+        if isinstance(ev, HelloReceived):
+            if raw.proto.registration_succeeded() is not None:
+                await raw.flush()
+                return None
+            await raw.flush()
+        elif isinstance(ev, Ready):
+            return None
+
+
+async def wait_peers(n: Node, count: int) -> None:
+    while n.statistics().peers != count:
+        await n._peers_changed.park()  # a session became ready or ended
+
+
+async def test_a_peer_restarting_in_a_loop_is_refused_and_costs_others_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Registrations run one at a time on a thread every peer shares: a peer that restarts
+    on its connection in a loop would keep the others' waiting. Its hellos past
+    ``max_peer_registrations`` within the window are refused (with the reason, before any
+    registration starts), and another peer registers at once meanwhile."""
+    with trio.fail_after(60):
+        async with node(
+            "a",
+            max_peer_registrations=3,
+            peer_registration_window=30.0,
+            delays={"add_remote_peer": 0.5},
+        ) as a:
+            raw, honest = RawPeer("looper"), RawPeer("honest")
+            try:
+                await raw.connect(a.address)
+                await raw.handshake()  # registration 1
+                for epoch in (100, 101):  # 2 and 3
+                    assert await restart_until_refused(raw, epoch) is None
+                started = a.statistics().registrations.started
+                reason = await restart_until_refused(raw, 102)
+                assert reason is not None and "max_peer_registrations" in reason, reason
+                assert a.statistics().registrations.started == started
+                t0 = trio.current_time()
+                await honest.connect(a.address)
+                await honest.handshake()
+                assert trio.current_time() - t0 < 1.0  # one registration's time, no queue
+            finally:
+                await raw.aclose()
+                await honest.aclose()
+
+
+async def test_a_peer_reconnecting_in_a_loop_is_refused_until_its_window_passes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The budget is per peer id, not per connection: new connections count too. Once the
+    oldest registration leaves the window, the peer is welcome again; refused hellos
+    spend nothing, so a peer that keeps knocking still gets back in."""
+    with trio.fail_after(120):
+        async with node("a", max_peer_registrations=2, peer_registration_window=30.0) as a:
+            t_first = trio.current_time()
+            for epoch in range(1, 7):
+                raw = RawPeer("again", epoch=epoch)
+                try:
+                    await raw.connect(a.address)
+                    if epoch <= 2 or epoch == 6:
+                        await raw.handshake()
+                        assert a.statistics().peers == 1
+                    else:  # knocking while refused
+                        raw.proto.start()
+                        await raw.flush()
+                        bye = await raw.expect_close()
+                        assert bye is not None and "max_peer_registrations" in bye.reason, bye
+                finally:
+                    await raw.aclose()
+                await wait_peers(a, 0)
+                if epoch < 5:
+                    await trio.sleep(1.0)
+                else:  # the first registration leaves the window
+                    await trio.sleep_until(t_first + 31.0)
+
+
+async def test_a_node_remembers_the_registrations_of_a_bounded_number_of_peer_ids() -> None:
+    """Without a secret, peer ids cost an attacker nothing: the budget's memory is bounded
+    (the least recently registered ids are forgotten first), and the newest is kept."""
+    async with node("a") as a:
+        for i in range(3 * _REGISTRATION_IDS):
+            a.count_registration(f"id{i}")
+        assert len(a._registered_at) <= _REGISTRATION_IDS
+        assert f"id{3 * _REGISTRATION_IDS - 1}" in a._registered_at
