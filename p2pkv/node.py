@@ -186,30 +186,40 @@ class Node:
             dialer=dialer,
         )
 
-    def count_registration(self, pid: str) -> None:
-        """Spend one of ``pid``'s registrations in the current window, before its session
-        is admitted; raises :class:`HandshakeRejected` once they are spent (a peer in a
-        restart or reconnect loop), and the session ends. Nothing is spent then: a peer
-        that stops trying gets a fresh budget once its oldest registration leaves the
-        window."""
-        cfg, now = self.config, trio.current_time()
-        times = self._registered_at.pop(pid, None)  # re-inserted last: newest at the end
+    def _registrations_in_window(self, pid: str) -> collections.deque[float]:
+        """When ``pid`` started the registrations still in the budget's window (oldest
+        first); ids with none are forgotten."""
+        times = self._registered_at.get(pid)
         if times is None:
-            times = collections.deque()
-        while times and times[0] <= now - cfg.peer_registration_window:
+            return collections.deque()
+        horizon = trio.current_time() - self.config.peer_registration_window
+        while times and times[0] <= horizon:
             times.popleft()
+        if not times:
+            del self._registered_at[pid]
+        return times
+
+    def _check_registration_budget(self, pid: str) -> None:
+        """Raises :class:`HandshakeRejected` once ``pid`` has spent its
+        ``max_peer_registrations`` in the window: a peer in a restart or reconnect loop."""
+        cfg, times = self.config, self._registrations_in_window(pid)
         if len(times) >= cfg.max_peer_registrations:
-            self._registered_at[pid] = times
+            back_in = times[0] + cfg.peer_registration_window - trio.current_time()
             raise HandshakeRejected(
                 f"peer {pid!r} registered {len(times)} times within "
                 f"{cfg.peer_registration_window:g} s (max_peer_registrations): it may "
-                f"register again in {times[0] + cfg.peer_registration_window - now:.1f} s",
+                f"register again in {back_in:.1f} s",
                 peer=pid,
             )
-        times.append(now)
-        self._registered_at[pid] = times
+
+    def spend_registration(self, pid: str) -> None:
+        """``pid`` was admitted: one more registration in its window. The least recently
+        registered ids are forgotten first once more than ``_REGISTRATION_IDS`` are held."""
+        times = self._registrations_in_window(pid)
+        times.append(trio.current_time())
+        self._registered_at.pop(pid, None)
+        self._registered_at[pid] = times  # the most recent last
         if len(self._registered_at) > _REGISTRATION_IDS:
-            # The least recently registered ids go first (insertion order).
             for old in list(self._registered_at)[: len(self._registered_at) // 4]:
                 del self._registered_at[old]
 
@@ -229,6 +239,9 @@ class Node:
 
     async def _admit_locked(self, session: PeerSession, hello: Hello) -> None:
         pid = hello.peer_id
+        # Checked first, spent only once admitted: a hello refused below (one claiming a
+        # live peer's id) spends nothing of that peer's budget.
+        self._check_registration_budget(pid)
         while True:
             if self._closing:
                 raise HandshakeRejected("node is shutting down", peer=pid)
@@ -260,6 +273,7 @@ class Node:
                 f"node is at its cap of {self.config.max_peers} peers", peer=pid
             )
         self._by_peer[pid] = session
+        self.spend_registration(pid)
 
     def session_ready(self, session: PeerSession) -> None:
         self._peers_changed.unpark_all()

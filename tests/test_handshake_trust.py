@@ -441,6 +441,52 @@ async def test_a_node_remembers_the_registrations_of_a_bounded_number_of_peer_id
     (the least recently registered ids are forgotten first), and the newest is kept."""
     async with node("a") as a:
         for i in range(3 * _REGISTRATION_IDS):
-            a.count_registration(f"id{i}")
+            a.spend_registration(f"id{i}")
         assert len(a._registered_at) <= _REGISTRATION_IDS
         assert f"id{3 * _REGISTRATION_IDS - 1}" in a._registered_at
+
+
+async def test_hellos_claiming_a_live_peers_id_spend_nothing_of_its_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The budget is spent only by admitted hellos. Without a secret anyone can claim a
+    peer id; a claim on a live peer's id is refused as a duplicate, and however many come,
+    the real peer can still restart."""
+    with trio.fail_after(60):
+        async with node("a", max_peer_registrations=2, peer_registration_window=30.0) as a:
+            real = RawPeer("real")
+            try:
+                await real.connect(a.address)
+                await real.handshake()  # registration 1 of 2
+                async with trio.open_nursery() as nursery:
+
+                    async def answer_probes() -> None:  # pings raise no event: flush pongs
+                        assert real.stream is not None
+                        while data := await real.stream.receive_some(65536):
+                            real.proto.receive_data(data)
+                            while real.proto.next_event() is not None:
+                                pass
+                            await real.flush()
+
+                    nursery.start_soon(answer_probes)
+                    for epoch in range(50, 55):
+                        # Its own region (the real one's stays registered), claiming "real".
+                        fake = RawPeer(f"fake{epoch}")
+                        fake.proto = SessionProtocol(
+                            attrs.evolve(
+                                fake.proto.local, peer_id="real", agent_name="real", epoch=epoch
+                            )
+                        )
+                        try:
+                            await fake.connect(a.address)
+                            fake.proto.start()
+                            await fake.flush()
+                            bye = await fake.expect_close()
+                            assert bye is not None and "live session" in bye.reason, bye
+                        finally:
+                            await fake.aclose()
+                    nursery.cancel_scope.cancel()
+                assert await restart_until_refused(real, 99) is None  # registration 2
+                assert a.statistics().peers == 1
+            finally:
+                await real.aclose()

@@ -591,7 +591,6 @@ class PeerSession(ProducerSide, ConsumerSide):
     async def _register(self, inc: Incarnation) -> None:
         h = inc.hello
         try:
-            self.node.count_registration(h.peer_id)
             await self.node.admit(self, h)
         except HandshakeRejected as exc:
             code = "duplicate" if isinstance(exc, DuplicateSession) else "handshake"
