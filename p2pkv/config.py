@@ -145,11 +145,11 @@ class NodeConfig:
     # The largest region (in blocks) a peer's hello may claim; registering a region costs
     # memory and time in proportion to its blocks, so bigger claims are refused up front.
     max_peer_blocks: int = attrs.field(default=1 << 21, validator=_positive)
-    # A peer id may start at most this many registrations (its first hello, and each
-    # restart or reconnect after it) within ``peer_registration_window`` seconds; a hello
-    # over it is refused. Registrations run one at a time on a thread every peer shares,
-    # so a peer in a restart loop would otherwise keep the others' registrations waiting.
-    max_peer_registrations: int = attrs.field(default=10, validator=_positive)
+    # A peer id may make us start at most this many registrations (each connection it
+    # dials, each restart on a connection) within ``peer_registration_window`` seconds; a
+    # hello over it is refused. Registrations run one at a time on a thread every peer
+    # shares, so a peer in a restart loop would otherwise keep the others' waiting.
+    max_peer_registrations: int = attrs.field(default=60, validator=_positive)
     peer_registration_window: float = attrs.field(default=60.0, validator=_positive)
     # A hello claiming the peer id of a live, established session is refused if that
     # session answers a ping within this time (so no one can take over a live peer's id);

@@ -223,25 +223,31 @@ class Node:
             for old in list(self._registered_at)[: len(self._registered_at) // 4]:
                 del self._registered_at[old]
 
-    async def admit(self, session: PeerSession, hello: Hello) -> None:
+    async def admit(self, session: PeerSession, hello: Hello, *, restarted: bool = False) -> None:
         """Make ``session`` the one live session of its peer id, or reject it (see the
         module docstring). Called only once the hello passed every check (including
         authentication), so nothing unproven can replace a session or count against
-        ``max_peers``."""
+        ``max_peers``.
+
+        The peer's registration budget is checked first and spent once admitted, for a
+        registration the peer asked for: a session it dialed, or its ``restarted`` hello
+        on any session. Our own dials are ours to make and spend nothing."""
         pid = hello.peer_id
+        budgeted = restarted or session not in self._dialed
         lock = self._admitting.setdefault(pid, trio.Lock())
         try:
             async with lock:
+                if budgeted:
+                    self._check_registration_budget(pid)
                 await self._admit_locked(session, hello)
+                if budgeted:
+                    self.spend_registration(pid)
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._admitting.pop(pid, None)
 
     async def _admit_locked(self, session: PeerSession, hello: Hello) -> None:
         pid = hello.peer_id
-        # Checked first, spent only once admitted: a hello refused below (one claiming a
-        # live peer's id) spends nothing of that peer's budget.
-        self._check_registration_budget(pid)
         while True:
             if self._closing:
                 raise HandshakeRejected("node is shutting down", peer=pid)
@@ -273,7 +279,6 @@ class Node:
                 f"node is at its cap of {self.config.max_peers} peers", peer=pid
             )
         self._by_peer[pid] = session
-        self.spend_registration(pid)
 
     def session_ready(self, session: PeerSession) -> None:
         self._peers_changed.unpark_all()

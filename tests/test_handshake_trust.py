@@ -490,3 +490,21 @@ async def test_hellos_claiming_a_live_peers_id_spend_nothing_of_its_budget(
                 assert a.statistics().peers == 1
             finally:
                 await real.aclose()
+
+
+async def test_our_own_dials_spend_nothing_of_the_peers_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Connecting is the node's own choice: a node that dials a peer again and again is
+    not refused by its own budget for that peer (the peer's budget for it is the peer's
+    business: here a large one)."""
+    with trio.fail_after(60):
+        async with (
+            node("a", max_peer_registrations=2) as a,
+            node("b", max_peer_registrations=100) as b,
+        ):
+            for _ in range(5):
+                peer = await a.connect(b.address)
+                await a.disconnect(peer)
+                await wait_peers(a, 0)
+                await wait_peers(b, 0)

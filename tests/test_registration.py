@@ -6,6 +6,7 @@ These use real worker threads and the real clock; blocking registrations are gat
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import attrs
@@ -188,7 +189,7 @@ async def test_a_registrar_stopped_before_its_thread_starts_leaves_no_count_behi
     peer = RawPeer("r")
     reg = Registrar(peer.transport)
     layout = RegionLayout(peer.array.ctypes.data, 64, 4096)
-    with trio.fail_after(10):
+    with trio.fail_after(10), contextlib.closing(peer.transport):
         # The limiter held: the job waits for it, and its thread never starts.
         async with trio.open_nursery() as nursery, reg.limiter:
             nursery.start_soon(reg.run)

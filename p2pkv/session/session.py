@@ -574,7 +574,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                 async with trio.open_nursery() as nursery:
                     if old is not None:  # the first incarnation is timed by the session
                         nursery.start_soon(self._incarnation_deadline, inc)
-                    await self._register(inc)
+                    await self._register(inc, restarted=old is not None)
         finally:
             inc.exited.set()
 
@@ -588,10 +588,10 @@ class PeerSession(ProducerSide, ConsumerSide):
             "timeout",
         )
 
-    async def _register(self, inc: Incarnation) -> None:
+    async def _register(self, inc: Incarnation, *, restarted: bool) -> None:
         h = inc.hello
         try:
-            await self.node.admit(self, h)
+            await self.node.admit(self, h, restarted=restarted)
         except HandshakeRejected as exc:
             code = "duplicate" if isinstance(exc, DuplicateSession) else "handshake"
             self._fail(exc, f"handshake rejected: {exc.reason}", code)
