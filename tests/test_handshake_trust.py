@@ -14,10 +14,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import pytest
 import trio
 import trio.testing
 
-from p2pkv import open_node
+from p2pkv import PeerUnavailable, open_node
 from p2pkv.node import _REGISTRATION_IDS, Node
 from p2pkv.session.protocol import (
     ByeReceived,
@@ -508,3 +509,28 @@ async def test_our_own_dials_spend_nothing_of_the_peers_budget(
                 await a.disconnect(peer)
                 await wait_peers(a, 0)
                 await wait_peers(b, 0)
+
+
+async def test_a_lookup_on_a_session_still_handshaking_raises_peer_unavailable() -> None:
+    """A peer admitted but not yet ready (its ack has not come) is not usable yet: the
+    lookup raises PeerUnavailable, as for a peer not connected, so a caller's one
+    ``except PeerUnavailable`` covers both (it was a bare P2PKVError)."""
+    with trio.fail_after(10):
+        async with node("dst") as dst:
+            raw = RawPeer("r")
+            try:
+                await raw.connect(dst.address)
+                raw.proto.start()
+                await raw.flush()
+                assert raw.stream is not None
+                while not raw.proto._peer_acked:  # dst admitted and registered us
+                    data = await raw.stream.receive_some(65536)
+                    assert data, "the node closed the session"
+                    raw.proto.receive_data(data)
+                    while raw.proto.next_event() is not None:
+                        pass
+                # We never ack: dst's session stays short of ready.
+                with pytest.raises(PeerUnavailable, match="handshake in progress"):
+                    await dst.lookup("r", [b"k" * 32])
+            finally:
+                await raw.aclose()

@@ -53,7 +53,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from ..errors import LocalProtocolError, P2PKVError, P2PKVTimeout, SessionClosed, StoreFull
+from ..errors import (
+    LocalProtocolError,
+    P2PKVError,
+    P2PKVTimeout,
+    PeerUnavailable,
+    SessionClosed,
+    StoreFull,
+)
 from ..wire import MAX_FRAME_SIZE, MAX_KEY_LEN, MAX_KEYS, Outcome, keys_ok
 from ._parts import SessionParts
 from .producer import checksums
@@ -390,7 +397,7 @@ class ConsumerSide(SessionParts):
         if not self.alive:
             raise SessionClosed(self.close_reason or "session ended", peer=self.peer_id, op=op)
         if not self.ready.is_set():
-            raise P2PKVError(
+            raise PeerUnavailable(
                 "session is not ready (handshake in progress)", peer=self.peer_id, op=op
             )
 
