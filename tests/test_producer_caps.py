@@ -22,11 +22,12 @@ from p2pkv import Node, open_node
 from p2pkv.session.protocol import (
     AbortAcknowledged,
     LookupAnswered,
+    PongReceived,
     SessionProtocol,
     TransferCompleted,
 )
 from p2pkv.session.session import PeerSession
-from p2pkv.wire import Outcome
+from p2pkv.wire import Outcome, Ping, encode
 
 from .helpers import BOUND, FaultFactory, RawPeer, VirtualOffload, config, fill, inline_offload
 
@@ -296,3 +297,47 @@ async def test_a_big_lookup_is_pinned_in_slices_while_another_peer_is_answered(
         assert answered == [good.peer_id, big.peer_id]
         await big.aclose()
         await good.aclose()
+
+
+class FramesPerStep(trio.abc.Instrument):
+    """The most frames a session decoded in one task step: what its reader does between
+    two chances for the other sessions to run."""
+
+    def __init__(self, proto: Any) -> None:
+        self.proto = proto
+        self.before = 0
+        self.most = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.before = self.proto.frames_received
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.most = max(self.most, self.proto.frames_received - self.before)
+
+
+async def test_a_flood_of_pings_is_handled_a_turn_at_a_time() -> None:
+    """A session handles at most ``max_events_per_turn`` (64) of its peer's frames before
+    the other sessions may run, frames that make no event too: a ping only queues a
+    pong, and a whole 64 KiB read of pings (~3,400) used to be one step of the reader
+    (35-45 ms on this machine), which every other peer's lookup waited behind."""
+    flood = 20000
+    async with open_node(config("src")) as src:
+        flooder = RawPeer()
+        try:
+            with trio.fail_after(BOUND * 3):
+                await flooder.connect(src.address)
+                await flooder.handshake()
+                steps = FramesPerStep(src._by_peer[flooder.peer_id].proto)
+                trio.lowlevel.add_instrument(steps)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        # The pongs are read meanwhile: the node stops reading while
+                        # its own sends are blocked.
+                        nursery.start_soon(flooder.send_raw, encode(Ping(nonce=1)) * flood)
+                        for _ in range(flood):
+                            assert isinstance(await flooder.next_event(), PongReceived)
+                finally:
+                    trio.lowlevel.remove_instrument(steps)
+            assert 0 < steps.most <= 64, f"{steps.most} frames in one step"
+        finally:
+            await flooder.aclose()

@@ -290,6 +290,8 @@ def ack_proof(secret: bytes, acker: str, nonce: bytes) -> bytes:
 
 
 MIN_NONCE = 16  # bytes of a fresh nonce when authentication is on
+# next_event returns after this many frames in a row that made no event (input_pending).
+SILENT_FRAMES: Final = 64
 
 
 class SessionProtocol:
@@ -307,6 +309,7 @@ class SessionProtocol:
         self._challenge: bytes | None = None  # the peer's nonce, once known (auth on)
         self._started = False
         self.frames_received = 0  # complete frames decoded (liveness counts only these)
+        self.input_pending = False  # next_event stopped early: complete frames may be left
         self._ack_sent = False
         self._peer_acked = False
         self._registering = False
@@ -595,11 +598,17 @@ class SessionProtocol:
         self._decoder.feed(data)
 
     def next_event(self) -> Event | None:
-        """The next event from the peer, ``None`` when more bytes are needed.
+        """The next event from the peer, ``None`` when more bytes are needed, or after
+        :data:`SILENT_FRAMES` frames in a row that made no event (pings, an abort of a
+        finished request...): then :attr:`input_pending` is true, and a caller that
+        shares its thread with others lets them run before it calls again. Every frame
+        counts in :attr:`frames_received`.
 
         Raises :class:`RemoteProtocolError` / :class:`HandshakeRejected` on bad input; the
         machine is then closed with a ``bye`` queued.
         """
+        self.input_pending = False
+        silent = 0
         while self.state in (State.HANDSHAKE, State.READY):
             try:
                 msg = self._decoder.next_message()
@@ -613,6 +622,10 @@ class SessionProtocol:
                 raise
             if event is not None:
                 return event
+            silent += 1
+            if silent == SILENT_FRAMES:
+                self.input_pending = True
+                return None
         return None
 
     def _fail(self, reason: str) -> None:

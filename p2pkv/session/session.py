@@ -427,12 +427,19 @@ class PeerSession(ProducerSide, ConsumerSide):
                 )
                 return
             turn.fresh()  # receiving yielded
-            frames = self.proto.frames_received
-            self.proto.receive_data(data)
+            proto = self.proto
+            frames = charged = proto.frames_received
+            proto.receive_data(data)
             try:
-                while (event := self.proto.next_event()) is not None:
-                    turn.charge(events=1)
-                    if isinstance(event, LookupRequested):
+                while True:
+                    event = proto.next_event()
+                    # Every frame is charged, those that made no event too (a ping flood).
+                    turn.charge(events=proto.frames_received - charged)
+                    charged = proto.frames_received
+                    if event is None:
+                        if not proto.input_pending:
+                            break  # more bytes needed
+                    elif isinstance(event, LookupRequested):
                         await self._answer_lookup(event, turn)  # pins in slices
                     else:
                         if isinstance(event, FetchRequested):
