@@ -467,6 +467,12 @@ _MAP_HEADERS: Final = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 _ARRAY_HEADERS: Final = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 
 
+# Every field name of any message (and the tag's): the general decoder builds only these.
+_KNOWN_FIELDS: Final = frozenset(
+    {"t"}.union(*(_field_names(cls) for cls in MESSAGE_TYPES.values()))
+)
+
+
 def _unpack_body(body: bytes) -> object:
     """Unpack one frame body of the only shape a message has: a map of scalars and
     lists of scalars.
@@ -477,6 +483,10 @@ def _unpack_body(body: bytes) -> object:
     by hand, each list bounded by the bytes that remain (an element takes at least one),
     and every element is unpacked by an unpacker that accepts no non-empty container at
     all: nothing nests, and nothing is allocated that the frame does not pay for.
+
+    A field no message has (a newer minor's, or junk) is skipped unbuilt: "ignored" must
+    not mean unpacking 65,536 objects per list of it, before the frame's type (or a
+    hello's proof) is even looked at. A field named twice is refused.
     """
     u = msgpack.Unpacker(
         raw=False,
@@ -504,6 +514,12 @@ def _unpack_body(body: bytes) -> object:
             key = u.unpack()
             if type(key) is not str:
                 raise RemoteProtocolError("undecodable frame: a map key is not a str")
+            if key in fields:
+                raise RemoteProtocolError(f"undecodable frame: field {key!r} twice")
+            if key not in _KNOWN_FIELDS:
+                u.skip()
+                fields[key] = None  # only to catch it twice; from_wire ignores it
+                continue
             pos = u.tell()
             if pos < len(body) and body[pos] in _ARRAY_HEADERS:
                 m = u.read_array_header()
