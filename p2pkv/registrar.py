@@ -84,6 +84,7 @@ class RegistrarStatistics:
     released_stale: int  # finished after their peer was retired or re-registered
     retired: int
     running: bool  # a registration thread is running now
+    current: int  # agent names whose registration is queued, running or live
 
 
 class Registrar:
@@ -92,7 +93,11 @@ class Registrar:
         self.limiter = trio.CapacityLimiter(1)
         self._offload = offload
         self._send, self._recv = trio.open_memory_channel[RegistrationJob](math.inf)
+        # The generation in force per agent name, while a job of it is queued, running or
+        # live; generations are never reused (one counter for all names), so an entry can
+        # go when its job is retired and nothing is kept for peers long gone.
         self._generation: dict[str, int] = {}
+        self._last_generation = 0
         self._live: dict[str, tuple[int, RemotePeer]] = {}
         self._started = self._published = self._failed = 0
         self._released_stale = self._retired = 0
@@ -107,6 +112,7 @@ class Registrar:
             released_stale=self._released_stale,
             retired=self._retired,
             running=self._running,
+            current=len(self._generation),
         )
 
     def current(self, agent_name: str) -> RemotePeer | None:
@@ -115,8 +121,8 @@ class Registrar:
 
     def submit(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RegistrationJob:
         """Start a new generation for ``agent_name``; any older one becomes stale."""
-        gen = self._generation.get(agent_name, 0) + 1
-        self._generation[agent_name] = gen
+        self._last_generation += 1
+        gen = self._generation[agent_name] = self._last_generation
         job = RegistrationJob(agent_name, gen, metadata, layout)
         self._send.send_nowait(job)
         return job
@@ -126,7 +132,7 @@ class Registrar:
         running will release itself) and hand back its published registration, if any,
         for the caller to :meth:`release`."""
         if self._generation.get(job.agent_name) == job.generation:
-            self._generation[job.agent_name] = job.generation + 1
+            del self._generation[job.agent_name]  # a registration still running is stale
         if not job.done.is_set():
             job.error = SessionClosed("registration retired", peer=job.agent_name)
             job.done.set()

@@ -200,3 +200,23 @@ async def test_a_registrar_stopped_before_its_thread_starts_leaves_no_count_behi
         assert (stats.started, stats.running, stats.live) == (0, False, 0)
         with pytest.raises(SessionClosed):
             await job.wait()
+
+
+async def test_departed_peers_leave_nothing_in_the_registrar() -> None:
+    """Without a secret peer ids cost nothing: every connection under a new id used to
+    leave its agent name's generation in the registrar for good. Once a peer's session is
+    gone, nothing of it is kept (generations come from one counter, so none is reused)."""
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src:
+            for _ in range(20):
+                raw = RawPeer()
+                try:
+                    await raw.connect(src.address)
+                    await raw.handshake()
+                    assert src.statistics().registrations.current == 1
+                finally:
+                    await raw.aclose()
+            while src.statistics().sessions:
+                await src._peers_changed.park()  # a session ended
+            stats = src.statistics().registrations
+            assert (stats.current, stats.live, stats.published) == (0, 0, 20)
