@@ -136,6 +136,13 @@ class NodeConfig:
     max_open_requests: int = attrs.field(default=64, validator=_positive)
     max_keys_per_request: int = attrs.field(default=65536, validator=_positive)
     max_pinned_blocks: int = attrs.field(default=65536, validator=_positive)
+    # Of this node's own store (not per peer): the share of its slots that peers' lookups
+    # may hold pinned, all peers together; hits past it are answered as misses. Pinned
+    # slots cannot be evicted: at 1 (the default, so a peer may fetch a full store in one
+    # go) one peer can pin every slot and the host's put raises StoreFull until it calls
+    # release_unused_pins. A host that keeps putting while it serves sets e.g. 0.5. Where
+    # the host pins (a pin source, vLLM) the host bounds its own.
+    max_pinned_share: float = attrs.field(default=1.0, validator=_positive)
     max_inflight_bytes: int = attrs.field(default=8 << 30, validator=_positive)
     max_frame_size: int = attrs.field(default=16 << 20, validator=_positive)
     max_key_len: int = attrs.field(default=128, validator=_positive)
@@ -198,6 +205,10 @@ class NodeConfig:
             raise ConfigError(
                 f"max_inflight_bytes ({self.max_inflight_bytes}) is less than one block "
                 f"({self.block_len}): every fetch from this node would be refused"
+            )
+        if self.max_pinned_share > 1:
+            raise ConfigError(
+                f"max_pinned_share ({self.max_pinned_share}) is a share of the store: at most 1"
             )
         if not self.idle_timeout > self.heartbeat_interval:
             raise ConfigError(

@@ -469,6 +469,11 @@ class BlockStore:
             self._free_one_locked(slot)
             return True
 
+    @property
+    def pinned_slots(self) -> int:
+        """Slots pinned now (one int read: no lock, the figure may be a moment old)."""
+        return self._pinned_slots
+
     def pins_of(self, owner: Hashable) -> int:
         with self._turn, self._lock:
             pins = self._pins.get(owner)
@@ -1029,9 +1034,16 @@ class BlockStore:
         # check is exact: either all n can be found or the caller changes nothing.
         if n > self._n_free + self._lru.count - self._claimed:
             claimed = f", {self._claimed} claimed by a reserve in progress" * bool(self._claimed)
+            pinned = f" ({self._pinned_slots} pinned" * bool(self._pinned_slots)
+            if pinned:  # the host's remedies for pins that peers hold
+                pinned += (
+                    ": Node.release_unused_pins() takes back those no write is using, and "
+                    "NodeConfig.max_pinned_share bounds what peers may pin)"
+                )
             raise StoreFull(
                 f"need {n} slots, {self._n_free} free and {self._lru.count} evictable "
-                f"of {self.num_blocks}{claimed}; the rest are pinned, reserved or quarantined",
+                f"of {self.num_blocks}{claimed}; the rest are pinned, reserved or "
+                f"quarantined{pinned}",
                 op=op,
             )
 

@@ -18,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import Node, open_node
+from p2pkv import Node, StoreFull, open_node
 from p2pkv.session.protocol import (
     AbortAcknowledged,
     LookupAnswered,
@@ -341,3 +341,51 @@ async def test_a_flood_of_pings_is_handled_a_turn_at_a_time() -> None:
             assert 0 < steps.most <= 64, f"{steps.most} frames in one step"
         finally:
             await flooder.aclose()
+
+
+async def pin_all(src: Node, raw: RawPeer, keys: list[bytes]) -> list[bool]:
+    """``raw`` connects to ``src`` and looks ``keys`` up (never fetching): the hits."""
+    await raw.connect(src.address)
+    await raw.handshake()
+    raw.proto.send_lookup(keys)
+    await raw.flush()
+    ev = await raw.next_event()
+    assert isinstance(ev, LookupAnswered)
+    return ev.hits
+
+
+async def test_peers_together_pin_at_most_their_share_of_the_store() -> None:
+    """Pinned slots cannot be evicted. With ``max_pinned_share``, peers together pin at
+    most that share of the store (hits past it are answered as misses), so the host can
+    still put while a peer sits on the pins of lookups it never fetches."""
+    async with open_node(config("src", num_blocks=64, max_pinned_share=0.5)) as src:
+        keys = fill(src.store, 64, 4096)
+        first, second = RawPeer(), RawPeer()
+        try:
+            with trio.fail_after(BOUND):
+                hits = [await pin_all(src, first, keys[:48]), await pin_all(src, second, keys[16:])]
+            assert [sum(h) for h in hits] == [32, 0], hits
+            assert src.store.statistics().pinned == 32
+            src.store.put(os.urandom(32), os.urandom(4096))  # evicts an unpinned block
+        finally:
+            await first.aclose()
+            await second.aclose()
+
+
+async def test_a_host_whose_every_slot_a_peer_pinned_is_told_how_to_get_them_back() -> None:
+    """By default (share 1) a peer may pin a whole store, so that a full store can be
+    fetched in one go; a host that puts then gets StoreFull, which names its remedies, and
+    after ``release_unused_pins`` its put succeeds (the peer's fetch would then find
+    those keys NOT_PINNED)."""
+    async with open_node(config("src", num_blocks=64)) as src:
+        keys = fill(src.store, 64, 4096)
+        raw = RawPeer()
+        try:
+            with trio.fail_after(BOUND):
+                assert all(await pin_all(src, raw, keys))
+            with pytest.raises(StoreFull, match="release_unused_pins"):
+                src.store.put(os.urandom(32), os.urandom(4096))
+            assert await src.release_unused_pins() == 1
+            src.store.put(os.urandom(32), os.urandom(4096))
+        finally:
+            await raw.aclose()

@@ -125,9 +125,13 @@ class ProducerSide(SessionParts):
                     held.add(keys[j], slot)
         elif self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             room = cfg.max_pinned_blocks - self.proto.pins_held()
+            # All peers together (a share of 1: no bound; pinned slots count once however
+            # many rounds pin them, so below 1 a slot pinned again takes room too).
+            share = cfg.max_pinned_share
+            shared = int(store.num_blocks * share) if share < 1 else 1 << 62
             i = 0
-            while i < len(keys) and room > 0:
-                # At most `room` keys per slice, so the pins never exceed the cap.
+            while i < len(keys) and (room := min(room, shared - store.pinned_slots)) > 0:
+                # At most `room` keys per slice, so the pins never exceed either cap.
                 part = keys[i : i + min(room, turn.room())]
                 got = store.pin(held.owner, part)
                 if None not in got:  # the usual case: every key a hit
