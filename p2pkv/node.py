@@ -33,6 +33,7 @@ registration still published is released, and the transport is closed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import secrets
@@ -59,7 +60,7 @@ from .session.protocol import LocalInfo
 from .session.session import FetchResult, LookupRound, PeerSession
 from .store import BlockStore, StoreStatistics
 from .transport.base import DataTransport, RegionLayout, RemotePeer, TransportStatistics
-from .wire import Hello
+from .wire import Bye, Hello, encode
 
 T = TypeVar("T")
 log = logging.getLogger("p2pkv.node")
@@ -144,6 +145,7 @@ class Node:
         self._sessions: set[PeerSession] = set()
         self._by_peer: dict[str, PeerSession] = {}
         self._dialed: set[PeerSession] = set()
+        self._strangers: set[PeerSession] = set()  # accepted, no hello checked yet
         self._admitting: dict[str, trio.Lock] = {}  # one admit decision at a time per peer
         # When each peer id started its recent registrations (oldest first): the budget of
         # max_peer_registrations per peer_registration_window. At most _REGISTRATION_IDS ids
@@ -322,8 +324,30 @@ class Node:
             peer = stream.socket.getpeername()
         except OSError:
             peer = None
+        if len(self._strangers) >= self.config.max_peers:
+            # A connection is a stranger until its hello passes the checks; each may make
+            # us hold a frame of up to MAX_HELLO_FRAME for handshake_timeout. Past
+            # max_peers of them, a new one is turned away at once.
+            reason = f"{len(self._strangers)} connections are handshaking (max_peers): try later"
+            log.warning("refused a connection from %s: %s", peer, reason)
+            with trio.move_on_after(min(1.0, self.config.close_timeout)):
+                if self._tls is None:  # under TLS nothing can be said before its handshake
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        await stream.send_all(encode(Bye(code="busy", reason=reason)))
+                await stream.aclose()
+            return
         secured = tls.wrap(stream, self._tls, server_side=True)
-        await self._supervise(PeerSession(self, secured, address=peer))
+        session = PeerSession(self, secured, address=peer)
+        self._strangers.add(session)
+        try:
+            await self._supervise(session)
+        finally:
+            self._strangers.discard(session)
+
+    def hello_checked(self, session: PeerSession) -> None:
+        """``session``'s peer sent a hello that passed the protocol's checks (and proved
+        the secret, if any): it is no longer a stranger."""
+        self._strangers.discard(session)
 
     async def _quarantine_timer(self) -> None:
         while True:

@@ -52,6 +52,10 @@ MAX_KEYS: Final = 1 << 16
 MAX_KEY_LEN: Final = 1024
 MAX_TEXT: Final = 1024
 MAX_METADATA: Final = 4 << 20
+# The largest frame a node reads before the peer's hello has passed its checks: a
+# stranger can make it hold no more per connection. A hello is a few KB (NIXL's metadata
+# is ~300 B plus ~44 B per registered region), so this is far above any real one.
+MAX_HELLO_FRAME: Final = 1 << 20
 
 
 class Outcome(enum.IntEnum):

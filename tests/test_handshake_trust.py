@@ -29,7 +29,7 @@ from p2pkv.session.protocol import (
     Ready,
     SessionProtocol,
 )
-from p2pkv.wire import HEADER, Challenge, Ping, encode
+from p2pkv.wire import HEADER, MAX_HELLO_FRAME, Challenge, FrameDecoder, Ping, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 
@@ -534,3 +534,62 @@ async def test_a_lookup_on_a_session_still_handshaking_raises_peer_unavailable()
                     await dst.lookup("r", [b"k" * 32])
             finally:
                 await raw.aclose()
+
+
+async def read_until_eof(stream: trio.SocketStream) -> list[Any]:
+    """Every message on ``stream`` until the other side closes it."""
+    dec = FrameDecoder()
+    out = []
+    with contextlib.suppress(trio.BrokenResourceError):
+        while data := await stream.receive_some(65536):
+            dec.feed(data)
+            while (msg := dec.next_message()) is not None:
+                out.append(msg)
+    return out
+
+
+async def test_strangers_are_capped_and_hold_at_most_a_hello_each() -> None:
+    """A connection is a stranger until its hello passes the checks, and may make the
+    node hold one frame for ``handshake_timeout``. Before, every connection could make it
+    hold a frame of ``max_frame_size`` (16 MiB: 24 connections held 384 MiB) and there
+    was no limit to how many. Now a frame before the hello is at most MAX_HELLO_FRAME,
+    and past ``max_peers`` strangers a new connection is turned away with a bye."""
+    with trio.fail_after(20):
+        async with node("a", max_peers=2) as a:
+            s1 = await trio.open_tcp_stream(*a.address)
+            s2 = await trio.open_tcp_stream(*a.address)
+            try:
+                await trio.testing.wait_all_tasks_blocked()  # both accepted, waiting
+                s3 = await trio.open_tcp_stream(*a.address)
+                with contextlib.closing(s3.socket):
+                    msgs = await read_until_eof(s3)
+                assert [(m.code, "handshaking" in m.reason) for m in msgs] == [("busy", True)]
+                # A stranger announcing a frame over a hello's size is cut off at once.
+                await s1.send_all(HEADER.pack(MAX_HELLO_FRAME + 1))
+                msgs = await read_until_eof(s1)
+                assert msgs and msgs[-1].code == "protocol" and "over the limit" in msgs[-1].reason
+                while len(a._strangers) > 1:  # s1's session is gone
+                    await a._peers_changed.park()
+                raw = RawPeer("welcome")  # room again for one stranger
+                try:
+                    await raw.connect(a.address)
+                    await raw.handshake()
+                    assert a.statistics().peers == 1
+                finally:
+                    await raw.aclose()
+            finally:
+                await s1.aclose()
+                await s2.aclose()
+
+
+async def test_a_node_turned_away_says_why() -> None:
+    """The dialer of a connection turned away learns why from the bye."""
+    with trio.fail_after(20):
+        async with node("b", max_peers=1) as b, node("a") as a:
+            stranger = await trio.open_tcp_stream(*b.address)
+            try:
+                await trio.testing.wait_all_tasks_blocked()
+                with pytest.raises(PeerUnavailable, match="handshaking"):
+                    await a.connect(b.address)
+            finally:
+                await stranger.aclose()

@@ -68,6 +68,8 @@ from ..errors import (
     RemoteProtocolError,
 )
 from ..wire import (
+    MAX_FRAME_SIZE,
+    MAX_HELLO_FRAME,
     MAX_KEY_LEN,
     MAX_KEYS,
     U64_MAX,
@@ -302,7 +304,8 @@ class SessionProtocol:
         self.state = State.HANDSHAKE
         self.peer: Hello | None = None
         self.close_reason: tuple[str, str] | None = None  # (code, reason) once closed
-        self._decoder = FrameDecoder(local.max_frame_size)
+        # Until the peer's hello passes its checks, no frame over a hello's size is read.
+        self._decoder = FrameDecoder(min(local.max_frame_size, MAX_HELLO_FRAME))
         self._outbox: list[bytes] = []  # may go on the wire now
         self._held: list[Message] = []  # waiting for the peer's hello_ack
         self._hello_sent = False
@@ -558,6 +561,7 @@ class SessionProtocol:
             self._outbox.append(encode(self._hello()))
         elif li.secret is not None and self._started and not self._hello_sent:
             self._send_hello()  # accepting side with a secret: the dialer has proven itself
+        self._decoder.max_frame_size = min(li.max_frame_size, MAX_FRAME_SIZE)
         self.peer = h
         self._registering = True
         return HelloReceived(h, restarted, dropped, failed)

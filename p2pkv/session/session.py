@@ -562,6 +562,7 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _on_hello(self, ev: HelloReceived) -> None:
         tls.check_peer_id(self.stream, ev.hello.peer_id)  # before the node acts on the hello
+        self.node.hello_checked(self)
         self._requests.set_limit(self.proto.open_requests_limit())
         assert self._nursery is not None
         old, inc = self.incarnation, Incarnation(ev.hello)
