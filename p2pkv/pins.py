@@ -111,7 +111,12 @@ class HostPins:
 
         req = PinRequest(owner, list(keys), time.monotonic() + self.answer_within, wake)
         with self._lock:
-            self._inbox.append(req)
+            # Requests the engine gave up on leave from the front (all wait as long, so
+            # they are the oldest): a stalled host holds at most answer_within's worth.
+            inbox = self._inbox
+            while inbox and inbox[0]._state is _State.ABANDONED:
+                inbox.popleft()
+            inbox.append(req)
         try:
             with trio.move_on_after(self.answer_within):
                 await answered.wait()

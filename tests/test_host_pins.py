@@ -111,6 +111,20 @@ async def test_an_answer_after_the_engine_gave_up_releases_its_token_at_once(
         assert pins.released() == []
 
 
+async def test_a_stalled_host_holds_only_the_requests_the_engine_still_waits_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A host that stops taking requests (stuck in a long step): every peer lookup the
+    engine gave up on stayed in the inbox, keys and all (up to 8 MiB each), until the host
+    came back. Abandoned requests now leave as new ones come."""
+    pins = HostPins(8, answer_within=1.0)
+    with trio.fail_after(VIRTUAL_BOUND):
+        for i in range(100):
+            assert await pins.pin(f"round-{i}", [bytes([i]) * 32]) == [None]
+    assert len(pins._inbox) == 1  # only the latest, abandoned after it was queued
+    assert pins.take() == []
+
+
 @pytest.mark.parametrize(
     "slots",
     [[1], [1, 2, 3], [1, 8], [-1, 2], [1.0, 2], [True, 2], ["1", 2]],
