@@ -173,6 +173,20 @@ async def test_a_peer_trickling_bytes_without_a_frame_is_idle(
             await raw.aclose()
 
 
+async def hello_until_acked(raw: RawPeer) -> None:
+    """``raw`` sends its hello and reads until the node has acked it; ``raw`` does not
+    ack, so the node's session stays short of ready."""
+    raw.proto.start()
+    await raw.flush()
+    assert raw.stream is not None
+    while not raw.proto._peer_acked:
+        data = await raw.stream.receive_some(65536)
+        assert data, "the node closed the session"
+        raw.proto.receive_data(data)
+        while raw.proto.next_event() is not None:
+            pass
+
+
 async def restart_on_same_connection(raw: RawPeer, epoch: int) -> None:
     """``raw`` comes back with a new epoch on the same connection and re-handshakes."""
     info: LocalInfo = attrs.evolve(raw.proto.local, epoch=epoch)
@@ -320,15 +334,7 @@ async def test_pings_before_the_peers_ack_hold_one_pong_not_one_each() -> None:
         try:
             with trio.fail_after(10):
                 await raw.connect(src.address)
-                raw.proto.start()
-                await raw.flush()
-                assert raw.stream is not None
-                while not raw.proto._peer_acked:  # src registered us and acked
-                    data = await raw.stream.receive_some(65536)
-                    assert data, "the node closed the session"
-                    raw.proto.receive_data(data)
-                    while raw.proto.next_event() is not None:
-                        pass
+                await hello_until_acked(raw)  # src registered us and acked
                 # We do not ack: pings only.
                 await raw.send_raw(b"".join(encode(Ping(nonce=i + 1)) for i in range(n)))
                 assert isinstance(raw.proto.registration_succeeded(), Ready)  # our ack
@@ -520,15 +526,7 @@ async def test_a_lookup_on_a_session_still_handshaking_raises_peer_unavailable()
             raw = RawPeer("r")
             try:
                 await raw.connect(dst.address)
-                raw.proto.start()
-                await raw.flush()
-                assert raw.stream is not None
-                while not raw.proto._peer_acked:  # dst admitted and registered us
-                    data = await raw.stream.receive_some(65536)
-                    assert data, "the node closed the session"
-                    raw.proto.receive_data(data)
-                    while raw.proto.next_event() is not None:
-                        pass
+                await hello_until_acked(raw)  # dst admitted and registered us
                 # We never ack: dst's session stays short of ready.
                 with pytest.raises(PeerUnavailable, match="handshake in progress"):
                     await dst.lookup("r", [b"k" * 32])
