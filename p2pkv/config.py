@@ -155,7 +155,8 @@ class NodeConfig:
     # A peer id may make us start at most this many registrations (each connection it
     # dials, each restart on a connection) within ``peer_registration_window`` seconds; a
     # hello over it is refused. Registrations run one at a time on a thread every peer
-    # shares, so a peer in a restart loop would otherwise keep the others' waiting.
+    # shares, so a peer in a restart loop would otherwise keep the others' waiting. A
+    # client that connects and disconnects more than once a second is refused too.
     max_peer_registrations: int = attrs.field(default=60, validator=_positive)
     peer_registration_window: float = attrs.field(default=60.0, validator=_positive)
     # A hello claiming the peer id of a live, established session is refused if that

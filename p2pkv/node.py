@@ -33,7 +33,6 @@ registration still published is released, and the transport is closed.
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import math
 import secrets
@@ -60,7 +59,7 @@ from .session.protocol import LocalInfo
 from .session.session import FetchResult, LookupRound, PeerSession
 from .store import BlockStore, StoreStatistics
 from .transport.base import DataTransport, RegionLayout, RemotePeer, TransportStatistics
-from .wire import Bye, Hello, encode
+from .wire import Hello
 
 T = TypeVar("T")
 log = logging.getLogger("p2pkv.node")
@@ -145,7 +144,11 @@ class Node:
         self._sessions: set[PeerSession] = set()
         self._by_peer: dict[str, PeerSession] = {}
         self._dialed: set[PeerSession] = set()
-        self._strangers: set[PeerSession] = set()  # accepted, no hello checked yet
+        # Sessions accepted whose peer is not admitted yet, oldest first (a dict as an
+        # ordered set); what a flood of them cost is logged once a second.
+        self._strangers: dict[PeerSession, None] = {}
+        self._turned_away = 0
+        self._turned_away_logged = -math.inf
         self._admitting: dict[str, trio.Lock] = {}  # one admit decision at a time per peer
         # When each peer id started its recent registrations (oldest first): the budget of
         # max_peer_registrations per peer_registration_window. At most _REGISTRATION_IDS ids
@@ -214,7 +217,7 @@ class Node:
                 peer=pid,
             )
 
-    def spend_registration(self, pid: str) -> None:
+    def _spend_registration(self, pid: str) -> None:
         """``pid`` was admitted: one more registration in its window. The least recently
         registered ids are forgotten first once more than ``_REGISTRATION_IDS`` are held."""
         times = self._registrations_in_window(pid)
@@ -242,8 +245,9 @@ class Node:
                 if budgeted:
                     self._check_registration_budget(pid)
                 await self._admit_locked(session, hello)
+                self._strangers.pop(session, None)
                 if budgeted:
-                    self.spend_registration(pid)
+                    self._spend_registration(pid)
         finally:
             if not lock.locked() and lock.statistics().tasks_waiting == 0:
                 self._admitting.pop(pid, None)
@@ -324,30 +328,34 @@ class Node:
             peer = stream.socket.getpeername()
         except OSError:
             peer = None
-        if len(self._strangers) >= self.config.max_peers:
-            # A connection is a stranger until its hello passes the checks; each may make
-            # us hold a frame of up to MAX_HELLO_FRAME for handshake_timeout. Past
-            # max_peers of them, a new one is turned away at once.
-            reason = f"{len(self._strangers)} connections are handshaking (max_peers): try later"
-            log.warning("refused a connection from %s: %s", peer, reason)
-            with trio.move_on_after(min(1.0, self.config.close_timeout)):
-                if self._tls is None:  # under TLS nothing can be said before its handshake
-                    with contextlib.suppress(trio.BrokenResourceError):
-                        await stream.send_all(encode(Bye(code="busy", reason=reason)))
-                await stream.aclose()
-            return
         secured = tls.wrap(stream, self._tls, server_side=True)
         session = PeerSession(self, secured, address=peer)
-        self._strangers.add(session)
+        if len(self._strangers) >= self.config.max_peers:
+            # A connection is a stranger until the node admits its peer; each may make
+            # us hold a frame of up to MAX_HELLO_FRAME for handshake_timeout. Past
+            # max_peers of them the oldest is turned away: turning away the newcomer
+            # instead would let a few idle sockets keep every honest peer out, a
+            # secret's too. Strangers are kept in arrival order.
+            oldest = next(iter(self._strangers))
+            del self._strangers[oldest]
+            oldest.close(
+                f"turned away: {self.config.max_peers} connections (max_peers) are handshaking",
+                "busy",
+            )
+            self._turned_away += 1
+            now = trio.current_time()
+            if now >= self._turned_away_logged + 1.0:  # a flood of them is one line a second
+                log.warning(
+                    "turned away %d connections still handshaking (max_peers: %d)",
+                    self._turned_away,
+                    self.config.max_peers,
+                )
+                self._turned_away_logged, self._turned_away = now, 0
+        self._strangers[session] = None
         try:
             await self._supervise(session)
         finally:
-            self._strangers.discard(session)
-
-    def hello_checked(self, session: PeerSession) -> None:
-        """``session``'s peer sent a hello that passed the protocol's checks (and proved
-        the secret, if any): it is no longer a stranger."""
-        self._strangers.discard(session)
+            self._strangers.pop(session, None)
 
     async def _quarantine_timer(self) -> None:
         while True:

@@ -238,8 +238,6 @@ class RawPeer:
                 with contextlib.suppress(trio.BrokenResourceError):
                     await self.flush()
                 return ev
-            if self.proto.input_pending:  # frames left that made no event: go on
-                continue
             try:
                 data = await self.stream.receive_some(65536)
             except trio.BrokenResourceError:

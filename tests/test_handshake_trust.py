@@ -29,7 +29,7 @@ from p2pkv.session.protocol import (
     Ready,
     SessionProtocol,
 )
-from p2pkv.wire import HEADER, MAX_HELLO_FRAME, Challenge, FrameDecoder, Ping, encode
+from p2pkv.wire import HEADER, MAX_HELLO_FRAME, Bye, Challenge, FrameDecoder, Ping, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 
@@ -448,7 +448,7 @@ async def test_a_node_remembers_the_registrations_of_a_bounded_number_of_peer_id
     (the least recently registered ids are forgotten first), and the newest is kept."""
     async with node("a") as a:
         for i in range(3 * _REGISTRATION_IDS):
-            a.spend_registration(f"id{i}")
+            a._spend_registration(f"id{i}")
         assert len(a._registered_at) <= _REGISTRATION_IDS
         assert f"id{3 * _REGISTRATION_IDS - 1}" in a._registered_at
 
@@ -534,60 +534,116 @@ async def test_a_lookup_on_a_session_still_handshaking_raises_peer_unavailable()
                 await raw.aclose()
 
 
-async def read_until_eof(stream: trio.SocketStream) -> list[Any]:
-    """Every message on ``stream`` until the other side closes it."""
+async def byes_until_eof(stream: trio.SocketStream) -> list[Bye]:
+    """The byes the node sends on ``stream`` until it closes it (its hello is skipped)."""
     dec = FrameDecoder()
     out = []
     with contextlib.suppress(trio.BrokenResourceError):
         while data := await stream.receive_some(65536):
             dec.feed(data)
             while (msg := dec.next_message()) is not None:
-                out.append(msg)
+                if isinstance(msg, Bye):
+                    out.append(msg)
     return out
 
 
 async def test_strangers_are_capped_and_hold_at_most_a_hello_each() -> None:
-    """A connection is a stranger until its hello passes the checks, and may make the
-    node hold one frame for ``handshake_timeout``. Before, every connection could make it
-    hold a frame of ``max_frame_size`` (16 MiB: 24 connections held 384 MiB) and there
-    was no limit to how many. Now a frame before the hello is at most MAX_HELLO_FRAME,
-    and past ``max_peers`` strangers a new connection is turned away with a bye."""
+    """A connection is a stranger until the node admits its peer, and may make the node
+    hold one frame for ``handshake_timeout``. Before, every connection could make it hold
+    a frame of ``max_frame_size`` (16 MiB: 24 connections held 384 MiB) and there was no
+    limit to how many. Now a frame before admission is at most MAX_HELLO_FRAME, and past
+    ``max_peers`` strangers the oldest is turned away with a bye; admitted peers are not
+    strangers and are never turned away."""
     with trio.fail_after(20):
         async with node("a", max_peers=2) as a:
-            s1 = await trio.open_tcp_stream(*a.address)
-            s2 = await trio.open_tcp_stream(*a.address)
+            idle = [await trio.open_tcp_stream(*a.address) for _ in range(2)]
+            raw = RawPeer("welcome")
             try:
                 await trio.testing.wait_all_tasks_blocked()  # both accepted, waiting
-                s3 = await trio.open_tcp_stream(*a.address)
-                with contextlib.closing(s3.socket):
-                    msgs = await read_until_eof(s3)
+                idle.append(await trio.open_tcp_stream(*a.address))  # the third
+                msgs = await byes_until_eof(idle[0])  # the oldest is turned away
                 assert [(m.code, "handshaking" in m.reason) for m in msgs] == [("busy", True)]
                 # A stranger announcing a frame over a hello's size is cut off at once.
-                await s1.send_all(HEADER.pack(MAX_HELLO_FRAME + 1))
-                msgs = await read_until_eof(s1)
+                await idle[1].send_all(HEADER.pack(MAX_HELLO_FRAME + 1))
+                msgs = await byes_until_eof(idle[1])
                 assert msgs and msgs[-1].code == "protocol" and "over the limit" in msgs[-1].reason
-                while len(a._strangers) > 1:  # s1's session is gone
-                    await a._peers_changed.park()
-                raw = RawPeer("welcome")  # room again for one stranger
-                try:
-                    await raw.connect(a.address)
-                    await raw.handshake()
-                    assert a.statistics().peers == 1
-                finally:
-                    await raw.aclose()
+                await raw.connect(a.address)
+                await raw.handshake()
+                # Two more strangers: the admitted peer is not one of them, so the one
+                # turned away is the oldest stranger, not it.
+                idle += [await trio.open_tcp_stream(*a.address) for _ in range(2)]
+                msgs = await byes_until_eof(idle[2])
+                assert [m.code for m in msgs] == ["busy"]
+                assert a.is_connected("welcome")
             finally:
-                await s1.aclose()
-                await s2.aclose()
+                await raw.aclose()
+                for s in idle:
+                    await s.aclose()
 
 
-async def test_a_node_turned_away_says_why() -> None:
-    """The dialer of a connection turned away learns why from the bye."""
+async def test_idle_strangers_cannot_keep_an_honest_peer_out() -> None:
+    """Strangers need no secret, so turning the newcomer away would let ``max_peers``
+    idle sockets keep every honest peer of a secret fleet out. The oldest stranger goes
+    instead, and the honest peer gets in."""
     with trio.fail_after(20):
-        async with node("b", max_peers=1) as b, node("a") as a:
+        async with node("b", max_peers=1, secret=SECRET) as b, node("a", secret=SECRET) as a:
             stranger = await trio.open_tcp_stream(*b.address)
             try:
                 await trio.testing.wait_all_tasks_blocked()
-                with pytest.raises(PeerUnavailable, match="handshaking"):
-                    await a.connect(b.address)
+                await a.connect(b.address)
+                assert b.is_connected("a")
+                msgs = await byes_until_eof(stranger)
+                assert [m.code for m in msgs[-1:]] == ["busy"]
             finally:
                 await stranger.aclose()
+
+
+async def test_a_hello_waiting_to_be_admitted_is_still_held_to_a_hellos_size(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hello that passed the checks is not yet admitted: its peer id may have a live
+    session, which the node probes first (``probe_timeout``). Without a secret anyone can
+    send such hellos, so until admission the frame limit stays at MAX_HELLO_FRAME (it was
+    lifted at the hello: each such connection could make the node hold 16 MiB)."""
+    with trio.fail_after(60):
+        async with node("a", probe_timeout=5.0) as a:
+            real, fake = RawPeer("real"), RawPeer("fake")
+            fake.proto = SessionProtocol(
+                attrs.evolve(fake.proto.local, peer_id="real", agent_name="real", epoch=42)
+            )
+            try:
+                await real.connect(a.address)
+                await real.handshake()  # then silent: it answers no probe
+                await fake.connect(a.address)
+                fake.proto.start()
+                await fake.flush()
+                await trio.sleep(1.0)  # a probes "real" for 5 s; fake waits to be admitted
+                await fake.send_raw(HEADER.pack(MAX_HELLO_FRAME + 1))
+                bye = await fake.expect_close()
+                assert bye is not None and "over the limit" in bye.reason, bye
+            finally:
+                await real.aclose()
+                await fake.aclose()
+
+
+async def test_a_peer_restarting_on_a_connection_we_dialed_spends_its_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Our own dial spends nothing, but the peer's restarts on that connection are its
+    own doing: they count."""
+    with trio.fail_after(60):
+        async with node("a", max_peer_registrations=2) as a:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            raw = RawPeer("dialed")
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(a.connect, listeners[0].socket.getsockname()[:2])
+                    raw.stream = await listeners[0].accept()
+                    await raw.handshake()
+                for epoch in (100, 101):  # registrations 1 and 2 of the budget
+                    assert await restart_until_refused(raw, epoch) is None
+                reason = await restart_until_refused(raw, 102)
+                assert reason is not None and "max_peer_registrations" in reason, reason
+            finally:
+                await raw.aclose()
+                await listeners[0].aclose()

@@ -292,8 +292,6 @@ def ack_proof(secret: bytes, acker: str, nonce: bytes) -> bytes:
 
 
 MIN_NONCE = 16  # bytes of a fresh nonce when authentication is on
-# next_event returns after this many frames in a row that made no event (input_pending).
-SILENT_FRAMES: Final = 64
 
 
 class SessionProtocol:
@@ -312,7 +310,7 @@ class SessionProtocol:
         self._challenge: bytes | None = None  # the peer's nonce, once known (auth on)
         self._started = False
         self.frames_received = 0  # complete frames decoded (liveness counts only these)
-        self.input_pending = False  # next_event stopped early: complete frames may be left
+        self.input_pending = False  # next_event stopped at max_silent: frames may be left
         self._ack_sent = False
         self._peer_acked = False
         self._registering = False
@@ -561,7 +559,6 @@ class SessionProtocol:
             self._outbox.append(encode(self._hello()))
         elif li.secret is not None and self._started and not self._hello_sent:
             self._send_hello()  # accepting side with a secret: the dialer has proven itself
-        self._decoder.max_frame_size = min(li.max_frame_size, MAX_FRAME_SIZE)
         self.peer = h
         self._registering = True
         return HelloReceived(h, restarted, dropped, failed)
@@ -601,12 +598,13 @@ class SessionProtocol:
             return  # after a bye, further bytes are ignored
         self._decoder.feed(data)
 
-    def next_event(self) -> Event | None:
-        """The next event from the peer, ``None`` when more bytes are needed, or after
-        :data:`SILENT_FRAMES` frames in a row that made no event (pings, an abort of a
-        finished request...): then :attr:`input_pending` is true, and a caller that
-        shares its thread with others lets them run before it calls again. Every frame
-        counts in :attr:`frames_received`.
+    def next_event(self, max_silent: int = 0) -> Event | None:
+        """The next event from the peer, ``None`` when more bytes are needed.
+
+        ``max_silent`` > 0: also ``None`` after that many frames in a row that made no
+        event (pings, an abort of a finished request...), with :attr:`input_pending` set:
+        complete frames may be left, and a caller that shares its thread with others lets
+        them run before it calls again. Every frame counts in :attr:`frames_received`.
 
         Raises :class:`RemoteProtocolError` / :class:`HandshakeRejected` on bad input; the
         machine is then closed with a ``bye`` queued.
@@ -627,10 +625,16 @@ class SessionProtocol:
             if event is not None:
                 return event
             silent += 1
-            if silent == SILENT_FRAMES:
+            if silent == max_silent:
                 self.input_pending = True
                 return None
         return None
+
+    def lift_frame_limit(self) -> None:
+        """The node admitted the peer: frames up to our ``max_frame_size`` from here on.
+        Until then no frame over a hello's size (``MAX_HELLO_FRAME``) is read, so that a
+        connection the node has not admitted can make it hold little."""
+        self._decoder.max_frame_size = min(self.local.max_frame_size, MAX_FRAME_SIZE)
 
     def _fail(self, reason: str) -> None:
         self._outbox.append(encode(Bye(code="protocol", reason=reason[:1000])))

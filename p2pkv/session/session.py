@@ -432,7 +432,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             proto.receive_data(data)
             try:
                 while True:
-                    event = proto.next_event()
+                    event = proto.next_event(max(1, turn.max_events - turn.events))
                     # Every frame is charged, those that made no event too (a ping flood).
                     turn.charge(events=proto.frames_received - charged)
                     charged = proto.frames_received
@@ -562,7 +562,6 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _on_hello(self, ev: HelloReceived) -> None:
         tls.check_peer_id(self.stream, ev.hello.peer_id)  # before the node acts on the hello
-        self.node.hello_checked(self)
         self._requests.set_limit(self.proto.open_requests_limit())
         assert self._nursery is not None
         old, inc = self.incarnation, Incarnation(ev.hello)
@@ -604,6 +603,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             code = "duplicate" if isinstance(exc, DuplicateSession) else "handshake"
             self._fail(exc, f"handshake rejected: {exc.reason}", code)
             return
+        self.proto.lift_frame_limit()  # admitted: no longer a stranger
         inc.job = self.node.registrar.submit(
             h.agent_name, h.agent_metadata, RegionLayout(h.base_addr, h.num_blocks, h.block_len)
         )
