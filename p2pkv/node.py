@@ -333,10 +333,11 @@ class Node:
         if len(self._strangers) >= self.config.max_peers:
             # A connection is a stranger until the node admits its peer; each may make
             # us hold a frame of up to MAX_HELLO_FRAME for handshake_timeout. Past
-            # max_peers of them the oldest is turned away: turning away the newcomer
-            # instead would let a few idle sockets keep every honest peer out, a
-            # secret's too. Strangers are kept in arrival order.
-            oldest = next(iter(self._strangers))
+            # max_peers of them one is turned away: the oldest of the address that has
+            # the most. Turning away the newcomer instead would let a few idle sockets
+            # keep every honest peer out, a secret fleet's too; the oldest of all, that
+            # one address flooding could turn away every other address's newcomers.
+            oldest = self._stranger_to_turn_away(None if peer is None else peer[0])
             del self._strangers[oldest]
             oldest.close(
                 f"turned away: {self.config.max_peers} connections (max_peers) are handshaking",
@@ -356,6 +357,19 @@ class Node:
             await self._supervise(session)
         finally:
             self._strangers.pop(session, None)
+
+    def _stranger_to_turn_away(self, newcomer: object) -> PeerSession:
+        """The oldest stranger of the source address with the most strangers, counting
+        the ``newcomer``'s address (so a flood turns away its own); strangers are kept in
+        arrival order."""
+        count: dict[object, int] = {newcomer: 1}
+        first: dict[object, PeerSession] = {}
+        for s in self._strangers:
+            addr = None if s.address is None else s.address[0]
+            count[addr] = count.get(addr, 0) + 1
+            first.setdefault(addr, s)
+        most = max(count[a] for a in first)
+        return next(s for a, s in first.items() if count[a] == most)
 
     async def _quarantine_timer(self) -> None:
         while True:

@@ -647,3 +647,26 @@ async def test_a_peer_restarting_on_a_connection_we_dialed_spends_its_budget(
             finally:
                 await raw.aclose()
                 await listeners[0].aclose()
+
+
+async def test_one_address_flooding_turns_away_its_own_strangers() -> None:
+    """Past ``max_peers`` strangers, the one turned away is the oldest of the source
+    address with the most: a flood from one address turns away its own connections,
+    not an honest newcomer from another (here the oldest stranger of all)."""
+    with trio.fail_after(20):
+        async with node("a", max_peers=3, host="127.0.0.1") as a:
+            honest = RawPeer("honest")
+            flood: list[trio.SocketStream] = []
+            try:
+                honest.stream = await trio.open_tcp_stream(*a.address, local_address="127.0.0.3")
+                for _ in range(4):
+                    flood.append(await trio.open_tcp_stream(*a.address, local_address="127.0.0.2"))
+                    await trio.testing.wait_all_tasks_blocked()
+                await honest.handshake()  # its connection was never turned away
+                assert a.is_connected("honest")
+                for s in flood[:2]:
+                    assert [m.code for m in await byes_until_eof(s)] == ["busy"]
+            finally:
+                await honest.aclose()
+                for s in flood:
+                    await s.aclose()
