@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2pkv.config import PROTOCOL_MAJOR
 from p2pkv.errors import (
@@ -1416,3 +1418,47 @@ def test_the_open_requests_limit_is_the_smaller_of_ours_and_the_peers_advertised
     assert pair.b.open_requests_limit() == 3
     lone = SessionProtocol(make_info("c", max_open_requests=5))
     assert lone.open_requests_limit() == 5  # no hello yet: our own
+
+
+def drain(p: SessionProtocol, data: bytes, max_silent: int) -> tuple[list[Event], int]:
+    """Feed ``data`` and take every event, as the session's reader does with its turn's
+    ``max_silent``: going on while ``input_pending``. Also the number of stops."""
+    p.receive_data(data)
+    events: list[Event] = []
+    stops = 0
+    while True:
+        ev = p.next_event(max_silent)
+        if ev is not None:
+            events.append(ev)
+        elif p.input_pending:
+            stops += 1
+        else:
+            return events, stops
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["ping", "lookup"]), max_size=60),
+    max_silent=st.integers(min_value=0, max_value=5),
+)
+def test_bounded_draining_yields_every_event_in_order(kinds: list[str], max_silent: int) -> None:
+    """The reader drains with ``max_silent`` (what is left of its turn): it must see the
+    very events, in order, that an unbounded drain sees, however pings (no event) are
+    mixed with lookups; and it stops at most once per ``max_silent`` silent frames."""
+    runs = []
+    for bound in (0, max_silent):
+        pair = ready_pair()
+        src = pair.b
+        frames: list[bytes] = []
+        req = 0
+        for kind in kinds:
+            if kind == "ping":
+                frames.append(encode(Ping(nonce=len(frames) + 1)))
+            else:
+                req += 1
+                frames.append(encode(Lookup(req_id=req, keys=[b"k" * 32])))
+        events, stops = drain(src, b"".join(frames), bound)
+        silent = sum(k != "lookup" for k in kinds)
+        assert stops <= (silent // bound if bound else 0)
+        runs.append([(type(e).__name__, getattr(e, "req_id", None)) for e in events])
+    assert runs[0] == runs[1]
