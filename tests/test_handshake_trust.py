@@ -453,6 +453,15 @@ async def test_a_node_remembers_the_registrations_of_a_bounded_number_of_peer_id
         assert f"id{3 * _REGISTRATION_IDS - 1}" in a._registered_at
 
 
+def impostor(victim: str, epoch: int) -> RawPeer:
+    """A raw peer with a region of its own (the victim's stays registered) whose hello
+    claims ``victim``'s peer id and agent name: anyone can send that without a secret."""
+    raw = RawPeer(f"impostor-of-{victim}-{epoch}")
+    claim = attrs.evolve(raw.proto.local, peer_id=victim, agent_name=victim, epoch=epoch)
+    raw.proto = SessionProtocol(claim)
+    return raw
+
+
 async def test_hellos_claiming_a_live_peers_id_spend_nothing_of_its_budget(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -477,13 +486,7 @@ async def test_hellos_claiming_a_live_peers_id_spend_nothing_of_its_budget(
 
                     nursery.start_soon(answer_probes)
                     for epoch in range(50, 55):
-                        # Its own region (the real one's stays registered), claiming "real".
-                        fake = RawPeer(f"fake{epoch}")
-                        fake.proto = SessionProtocol(
-                            attrs.evolve(
-                                fake.proto.local, peer_id="real", agent_name="real", epoch=epoch
-                            )
-                        )
+                        fake = impostor("real", epoch)
                         try:
                             await fake.connect(a.address)
                             fake.proto.start()
@@ -607,10 +610,7 @@ async def test_a_hello_waiting_to_be_admitted_is_still_held_to_a_hellos_size(
     lifted at the hello: each such connection could make the node hold 16 MiB)."""
     with trio.fail_after(60):
         async with node("a", probe_timeout=5.0) as a:
-            real, fake = RawPeer("real"), RawPeer("fake")
-            fake.proto = SessionProtocol(
-                attrs.evolve(fake.proto.local, peer_id="real", agent_name="real", epoch=42)
-            )
+            real, fake = RawPeer("real"), impostor("real", 42)
             try:
                 await real.connect(a.address)
                 await real.handshake()  # then silent: it answers no probe
