@@ -549,3 +549,73 @@ def test_shutdown_leaves_no_thread_and_lets_vllm_unmap_its_region(
             assert not os.path.exists(f"/dev/shm/vllm_offload_{eng.engine_id}.mmap")
     assert "still exported" not in caplog.text
     assert engine_threads() == []
+
+
+def test_the_serve_share_rests_as_long_as_it_worked_at_one_half() -> None:
+    share = vllm_tier._Share(0.5)
+    assert share.may_work(0.0)
+    share.worked(1.000, 1.020)  # 20 ms asking vLLM on peers' behalf
+    assert not share.may_work(1.030)
+    assert share.may_work(1.040)
+    quarter = vllm_tier._Share(0.25)
+    quarter.worked(0.0, 0.010)
+    assert not quarter.may_work(0.039) and quarter.may_work(0.040)
+
+
+class Gate:
+    """A stand-in for the tier's serve share that the test opens and closes."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.worked_calls = 0
+
+    def may_work(self, now: float) -> bool:
+        return self.open
+
+    def worked(self, start: float, end: float) -> None:
+        assert start <= end
+        self.worked_calls += 1
+
+
+def test_peers_lookups_ask_vllm_only_when_the_serve_share_allows(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peers that keep big lookups coming could hold vLLM's lock ~95 % of the time (~20
+    ms of asking every ~1 ms poll). The tier asks vLLM only while its serve share allows,
+    and tells it each time it asked (so it rests as long): with the share closed, steps
+    ask nothing; opened, the lookup is served."""
+    src = engines(poll_s=0)
+    keys = make_keys(6, "share")
+    src.fill(keys)
+    gate = Gate()
+    monkeypatch.setattr(src.tier, "_serve_share", gate)
+    asked: list[int] = []
+    real_ask = src.tier._ask
+
+    def counting_ask(parent: Any, srv: Any, budget: int) -> int:
+        asked.append(n := real_ask(parent, srv, budget))
+        return n
+
+    monkeypatch.setattr(src.tier, "_ask", counting_ask)
+    peer_cfg = attrs.evolve(src.tier._node.config, peer_id="raw-peer", port=0)
+    peer: BlockingNode = start_node(peer_cfg)
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        ticket = peer.submit_lookup(remote, keys)
+        until(lambda: len(src.tier._pins._inbox) == 1, "the lookup to wait for a step")
+        for _ in range(5):
+            src.idle_step()
+        assert asked == [] and gate.worked_calls == 0
+        gate.open = True
+        results: list[object] = []
+
+        def answered() -> bool:
+            if (r := peer.poll(ticket)) is not None:
+                results.append(r)
+            return bool(results)
+
+        until(answered, "the lookup to be answered", step=src.idle_step)
+        assert results == [[True] * 6] and sum(asked) == 6
+        assert gate.worked_calls == len(asked)
+    finally:
+        peer.close()
