@@ -33,6 +33,8 @@ registration still published is released, and the transport is closed.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ipaddress
 import logging
 import math
 import secrets
@@ -64,6 +66,19 @@ from .wire import Hello
 T = TypeVar("T")
 log = logging.getLogger("p2pkv.node")
 _REGISTRATION_IDS = 4096  # peer ids whose recent registrations a node remembers
+
+
+def _source(host: object) -> object:
+    """Where a connection comes from, for turning strangers away: its IPv4 address (also
+    when mapped into IPv6), or the /64 of its IPv6 one (any IPv6 host holds a /64)."""
+    if isinstance(host, str) and ":" in host:
+        with contextlib.suppress(ValueError):
+            addr = ipaddress.IPv6Address(host.split("%")[0])
+            if addr.ipv4_mapped is not None:  # an IPv4 peer on a dual-stack socket
+                return str(addr.ipv4_mapped)
+            return ipaddress.IPv6Network((addr, 64), strict=False)
+    return host
+
 
 TransportFactory = Callable[[NodeConfig, BlockStore], DataTransport]
 
@@ -362,10 +377,10 @@ class Node:
         """The oldest stranger of the source address with the most strangers, counting
         the ``newcomer``'s address (so a flood turns away its own); strangers are kept in
         arrival order."""
-        count: dict[object, int] = {newcomer: 1}
+        count: dict[object, int] = {_source(newcomer): 1}
         first: dict[object, PeerSession] = {}
         for s in self._strangers:
-            addr = None if s.address is None else s.address[0]
+            addr = _source(None if s.address is None else s.address[0])
             count[addr] = count.get(addr, 0) + 1
             first.setdefault(addr, s)
         most = max(count[a] for a in first)

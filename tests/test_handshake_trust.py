@@ -670,3 +670,37 @@ async def test_one_address_flooding_turns_away_its_own_strangers() -> None:
                 await honest.aclose()
                 for s in flood:
                     await s.aclose()
+
+
+class Stranger:
+    """A stand-in for a session, as ``_stranger_to_turn_away`` sees one."""
+
+    def __init__(self, host: str | None) -> None:
+        self.address = None if host is None else (host, 1)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "newcomer", "turned_away"),
+    [
+        # the newcomer's address counts: A has two with it, so A's oldest goes
+        (["10.0.0.2", "10.0.0.1"], "10.0.0.1", 1),
+        # a tie between addresses: the one whose oldest stranger is oldest
+        (["10.0.0.1", "10.0.0.2", "10.0.0.2", "10.0.0.1"], "10.0.0.3", 0),
+        # the address with the most, not the oldest stranger of all
+        (["10.0.0.1", "10.0.0.2", "10.0.0.2"], "10.0.0.3", 1),
+        # one IPv6 host holds a /64: its many addresses are one source
+        (["10.0.0.1", "2001:db8::1", "2001:db8::2"], "10.0.0.3", 1),
+        # IPv4 peers on a dual-stack socket are told apart as IPv4
+        (["::ffff:10.0.0.1", "::ffff:10.0.0.2", "::ffff:10.0.0.2"], "10.0.0.3", 1),
+        ([None, None, "10.0.0.1"], "10.0.0.1", 0),
+    ],
+)
+async def test_the_stranger_turned_away_is_the_oldest_of_the_busiest_source(
+    hosts: list[str | None], newcomer: str, turned_away: int
+) -> None:
+    async with node("a") as a:
+        strangers = [Stranger(h) for h in hosts]
+        a._strangers = dict.fromkeys(strangers)  # type: ignore[arg-type]
+        picked: object = a._stranger_to_turn_away(newcomer)
+        assert picked is strangers[turned_away]
+        a._strangers = {}

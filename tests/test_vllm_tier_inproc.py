@@ -46,6 +46,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
         OffloadingParallelConfig,
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+    from vllm.v1.kv_offload.tiering import manager as vllm_manager
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from p2pkv import BlockingNode, start_node
@@ -560,6 +561,9 @@ def test_the_serve_share_rests_as_long_as_it_worked_at_one_half() -> None:
     quarter = vllm_tier._Share(0.25)
     quarter.worked(0.0, 0.010)
     assert not quarter.may_work(0.039) and quarter.may_work(0.040)
+    long = vllm_tier._Share(0.5)  # one long call (a GC pause): the rest is capped
+    long.worked(0.0, 10.0)
+    assert long.may_work(10.0 + vllm_tier._Share.MAX_REST)
 
 
 class Gate:
@@ -617,5 +621,53 @@ def test_peers_lookups_ask_vllm_only_when_the_serve_share_allows(
         until(answered, "the lookup to be answered", step=src.idle_step)
         assert results == [[True] * 6] and sum(asked) == 6
         assert gate.worked_calls == len(asked)
+
+        # A call in which vLLM raises held its lock too: the share is told all the same.
+        def failing_ask(parent: Any, srv: Any, budget: int) -> int:
+            raise RuntimeError("vLLM failed a lookup")
+
+        monkeypatch.setattr(src.tier, "_ask", failing_ask)
+        ticket = peer.submit_lookup(remote, keys[:2])
+        until(lambda: len(src.tier._pins._inbox) == 1, "the second lookup to wait")
+        worked = gate.worked_calls
+        with pytest.raises(RuntimeError, match="vLLM failed"):
+            src.idle_step()
+        assert gate.worked_calls == worked + 1
+        monkeypatch.setattr(src.tier, "_ask", counting_ask)
+        results.clear()
+        until(answered, "the second lookup to be answered", step=src.idle_step)
+    finally:
+        peer.close()
+
+
+def test_vllm_raising_while_a_served_request_finishes_still_hands_its_pins_back(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM raises from ``on_request_finished`` for a peer's served request: the request
+    is answered all the same, so its pins' store jobs come back through
+    ``get_finished_jobs`` (they were never handed to the engine, and vLLM's pins leaked)."""
+    src = engines()
+    keys = make_keys(3, "finish")
+    src.fill(keys)
+    facing = vllm_manager._SecondaryTierFacingParent
+    real_finish = facing.on_request_finished
+    raised: list[str] = []
+
+    def finish_failing_once(self: Any, ctx: ReqContext) -> None:
+        if ctx.req_id.startswith("p2pkv:serve:") and not raised:
+            raised.append(ctx.req_id)
+            real_finish(self, ctx)  # vLLM did its part, then raised
+            raise RuntimeError("vLLM failed finishing a request")
+        real_finish(self, ctx)
+
+    monkeypatch.setattr(facing, "on_request_finished", finish_failing_once)
+    peer_cfg = attrs.evolve(src.tier._node.config, peer_id="raw-peer", port=0)
+    peer: BlockingNode = start_node(peer_cfg)
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        rnd = peer.lookup_round(remote, keys, timeout=BOUND)
+        assert rnd.hits == [True] * 3 and raised
+        peer.release(remote, rnd, timeout=BOUND)
+        until(lambda: src.jobs() == 0, "the pins' jobs to be reported")
     finally:
         peer.close()

@@ -248,12 +248,14 @@ class _Share:
 
     share: float
     rest_until: float = -math.inf
+    MAX_REST: ClassVar[float] = 0.25  # seconds
 
     def may_work(self, now: float) -> bool:
         return now >= self.rest_until
 
     def worked(self, start: float, end: float) -> None:
-        self.rest_until = end + (end - start) * (1 / self.share - 1)
+        # At most MAX_REST: one long call (a GC pause) must not outlast peers' deadlines.
+        self.rest_until = end + min((end - start) * (1 / self.share - 1), self.MAX_REST)
 
 
 class P2pkvSecondaryTier(SecondaryTierManager):
@@ -468,26 +470,30 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             n = len(req.keys)
             self._serving.append(_Serve(req, ctx, [None] * n, list(range(n))))
         now = time.monotonic()
-        budget = start = self.SERVE_KEYS_PER_CALL if self._serve_share.may_work(now) else 0
+        budget = self.SERVE_KEYS_PER_CALL if self._serve_share.may_work(now) else 0
+        asked = False  # vLLM was asked (or raised while asked): its lock went to peers
         serving, still = self._serving, []
         done = 0  # serving[:done] are answered (dropped) or in still
         try:
             for srv in serving:
-                if not srv.req.abandoned and budget > 0:
+                if not srv.req.abandoned and budget > 0 and srv.pending:
+                    asked = True
                     budget -= self._ask(parent, srv, budget)
                 # Answer before the engine stops waiting; keys still pending are misses.
                 done += 1  # from here on it is in still, or done with (never twice)
                 if srv.pending and not srv.req.abandoned and now < srv.req.deadline - 0.05:
                     still.append(srv)
                 else:
-                    parent.on_request_finished(srv.ctx)
-                    self._pins.answer(srv.req, srv.slots, tuple(srv.jobs) if srv.jobs else None)
+                    try:
+                        parent.on_request_finished(srv.ctx)
+                    finally:  # answered even if vLLM raised: its pins' jobs come back
+                        self._pins.answer(srv.req, srv.slots, tuple(srv.jobs) if srv.jobs else None)
         finally:
             # If vLLM raised, the requests answered so far are gone and the rest wait for
             # the next call: the one it raised on in a lookup (with what it pinned), and
             # those after it. One it raised on while finishing is not tried again.
             self._serving = still + serving[done:]
-            if budget < start:  # vLLM was asked: time to rest
+            if asked:  # time to rest, also when vLLM raised
                 self._serve_share.worked(now, time.monotonic())
 
     def _ask(self, parent: ParentManager, srv: _Serve, budget: int) -> int:
