@@ -360,6 +360,14 @@ async def until(condition: Callable[[], bool], poll: float = 0.005) -> None:
         await trio.sleep(poll)
 
 
+async def until_sessions(node: Node, condition: Callable[[], bool]) -> None:
+    """Wait until ``condition`` holds, checked again each time a session of ``node``
+    becomes ready or ends (the node's own wake-up: no polling). Callers bound it with
+    ``trio.fail_after``."""
+    while not condition():
+        await node._peers_changed.park()
+
+
 def run_interleaved(
     *targets: Callable[[], None],
     on_error: Callable[[BaseException], None],

@@ -31,7 +31,7 @@ from p2pkv.session.protocol import (
 )
 from p2pkv.wire import HEADER, MAX_HELLO_FRAME, Bye, Challenge, FrameDecoder, Ping, encode
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until_sessions
 
 SECRET = b"fleet secret"
 
@@ -375,11 +375,6 @@ async def restart_until_refused(raw: RawPeer, epoch: int) -> str | None:
             return None
 
 
-async def wait_peers(n: Node, count: int) -> None:
-    while n.statistics().peers != count:
-        await n._peers_changed.park()  # a session became ready or ended
-
-
 async def test_a_peer_restarting_in_a_loop_is_refused_and_costs_others_nothing(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -436,7 +431,7 @@ async def test_a_peer_reconnecting_in_a_loop_is_refused_until_its_window_passes(
                         assert bye is not None and "max_peer_registrations" in bye.reason, bye
                 finally:
                     await raw.aclose()
-                await wait_peers(a, 0)
+                await until_sessions(a, lambda: a.statistics().peers == 0)
                 if epoch < 5:
                     await trio.sleep(1.0)
                 else:  # the first registration leaves the window
@@ -516,8 +511,8 @@ async def test_our_own_dials_spend_nothing_of_the_peers_budget(
             for _ in range(5):
                 peer = await a.connect(b.address)
                 await a.disconnect(peer)
-                await wait_peers(a, 0)
-                await wait_peers(b, 0)
+                await until_sessions(a, lambda: a.statistics().peers == 0)
+                await until_sessions(b, lambda: b.statistics().peers == 0)
 
 
 async def test_a_lookup_on_a_session_still_handshaking_raises_peer_unavailable() -> None:

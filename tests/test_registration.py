@@ -20,7 +20,7 @@ from p2pkv.session.protocol import ByeReceived, SessionProtocol
 from p2pkv.transport.base import RegionLayout
 from p2pkv.wire import Fetch, Lookup, encode
 
-from .helpers import FaultFactory, RawPeer, config, fill, rejected_registration
+from .helpers import FaultFactory, RawPeer, config, fill, rejected_registration, until_sessions
 
 
 async def wait_until(predicate: object, within: float = 5.0) -> None:
@@ -216,7 +216,6 @@ async def test_departed_peers_leave_nothing_in_the_registrar() -> None:
                     assert src.statistics().registrations.current == 1
                 finally:
                     await raw.aclose()
-            while src.statistics().sessions:
-                await src._peers_changed.park()  # a session ended
+            await until_sessions(src, lambda: src.statistics().sessions == 0)
             stats = src.statistics().registrations
             assert (stats.current, stats.live, stats.published) == (0, 0, 20)
