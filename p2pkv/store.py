@@ -32,14 +32,17 @@ Slot arrays
 What is per slot lives in NumPy arrays indexed by slot: the state, the key (an object
 array; None for a free, reserved or orphaned slot), the pin count, the id of the owner
 holding a reservation (0: none; each owner holding reservations has a small id, reused
-once its last reservation ends) and the LRU position. The free list is an array used as a
-stack, which pops slot 0 first. So an engine-side call does its per-key work as a few
-whole-batch array operations: one C-level pass over the keys through the key map (a
-dict), then gathers and scatters over slot arrays. An owner's pins are the slot arrays of
-its pin batches, counted per slot only if one repeats. The LRU is a log in which a slot
-that leaves is only marked, and which compacts in bounded steps (``_Lru``). The order of
-everything a caller sees is the per-key order: slots leave the free list, enter the LRU
-and are freed in the order the call lists them (``release_owner``: in slot order).
+once its last reservation ends; 16 bits until an id needs more) and the LRU position. The
+free list is a stack, which pops slot 0 first: the slots freed after use, in an array that
+grows and shrinks with them, on top of the slots never handed out, which need no entry
+(slot ``_fresh`` up to the last), so a full store pays nothing per slot for its free list.
+So an engine-side call does its per-key work as a few whole-batch array operations: one
+C-level pass over the keys through the key map (a dict), then gathers and scatters over
+slot arrays. An owner's pins are the slot arrays of its pin batches, counted per slot only
+if one repeats. The LRU is a log in which a slot that leaves is only marked, and which
+compacts in bounded steps (``_Lru``). The order of everything a caller sees is the per-key
+order: slots leave the free list, enter the LRU and are freed in the order the call lists
+them (``release_owner``: in slot order).
 
 A call of at most :data:`SMALL_KEYS` keys or slots (a lookup of a few keys: the control
 plane's common case) takes the **scalar path** instead, because NumPy's fixed cost per
@@ -156,6 +159,8 @@ array built, no GIL offer (it is far shorter than :data:`GIL_OFFER_AFTER_S`). Nu
 memoryview) is cheaper; above it the array path wins (``bench/store_ops.py``)."""
 
 _POS32_ENTRIES: Final = 2**29
+# The array of slots freed after use never shrinks below this many entries.
+_FREE_MIN: Final = 64
 """The LRU log's slots and positions are 32-bit while the log holds fewer entries than
 this (checked when it is made and each time ``_Lru._grow`` doubles it), 64-bit beyond:
 far below 2**31, so no position can overflow."""
@@ -308,10 +313,14 @@ class BlockStore:
         self._state = np.zeros(num_blocks, dtype=np.int8)
         self._slot_key = np.full(num_blocks, None, dtype=object)  # None: free/reserved/orphan
         self._pin_count = np.zeros(num_blocks, dtype=np.int32)
-        self._owner = np.zeros(num_blocks, dtype=np.int32)  # id of the reserving owner; 0: none
-        # The free list is a stack, _free[:_n_free]; it pops slot 0 first.
-        self._free = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
-        self._n_free = num_blocks
+        # The id of the reserving owner (0: none); 16 bits until an id needs more (_new_id).
+        self._owner: _Slots = np.zeros(num_blocks, dtype=np.int16)
+        # The free list is a stack that pops slot 0 first: on top, the slots freed after
+        # use, _free[:_n_freed]; below them, never handed out, slots _fresh.. in order.
+        self._free: _Slots = np.empty(0, dtype=np.int32)
+        self._n_freed = 0
+        self._fresh = 0
+        self._n_free = num_blocks  # both together
         # The same arrays as memoryviews, for the scalar path's one-slot reads and writes
         # (they give and take Python ints, twice as fast as NumPy's item access).
         self._state_at = self._state.data
@@ -934,16 +943,14 @@ class BlockStore:
 
     def _allocate_few_locked(self, n: int) -> list[int]:
         """:meth:`_allocate_locked` on the scalar path."""
-        top = self._n_free
-        k = min(n, top)
-        out: list[int] = self._free_at[top - k : top].tolist()
-        out.reverse()  # the stack pops its top first
-        self._n_free = top - k
+        before = self._n_freed, self._fresh, self._n_free
+        k = min(n, self._n_free)
+        out = self._take_free_few_locked(k)
         if k == n:
             return out
         victims = self._lru.take_few(n - k)
         if victims is None:  # many dead entries in the LRU log: NumPy reads them faster
-            self._n_free = top
+            self._n_freed, self._fresh, self._n_free = before  # the popped entries are intact
             listed: list[int] = self._allocate_locked(n).tolist()
             return listed
         unmap, slot_key = self._map.__delitem__, self._slot_key
@@ -1050,10 +1057,8 @@ class BlockStore:
     def _allocate_locked(self, n: int) -> _Slots:
         """n slots, free ones first (in the order the stack pops them), then evicting;
         the caller checked the room."""
-        top = self._n_free
-        k = min(n, top)
-        out = self._free[top - k : top][::-1].copy()
-        self._n_free = top - k
+        k = min(n, self._n_free)
+        out = self._take_free_locked(k)
         if k < n:
             victims = self._lru.take(n - k)
             deque(map(self._map.__delitem__, self._slot_key[victims].tolist()), maxlen=0)
@@ -1063,10 +1068,58 @@ class BlockStore:
         return out
 
     def _allocate_one_locked(self) -> int:
-        if self._n_free:
+        if self._n_freed:
             self._n_free -= 1
-            return self._free_at[self._n_free]
+            self._n_freed -= 1
+            return self._free_at[self._n_freed]
+        if self._n_free:  # none was freed after use: the next never handed out
+            self._n_free -= 1
+            slot = self._fresh
+            self._fresh = slot + 1
+            return slot
         return int(self._allocate_locked(1)[0])
+
+    def _take_free_few_locked(self, k: int) -> list[int]:
+        """The top ``k`` of the free list (the caller checked there are k), in the order
+        it pops them. Leaves the entries it popped in ``_free`` (a caller may put them back
+        by restoring the counts)."""
+        top = self._n_freed
+        j = min(k, top)
+        out: list[int] = self._free_at[top - j : top].tolist()
+        out.reverse()  # the stack pops its top first
+        self._n_freed = top - j
+        if j < k:  # then never handed out, in slot order
+            fresh = self._fresh
+            out += range(fresh, fresh + k - j)
+            self._fresh = fresh + k - j
+        self._n_free -= k
+        return out
+
+    def _take_free_locked(self, k: int) -> _Slots:
+        """:meth:`_take_free_few_locked` as an array, for the array path."""
+        top, fresh = self._n_freed, self._fresh
+        j = min(k, top)
+        out: _Slots
+        if not j:  # the common case once freed slots are used up: no stack entry at all
+            out = np.arange(fresh, fresh + k, dtype=np.int32)
+        else:
+            out = self._free[top - j : top][::-1].copy()
+            self._n_freed = top - j
+            if j < k:
+                out = np.concatenate((out, np.arange(fresh, fresh + k - j, dtype=np.int32)))
+        self._fresh = fresh + k - j
+        self._n_free -= k
+        if 4 * self._n_freed < len(self._free) > _FREE_MIN:  # a quarter used: halve it
+            self._resize_free_locked(len(self._free) // 2)
+        return out
+
+    def _resize_free_locked(self, size: int) -> None:
+        """The array of slots freed after use, ``size`` entries long (at most one per
+        slot: no more can be free)."""
+        size = max(min(size, self.num_blocks), self._n_freed)
+        new: _Slots = np.empty(size, dtype=np.int32)
+        new[: self._n_freed] = self._free[: self._n_freed]
+        self._free, self._free_at = new, new.data
 
     def _hold_locked(self, owner: Hashable, slots: _Slots) -> None:
         """Free or just evicted slots -> RESERVED by ``owner``."""
@@ -1087,6 +1140,9 @@ class BlockStore:
     def _new_id(self) -> int:
         oid = self._next_id
         self._next_id += 1
+        if oid > np.iinfo(self._owner.dtype).max:  # so many owners at once: widen the ids
+            self._owner = self._owner.astype(np.int32)
+            self._owner_at = self._owner.data
         return oid
 
     def _unhold_locked(self, holder: _Holder, slots: _Slots) -> None:
@@ -1217,16 +1273,23 @@ class BlockStore:
     def _free_one_locked(self, slot: int) -> None:
         self._state_at[slot] = _FREE
         self._slot_key[slot] = None
-        self._free_at[self._n_free] = slot
+        top = self._n_freed
+        if top == len(self._free):
+            self._resize_free_locked(max(2 * top, _FREE_MIN))
+        self._free_at[top] = slot
+        self._n_freed = top + 1
         self._n_free += 1
 
     def _free_many_locked(self, slots: _Slots) -> None:
         """FREE, pushed in this order (so the stack pops the last one first)."""
         self._state[slots] = _FREE
         self._slot_key[slots] = None
-        top = self._n_free
-        self._free[top : top + len(slots)] = slots
-        self._n_free = top + len(slots)
+        top, n = self._n_freed, len(slots)
+        if top + n > len(self._free):
+            self._resize_free_locked(max(2 * len(self._free), top + n, _FREE_MIN))
+        self._free[top : top + n] = slots
+        self._n_freed = top + n
+        self._n_free += n
 
     def _pin_locked(self, owner: Hashable, found: list[int]) -> list[int | None]:
         """One more pin of ``owner`` on each found slot (-1: the key is absent); the
@@ -1357,7 +1420,8 @@ class BlockStore:
             n = self.num_blocks
             state, owner, slot_key = self._state, self._owner, self._slot_key
             assert self._claimed == 0
-            free = self._free[: self._n_free].tolist()
+            free = self._free[: self._n_freed].tolist() + list(range(self._fresh, n))
+            assert self._n_free == len(free) <= n
             assert sorted(free) == np.flatnonzero(state == _FREE).tolist()
             reserved = state == _RESERVED
             assert ((owner != 0) == reserved).all()
@@ -1406,16 +1470,23 @@ class _Lru:
     ``pos_of[slot]`` is its position in the log: a slot leaves (pinned, evicted, freed,
     overwritten in place) by setting that to -1, and a later entry of the slot supersedes
     an earlier one. Dead entries are dropped by a compaction that runs in steps of
-    ``4 * room`` entries, one per push, so that no call does more than a bounded amount of
-    it: once the tail passes half the log, live entries are copied, in order, from ``r``
-    down to ``w`` at the front (their ``pos_of`` moves with them). The log holds
-    ``slots[head:w]`` then ``slots[r:tail]`` (the gap between is garbage); outside a
-    compaction ``w == r``. A step copies at least four entries for each one pushed, so a
-    compaction ends long before the log fills, with at most ``num_blocks`` live entries
-    plus those pushed meanwhile. Positions, not sequence numbers, mark the live entries:
-    4 bytes per slot and 4 per log entry (the log holds 3 entries per slot), where the
-    slot and its 64-bit sequence number cost 12 per entry and the sequence 8 per slot: 28
-    bytes per block less (docs/design.md, "Store in bulk").
+    ``5 * room`` entries, one per push (of at most ``room`` slots), so that no call does
+    more than a bounded amount of it: once the tail passes three quarters of the log, live
+    entries are copied, in order, from ``r`` down to ``w`` at the front (their ``pos_of``
+    moves with them). The log holds ``slots[head:w]`` then ``slots[r:tail]`` (the gap
+    between is garbage); outside a compaction ``w == r``.
+
+    Why it never fills: the log has ``S = 2 * num_blocks + 20 * room`` entries. A
+    compaction starts with the tail at most ``3/4 S + room`` and reads five entries for
+    each one pushed meanwhile, so it ends with the tail at most 5/4 of that, ``15/16 S +
+    5/4 room``, which is at most ``S`` because ``S >= 20 * room``; it leaves the tail at
+    the live count, at most ``num_blocks``. So more than ``num_blocks / 2`` entries are
+    pushed between compactions, and a full store's compactions read about four entries
+    per push, as they did when the log had ``3 * num_blocks`` entries and compacted from
+    half full (4 bytes per block more). Positions, not sequence
+    numbers, mark the live entries: 4 bytes per slot and 4 per log entry, 12 bytes per
+    block in all, where the slot and its 64-bit sequence number cost 12 per entry and the
+    sequence 8 per slot (docs/design.md, "Store in bulk").
     """
 
     __slots__ = (
@@ -1427,13 +1498,14 @@ class _Lru:
         "r",
         "slots",
         "slots_at",
+        "start",
         "step",
         "tail",
         "w",
     )
 
     def __init__(self, num_blocks: int, room: int) -> None:
-        size = 3 * (num_blocks + room)
+        size = 2 * num_blocks + 20 * room  # the class docstring says why
         dtype = np.int32 if size < _POS32_ENTRIES else np.int64
         self.pos_of: _Slots = np.full(num_blocks, -1, dtype=dtype)  # per slot; -1: not evictable
         self.slots: _Slots = np.empty(size, dtype=dtype)
@@ -1442,7 +1514,8 @@ class _Lru:
         self.slots_at = self.slots.data
         self.head = self.w = self.r = self.tail = 0
         self.count = 0  # live entries: evictable slots
-        self.step = 4 * room
+        self.step = 5 * room
+        self.start = 3 * size // 4  # a compaction starts once the tail reaches this
         self.compacting = False
 
     def push(self, slots: _Slots) -> None:
@@ -1465,7 +1538,7 @@ class _Lru:
         self.pos_of_at[slot] = tail
         self.tail = tail + 1
         self.count += 1
-        if self.compacting or 2 * self.tail >= len(self.slots):
+        if self.compacting or self.tail >= self.start:
             self._compact_step()
 
     def push_few(self, slots: list[int]) -> None:
@@ -1481,7 +1554,7 @@ class _Lru:
             tail += 1
         self.tail = tail
         self.count += n
-        if self.compacting or 2 * tail >= len(self.slots):
+        if self.compacting or tail >= self.start:
             self._compact_step()
 
     def drop(self, slot: int) -> None:
@@ -1558,7 +1631,7 @@ class _Lru:
 
     def _compact_step(self) -> None:
         if not self.compacting:
-            if 2 * self.tail < len(self.slots):
+            if self.tail < self.start:
                 return
             # Start: what is in the log lies in [head, tail), w == r; copy it to the front.
             self.compacting = True
@@ -1583,6 +1656,7 @@ class _Lru:
         new: _Slots = np.empty(size, dtype=dtype)
         new[: self.tail] = self.slots[: self.tail]
         self.slots, self.slots_at = new, new.data
+        self.start = 3 * size // 4
         if self.pos_of.dtype != dtype:
             self.pos_of = self.pos_of.astype(dtype)
             self.pos_of_at = self.pos_of.data

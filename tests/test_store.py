@@ -311,6 +311,43 @@ def test_reserve_takes_free_slots_before_evicting() -> None:
     assert len(store) == 2 and store.statistics().evictions == 0
 
 
+def test_the_free_list_keeps_only_slots_freed_after_use_and_pops_them_first() -> None:
+    # Slots never handed out have no entry (a full store pays nothing for its free
+    # list); those freed after use are popped first, last freed first, then the slots
+    # never handed out, in slot order: the same order as one stack of all the slots.
+    n = 4096
+    store = BlockStore(n, L)
+    first = store.reserve("a", 3000)
+    assert first == list(range(3000)) and len(store._free) == 0
+    store.release_reserved("a", first[:2000])  # freed in this order: 1999 pops first
+    assert len(store._free) >= 2000
+    assert store.reserve("b", 2010) == [*range(1999, -1, -1), *range(3000, 3010)]
+    assert len(store._free) < 2000 / 2, "the emptied free array did not shrink"
+    for slot in range(3010, 3020):  # the scalar path, one slot at a time
+        assert store.reserve("c", 1) == [slot]
+    store.release_reserved("b", list(range(1999, -1, -1)))
+    assert store.reserve("c", 1) == [0]
+    assert store.reserve("c", 3) == [1, 2, 3]
+    assert len(store._free) >= 2000
+    store._check_invariants()
+    assert store.statistics().free == n - 3020 + 1996
+
+
+def test_owner_ids_widen_past_16_bits() -> None:
+    owners = 2**15 + 3  # ids 2.. : the last ones do not fit in 16 bits
+    store = BlockStore(owners + 1, 1)
+    slots = [store.reserve(("o", i), 1)[0] for i in range(owners)]
+    assert store._owner.dtype == np.int32
+    assert store._reserved_by(("o", owners - 1)) == [slots[-1]]
+    assert store._reserved_by(("o", 0)) == [slots[0]]
+    store._check_invariants()
+    for i in (0, owners - 1):
+        assert store.commit(("o", i), slots[i], b"k%d" % i) is True
+        with pytest.raises(ValueError):  # another owner's slot
+            store.commit(("o", i), slots[i - 1], b"x")
+    store._check_invariants()
+
+
 def test_a_reserved_slot_is_invisible_until_committed() -> None:
     store = BlockStore(2, L)
     (slot,) = store.reserve("r", 1)

@@ -74,3 +74,35 @@ def test_positions_widen_to_64_bits_when_the_log_outgrows_32(
     assert lru.pos_of.dtype == lru.slots.dtype == np.int32
     run(lru, 24, seed)
     assert lru.pos_of.dtype == lru.slots.dtype == np.int64
+
+
+@pytest.mark.parametrize(("n", "room"), [(200, 4), (64, 16), (1000, 1)])
+def test_the_log_never_grows_while_pushes_are_at_most_room(n: int, room: int) -> None:
+    # The bound in the class docstring, at its worst: every slot evictable (the live
+    # count at num_blocks, so each compaction leaves the most behind), and pushes of
+    # room slots at a time (blocks touched: dropped, pushed again), with a take now and
+    # then.
+    lru = _Lru(n, room)
+    size, compactions = len(lru.slots), 0
+    rng = random.Random(n)
+    live: set[int] = set()
+    for _ in range(10_000):
+        was = lru.compacting
+        if rng.random() < 0.02 and live:
+            live.difference_update(lru.take(rng.randint(1, room)).tolist())
+            continue
+        k = rng.randint(1, room)
+        outside = [s for s in range(n) if s not in live][:k]
+        picked = outside or rng.sample(sorted(live), k)
+        for slot in picked:
+            if slot in live:
+                lru.drop(slot)
+        if rng.random() < 0.5:
+            lru.push(np.array(picked, dtype=np.int64))
+        else:
+            lru.push_few(picked)
+        live.update(picked)
+        compactions += lru.compacting and not was
+        assert len(lru.slots) == size
+    assert sorted(lru.live().tolist()) == sorted(live)
+    assert compactions >= 10, "the test did not make the log compact often enough"

@@ -59,7 +59,7 @@ def internals(store: BlockStore, *, same_batches: bool) -> dict[str, object]:
         "slot_key": store._slot_key.tolist(),
         "pin_count": store._pin_count.tolist(),
         "owner": store._owner.tolist(),
-        "free": store._free[: store._n_free].tolist(),
+        "free": (store._free[: store._n_freed].tolist(), store._fresh),
         "lru": lru.live().tolist(),
         "lru_log": (lru.head, lru.w, lru.r, lru.tail, lru.compacting) if same_batches else None,
         "lru_count": lru.count,
