@@ -23,6 +23,7 @@ and is pasted under its table. The renderer of each bench is beside its entry in
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -84,12 +85,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def plot(name: str, draw: Callable[[Any], None], size: tuple[float, float] = (6.0, 3.4)) -> str:
-    """Draw with matplotlib into docs/perf/<name>.png; returns the markdown image link
-    (or a line saying why there is no plot: ``pip install -e '.[bench]'`` installs it)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return "(plot skipped: matplotlib is not installed; `pip install -e '.[bench]'`)"
+    """Draw with matplotlib into docs/perf/<name>.png; returns the markdown image link."""
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -629,7 +626,20 @@ def describe(info: Json) -> str:
     return out + (f"; {info['note']}" if info.get("note") else "")
 
 
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def render(args: argparse.Namespace) -> int:
+    # The plots are part of the document (issue 9): without matplotlib, the doc is left as
+    # it was rather than rewritten without them (it once went a day that way unnoticed).
+    if not have_matplotlib():
+        print(
+            f"render needs matplotlib for the plots: pip install -e '.[bench]'; {DOC} is "
+            "left as it was",
+            file=sys.stderr,
+        )
+        return 2
     machines = sorted(p for p in RESULTS.iterdir() if (p / "_machine.json").exists())
     parts = [
         "# Performance",

@@ -37,6 +37,7 @@ def report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(mod, "IMG", tmp_path / "perf")
     # Tables only: plots are matplotlib's business and it need not be installed here.
     monkeypatch.setattr(mod, "plot", lambda name, draw, size=None: f"[plot {name}]")
+    monkeypatch.setattr(mod, "have_matplotlib", lambda: True)
     return mod
 
 
@@ -59,6 +60,18 @@ def write_machine(report: Any, name: str, results: dict[str, Any], **info: Any) 
     (folder / "_skipped.json").write_text(json.dumps({"idle_cpu": "vLLM is not installed"}))
     for bench, res in results.items():
         (folder / f"{bench}.json").write_text(json.dumps(res))
+
+
+def test_render_without_matplotlib_leaves_the_doc_as_it_was(
+    report: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The plots are part of the document: a render without them must not replace it.
+    write_machine(report, "2core-cpu", {})
+    report.DOC.write_text("the doc with its plots\n")
+    monkeypatch.setattr(report, "have_matplotlib", lambda: False)
+    assert report.main(["render"]) != 0
+    assert report.DOC.read_text() == "the doc with its plots\n"
+    assert "pip install -e '.[bench]'" in capsys.readouterr().err
 
 
 def test_cold_pull_table_reports_medians_ranges_and_ratios(report: Any) -> None:
