@@ -159,11 +159,12 @@ array built, no GIL offer (it is far shorter than :data:`GIL_OFFER_AFTER_S`). Nu
 memoryview) is cheaper; above it the array path wins (``bench/store_ops.py``)."""
 
 _POS32_ENTRIES: Final = 2**29
-# The array of slots freed after use never shrinks below this many entries.
-_FREE_MIN: Final = 64
 """The LRU log's slots and positions are 32-bit while the log holds fewer entries than
 this (checked when it is made and each time ``_Lru._grow`` doubles it), 64-bit beyond:
 far below 2**31, so no position can overflow."""
+
+_FREE_MIN: Final = 64
+"""The array of slots freed after use never shrinks below this many entries."""
 
 _FREE: Final = 0
 _OCCUPIED: Final = 1
@@ -947,6 +948,7 @@ class BlockStore:
         k = min(n, self._n_free)
         out = self._take_free_few_locked(k)
         if k == n:
+            self._shrink_free_locked()
             return out
         victims = self._lru.take_few(n - k)
         if victims is None:  # many dead entries in the LRU log: NumPy reads them faster
@@ -958,6 +960,7 @@ class BlockStore:
             unmap(slot_key[slot])
             slot_key[slot] = None
         self._evictions += n - k
+        self._shrink_free_locked()
         return out + victims
 
     def _slot_list(self, owner: Hashable, slots: Sequence[int]) -> list[int]:
@@ -1071,7 +1074,9 @@ class BlockStore:
         if self._n_freed:
             self._n_free -= 1
             self._n_freed -= 1
-            return self._free_at[self._n_freed]
+            slot: int = self._free_at[self._n_freed]
+            self._shrink_free_locked()
+            return slot
         if self._n_free:  # none was freed after use: the next never handed out
             self._n_free -= 1
             slot = self._fresh
@@ -1109,9 +1114,12 @@ class BlockStore:
                 out = np.concatenate((out, np.arange(fresh, fresh + k - j, dtype=np.int32)))
         self._fresh = fresh + k - j
         self._n_free -= k
+        self._shrink_free_locked()
+        return out
+
+    def _shrink_free_locked(self) -> None:
         if 4 * self._n_freed < len(self._free) > _FREE_MIN:  # a quarter used: halve it
             self._resize_free_locked(len(self._free) // 2)
-        return out
 
     def _resize_free_locked(self, size: int) -> None:
         """The array of slots freed after use, ``size`` entries long (at most one per
@@ -1584,8 +1592,8 @@ class _Lru:
             end = lo + int(live[-1]) + 1 if not need else hi
             if in_front:
                 self.head = end
-            else:  # nothing is left in front: the gap closes behind what was read
-                self.head = self.w = self.r = end
+            else:
+                self._front_emptied(end)
         out = parts[0] if len(parts) == 1 else np.concatenate(parts)
         self.drop_many(out)
         return out
@@ -1609,13 +1617,26 @@ class _Lru:
                     if len(out) == n:
                         if in_front:
                             self.head = pos + 1
-                        else:  # nothing is left in front: the gap closes behind what was read
-                            self.head = self.w = self.r = pos + 1
+                        else:
+                            self._front_emptied(pos + 1)
                         for slot in out:
                             pos_of_at[slot] = -1
                         self.count -= n
                         return out
         raise RuntimeError(f"LRU log holds fewer than {n} live entries")
+
+    def _front_emptied(self, end: int) -> None:
+        """A take read up to ``end`` behind the front, which is empty. Outside a compaction
+        the log is ``[end, tail)``. During one, what it copied is gone too, so it goes on
+        copying to the front of the log, not in place from ``end``: in place, it would end
+        with the tail where it started, past where the next one starts, and the log would
+        fill and grow (the bound in the class docstring needs every compaction to end with
+        the tail at the live count)."""
+        if self.compacting:
+            self.head = self.w = 0
+            self.r = end
+        else:
+            self.head = self.w = self.r = end
 
     def live(self) -> _Slots:
         """Test hook: the live entries' slots, least recently used first."""

@@ -333,6 +333,23 @@ def test_the_free_list_keeps_only_slots_freed_after_use_and_pops_them_first() ->
     assert store.statistics().free == n - 3020 + 1996
 
 
+@pytest.mark.parametrize("how", ["put", "small reserves"])
+def test_the_free_array_shrinks_on_the_scalar_path_too(how: str) -> None:
+    n = 4096
+    store = BlockStore(n, L)
+    store.release_reserved("a", store.reserve("a", n))  # every slot freed after use
+    assert len(store._free) >= n
+    if how == "put":
+        for i in range(n):
+            store.put(b"k%d" % i, blk(i))
+    else:
+        for _ in range(n // 32):
+            store.reserve("b", 32)
+    assert store.statistics().free == 0
+    assert len(store._free) <= 64, "a full store kept its free array"
+    store._check_invariants()
+
+
 def test_owner_ids_widen_past_16_bits() -> None:
     owners = 2**15 + 3  # ids 2.. : the last ones do not fit in 16 bits
     store = BlockStore(owners + 1, 1)

@@ -106,3 +106,33 @@ def test_the_log_never_grows_while_pushes_are_at_most_room(n: int, room: int) ->
         assert len(lru.slots) == size
     assert sorted(lru.live().tolist()) == sorted(live)
     assert compactions >= 10, "the test did not make the log compact often enough"
+
+
+@pytest.mark.parametrize(("n", "room"), [(1000, 1), (200, 4), (4096, 16)])
+def test_the_log_never_grows_when_takes_empty_the_front_during_a_compaction(
+    n: int, room: int
+) -> None:
+    # An eviction while a compaction runs and its copied front is empty: the compaction
+    # must go on copying to the front (it once went on in place and ended with the tail
+    # past where the next one starts, so the log filled and doubled, again and again).
+    lru = _Lru(n, room)
+    size = len(lru.slots)
+    for start in range(0, n, room):
+        lru.push(np.arange(start, min(n, start + room)))
+    takes = 0
+    for _ in range(20_000):
+        if lru.compacting and lru.head == lru.w:
+            lru.push(lru.take(1))  # evicted, then committed again
+            takes += 1
+            continue
+        if lru.compacting and lru.w > lru.head:  # touch entries the compaction copied
+            cand = lru.slots[max(lru.head, lru.w - 4 * room) : lru.w]
+            cand = cand[lru.pos_of[cand] == np.arange(lru.w - len(cand), lru.w)][-room:]
+        else:
+            cand = lru.live()[:room]
+        pick = np.unique(cand)[:room]
+        lru.drop_many(pick)
+        lru.push(pick)
+        assert len(lru.slots) == size
+    assert takes >= 10, "the test never took from an empty front during a compaction"
+    assert sorted(lru.live().tolist()) == list(range(n))
