@@ -166,13 +166,16 @@ def bare_main(args: argparse.Namespace) -> None:
             elif cmd["op"] == "write":
                 c0, t0 = cpu_s(), time.perf_counter()
                 src, merge = sources[cmd["order"]], cmd.get("merge", True)
-                xfer = agent.make_prepped_xfer(
-                    "WRITE", local, src, remote, dst, skip_desc_merge=not merge
-                )
-                state = agent.transfer(xfer)
-                while state == "PROC":
-                    state = agent.check_xfer_state(xfer)
-                agent.release_xfer_handle(xfer)
+                for _ in range(cmd.get("count", 1)):  # back to back, as one figure
+                    xfer = agent.make_prepped_xfer(
+                        "WRITE", local, src, remote, dst, skip_desc_merge=not merge
+                    )
+                    state = agent.transfer(xfer)
+                    while state == "PROC":
+                        state = agent.check_xfer_state(xfer)
+                    agent.release_xfer_handle(xfer)
+                    if state != "DONE":
+                        break
                 emit({"t": time.perf_counter() - t0, "cpu": cpu_s() - c0, "state": state})
 
 

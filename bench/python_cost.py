@@ -8,9 +8,14 @@ Reproduce (a few minutes on 2 cores; ``--quick`` for a smoke run)::
 Two processes per pair, NIXL over loopback, 64 KiB blocks, scattered source slots (as in
 ``dataplane.py``). One cycle is what a consumer does to bring blocks in: ``node.lookup``
 of every key (a round the producer pins) and ``node.fetch`` of them all (which uses that
-round). For each cycle the CPU time of both processes (``time.process_time``: every
-thread, user + system) is taken around it, so it includes the copy itself, which the
-kernel (UCX cma, ``process_vm_writev``) does on the producer's worker thread.
+round). A rep runs cycles back to back, as many as make 4,096 blocks (16 of 256 blocks,
+one of 4,096 or more; the host's evictions between them are not timed), and each figure
+is per cycle; a lone cycle after an idle gap (``--cycles 1``, the only kind before
+2026-12-03) also pays for cold caches and the orchestrator's requests (see
+``bench/notes/python_cost.md``). For each cycle the CPU time of both processes
+(``time.process_time``: every thread, user + system) is taken around it, so it includes
+the copy itself, which the kernel (UCX cma, ``process_vm_writev``) does on the producer's
+worker thread.
 
 The copy's own CPU is taken out two ways. **python** subtracts the copy of that very
 cycle: the thread CPU the producer's data plane spent inside its post calls (NIXL's
@@ -125,28 +130,29 @@ async def node_main(args: argparse.Namespace) -> None:
                 )
             elif op == "cycle":
                 assert peer is not None
-                c0, t0, th0 = cpu_s(), time.perf_counter(), time.thread_time()
-                gc0, gcs0, post0 = gc_clock.cpu, gc_clock.count, post_cpu(node)
-                hits = sum(await node.lookup(peer, wanted))
-                result = await node.fetch(peer, wanted)
-                t, cpu = time.perf_counter() - t0, cpu_s() - c0
-                thread = time.thread_time() - th0
-                emit(
-                    {
-                        "t": t,
-                        "cpu": cpu,
-                        "thread": thread,
-                        "gc": gc_clock.cpu - gc0,
-                        "gcs": gc_clock.count - gcs0,
-                        "post": None if post0 is None else (post_cpu(node) or 0.0) - post0,
-                        "hits": hits,
-                        "n": len(result.loaded),
-                    }
-                )
-                # Highest slot first: the next fetch gets ascending slots again.
-                slots = sorted(((node.store.slot_of(k) or 0, k) for k in keys), reverse=True)
-                for _slot, key in slots:
-                    node.store.evict(key)
+                got: dict[str, Any] = dict.fromkeys(("t", "cpu", "thread", "gc", "gcs"), 0)
+                got.update(post=0.0, hits=0, n=0)
+                for _ in range(cmd.get("count", 1)):  # the evictions between are not timed
+                    c0, t0, th0 = cpu_s(), time.perf_counter(), time.thread_time()
+                    gc0, gcs0, post0 = gc_clock.cpu, gc_clock.count, post_cpu(node)
+                    hits = sum(await node.lookup(peer, wanted))
+                    result = await node.fetch(peer, wanted)
+                    got["t"] += time.perf_counter() - t0
+                    got["cpu"] += cpu_s() - c0
+                    got["thread"] += time.thread_time() - th0
+                    got["gc"] += gc_clock.cpu - gc0
+                    got["gcs"] += gc_clock.count - gcs0
+                    if post0 is None or got["post"] is None:
+                        got["post"] = None
+                    else:
+                        got["post"] += (post_cpu(node) or 0.0) - post0
+                    got["hits"] += hits
+                    got["n"] += len(result.loaded)
+                    # Highest slot first: the next fetch gets ascending slots again.
+                    slots = sorted(((node.store.slot_of(k) or 0, k) for k in keys), reverse=True)
+                    for _slot, key in slots:
+                        node.store.evict(key)
+                emit(got)
 
 
 @contextlib.contextmanager
@@ -168,7 +174,7 @@ def pythonpath(path: str | None) -> Iterator[None]:
 
 def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
     """Raw per-rep results for one block count: CPU seconds and wall seconds per pair."""
-    n = args.blocks
+    n, cycles = args.blocks, cycles_per_rep(args)
     variants = ["p2pkv"] + (["baseline"] if args.baseline else [])
     with contextlib.ExitStack() as stack:
         pairs: dict[str, tuple[Child, Child]] = {}
@@ -188,29 +194,30 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
             for which in order_[k:] + order_[:k]:
                 if which == "bare":
                     c0 = tgt.request({"op": "cpu"})["cpu"]
-                    r = ini.request({"op": "write", "order": "scattered"})
+                    r = ini.request({"op": "write", "order": "scattered", "count": cycles})
                     assert r["state"] == "DONE", r
                     cpu = r["cpu"] + tgt.request({"op": "cpu"})["cpu"] - c0
                 else:
                     src, dst = pairs[which]
                     s0 = src.request({"op": "cpu"})
-                    r = dst.request({"op": "cycle"})
-                    assert r["hits"] == n and r["n"] == n, f"{which}: {r} of {n} blocks"
+                    r = dst.request({"op": "cycle", "count": cycles})
+                    want = n * cycles
+                    assert r["hits"] == want and r["n"] == want, f"{which}: {r} of {want} blocks"
                     s1 = src.request({"op": "cpu"})
                     cpu = r["cpu"] + s1["cpu"] - s0["cpu"]
                     if rep:  # the two Trio threads alone: the engine's Python
                         posts = (r["post"], s1["post"], s0["post"])
                         if None not in posts:  # the copy's own CPU in this very cycle
-                            copy = r["post"] + s1["post"] - s0["post"]
+                            copy = (r["post"] + s1["post"] - s0["post"]) / cycles
                             res.setdefault(f"{which}_copy", []).append(copy)
-                        trio_cpu = r["thread"] + s1["thread"] - s0["thread"]
+                        trio_cpu = (r["thread"] + s1["thread"] - s0["thread"]) / cycles
                         res.setdefault(f"{which}_trio", []).append(trio_cpu)
-                        gc_cpu = r["gc"] + s1["gc"] - s0["gc"]
+                        gc_cpu = (r["gc"] + s1["gc"] - s0["gc"]) / cycles
                         res.setdefault(f"{which}_gc", []).append(gc_cpu)
                         res.setdefault(f"{which}_gcs", []).append(r["gcs"] + s1["gcs"] - s0["gcs"])
-                if rep:
-                    res.setdefault(f"{which}_cpu", []).append(cpu)
-                    res.setdefault(f"{which}_t", []).append(r["t"])
+                if rep:  # per cycle
+                    res.setdefault(f"{which}_cpu", []).append(cpu / cycles)
+                    res.setdefault(f"{which}_t", []).append(r["t"] / cycles)
             if rep:
                 msg = ", ".join(f"{v} {res[f'{v}_cpu'][-1] / n * 1e6:.1f}" for v in order_)
                 print(
@@ -219,6 +226,13 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
                     flush=True,
                 )
     return res
+
+
+def cycles_per_rep(args: argparse.Namespace) -> int:
+    """Cycles back to back in one rep: ``--cycles``, else as many as make 4,096 blocks."""
+    if args.cycles:
+        return int(args.cycles)
+    return max(1, TARGET_BLOCKS // int(args.blocks))
 
 
 def figures(res: dict[str, list[float]], v: str, n: int) -> dict[str, list[float]]:
@@ -259,6 +273,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="blocks per fetch, comma-separated (default: %(default)s)",
     )
     parser.add_argument("--block-kib", type=int, default=64, help="default: %(default)s")
+    parser.add_argument(
+        "--cycles",
+        type=int,
+        help="cycles back to back per rep (default: as many as make 4,096 blocks; "
+        "1 measures a lone cycle after an idle gap)",
+    )
     parser.add_argument("--baseline", help="also run children importing p2pkv from this path")
     parser.add_argument("--json", help="write the raw per-rep results here")
     parser.add_argument("--quick", action="store_true", help="256 and 1,024 blocks, 2 reps")
@@ -296,15 +316,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "baseline": args.baseline,
         "sizes": {},
     }
+    raw["cycles"] = {}
     for size in (int(s) for s in args.sizes.split(",")):
         args.blocks = size
+        raw["cycles"][str(size)] = cycles_per_rep(args)
         raw["sizes"][str(size)] = run_size(args)
     raw["loadavg"] = os.getloadavg()
     variants = ["p2pkv"] + (["baseline"] if args.baseline else [])
     print(
         f"\nPython CPU per block of a lookup + fetch cycle, both processes, "
         f"{args.block_kib} KiB blocks, NIXL over loopback; median [min-max] of {args.reps} "
-        f"alternating reps, us per block"
+        f"alternating reps, us per block; a rep is "
+        + ", ".join(f"{c} cycle{'s' if c > 1 else ''} of {n}" for n, c in raw["cycles"].items())
     )
     print(
         f"  {raw['date']}, {raw['cores']} cores, load average "

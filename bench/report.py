@@ -355,13 +355,24 @@ def render_python_cost(res: Json, machine: str) -> str:
         "total minus a bare NIXL pair",
         "the two Trio threads",
     ]
+    cycles = res.get("cycles")  # absent from results before 2026-12-03: one cycle a rep
+    each = (
+        "each rep a lone cycle"
+        if not cycles
+        else "each rep "
+        + ", ".join(
+            f"{int(c)} back-to-back cycle{'s' if int(c) > 1 else ''} of {int(n):,}"
+            for n, c in sorted(cycles.items(), key=lambda kv: int(kv[0]))
+        )
+        + " blocks, figures per cycle"
+    )
     out = [
-        f"{res['block_len'] // 1024} KiB blocks, {res['reps']} alternating reps, us per block. "
-        "Python = both processes' CPU for a lookup + fetch cycle minus the CPU the producer's "
-        "data plane spent inside its post calls in that cycle (NIXL's transfer(): the copy); "
-        "beside it, the same total minus a bare NIXL pair's CPU for the same writes, a "
-        "difference of two independent copies. Target (issue 9): <= 3 us per block at 4,096 "
-        "blocks, flat from 256 to 16,384.",
+        f"{res['block_len'] // 1024} KiB blocks, {res['reps']} alternating reps ({each}), "
+        "us per block. Python = both processes' CPU for a lookup + fetch cycle minus the CPU "
+        "the producer's data plane spent inside its post calls in that cycle (NIXL's "
+        "transfer(): the copy); beside it, the same total minus a bare NIXL pair's CPU for the "
+        "same writes, a difference of two independent copies. Target (issue 9): <= 3 us per "
+        "block at 4,096 blocks, flat from 256 to 16,384.",
         table(header, rows),
     ]
 

@@ -176,6 +176,10 @@ def test_python_cost_table_takes_each_cycles_own_copy_out(
     # over bare 4, 7, 2 -> 4 [2-7]; Trio threads 3 [3-4].
     assert rows[0] == "| 1,000 | p2pkv | 5 [4-5] | 15 [15-16] | 20 [19-21] | 4 [2-7] | 3 [3-4] |"
     assert rows[1] == "| 1,000 | baseline | n/a | n/a | 22 [21-23] | 6 [4-9] | 5 [5-5] |"
+    assert "each rep a lone cycle" in out  # results from before reps ran cycles back to back
+    res["cycles"] = {"1000": 4}
+    out = report.render_python_cost(res, "vm")
+    assert "each rep 4 back-to-back cycles of 1,000 blocks, figures per cycle" in out
 
 
 def test_a_run_of_some_benches_keeps_the_skip_reasons_of_the_others(

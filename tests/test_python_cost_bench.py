@@ -41,3 +41,14 @@ def test_gc_clock_counts_each_collection() -> None:
         assert clock.count == 2 and clock.cpu >= 0.0
     finally:
         gc.callbacks.remove(clock._callback)
+
+
+def test_a_rep_is_as_many_cycles_as_make_the_target_block_count() -> None:
+    """Back to back, so the per-cycle figure is a steady one; ``--cycles`` overrides."""
+
+    def cycles(blocks: int, given: int | None = None) -> int:
+        ns = python_cost.argparse.Namespace(blocks=blocks, cycles=given)
+        return python_cost.cycles_per_rep(ns)
+
+    assert [cycles(n) for n in (1, 16, 256, 1024, 4096, 16384)] == [4096, 256, 16, 4, 1, 1]
+    assert cycles(3000) == 1 and cycles(256, given=1) == 1 and cycles(4096, given=3) == 3
