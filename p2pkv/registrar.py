@@ -9,8 +9,8 @@ reaped (its session closed) or come back with a new epoch while its registration
 running in a worker thread.
 
 One executor task, owned by the node's nursery, takes jobs ``(agent name, generation)``
-from a channel and runs them one at a time in ``trio.to_thread.run_sync`` on a dedicated
-``CapacityLimiter(1)``. The thread is *not* abandonable: when the executor is cancelled it
+from a channel and runs them one at a time in a worker thread (:func:`to_thread`) on a
+dedicated ``CapacityLimiter(1)``. The thread is *not* abandonable: when the executor is cancelled it
 still gets the registration's result back, and Trio raises ``Cancelled`` only at the next
 checkpoint. Between getting the result and that checkpoint the executor decides, with no
 checkpoint in between, whether to **publish** (the job's generation is still the agent
@@ -24,10 +24,11 @@ as stale, or failed with nothing left registered (invariant 4).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import attrs
 import trio
@@ -35,12 +36,15 @@ import trio
 from .errors import RegistrationFailed, SessionClosed
 from .transport.base import DataTransport, RegionLayout, RemotePeer
 
+if TYPE_CHECKING:
+    import outcome  # trio's own dependency; only its type is named here
+
 log = logging.getLogger("p2pkv.registrar")
 T = TypeVar("T")
 
 
 class Offload(Protocol):
-    """How blocking data-plane calls leave the Trio thread (``trio.to_thread.run_sync``).
+    """How blocking data-plane calls leave the Trio thread (:func:`to_thread`).
 
     Tests on Trio's autojump clock inject a Trio-native fake instead (labelled as such),
     because virtual time jumps past real threads.
@@ -51,9 +55,47 @@ class Offload(Protocol):
     ) -> Awaitable[T]: ...
 
 
+@trio.lowlevel.enable_ki_protection
 async def to_thread(fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter) -> T:
-    """The real offload: a worker thread on ``limiter``, never abandoned on cancel."""
-    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+    """The real offload: ``fn(*args)`` in one of Trio's cached worker threads, holding
+    ``limiter``; never abandoned on cancel. A caller cancelled while the thread runs waits
+    for it, gets its result, and sees ``Cancelled`` at its next checkpoint (as with
+    ``trio.to_thread.run_sync``, ``abandon_on_cancel=False``).
+
+    Built on ``trio.lowlevel.start_thread_soon`` because ``trio.to_thread.run_sync`` takes a
+    trip through the scheduler to acquire even a free limiter, and copies the context and
+    names the thread on every call: a round trip to a worker thread cost the process 100 us
+    of CPU that way and 59 here (2-core VM, ``docs/design.md``, "Offloads"). Nothing run
+    here may call ``trio.from_thread`` (nothing does: these are blocking NIXL and store
+    calls), and it runs in the worker's own context, not a copy of the caller's."""
+    await trio.lowlevel.checkpoint_if_cancelled()
+    borrower = object()  # per call, as Trio's own: the task may hold the limiter already
+    try:
+        limiter.acquire_on_behalf_of_nowait(borrower)
+    except trio.WouldBlock:
+        await limiter.acquire_on_behalf_of(borrower)
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def back_in_trio(result: outcome.Outcome[T]) -> None:
+        limiter.release_on_behalf_of(borrower)
+        trio.lowlevel.reschedule(task, result)
+
+    def deliver(result: outcome.Outcome[T]) -> None:  # in the worker thread
+        # The run cannot have finished: the task waits for this (never abandoned).
+        token.run_sync_soon(back_in_trio, result)
+
+    try:
+        trio.lowlevel.start_thread_soon(functools.partial(fn, *args), deliver)
+    except BaseException:
+        limiter.release_on_behalf_of(borrower)
+        raise
+
+    def abort(_: Any) -> trio.lowlevel.Abort:
+        return trio.lowlevel.Abort.FAILED  # the thread cannot be stopped: wait for it
+
+    result: T = await trio.lowlevel.wait_task_rescheduled(abort)
+    return result
 
 
 @attrs.define(eq=False)
