@@ -3,6 +3,7 @@ runs, never from here)."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import sys
@@ -47,7 +48,7 @@ def test_a_rep_is_as_many_cycles_as_make_the_target_block_count() -> None:
     """Back to back, so the per-cycle figure is a steady one; ``--cycles`` overrides."""
 
     def cycles(blocks: int, given: int | None = None) -> int:
-        ns = python_cost.argparse.Namespace(blocks=blocks, cycles=given)
+        ns = argparse.Namespace(blocks=blocks, cycles=given)
         return python_cost.cycles_per_rep(ns)
 
     assert [cycles(n) for n in (1, 16, 256, 1024, 4096, 16384)] == [4096, 256, 16, 4, 1, 1]
