@@ -361,10 +361,9 @@ def render_python_cost(res: Json, machine: str) -> str:
         if not cycles
         else "each rep "
         + ", ".join(
-            f"{int(c)} back-to-back cycle{'s' if int(c) > 1 else ''} of {int(n):,}"
-            for n, c in sorted(cycles.items(), key=lambda kv: int(kv[0]))
+            f"{int(c)} x {int(n):,}" for n, c in sorted(cycles.items(), key=lambda kv: int(kv[0]))
         )
-        + " blocks, figures per cycle"
+        + " blocks, its cycles back to back; figures per cycle"
     )
     out = [
         f"{res['block_len'] // 1024} KiB blocks, {res['reps']} alternating reps ({each}), "

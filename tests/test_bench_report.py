@@ -179,7 +179,7 @@ def test_python_cost_table_takes_each_cycles_own_copy_out(
     assert "each rep a lone cycle" in out  # results from before reps ran cycles back to back
     res["cycles"] = {"1000": 4}
     out = report.render_python_cost(res, "vm")
-    assert "each rep 4 back-to-back cycles of 1,000 blocks, figures per cycle" in out
+    assert "each rep 4 x 1,000 blocks, its cycles back to back; figures per cycle" in out
 
 
 def test_a_run_of_some_benches_keeps_the_skip_reasons_of_the_others(
