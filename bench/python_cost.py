@@ -12,7 +12,9 @@ round). A rep runs cycles back to back, as many as make 4,096 blocks (16 of 256 
 one of 4,096 or more; the host's evictions between them are not timed), and each figure
 is per cycle; a lone cycle after an idle gap (``--cycles 1``, the only kind before
 2026-12-03) also pays for cold caches and the orchestrator's requests (see
-``bench/notes/python_cost.md``). For each cycle the CPU time of both processes
+``bench/notes/python_cost.md``; work a node leaves for after a fetch returns falls in the
+next cycle's window, so all but the last cycle of a rep carry it). For each cycle the CPU
+time of both processes
 (``time.process_time``: every thread, user + system) is taken around it, so it includes
 the copy itself, which the kernel (UCX cma, ``process_vm_writev``) does on the producer's
 worker thread.
@@ -119,7 +121,7 @@ async def node_main(args: argparse.Namespace) -> None:
                 peer = await node.connect(tuple(cmd["address"]))
                 emit({"ok": True})
             elif op == "cpu":
-                post = post_cpu(node)  # first: its own cost falls outside the two readings
+                post = post_cpu(node)  # first: outside the window this reading opens
                 emit(
                     {
                         "cpu": cpu_s(),
@@ -216,7 +218,8 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
                         res.setdefault(f"{which}_trio", []).append(trio_cpu)
                         gc_cpu = (r["gc"] + s1["gc"] - s0["gc"]) / cycles
                         res.setdefault(f"{which}_gc", []).append(gc_cpu)
-                        res.setdefault(f"{which}_gcs", []).append(r["gcs"] + s1["gcs"] - s0["gcs"])
+                        gcs = (r["gcs"] + s1["gcs"] - s0["gcs"]) / cycles
+                        res.setdefault(f"{which}_gcs", []).append(gcs)
                 if rep:  # per cycle
                     res.setdefault(f"{which}_cpu", []).append(cpu / cycles)
                     res.setdefault(f"{which}_t", []).append(r["t"] / cycles)
@@ -228,6 +231,13 @@ def run_size(args: argparse.Namespace) -> dict[str, list[float]]:
                     flush=True,
                 )
     return res
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: at least 1")
+    return value
 
 
 def cycles_per_rep(args: argparse.Namespace) -> int:
@@ -277,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--block-kib", type=int, default=64, help="default: %(default)s")
     parser.add_argument(
         "--cycles",
-        type=int,
+        type=positive,
         help="cycles back to back per rep (default: as many as make 4,096 blocks; "
         "1 measures a lone cycle after an idle gap)",
     )

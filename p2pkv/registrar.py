@@ -24,6 +24,7 @@ as stale, or failed with nothing left registered (invariant 4).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import math
@@ -67,7 +68,8 @@ async def to_thread(fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimi
     names the thread on every call: a round trip to a worker thread cost the process 100 us
     of CPU that way and 59 here (2-core VM, ``docs/design.md``, "Offloads"). Nothing run
     here may call ``trio.from_thread`` (nothing does: these are blocking NIXL and store
-    calls), and it runs in the worker's own context, not a copy of the caller's."""
+    calls). Each call runs in a fresh, empty context (not a copy of the caller's), in a
+    worker thread named "Trio thread N" whatever it runs."""
     await trio.lowlevel.checkpoint_if_cancelled()
     borrower = object()  # per call, as Trio's own: the task may hold the limiter already
     try:
@@ -85,8 +87,11 @@ async def to_thread(fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimi
         # The run cannot have finished: the task waits for this (never abandoned).
         token.run_sync_soon(back_in_trio, result)
 
+    # A fresh, empty context per call: the worker thread outlives the call, and what one
+    # offload set in its context must not be seen by the next.
+    job = functools.partial(contextvars.Context().run, fn, *args)
     try:
-        trio.lowlevel.start_thread_soon(functools.partial(fn, *args), deliver)
+        trio.lowlevel.start_thread_soon(job, deliver)
     except BaseException:
         limiter.release_on_behalf_of(borrower)
         raise

@@ -6,10 +6,12 @@ the limiter held exactly while the thread runs, and a running thread never aband
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import pytest
 import trio
+import trio.testing
 
 from p2pkv.registrar import to_thread
 
@@ -126,5 +128,48 @@ async def test_a_caller_cancelled_before_or_while_waiting_for_the_limiter_runs_n
             await trio.testing.wait_all_tasks_blocked()
             assert lim.statistics().tasks_waiting == 1
             waiting.cancel()
-        lim.release_on_behalf_of(holder)
-        assert not ran and lim.borrowed_tokens == 0 and lim.statistics().tasks_waiting == 0
+            await trio.testing.wait_all_tasks_blocked()
+            try:
+                assert lim.statistics().tasks_waiting == 0
+            finally:  # inside the nursery: a caller that kept waiting now runs, and fails
+                lim.release_on_behalf_of(holder)
+        assert not ran and lim.borrowed_tokens == 0 and waiting.cancelled_caught
+
+
+async def test_a_base_exception_from_the_worker_comes_back_and_frees_the_limiter() -> None:
+    class Stop(BaseException):
+        pass
+
+    def stop() -> None:
+        raise Stop("worker")
+
+    lim = trio.CapacityLimiter(1)
+    with trio.fail_after(WITHIN):
+        with pytest.raises(Stop, match="worker"):
+            await to_thread(stop, limiter=lim)
+        assert lim.borrowed_tokens == 0
+
+
+async def test_a_thread_that_cannot_start_gives_the_limiter_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_thread(*_: object, **__: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(trio.lowlevel, "start_thread_soon", no_thread)
+    lim = trio.CapacityLimiter(1)
+    with trio.fail_after(WITHIN), pytest.raises(RuntimeError, match="new thread"):
+        await to_thread(int, limiter=lim)
+    assert lim.borrowed_tokens == 0
+
+
+async def test_each_call_runs_in_a_fresh_context() -> None:
+    """The worker thread outlives a call: what one call set must not reach the next (the
+    cache hands the second call the same idle thread)."""
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+    lim = trio.CapacityLimiter(1)
+    with trio.fail_after(WITHIN):
+        assert await to_thread(var.set, "first call", limiter=lim) is not None
+        assert await to_thread(var.get, limiter=lim) == "unset"
+        var.set("caller")
+        assert await to_thread(var.get, limiter=lim) == "unset"  # not a copy either

@@ -11,8 +11,9 @@ Which thread calls what (the engine keeps to this; implementations may rely on i
 
 * ``add_remote_peer``, ``remove_remote_peer``, ``post_write``, ``release`` and ``close`` may
   block (NIXL wire-up, descriptor preparation, a copy done inside ``transfer()``, releasing
-  a busy handle). The engine runs them in ``trio.to_thread.run_sync`` on a dedicated
-  ``CapacityLimiter``; never on the Trio thread.
+  a busy handle). The engine runs them in one of Trio's worker threads
+  (``p2pkv.registrar.to_thread``) on a dedicated ``CapacityLimiter``; never on the Trio
+  thread.
 * ``poll``, ``progress`` and ``statistics`` must return in microseconds; the engine calls
   them on the Trio thread, only while transfers are in flight (never when idle).
 
