@@ -12,8 +12,15 @@ want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setting up .venv (first run: about a minute)" >&2
   python -m pip install -q --upgrade pip
-  # nixl-cu13 requires torch: install the CPU build first so no CUDA build is pulled in.
-  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+  # nixl-cu13 requires torch: install the CPU build first, so that no CUDA build (with its
+  # nvidia-* wheels, gigabytes) is pulled in. A mirror or wheel directory that carries the
+  # "+cpu" build serves it as it is; PyPI has none (its Linux torch is the CUDA build), so
+  # then it comes from PyTorch's CPU index (P2PKV_TORCH_INDEX overrides that index).
+  if ! python -c "import torch" 2>/dev/null; then
+    python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
+      || python -m pip install -q --index-url "${P2PKV_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
+        "torch==2.13.0"
+  fi
   python -m pip install -q -e ".[nixl,test]"
   echo "$want" > "$stamp"
 fi
