@@ -17,10 +17,11 @@ session protocol, which knows the peer's hello.
 Unknown fields are ignored so that a peer with a newer *minor* version can add fields;
 a missing field is an error. No code-executing codec (pickle) is ever used.
 
-The four hot messages (``lookup``, ``lookup_resp``, ``fetch``, ``transfer_done``: their
-lists grow with the keys of a request) also have a msgspec codec that does the same job in
-C. It is an accelerator, never a second definition of the protocol: it encodes exactly the
-bytes the general path encodes (same field order, tag last), and it decodes a frame only
+The five hot messages (``lookup``, ``lookup_resp``, ``fetch``, ``fetch_hits``,
+``transfer_done``: their lists grow with the keys of a request) also have a msgspec codec
+that does the same job in C. It is an accelerator, never a second definition of the
+protocol: it encodes exactly the bytes the general path encodes (same field order, tag
+last), and it decodes a frame only
 when the general path would accept that frame and build an equal message; any frame it
 is not sure of (a map of another size, an unknown field, a duplicate field, any error at
 all) goes to the general path, which decides and words the error. The constraints msgspec
@@ -283,6 +284,17 @@ class Fetch:
 
 
 @attrs.frozen(kw_only=True)
+class FetchHits:
+    """A fetch of every hit of the round ``req_id``, in its lookup's order, into ``slots``
+    (protocol 1.2): the consumer fetches what the round holds, so the producer, which keeps
+    the round's hits itself, needs only the slots. ``slots[i]`` takes the i-th hit."""
+
+    TAG = "fetch_hits"
+    req_id: int = attrs.field(validator=_u64)
+    slots: list[int] = attrs.field(validator=_u64s)
+
+
+@attrs.frozen(kw_only=True)
 class TransferDone:
     TAG = "transfer_done"
     req_id: int = attrs.field(validator=_u64)
@@ -337,6 +349,7 @@ Message = (
     | Lookup
     | LookupResp
     | Fetch
+    | FetchHits
     | TransferDone
     | Abort
     | AbortAck
@@ -353,6 +366,7 @@ MESSAGE_TYPES: Final[dict[str, type[Any]]] = {
         Lookup,
         LookupResp,
         Fetch,
+        FetchHits,
         TransferDone,
         Abort,
         AbortAck,
@@ -617,6 +631,7 @@ _HOT_FIELDS: Final[dict[type[Any], Callable[[Any], dict[str, Any]]]] = {
     Lookup: lambda m: {"req_id": m.req_id, "keys": m.keys, "t": Lookup.TAG},
     LookupResp: lambda m: {"req_id": m.req_id, "hits": m.hits, "t": LookupResp.TAG},
     Fetch: lambda m: {"req_id": m.req_id, "keys": m.keys, "slots": m.slots, "t": Fetch.TAG},
+    FetchHits: lambda m: {"req_id": m.req_id, "slots": m.slots, "t": FetchHits.TAG},
     TransferDone: lambda m: {
         "req_id": m.req_id,
         "outcomes": m.outcomes,
@@ -648,6 +663,11 @@ class _HotFetch(msgspec.Struct, tag_field="t", tag=Fetch.TAG):
     slots: Annotated[list[_U64], msgspec.Meta(max_length=MAX_KEYS)]
 
 
+class _HotFetchHits(msgspec.Struct, tag_field="t", tag=FetchHits.TAG):
+    req_id: _U64
+    slots: Annotated[list[_U64], msgspec.Meta(max_length=MAX_KEYS)]
+
+
 class _HotTransferDone(msgspec.Struct, tag_field="t", tag=TransferDone.TAG):
     req_id: _U64
     outcomes: Annotated[list[_Code], msgspec.Meta(max_length=MAX_KEYS)]
@@ -657,7 +677,7 @@ class _HotTransferDone(msgspec.Struct, tag_field="t", tag=TransferDone.TAG):
     ) = msgspec.UNSET
 
 
-_HotMessage = _HotLookup | _HotLookupResp | _HotFetch | _HotTransferDone
+_HotMessage = _HotLookup | _HotLookupResp | _HotFetch | _HotFetchHits | _HotTransferDone
 _hot_decode: Final = msgspec.msgpack.Decoder(_HotMessage).decode
 _FIXMAP_3: Final = 0x83
 _FIXMAP_4: Final = 0x84
@@ -693,6 +713,10 @@ def _decode_hot(body: bytes | memoryview) -> Message | None:
         if size != _FIXMAP_4 or len(hot.keys) != len(hot.slots):
             return None
         msg = trusted(Fetch, req_id=hot.req_id, keys=hot.keys, slots=hot.slots)
+    elif type(hot) is _HotFetchHits:
+        if size != _FIXMAP_3:
+            return None
+        msg = trusted(FetchHits, req_id=hot.req_id, slots=hot.slots)
     elif type(hot) is _HotTransferDone:
         checksums = hot.checksums
         if checksums is msgspec.UNSET:

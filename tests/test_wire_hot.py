@@ -1,7 +1,7 @@
 """The hot-message codec (msgspec) against the general one (cattrs + msgpack).
 
-The hot path is an accelerator for ``lookup``, ``lookup_resp``, ``fetch`` and
-``transfer_done``; the general path stays the definition of the protocol. These tests hold
+The hot path is an accelerator for ``lookup``, ``lookup_resp``, ``fetch``, ``fetch_hits``
+and ``transfer_done``; the general path stays the definition of the protocol. These tests hold
 the two together: the same bytes out for every valid message, the same message in for
 every valid frame, and for any other frame the hot path declines, so that the refusal (its
 type and its words) is the general path's.
@@ -25,6 +25,7 @@ from p2pkv.wire import (
     MAX_KEYS,
     U64_MAX,
     Fetch,
+    FetchHits,
     FrameDecoder,
     Lookup,
     LookupResp,
@@ -37,7 +38,7 @@ from p2pkv.wire import (
 
 from .test_wire import MALFORMED, STRATEGIES
 
-HOT = ("lookup", "lookup_resp", "fetch", "transfer_done")
+HOT = ("lookup", "lookup_resp", "fetch", "fetch_hits", "transfer_done")
 
 u64 = st.integers(0, U64_MAX)
 keys = st.binary(min_size=1, max_size=40) | st.sampled_from([b"k" * MAX_KEY_LEN, b"\0"])
@@ -62,6 +63,8 @@ def hot_messages(draw: st.DrawFn) -> Message:
             keys=draw(st.lists(keys, min_size=n, max_size=n)),
             slots=draw(st.lists(u64, min_size=n, max_size=n)),
         )
+    if tag == "fetch_hits":
+        return FetchHits(req_id=req_id, slots=draw(st.lists(u64, min_size=n, max_size=n)))
     checksums = draw(st.none() | st.lists(u64, min_size=n, max_size=n))
     outcomes = draw(st.lists(outcome, min_size=n, max_size=n))
     return TransferDone(req_id=req_id, outcomes=outcomes, checksums=checksums)
@@ -162,7 +165,9 @@ def hot_maps(draw: st.DrawFn) -> dict[str, Any]:
         elif kind == "drop":
             fields.pop(name, None)
         elif kind == "add":
-            fields[draw(st.sampled_from(["x", "checksums", "slots", "hits"]))] = draw(values)
+            fields[draw(st.sampled_from(["x", "checksums", "slots", "hits", "keys"]))] = draw(
+                values
+            )
         elif kind == "retag":
             fields["t"] = draw(st.sampled_from([*HOT, "ping", "abort"]) | packable)
         elif kind == "resize" and type(fields.get(name)) is list:
@@ -226,6 +231,16 @@ HOT_EDGE: list[tuple[str, bytes]] = [
     (
         "fetch_length_mismatch",
         fixmap(("t", "fetch"), ("req_id", 1), ("keys", [b"a"]), ("slots", [])),
+    ),
+    (
+        "fetch_hits_with_keys",
+        fixmap(("t", "fetch_hits"), ("req_id", 1), ("slots", [0]), ("keys", [b"a"])),
+    ),
+    ("fetch_hits_without_slots", fixmap(("t", "fetch_hits"), ("req_id", 1))),
+    ("fetch_hits_bool_slot", fixmap(("t", "fetch_hits"), ("req_id", 1), ("slots", [True]))),
+    (
+        "fetch_hits_slots_over_bound",
+        msgpack.packb({"t": "fetch_hits", "req_id": 1, "slots": [0] * (MAX_KEYS + 1)}),
     ),
     ("outcome_past_the_codes", fixmap(("t", "transfer_done"), ("req_id", 1), ("outcomes", [6]))),
     ("tag_as_bytes", fixmap(("t", b"lookup"), ("req_id", 1), ("keys", []))),
