@@ -14,7 +14,7 @@ from ._switch import MIN_INTERVAL
 from .errors import ConfigError
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2  # 1.1: max_open_requests in the hello; 1.2: fetch_hits
 
 
 _TYPES: dict[str, tuple[type, ...]] = {

@@ -397,16 +397,20 @@ async def test_requests_over_the_key_cap_are_split_transparently() -> None:
             peer = raw.peer_id
             keys = [os.urandom(32) for _ in range(250)]
 
+            hit_keys: dict[int, list[bytes]] = {}  # request id -> the round's hits
+
             async def producer() -> None:  # answers every lookup: even keys are hits
                 while (ev := await raw.next_event()) is not None:
                     if isinstance(ev, LookupRequested):
                         lookups.append(len(ev.keys))
                         hits = [keys.index(k) % 2 == 0 for k in ev.keys]
+                        hit_keys[ev.req_id] = [k for k, h in zip(ev.keys, hits, strict=True) if h]
                         raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
                     elif isinstance(ev, FetchRequested):  # "writes" into dst's region
-                        for k, s in zip(ev.keys, ev.slots, strict=True):
+                        fetched = ev.keys if ev.keys is not None else hit_keys[ev.req_id]
+                        for k, s in zip(fetched, ev.slots, strict=True):
                             dst.store.array[s * BLOCK : (s + 1) * BLOCK] = keys.index(k) % 251
-                        raw.proto.send_transfer_done(ev.req_id, [0] * len(ev.keys))
+                        raw.proto.send_transfer_done(ev.req_id, [0] * len(ev.slots))
                     await raw.flush()
 
             async with trio.open_nursery() as nursery:

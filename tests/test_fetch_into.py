@@ -12,13 +12,17 @@ import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
+from unittest import mock
 
+import attrs
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
 from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
+from p2pkv.config import PROTOCOL_MINOR
+from p2pkv.session import protocol
 from p2pkv.session.protocol import Event, FetchRequested, LookupRequested
 from p2pkv.wire import Outcome
 
@@ -73,7 +77,9 @@ class HandProducer:
     would). Hits for the keys of ``blocks``; every event it receives is kept in ``log``.
 
     ``hold``: a fetch is answered only once it is set. ``vanish``: on the first fetch the
-    producer closes its connection instead of answering (its process died)."""
+    producer closes its connection instead of answering (its process died). A fetch of a
+    round's hits (``fetch_hits``: no keys) is logged with the round's hits as its keys, and
+    its request id in ``by_hits``."""
 
     def __init__(
         self,
@@ -89,13 +95,19 @@ class HandProducer:
         self.log: list[Event] = []
         self.fetched = trio.Event()  # the first fetch message is in
         self.vanished_at: float | None = None
+        self.hit_keys: dict[int, list[bytes]] = {}  # request id -> the round's hits
+        self.by_hits: list[int] = []  # request ids fetched by fetch_hits
 
     async def run(self) -> None:
         raw = self.raw
         while (ev := await raw.next_event()) is not None:
+            if isinstance(ev, FetchRequested) and ev.keys is None:
+                self.by_hits.append(ev.req_id)
+                ev = attrs.evolve(ev, keys=self.hit_keys[ev.req_id])
             self.log.append(ev)
             if isinstance(ev, LookupRequested):
                 hits = [k in self.blocks for k in ev.keys]
+                self.hit_keys[ev.req_id] = [k for k in ev.keys if k in self.blocks]
                 raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
             elif isinstance(ev, FetchRequested) and ev.keys:
                 self.fetched.set()
@@ -122,16 +134,19 @@ async def hand_served(
     *,
     n_blocks: int = 4,
     virtual: bool = False,
+    minor: int = PROTOCOL_MINOR,
     **producer_kw: Any,
 ) -> AsyncIterator[tuple[Node, HandProducer]]:
     """A consumer node ``dst`` connected to a :class:`HandProducer` holding ``n_blocks``
-    random blocks; the producer runs for the duration of the block."""
+    random blocks; the producer runs for the duration of the block. ``minor``: the
+    protocol version 1.``minor`` its hello claims."""
     raw = RawPeer()
     blocks = {os.urandom(32): os.urandom(BLOCK) for _ in range(n_blocks)}
     offload = VirtualOffload() if virtual else None
     async with open_node(config("dst", **(dst_kw or {})), offload=offload) as dst:
         await raw.connect(dst.address)
-        await raw.handshake()
+        with mock.patch.object(protocol, "PROTOCOL_MINOR", minor):
+            await raw.handshake()
         producer = HandProducer(raw, dst, blocks, **producer_kw)
         try:
             async with trio.open_nursery() as nursery:
@@ -140,6 +155,44 @@ async def hand_served(
                 nursery.cancel_scope.cancel()
         finally:
             await raw.aclose()
+
+
+# ---------------------------------------------------------------- fetch_hits
+
+
+async def test_a_fetch_of_a_rounds_hits_names_the_round_and_a_fetch_of_part_names_keys() -> None:
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=4) as (dst, producer):
+            peer = producer.raw.peer_id
+            k0, k1, k2, k3 = producer.blocks
+            absent = os.urandom(32)
+            # A fetch that looks its keys up itself: the round's hits are the keys fetched.
+            r = await dst.fetch(peer, [k0, absent, k1])
+            assert sorted(r.loaded) == sorted([k0, k1]) and r.failed == {absent: "miss"}
+            [first] = producer.sent(FetchRequested)
+            assert producer.by_hits == [first.req_id] and first.keys == [k0, k1]
+            for k in (k0, k1):
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+            # Part of a round's hits: the keys are named.
+            rnd = await dst.lookup_round(peer, [k2, k3])
+            r = await dst.fetch(peer, [k3], rounds=rnd)
+            assert r.loaded == [k3] and bytes(dst.store.get(k3) or b"") == producer.blocks[k3]
+            second = producer.sent(FetchRequested)[-1]
+            assert second.keys == [k3] and second.req_id not in producer.by_hits
+            st = dst.statistics()
+            assert len(dst.store) == 3 and st.reserved_slots == st.quarantined_slots == 0
+
+
+async def test_a_producer_speaking_protocol_1_1_is_sent_the_keys() -> None:
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=2, minor=1) as (dst, producer):
+            keys = list(producer.blocks)
+            r = await dst.fetch(producer.raw.peer_id, keys)
+            assert sorted(r.loaded) == sorted(keys)
+            [fetch] = producer.sent(FetchRequested)
+            assert producer.by_hits == [] and fetch.keys == keys
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
 
 
 # ---------------------------------------------------------------- landing

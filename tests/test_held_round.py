@@ -40,3 +40,19 @@ def test_a_forgotten_round_holds_no_source_any_more() -> None:
     h.forget()
     assert h.sources([b"a", b"b"]) == [None, None]
     assert h.keys == [] and h.slots == []
+
+
+def test_a_fetch_of_the_rounds_hits_gets_every_source_in_the_lookups_order() -> None:
+    h = held([(b"a", 7), (b"b", 3), (b"c", 9)])
+    got = h.hit_sources(3)
+    assert got == [7, 3, 9]
+    got[0] = 99  # the caller's list, not the round's
+    assert h.slots == [7, 3, 9]
+
+
+def test_a_fetch_of_the_hits_of_a_round_that_holds_them_no_more_finds_none() -> None:
+    h = held([(b"a", 7), (b"b", 3)])
+    h.forget()  # a write did not settle
+    assert h.hit_sources(2) == [None, None]
+    assert HeldRound().hit_sources(2) == [None, None]  # its pins were released
+    assert held([(b"a", 7)]).hit_sources(2) == [None, None]  # never more than it holds

@@ -49,6 +49,7 @@ from p2pkv.wire import (
     Bye,
     Challenge,
     Fetch,
+    FetchHits,
     Hello,
     HelloAck,
     Lookup,
@@ -663,6 +664,159 @@ def test_fetch_outside_an_open_round_is_a_protocol_error(stage: str) -> None:
                 pair.deliver(a)
     a.data_to_send()
     assert_protocol_error(a, encode(Fetch(req_id=req, keys=[K1], slots=[1])), "no open lookup")
+
+
+# --- fetch_hits (protocol 1.2): a fetch of every hit of a round, by the round ------------
+
+
+def _pair_with_b_at_minor(minor: int, monkeypatch: pytest.MonkeyPatch) -> ConnectionPair:
+    """A ready pair whose ``b`` sent the hello of a peer speaking protocol 1.``minor``."""
+    from p2pkv.session import protocol
+
+    pair = ConnectionPair()
+    pair.a.start()
+    with monkeypatch.context() as m:
+        m.setattr(protocol, "PROTOCOL_MINOR", minor)
+        pair.b.start()
+    pair.exchange()
+    pair.register(pair.a)
+    pair.register(pair.b)
+    pair.exchange()
+    assert pair.a.state is State.READY and pair.b.state is State.READY
+    return pair
+
+
+def test_fetch_hits_round_trip() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    assert a.peer_takes_fetch_hits and b.peer_takes_fetch_hits
+    req = pair.lookup([K1, K2, K3], [True, False, True])
+    a.send_fetch_hits(req, [3, 7])
+    assert a.out_state(req) is OutState.FETCH_SENT
+    wire = a.data_to_send()
+    assert decode_frames(wire) == [FetchHits(req_id=req, slots=[3, 7])]
+    assert pair.feed(b, wire) == [FetchRequested(req, None, [3, 7])]
+    assert b.in_state(req) is InState.WRITING and b.pins_held() == 2
+    b.send_transfer_done(req, [OK, int(Outcome.NOT_PINNED)])
+    assert pair.deliver(b) == [TransferCompleted(req, [OK, int(Outcome.NOT_PINNED)], None)]
+    assert a.open_requests() == [] and b.open_rounds() == []
+
+
+def test_fetch_hits_after_the_pins_were_released_still_counts_the_answers_hits() -> None:
+    """The host took the round's pins back (``pins_released``): the fetch still names one
+    slot per hit of the answer, and the driver finds none of them pinned."""
+    pair = ready_pair()
+    req = pair.lookup([K1, K2], [True, True])
+    pair.b.pins_released(req)
+    assert pair.b.pins_held() == 0
+    pair.a.send_fetch_hits(req, [0, 1])
+    assert pair.deliver(pair.a) == [FetchRequested(req, None, [0, 1])]
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        pytest.param(lambda a, r: a.send_fetch_hits(r, [0]), "1 slots for a round of 2", id="few"),
+        pytest.param(
+            lambda a, r: a.send_fetch_hits(r, [0, 1, 2]), "3 slots for a round of 2", id="many"
+        ),
+        pytest.param(lambda a, r: a.send_fetch_hits(r, []), "0 slots", id="none"),
+        pytest.param(lambda a, r: a.send_fetch_hits(r, [0, NUM_BLOCKS]), "outside", id="outside"),
+        pytest.param(lambda a, r: a.send_fetch_hits(r, [0, True]), "outside", id="bool_slot"),
+        pytest.param(lambda a, r: a.send_fetch_hits(r, [4, 4]), "duplicate", id="duplicate"),
+        pytest.param(lambda a, r: a.send_fetch_hits(r + 1, [0, 1]), "request", id="unknown"),
+    ],
+)
+def test_send_fetch_hits_refuses_what_the_peer_would_close_the_session_for(
+    call: Callable[[SessionProtocol, int], None], match: str
+) -> None:
+    pair = ready_pair()
+    req = pair.lookup([K1, K2, K3], [True, True, False])
+    assert_refused(pair.a, lambda: call(pair.a, req), [req], match=match)
+    assert pair.a.out_state(req) is OutState.OPEN  # the round may still be fetched
+
+
+def test_send_fetch_hits_is_refused_once_the_round_is_fetched() -> None:
+    pair = ready_pair()
+    req = pair.lookup([K1], [True])
+    pair.a.send_fetch_hits(req, [0])
+    assert_refused(pair.a, lambda: pair.a.send_fetch_hits(req, [1]), [req], match="request")
+
+
+def test_a_1_1_peer_is_sent_no_fetch_hits(monkeypatch: pytest.MonkeyPatch) -> None:
+    pair = _pair_with_b_at_minor(1, monkeypatch)
+    assert not pair.a.peer_takes_fetch_hits
+    req = pair.lookup([K1], [True])
+    assert_refused(pair.a, lambda: pair.a.send_fetch_hits(req, [0]), [req], match="does not take")
+    pair.a.send_fetch(req, [K1], [0])  # the keys are named instead, as before
+    assert pair.deliver(pair.a) == [FetchRequested(req, [K1], [0])]
+
+
+@pytest.mark.parametrize(
+    ("fetch", "match"),
+    [
+        pytest.param(
+            lambda r: FetchHits(req_id=r, slots=[0]), "1 slots for a round of 2", id="few"
+        ),
+        pytest.param(
+            lambda r: FetchHits(req_id=r, slots=[0, 1, 2]), "3 slots for a round of 2", id="many"
+        ),
+        pytest.param(lambda r: FetchHits(req_id=r, slots=[]), "0 slots", id="none"),
+        pytest.param(lambda r: FetchHits(req_id=r, slots=[0, NUM_BLOCKS]), "outside", id="outside"),
+        pytest.param(lambda r: FetchHits(req_id=r, slots=[4, 4]), "duplicate", id="duplicate"),
+        pytest.param(
+            lambda r: FetchHits(req_id=r + 1, slots=[0, 1]), "no open lookup", id="no_lookup"
+        ),
+    ],
+)
+def test_bad_fetch_hits_is_a_protocol_error(fetch: Callable[[int], FetchHits], match: str) -> None:
+    pair, req = _pinned_at_a([True, False, True])
+    assert_protocol_error(pair.a, encode(fetch(req)), match)
+
+
+@pytest.mark.parametrize("expired", [False, True])
+def test_fetch_hits_over_the_key_limit_is_a_protocol_error(expired: bool) -> None:
+    """Checked first, so an expired round (whose hit count went with it) is bounded too."""
+    pair = ready_pair(make_info("a", max_keys_per_request=8))
+    req = pair.b.send_lookup([K1, K2])
+    pair.deliver(pair.b)
+    pair.a.send_lookup_resp(req, [True, True], 0.0, 10.0)
+    pair.deliver(pair.a)
+    if expired:
+        assert pair.a.expire(1e9) == [req]
+    over = 9
+    fetch = FetchHits(req_id=req, slots=list(range(over)))
+    assert_protocol_error(pair.a, encode(fetch), f"{over} slots in one request")
+
+
+@pytest.mark.parametrize("stage", ["answering", "writing", "done"])
+def test_fetch_hits_outside_an_open_round_is_a_protocol_error(stage: str) -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = b.send_lookup([K1])
+    pair.deliver(b)
+    if stage != "answering":
+        a.send_lookup_resp(req, [True], 0.0, 10.0)
+        pair.deliver(a)
+        b.send_fetch_hits(req, [0])
+        pair.deliver(b)
+        if stage == "done":
+            a.send_transfer_done(req, [OK])
+            pair.deliver(a)
+    a.data_to_send()
+    assert_protocol_error(a, encode(FetchHits(req_id=req, slots=[1])), "no open lookup")
+
+
+def test_fetch_hits_on_an_expired_round_is_answered_lease_expired_per_slot() -> None:
+    pair = ready_pair()
+    a, b = pair.a, pair.b
+    req = pair.lookup([K1, K2, K3], [True, True, False], now=0.0, lease=1.0)
+    assert b.expire(1.0) == [req]
+    a.send_fetch_hits(req, [5, 6])
+    assert pair.deliver(a) == []  # answered by the protocol: nothing for the driver
+    assert b.in_state(req) is None and b.tombstones() == 0
+    lease_expired = int(Outcome.LEASE_EXPIRED)
+    assert pair.deliver(b) == [TransferCompleted(req, [lease_expired] * 2, None)]
 
 
 def test_lease_expiry_releases_pins_and_the_protocol_answers_a_later_fetch() -> None:

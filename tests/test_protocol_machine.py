@@ -67,6 +67,7 @@ class OutModel:
     state: OutState
     keys: list[bytes]
     nfetch: int = 0
+    hits: int = 0  # in the peer's answer: what a fetch_hits names a slot for
 
 
 @attrs.define
@@ -145,12 +146,17 @@ class SessionPairMachine(RuleBasedStateMachine):
             m = self.out[s][ev.req_id]
             assert m.state is OutState.LOOKUP_SENT
             assert len(ev.hits) == len(m.keys)
-            m.state = OutState.OPEN
+            m.state, m.hits = OutState.OPEN, sum(ev.hits)
         elif isinstance(ev, FetchRequested):
             r = self.rounds[s][ev.req_id]
             assert r.state is InState.PINNED
-            assert ev.keys and len(set(ev.slots)) == len(ev.slots)
-            r.state, r.nfetch = InState.WRITING, len(ev.keys)
+            n = len(ev.slots)
+            assert n and len(set(ev.slots)) == n
+            if ev.keys is None:  # a fetch_hits: one slot per hit of the answer
+                assert n == r.pins
+            else:
+                assert len(ev.keys) == n
+            r.state, r.nfetch = InState.WRITING, n
         elif isinstance(ev, RoundClosed):
             r = self.rounds[s].pop(ev.req_id)
             assert r.state is InState.PINNED
@@ -237,7 +243,8 @@ class SessionPairMachine(RuleBasedStateMachine):
             *[("register", live and registrable)] * 2,
             ("send_lookup", live),
             *[("answer", live and bool(self.ins(InState.ANSWERING)))] * 3,
-            *[("send_fetch", live and bool(self.fetchable()))] * 4,
+            *[("send_fetch", live and bool(self.fetchable()))] * 3,
+            *[("send_fetch_hits", live and bool(self.fetchable_by_hits()))] * 2,
             ("empty_fetch", live and bool(self.outs(OutState.OPEN))),
             *[("transfer_done", live and bool(self.ins(InState.WRITING)))] * 3,
             ("abort", live and bool(self.abortable())),
@@ -264,6 +271,9 @@ class SessionPairMachine(RuleBasedStateMachine):
 
     def fetchable(self) -> list[tuple[str, int]]:
         return [(s, i) for s, i in self.outs(OutState.OPEN) if self.out[s][i].keys]
+
+    def fetchable_by_hits(self) -> list[tuple[str, int]]:
+        return [(s, i) for s, i in self.outs(OutState.OPEN) if self.out[s][i].hits]
 
     def abortable(self) -> list[tuple[str, int]]:
         return self.outs(OutState.LOOKUP_SENT, OutState.OPEN, OutState.FETCH_SENT)
@@ -331,6 +341,17 @@ class SessionPairMachine(RuleBasedStateMachine):
         )
         self.proto[s].send_fetch(req, keys, slots)
         m.state, m.nfetch = OutState.FETCH_SENT, n
+        self.flush(s)
+
+    def do_send_fetch_hits(self, data: st.DataObject) -> None:
+        s, req = self.pick(data, self.fetchable_by_hits())
+        m = self.out[s][req]
+        slots = data.draw(
+            st.lists(st.integers(0, NUM_BLOCKS - 1), min_size=m.hits, max_size=m.hits, unique=True),
+            label="slots",
+        )
+        self.proto[s].send_fetch_hits(req, slots)
+        m.state, m.nfetch = OutState.FETCH_SENT, m.hits
         self.flush(s)
 
     def do_empty_fetch(self, data: st.DataObject) -> None:

@@ -386,22 +386,32 @@ class _Node:
 
     def _probe_fetches(self) -> None:
         """A test probe (installed once): count the keys of every fetch that p2pkv's
-        sessions in this process post, wrapped around ``SessionProtocol.send_fetch``. Once
-        that returns, the consumer treats the fetch's writes as possibly landing."""
+        sessions in this process post, wrapped around ``SessionProtocol.send_fetch`` and
+        ``send_fetch_hits`` (a fetch of a round's hits: one key per slot). Once that
+        returns, the consumer treats the fetch's writes as possibly landing."""
         from p2pkv.session.protocol import SessionProtocol
 
         original = SessionProtocol.send_fetch
+        original_hits = SessionProtocol.send_fetch_hits
         if getattr(original, "harness_probe", False):
             return
 
+        def posted(n: int) -> None:
+            with self._posted_cond:
+                self._posted += n
+                self._posted_cond.notify_all()
+
         def send_fetch(proto: Any, req_id: int, keys: Any, slots: Any, **kw: Any) -> None:
             original(proto, req_id, keys, slots, **kw)
-            with self._posted_cond:
-                self._posted += len(keys)
-                self._posted_cond.notify_all()
+            posted(len(keys))
+
+        def send_fetch_hits(proto: Any, req_id: int, slots: Any, **kw: Any) -> None:
+            original_hits(proto, req_id, slots, **kw)
+            posted(len(slots))
 
         send_fetch.harness_probe = True  # type: ignore[attr-defined]
         SessionProtocol.send_fetch = send_fetch  # type: ignore[method-assign,assignment]
+        SessionProtocol.send_fetch_hits = send_fetch_hits  # type: ignore[method-assign,assignment]
 
     def finish(self, req_id: str) -> None:
         with self.mgr.lock:

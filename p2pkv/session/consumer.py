@@ -43,6 +43,7 @@ split into several rounds.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import operator
@@ -287,6 +288,9 @@ class _CallerSlots:
 
 
 _Landing = _StoreLanding | _CallerSlots
+# Claimed rounds: request id -> (the keys to fetch on it, whether they are every hit of
+# the round in its order, which a fetch_hits may stand for).
+_Groups = dict[int, tuple[list[bytes], bool]]
 
 
 class ConsumerSide(SessionParts):
@@ -707,7 +711,7 @@ class ConsumerSide(SessionParts):
 
     async def _fetch_all(
         self,
-        groups: dict[int, list[bytes]],
+        groups: _Groups,
         uncovered: list[bytes],
         outcome: _Outcome,
         landing: _Landing,
@@ -720,30 +724,36 @@ class ConsumerSide(SessionParts):
         chunks = self._chunks(uncovered)
         if len(groups) + len(chunks) == 1:
             if groups:
-                ((req, ks),) = groups.items()
-                await self._fetch_round(req, ks, outcome, landing, lim)
+                ((req, (ks, whole)),) = groups.items()
+                await self._fetch_round(req, ks, outcome, landing, lim, whole=whole)
             else:
                 await self._lookup_and_fetch(chunks[0], outcome, landing, lim)
             return
         async with trio.open_nursery() as nursery:
-            for req, ks in groups.items():
-                nursery.start_soon(self._fetch_round, req, ks, outcome, landing, lim)
+            for req, (ks, whole) in groups.items():
+                nursery.start_soon(
+                    functools.partial(
+                        self._fetch_round, req, ks, outcome, landing, lim, whole=whole
+                    )
+                )
             for chunk in chunks:
                 nursery.start_soon(self._lookup_and_fetch, chunk, outcome, landing, lim)
 
     def _claim_rounds(
         self, keys: list[bytes], handles: Iterable[LookupRound]
-    ) -> tuple[dict[int, list[bytes]], list[bytes]]:
+    ) -> tuple[_Groups, list[bytes]]:
         """Take the open rounds that hold ``keys`` out of the open rounds (sync: nobody
         else can claim them meanwhile). The handles' rounds first, then anonymous ones;
-        another holder's rounds never. Returns (request id -> keys, keys no round holds)."""
+        another holder's rounds never. Returns (request id -> (its keys, whether they are
+        all the round's hits in its order), keys no round holds)."""
         named = [req for h in handles if h.session_token is self.token for req in h.req_ids]
         candidates = [self._rounds[r] for r in named if r in self._rounds]
         candidates += [r for r in self._rounds.values() if not r.held]
         for rnd in candidates:  # the usual case: one round holds every key (no set built)
-            if rnd.keys == keys or (len(rnd.keys) >= len(keys) and rnd.hits.issuperset(keys)):
+            whole = rnd.keys == keys
+            if whole or (len(rnd.keys) >= len(keys) and rnd.hits.issuperset(keys)):
                 del self._rounds[rnd.req_id]
-                return {rnd.req_id: keys}, []
+                return {rnd.req_id: (keys, whole)}, []
         left = set(keys)
         taken: list[tuple[int, set[bytes]]] = []
         for rnd in candidates:
@@ -752,7 +762,7 @@ class ConsumerSide(SessionParts):
             if got := left & rnd.hits:
                 taken.append((rnd.req_id, got))
                 left -= got
-        groups: dict[int, list[bytes]] = {}
+        lists: dict[int, list[bytes]] = {}
         uncovered: list[bytes] = []
         if not taken:
             uncovered = keys
@@ -765,9 +775,10 @@ class ConsumerSide(SessionParts):
                 if holder is None:
                     uncovered.append(k)
                 else:
-                    groups.setdefault(holder, []).append(k)
-        for req in groups:
-            del self._rounds[req]
+                    lists.setdefault(holder, []).append(k)
+        groups: _Groups = {}
+        for req, ks in lists.items():
+            groups[req] = (ks, ks == self._rounds.pop(req).keys)
         return groups, uncovered
 
     async def _lookup_and_fetch(
@@ -788,7 +799,9 @@ class ConsumerSide(SessionParts):
         else:
             outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
             hit_keys = list(compress(keys, hits))
-        await self._fetch_round(req, hit_keys, outcome, landing, lim)
+        # The round's hits, all of them in its order: the peer may be asked for them by
+        # the round alone.
+        await self._fetch_round(req, hit_keys, outcome, landing, lim, whole=True)
 
     async def _fetch_round(
         self,
@@ -797,10 +810,14 @@ class ConsumerSide(SessionParts):
         outcome: _Outcome,
         landing: _Landing,
         lim: RequestLimits,
+        *,
+        whole: bool = False,
     ) -> None:
         """Fetch ``keys`` (checked against ``lim``) on the round ``req`` this task has
         claimed; an empty ``keys`` closes the round. Its slots come from ``landing``:
-        distinct slots of our region, from the store or checked by ``fetch_into``."""
+        distinct slots of our region, from the store or checked by ``fetch_into``.
+        ``whole``: ``keys`` are every hit of the round, in its order; a peer that takes
+        ``fetch_hits`` is then sent the slots alone (it holds the hits itself)."""
         p = self._pending.get(req)
         if p is None or p.error is not None or not self.alive:
             reason = str(p.error) if p is not None and p.error is not None else "session closed"
@@ -821,7 +838,10 @@ class ConsumerSide(SessionParts):
             await self._flush()
             return
         try:
-            self.proto.send_fetch(req, keys, slots, checked=lim is self._limits())
+            if whole and self.proto.peer_takes_fetch_hits:
+                self.proto.send_fetch_hits(req, slots, checked=True)
+            else:
+                self.proto.send_fetch(req, keys, slots, checked=lim is self._limits())
         except LocalProtocolError as exc:  # pragma: no cover - checked above; never leak
             log.warning("fetch on round %d refused locally: %s", req, exc)
             landing.release(req, slots)

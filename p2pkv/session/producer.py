@@ -89,6 +89,12 @@ class HeldRound:
             self._by_key = dict(zip(self.keys, self.slots, strict=True))
         return list(map(self._by_key.get, keys))
 
+    def hit_sources(self, n: int) -> list[int | None]:
+        """For a ``fetch_hits`` of ``n`` slots: the source slot of every hit, in the
+        lookup's order; n Nones if the round holds its hits no more (its pins were released,
+        or a write did not settle), as a fetch naming the keys would find them."""
+        return list(self.slots) if len(self.slots) == n else [None] * n
+
     def forget(self) -> None:
         """No fetch may use these sources any more (their writes did not settle)."""
         self.keys, self.slots, self._by_key = [], [], None
@@ -191,7 +197,7 @@ class ProducerSide(SessionParts):
     def _on_fetch(self, ev: FetchRequested) -> None:
         if self.proto.keys_held() > self.cfg.max_keys_held_per_peer:
             self._release_round(ev.req_id)
-            self.proto.send_transfer_done(ev.req_id, [int(Outcome.OVER_CAP)] * len(ev.keys))
+            self.proto.send_transfer_done(ev.req_id, [int(Outcome.OVER_CAP)] * len(ev.slots))
             return
         assert self._nursery is not None
         write = WriteScope()
@@ -223,7 +229,7 @@ class ProducerSide(SessionParts):
         node, cfg, bl, req = self.node, self.cfg, self.cfg.block_len, ev.req_id
         # Pessimistic: a key is OK only once the data plane reported its write DONE, so no
         # exit path (error, cancellation, a bug) can report bytes that never landed.
-        keys, n = ev.keys, len(ev.keys)
+        n = len(ev.slots)
         outcomes = [int(Outcome.TRANSFER_FAILED)] * n
         held = self._pinned.setdefault(req, HeldRound())
         # The plan, as parallel lists: key index, local (source) slot, remote slot.
@@ -235,7 +241,8 @@ class ProducerSide(SessionParts):
         sums: list[int] | None = None
         try:
             with write.scope:
-                per_turn, sources = cfg.max_keys_per_turn, held.sources(keys)
+                per_turn = cfg.max_keys_per_turn
+                sources = held.sources(ev.keys) if ev.keys is not None else held.hit_sources(n)
                 for start in range(0, n, per_turn):
                     if start:
                         await trio.lowlevel.checkpoint()  # bounded work per turn

@@ -78,6 +78,7 @@ from ..wire import (
     Bye,
     Challenge,
     Fetch,
+    FetchHits,
     FrameDecoder,
     Hello,
     HelloAck,
@@ -153,6 +154,7 @@ class _OutReq:
     state: OutState
     nkeys: int
     nfetch: int = 0
+    nhits: int = 0  # hits in the peer's answer: a fetch_hits names as many slots
     # The state an abort left, so that only the reply that was really in flight when
     # we aborted (a lookup_resp after LOOKUP_SENT, a transfer_done after FETCH_SENT) is
     # swallowed; any other reply to an aborted request is still a protocol error.
@@ -168,6 +170,7 @@ class _InReq:
     pins: int = 0
     deadline: float = 0.0
     nfetch: int = 0  # keys of the fetch being written; transfer_done must match
+    nhits: int = 0  # hits of the answer (pins may drop later): a fetch_hits must match
 
     @property
     def keys_held(self) -> int:
@@ -210,10 +213,12 @@ class LookupAnswered:
 @attrs.frozen
 class FetchRequested:
     """Write ``keys`` into the peer's ``slots`` (a round whose lease ran out never gets
-    here: the protocol answers that fetch itself)."""
+    here: the protocol answers that fetch itself). ``keys`` is None for a ``fetch_hits``:
+    every hit of the round, in its lookup's order (the driver keeps them; as many as
+    ``slots``, which the protocol has checked against the answer's hit count)."""
 
     req_id: int
-    keys: list[bytes]
+    keys: list[bytes] | None
     slots: list[int]
 
 
@@ -644,7 +649,7 @@ class SessionProtocol:
         self._out.clear()
 
     def _dispatch(self, msg: Message) -> Event | None:
-        if self._peer_acked and self._ack_sent:  # both acks through: the hot four first
+        if self._peer_acked and self._ack_sent:  # both acks through: the hot ones first
             kind = type(msg)
             if kind is LookupResp:
                 return self._on_lookup_resp(msg)  # type: ignore[arg-type]
@@ -652,6 +657,8 @@ class SessionProtocol:
                 return self._on_lookup(msg)  # type: ignore[arg-type]
             if kind is Fetch:
                 return self._on_fetch(msg)  # type: ignore[arg-type]
+            if kind is FetchHits:
+                return self._on_fetch_hits(msg)  # type: ignore[arg-type]
             if kind is TransferDone:
                 return self._on_transfer_done(msg)  # type: ignore[arg-type]
         if isinstance(msg, Challenge):
@@ -672,6 +679,8 @@ class SessionProtocol:
             return self._on_lookup(msg)
         if isinstance(msg, Fetch):
             return self._on_fetch(msg)
+        if isinstance(msg, FetchHits):
+            return self._on_fetch_hits(msg)
         if isinstance(msg, Abort):
             return self._on_abort(msg)
         if isinstance(msg, Ping):
@@ -727,12 +736,7 @@ class SessionProtocol:
         if not expired and (r is None or r.state is not InState.PINNED):
             raise RemoteProtocolError(f"fetch for request {m.req_id} with no open lookup")
         self._check_keys(m.keys)
-        assert self.peer is not None
-        n = self.peer.num_blocks
-        if m.slots and max(m.slots) >= n:
-            raise RemoteProtocolError(f"destination slot outside the peer's {n} blocks")
-        if len(set(m.slots)) != len(m.slots):
-            raise RemoteProtocolError("duplicate destination slot in one fetch")
+        self._check_slots(m.slots)
         if expired:  # nothing is pinned: answered here, the round ends
             self._expired.pop(m.req_id, None)
             if m.keys:
@@ -746,6 +750,45 @@ class SessionProtocol:
         r.state = InState.WRITING
         r.nfetch = len(m.keys)
         return FetchRequested(m.req_id, m.keys, m.slots)
+
+    def _check_slots(self, slots: list[int]) -> None:
+        """A fetch's destination slots: inside the peer's region, each named once."""
+        assert self.peer is not None
+        n = self.peer.num_blocks
+        if slots and max(slots) >= n:
+            raise RemoteProtocolError(f"destination slot outside the peer's {n} blocks")
+        if len(set(slots)) != len(slots):
+            raise RemoteProtocolError("duplicate destination slot in one fetch")
+
+    def _on_fetch_hits(self, m: FetchHits) -> Event | None:
+        """A fetch of every hit of a round: as :meth:`_on_fetch`, with the slots counted
+        against the hits of our answer instead of keys checked."""
+        r = self._in.get(m.req_id)
+        expired = self._was_expired(m.req_id)
+        if not expired and (r is None or r.state is not InState.PINNED):
+            raise RemoteProtocolError(f"fetch_hits for request {m.req_id} with no open lookup")
+        if len(m.slots) > self.local.max_keys_per_request:
+            raise RemoteProtocolError(
+                f"{len(m.slots)} slots in one request (cap {self.local.max_keys_per_request})"
+            )
+        self._check_slots(m.slots)
+        if expired:  # nothing is pinned (the hit count went with the round): answered here
+            self._expired.pop(m.req_id, None)
+            if m.slots:
+                lease_expired = int(Outcome.LEASE_EXPIRED)
+                self._emit(TransferDone(req_id=m.req_id, outcomes=[lease_expired] * len(m.slots)))
+            return None
+        assert r is not None
+        if len(m.slots) != r.nhits:
+            raise RemoteProtocolError(
+                f"fetch_hits of {len(m.slots)} slots for a round of {r.nhits} hits"
+            )
+        if not m.slots:
+            del self._in[m.req_id]
+            return RoundClosed(m.req_id)
+        r.state = InState.WRITING
+        r.nfetch = len(m.slots)
+        return FetchRequested(m.req_id, None, m.slots)
 
     def _on_abort(self, m: Abort) -> Event | None:
         r = self._in.get(m.req_id)
@@ -770,6 +813,7 @@ class SessionProtocol:
             r.aborted_from = OutState.OPEN  # a second lookup_resp is an error
             return None  # crossed our abort; the abort_ack ends it
         r.state = OutState.OPEN
+        r.nhits = m.hits.count(True)
         return LookupAnswered(m.req_id, m.hits)
 
     def _on_transfer_done(self, m: TransferDone) -> Event | None:
@@ -879,6 +923,44 @@ class SessionProtocol:
             r.state = OutState.FETCH_SENT
             r.nfetch = len(msg.keys)
 
+    @property
+    def peer_takes_fetch_hits(self) -> bool:
+        """Whether the peer understands ``fetch_hits`` (it speaks protocol 1.2 or later)."""
+        peer = self.peer
+        return peer is not None and (peer.version_major, peer.version_minor) >= (1, 2)
+
+    def send_fetch_hits(self, req_id: int, slots: Sequence[int], *, checked: bool = False) -> None:
+        """Fetch every hit of an answered lookup, in its order, into our ``slots`` (as many
+        as the answer's hits; none would close the round: use :meth:`send_fetch` with no
+        keys for that). Only to a peer that takes it (:attr:`peer_takes_fetch_hits`).
+        ``checked``: ``slots`` are distinct ``int`` slots of our region (not walked again)."""
+        self._require_open("send_fetch_hits")
+        r = self._out.get(req_id)
+        self._require(
+            r is not None and r.state is OutState.OPEN, f"send_fetch_hits for request {req_id}"
+        )
+        assert r is not None
+        if not self.peer_takes_fetch_hits:
+            raise LocalProtocolError("the peer does not take fetch_hits", peer=self.peer_id)
+        slots = list(slots)
+        if not slots or len(slots) != r.nhits:
+            raise LocalProtocolError(
+                f"fetch_hits of {len(slots)} slots for a round of {r.nhits} hits",
+                peer=self.peer_id,
+            )
+        if not checked:
+            if not (
+                list(map(type, slots)).count(int) == len(slots)  # exactly int: no bool
+                and min(slots) >= 0
+                and max(slots) < self.local.num_blocks
+            ):
+                raise LocalProtocolError("fetch slot outside our region")
+            if len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
+                raise LocalProtocolError("duplicate destination slot in one fetch")
+        self._emit(trusted(FetchHits, req_id=req_id, slots=slots))
+        r.state = OutState.FETCH_SENT
+        r.nfetch = len(slots)
+
     def send_abort(self, req_id: int) -> None:
         """Give up on a request; its terminal outcome is the peer's abort_ack."""
         self._require_open("send_abort")
@@ -927,7 +1009,7 @@ class SessionProtocol:
         # message is built without running its validators again.
         msg = trusted(LookupResp, req_id=req_id, hits=hits)
         r.state = InState.PINNED
-        r.pins = hits.count(True)
+        r.pins = r.nhits = hits.count(True)
         r.deadline = now + lease
         self._emit(msg)
 

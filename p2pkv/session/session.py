@@ -443,7 +443,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                         await self._answer_lookup(event, turn)  # pins in slices
                     else:
                         if isinstance(event, FetchRequested):
-                            turn.charge(keys=len(event.keys))
+                            turn.charge(keys=len(event.slots))
                         self._handlers[type(event)](event)
                     await turn.pause_if_spent()
             except RemoteProtocolError as exc:
