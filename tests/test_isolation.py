@@ -15,8 +15,9 @@ import pytest
 import trio
 
 from p2pkv import Node, open_node
-from p2pkv.session.protocol import LookupAnswered
+from p2pkv.session.protocol import LookupAnswered, TransferCompleted
 from p2pkv.transport.base import RemotePeer, TransferHandle
+from p2pkv.wire import FetchHits, Outcome, encode
 
 from .helpers import FaultFactory, FaultTransport, RawPeer, config, fill
 
@@ -161,3 +162,56 @@ async def test_a_crashing_session_does_not_cancel_its_siblings() -> None:
             assert result.failed == dict.fromkeys(keys[:2], "transfer_failed")
             assert src.statistics().peers == 1  # dst only
             await sibling_fetch(dst, src, fill(src.store, 2, 4096))
+
+
+async def test_a_fetch_hits_lands_the_rounds_hits_in_order_in_the_named_slots() -> None:
+    """A hand-driven consumer fetches a round by its hits: the producer writes the i-th hit
+    of its answer into ``slots[i]`` (the misses take no slot)."""
+    with trio.fail_after(20):
+        async with open_node(config("src")) as src:
+            keys = fill(src.store, 3, 4096)
+            absent = os.urandom(32)
+            raw = RawPeer(num_blocks=8)
+            await raw.connect(src.address)
+            await raw.handshake()
+            req = raw.proto.send_lookup([keys[2], absent, keys[0], keys[1]])
+            await raw.flush()
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.hits == [True, False, True, True]
+            raw.proto.send_fetch_hits(req, [6, 1, 4])
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.outcomes == [int(Outcome.OK)] * 3
+            for key, slot in ((keys[2], 6), (keys[0], 1), (keys[1], 4)):
+                landed = bytes(raw.array[slot * 4096 : (slot + 1) * 4096])
+                assert landed == bytes(src.store.get(key) or b"")
+            assert src.statistics().pinned_slots == 0
+            await raw.aclose()
+
+
+@pytest.mark.parametrize(
+    ("slots", "match"), [([0], "1 slots for a round of 2"), ([3, 3], "duplicate")]
+)
+async def test_a_lying_fetch_hits_closes_only_its_session(slots: list[int], match: str) -> None:
+    with trio.fail_after(20):
+        async with (
+            open_node(config("src"), transport=slow_factory()) as src,
+            open_node(config("dst")) as dst,
+        ):
+            keys = fill(src.store, 2, 4096)
+            await dst.connect(src.address)
+            raw = RawPeer(num_blocks=8)
+            await raw.connect(src.address)
+            await raw.handshake()
+            req = raw.proto.send_lookup(keys)
+            await raw.flush()
+            assert isinstance(await raw.next_event(), LookupAnswered)
+            assert src.statistics().pinned_slots == 2
+            await raw.send_raw(encode(FetchHits(req_id=req, slots=slots)))
+            bye = await raw.expect_close()
+            assert bye is not None and bye.code == "protocol" and match in bye.reason, bye
+            await raw.aclose()
+            assert src.statistics().pinned_slots == 0  # the liar's round went with it
+            more = fill(src.store, 4, 4096)
+            await sibling_fetch(dst, src, more)  # the node keeps serving
+            assert src.statistics().peers == 1
