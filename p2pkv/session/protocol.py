@@ -31,10 +31,12 @@ Requests
     each of which tells the driver which round's pins to release.
 
 What a peer can make us hold
-    A producer round keeps counts, never key lists (the fetch repeats the keys), and at
+    A producer round keeps counts, never key lists (the fetch repeats the keys, or, as a
+    ``fetch_hits`` from a 1.2 peer, names one slot per hit of our answer, whose count the
+    round keeps; the driver holds the hits), and at
     most ``max_open_requests`` rounds are open. A round whose lease ran out is no longer
     open: it leaves a tombstone (its id), and a fetch for it is answered here, every key
-    ``LEASE_EXPIRED``, with no event for the driver; an abort or an empty fetch just drops
+    (or slot) ``LEASE_EXPIRED``, with no event for the driver; an abort or an empty fetch just drops
     the tombstone. At most ``max_open_requests`` tombstones are kept, oldest dropped
     first; a round whose tombstone was dropped (its id at or below the highest dropped
     one) is treated the same way, so a slow consumer never turns into a protocol error.
