@@ -135,12 +135,17 @@ async def hand_served(
     n_blocks: int = 4,
     virtual: bool = False,
     minor: int = PROTOCOL_MINOR,
+    max_keys_per_request: int | None = None,
     **producer_kw: Any,
 ) -> AsyncIterator[tuple[Node, HandProducer]]:
     """A consumer node ``dst`` connected to a :class:`HandProducer` holding ``n_blocks``
     random blocks; the producer runs for the duration of the block. ``minor``: the
-    protocol version 1.``minor`` its hello claims."""
-    raw = RawPeer()
+    protocol version 1.``minor`` its hello claims; ``max_keys_per_request``: the keys per
+    request it takes (a longer lookup is split into rounds)."""
+    raw_info: dict[str, Any] = {}
+    if max_keys_per_request is not None:
+        raw_info["max_keys_per_request"] = max_keys_per_request
+    raw = RawPeer(**raw_info)
     blocks = {os.urandom(32): os.urandom(BLOCK) for _ in range(n_blocks)}
     offload = VirtualOffload() if virtual else None
     async with open_node(config("dst", **(dst_kw or {})), offload=offload) as dst:
@@ -181,6 +186,59 @@ async def test_a_fetch_of_a_rounds_hits_names_the_round_and_a_fetch_of_part_name
             assert second.keys == [k3] and second.req_id not in producer.by_hits
             st = dst.statistics()
             assert len(dst.store) == 3 and st.reserved_slots == st.quarantined_slots == 0
+
+
+async def test_a_held_round_fetched_in_its_order_is_named_and_in_another_order_is_keyed() -> None:
+    """The producer writes a fetch_hits' slots in its round's order: a fetch of the same
+    keys in another order must name them, or every block would land under another key."""
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=4) as (dst, producer):
+            peer = producer.raw.peer_id
+            keys = list(producer.blocks)
+            rnd = await dst.lookup_round(peer, keys[:2])
+            r = await dst.fetch(peer, keys[:2], rounds=rnd)
+            assert sorted(r.loaded) == sorted(keys[:2])
+            assert producer.by_hits == [rnd.req_ids[0]]
+            rnd = await dst.lookup_round(peer, keys[2:])
+            r = await dst.fetch(peer, keys[:1:-1], rounds=rnd)  # reversed
+            assert sorted(r.loaded) == sorted(keys[2:])
+            last = producer.sent(FetchRequested)[-1]
+            assert last.keys == keys[:1:-1] and last.req_id not in producer.by_hits
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+
+
+async def test_fetch_into_a_held_round_in_another_order_names_its_keys() -> None:
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=2) as (dst, producer):
+            peer = producer.raw.peer_id
+            k0, k1 = producer.blocks
+            rnd = await dst.lookup_round(peer, [k0, k1])
+            r = await dst.fetch_into(peer, [k1, k0], [9, 3], rounds=rnd)
+            assert sorted(r.loaded) == sorted([k0, k1])
+            [fetch] = producer.sent(FetchRequested)
+            assert fetch.keys == [k1, k0] and producer.by_hits == []
+            assert slot_bytes(dst, 9) == producer.blocks[k1]
+            assert slot_bytes(dst, 3) == producer.blocks[k0]
+
+
+async def test_a_lookup_split_into_rounds_fetches_each_round_by_hits_when_in_its_order() -> None:
+    """Two rounds (the producer takes two keys per request): the one fetched in its order
+    goes by hits, the one fetched in another order names its keys."""
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=4, max_keys_per_request=2) as (dst, producer):
+            peer = producer.raw.peer_id
+            k0, k1, k2, k3 = producer.blocks
+            rnd = await dst.lookup_round(peer, [k0, k1, k2, k3])
+            assert len(rnd.req_ids) == 2
+            r = await dst.fetch(peer, [k1, k0, k2, k3], rounds=rnd)
+            assert sorted(r.loaded) == sorted([k0, k1, k2, k3])
+            fetches = {ev.req_id: ev.keys for ev in producer.sent(FetchRequested)}
+            first, second = rnd.req_ids
+            assert fetches == {first: [k1, k0], second: [k2, k3]}
+            assert producer.by_hits == [second]
+            for k in (k0, k1, k2, k3):
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
 
 
 async def test_a_producer_speaking_protocol_1_1_is_sent_the_keys() -> None:

@@ -195,22 +195,30 @@ async def test_a_peer_that_never_fetches_is_held_to_its_caps_and_expired_rounds_
         await raw.aclose()
 
 
+@pytest.mark.parametrize("by_hits", [False, True], ids=["fetch", "fetch_hits"])
 async def test_over_the_keys_cap_a_lookup_gets_misses_and_a_fetch_over_cap(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, by_hits: bool
 ) -> None:
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # fetches stay in flight
     async with node("src", factory=hanging, max_keys_held_per_peer=200) as src:
         present = fill(src.store, 64, 4096)
         raw, session = await connected(src)
+
+        def fetch(req: int) -> None:  # the round's hits, by their keys or by the round
+            if by_hits:
+                raw.proto.send_fetch_hits(req, list(range(64)))
+            else:
+                raw.proto.send_fetch(req, present, list(range(64)))
+
         a, hits = await looked_up(raw, present)
         assert all(hits)  # held: 64 pins
-        raw.proto.send_fetch(a, present, list(range(64)))
+        fetch(a)
         await raw.flush()
         await trio.sleep(0.5)
         assert session.proto.keys_held() == 128  # the pins and the fetch in flight
         b, hits = await looked_up(raw, present)
         assert all(hits)  # 128 + 64 answering keys <= 200
-        raw.proto.send_fetch(b, present, list(range(64)))  # 192 + 64 > 200
+        fetch(b)  # 192 + 64 > 200
         await raw.flush()
         done = await raw.next_event()
         assert isinstance(done, TransferCompleted) and done.req_id == b

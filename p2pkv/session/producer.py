@@ -91,8 +91,8 @@ class HeldRound:
 
     def hit_sources(self, n: int) -> list[int | None]:
         """For a ``fetch_hits`` of ``n`` slots: the source slot of every hit, in the
-        lookup's order; n Nones if the round holds its hits no more (its pins were released,
-        or a write did not settle), as a fetch naming the keys would find them."""
+        lookup's order; n Nones if the round holds its hits no more (the host took its pins
+        back: a fresh, empty round), as a fetch naming the keys would find them."""
         return list(self.slots) if len(self.slots) == n else [None] * n
 
     def forget(self) -> None:
