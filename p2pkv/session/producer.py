@@ -293,6 +293,7 @@ class ProducerSide(SessionParts):
                     for i, crc in zip(plan_idx, got, strict=True):
                         sums[i] = crc
         finally:
+            quiet = False
             with trio.CancelScope(shield=True):
                 quiet = await self._settle(posted, settled, outcomes)
                 self.inflight_bytes -= len(plan_idx) * bl
@@ -302,18 +303,23 @@ class ProducerSide(SessionParts):
                     # The reply first: the consumer lands while we unpin (the sources are
                     # read no more, so the order does not matter to anyone else).
                     self._reply(req, outcomes, sums)
-                    try:
-                        if self.alive:
-                            await self._flush()
-                    finally:  # unless a restart of the peer dropped it meanwhile
-                        if self._pinned.get(req) is held:
-                            self._release_round(req)
                 else:  # the data plane may still read the sources and write the peer
                     held.quarantined = True
                     held.forget()
                     node.defer(cfg.quarantine, self._quarantine_over, req, held, outcomes, sums)
-                    if self.alive:
-                        await self._flush()
+            try:
+                if self.alive:
+                    # Not shielded: a peer that stops reading must not keep the session
+                    # (and the node's close) waiting here; a closing session cancels it.
+                    await self._flush()
+            finally:
+                if quiet:
+                    # By identity: a restart of the peer may have dropped the round
+                    # meanwhile, and its new incarnation reused the id (unpin is
+                    # idempotent: pins already released are not released again).
+                    if self._pinned.get(req) is held:
+                        del self._pinned[req]
+                    node.unpin(held.owner)
 
     def _post_run(
         self,
