@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
 
 import msgpack
 import pytest
@@ -68,18 +70,26 @@ async def sibling_fetch(node: Node, src: Node, keys: Sequence[bytes]) -> None:
         assert bytes(node.store.get(k) or b"") == bytes(src.store.get(k) or b"x")
 
 
+@asynccontextmanager
+async def hostile_beside_a_sibling(**raw_info: Any) -> AsyncIterator[tuple[Node, Node, RawPeer]]:
+    """A node ``src`` (slow writes) serving a well-behaved sibling node ``dst``, and a
+    hand-driven peer connected to ``src``, handshake done."""
+    async with (
+        open_node(config("src"), transport=slow_factory()) as src,
+        open_node(config("dst")) as dst,
+    ):
+        await dst.connect(src.address)
+        raw = RawPeer(**raw_info)
+        await raw.connect(src.address)
+        await raw.handshake()
+        yield src, dst, raw
+
+
 @pytest.mark.parametrize("name", sorted(CORPUS))
 async def test_malformed_frame_closes_only_its_session(name: str) -> None:
     with trio.fail_after(20):
-        async with (
-            open_node(config("src"), transport=slow_factory()) as src,
-            open_node(config("dst")) as dst,
-        ):
+        async with hostile_beside_a_sibling() as (src, dst, raw):
             keys = fill(src.store, 16, 4096)
-            await dst.connect(src.address)
-            raw = RawPeer()
-            await raw.connect(src.address)
-            await raw.handshake()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sibling_fetch, dst, src, keys)
                 await raw.send_raw(CORPUS[name])
@@ -194,15 +204,8 @@ async def test_a_fetch_hits_lands_the_rounds_hits_in_order_in_the_named_slots() 
 )
 async def test_a_lying_fetch_hits_closes_only_its_session(slots: list[int], match: str) -> None:
     with trio.fail_after(20):
-        async with (
-            open_node(config("src"), transport=slow_factory()) as src,
-            open_node(config("dst")) as dst,
-        ):
+        async with hostile_beside_a_sibling(num_blocks=8) as (src, dst, raw):
             keys = fill(src.store, 2, 4096)
-            await dst.connect(src.address)
-            raw = RawPeer(num_blocks=8)
-            await raw.connect(src.address)
-            await raw.handshake()
             req = raw.proto.send_lookup(keys)
             await raw.flush()
             assert isinstance(await raw.next_event(), LookupAnswered)

@@ -644,8 +644,9 @@ def test_bad_fetch_is_a_protocol_error(fetch: Callable[[int], Fetch], match: str
     assert_protocol_error(pair.a, encode(fetch(req)), match)
 
 
+@pytest.mark.parametrize("by_hits", [False, True], ids=["fetch", "fetch_hits"])
 @pytest.mark.parametrize("stage", ["answering", "writing", "closed_by_empty_fetch", "done"])
-def test_fetch_outside_an_open_round_is_a_protocol_error(stage: str) -> None:
+def test_fetch_outside_an_open_round_is_a_protocol_error(stage: str, by_hits: bool) -> None:
     pair = ready_pair()
     a, b = pair.a, pair.b
     req = b.send_lookup([K1])
@@ -657,13 +658,17 @@ def test_fetch_outside_an_open_round_is_a_protocol_error(stage: str) -> None:
             b.send_fetch(req, [], [])
             pair.deliver(b)
         else:
-            b.send_fetch(req, [K1], [0])
+            if by_hits:
+                b.send_fetch_hits(req, [0])
+            else:
+                b.send_fetch(req, [K1], [0])
             pair.deliver(b)
             if stage == "done":
                 a.send_transfer_done(req, [OK])
                 pair.deliver(a)
     a.data_to_send()
-    assert_protocol_error(a, encode(Fetch(req_id=req, keys=[K1], slots=[1])), "no open lookup")
+    late = FetchHits(req_id=req, slots=[1]) if by_hits else Fetch(req_id=req, keys=[K1], slots=[1])
+    assert_protocol_error(a, encode(late), "no open lookup")
 
 
 # --- fetch_hits (protocol 1.2): a fetch of every hit of a round, by the round ------------
@@ -787,24 +792,6 @@ def test_fetch_hits_over_the_key_limit_is_a_protocol_error(expired: bool) -> Non
     over = 9
     fetch = FetchHits(req_id=req, slots=list(range(over)))
     assert_protocol_error(pair.a, encode(fetch), f"{over} slots in one request")
-
-
-@pytest.mark.parametrize("stage", ["answering", "writing", "done"])
-def test_fetch_hits_outside_an_open_round_is_a_protocol_error(stage: str) -> None:
-    pair = ready_pair()
-    a, b = pair.a, pair.b
-    req = b.send_lookup([K1])
-    pair.deliver(b)
-    if stage != "answering":
-        a.send_lookup_resp(req, [True], 0.0, 10.0)
-        pair.deliver(a)
-        b.send_fetch_hits(req, [0])
-        pair.deliver(b)
-        if stage == "done":
-            a.send_transfer_done(req, [OK])
-            pair.deliver(a)
-    a.data_to_send()
-    assert_protocol_error(a, encode(FetchHits(req_id=req, slots=[1])), "no open lookup")
 
 
 def test_fetch_hits_on_an_expired_round_is_answered_lease_expired_per_slot() -> None:

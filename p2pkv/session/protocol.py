@@ -908,14 +908,7 @@ class SessionProtocol:
             raise LocalProtocolError("fetch: keys and slots differ in length")
         slots = list(slots)
         if not checked:
-            if slots and not (
-                list(map(type, slots)).count(int) == len(slots)  # exactly int: no bool
-                and min(slots) >= 0
-                and max(slots) < self.local.num_blocks
-            ):
-                raise LocalProtocolError("fetch slot outside our region")
-            if len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
-                raise LocalProtocolError("duplicate destination slot in one fetch")
+            self._check_own_slots(slots)
         # Keys and slots checked just above, within the wire's limits: no second validation.
         msg = trusted(Fetch, req_id=req_id, keys=list(keys), slots=slots)
         self._emit(msg)
@@ -924,6 +917,18 @@ class SessionProtocol:
         else:
             r.state = OutState.FETCH_SENT
             r.nfetch = len(msg.keys)
+
+    def _check_own_slots(self, slots: list[int]) -> None:
+        """Our fetch's destination slots, before anything is sent: exactly ints, inside our
+        region, each named once (the peer rejects anything else as a protocol error)."""
+        if slots and not (
+            list(map(type, slots)).count(int) == len(slots)  # exactly int: no bool
+            and min(slots) >= 0
+            and max(slots) < self.local.num_blocks
+        ):
+            raise LocalProtocolError("fetch slot outside our region")
+        if len(set(slots)) != len(slots):
+            raise LocalProtocolError("duplicate destination slot in one fetch")
 
     @property
     def peer_takes_fetch_hits(self) -> bool:
@@ -951,14 +956,7 @@ class SessionProtocol:
                 peer=self.peer_id,
             )
         if not checked:
-            if not (
-                list(map(type, slots)).count(int) == len(slots)  # exactly int: no bool
-                and min(slots) >= 0
-                and max(slots) < self.local.num_blocks
-            ):
-                raise LocalProtocolError("fetch slot outside our region")
-            if len(set(slots)) != len(slots):  # the peer rejects this as a protocol error
-                raise LocalProtocolError("duplicate destination slot in one fetch")
+            self._check_own_slots(slots)
         self._emit(trusted(FetchHits, req_id=req_id, slots=slots))
         r.state = OutState.FETCH_SENT
         r.nfetch = len(slots)
