@@ -733,25 +733,55 @@ class SessionProtocol:
         )
 
     def _on_fetch(self, m: Fetch) -> Event | None:
-        r = self._in.get(m.req_id)
-        expired = self._was_expired(m.req_id)
-        if not expired and (r is None or r.state is not InState.PINNED):
-            raise RemoteProtocolError(f"fetch for request {m.req_id} with no open lookup")
+        r = self._fetched_round(m.req_id, m.TAG)
         self._check_keys(m.keys)
         self._check_slots(m.slots)
-        if expired:  # nothing is pinned: answered here, the round ends
-            self._expired.pop(m.req_id, None)
-            if m.keys:
-                lease_expired = int(Outcome.LEASE_EXPIRED)
-                self._emit(TransferDone(req_id=m.req_id, outcomes=[lease_expired] * len(m.keys)))
+        return self._begin_write(m.req_id, r, m.keys, m.slots)
+
+    def _on_fetch_hits(self, m: FetchHits) -> Event | None:
+        """A fetch of every hit of a round: as :meth:`_on_fetch`, with the slots counted
+        against the hits of our answer instead of keys checked."""
+        r = self._fetched_round(m.req_id, m.TAG)
+        if len(m.slots) > self.local.max_keys_per_request:
+            raise RemoteProtocolError(
+                f"{len(m.slots)} slots in one request (cap {self.local.max_keys_per_request})"
+            )
+        self._check_slots(m.slots)
+        if r is not None and len(m.slots) != r.nhits:
+            raise RemoteProtocolError(
+                f"fetch_hits of {len(m.slots)} slots for a round of {r.nhits} hits"
+            )
+        return self._begin_write(m.req_id, r, None, m.slots)
+
+    def _fetched_round(self, req_id: int, tag: str) -> _InReq | None:
+        """The pinned round a fetch names; None if its lease ran out (a tombstone, or one
+        dropped). Any other round, or none, is the peer's protocol error."""
+        r = self._in.get(req_id)
+        if self._was_expired(req_id):
             return None
-        assert r is not None
-        if not m.keys:
-            del self._in[m.req_id]
-            return RoundClosed(m.req_id)
+        if r is None or r.state is not InState.PINNED:
+            raise RemoteProtocolError(f"{tag} for request {req_id} with no open lookup")
+        return r
+
+    def _begin_write(
+        self, req_id: int, r: _InReq | None, keys: list[bytes] | None, slots: list[int]
+    ) -> Event | None:
+        """A checked fetch of ``len(slots)`` keys: answered here if the round's lease ran
+        out (``r`` None: nothing is pinned, every key ``LEASE_EXPIRED``, the round ends),
+        an empty one closes the round, anything else is written by the driver."""
+        n = len(slots)
+        if r is None:
+            self._expired.pop(req_id, None)
+            if n:
+                lease_expired = int(Outcome.LEASE_EXPIRED)
+                self._emit(TransferDone(req_id=req_id, outcomes=[lease_expired] * n))
+            return None
+        if not n:
+            del self._in[req_id]
+            return RoundClosed(req_id)
         r.state = InState.WRITING
-        r.nfetch = len(m.keys)
-        return FetchRequested(m.req_id, m.keys, m.slots)
+        r.nfetch = n
+        return FetchRequested(req_id, keys, slots)
 
     def _check_slots(self, slots: list[int]) -> None:
         """A fetch's destination slots: inside the peer's region, each named once."""
@@ -761,36 +791,6 @@ class SessionProtocol:
             raise RemoteProtocolError(f"destination slot outside the peer's {n} blocks")
         if len(set(slots)) != len(slots):
             raise RemoteProtocolError("duplicate destination slot in one fetch")
-
-    def _on_fetch_hits(self, m: FetchHits) -> Event | None:
-        """A fetch of every hit of a round: as :meth:`_on_fetch`, with the slots counted
-        against the hits of our answer instead of keys checked."""
-        r = self._in.get(m.req_id)
-        expired = self._was_expired(m.req_id)
-        if not expired and (r is None or r.state is not InState.PINNED):
-            raise RemoteProtocolError(f"fetch_hits for request {m.req_id} with no open lookup")
-        if len(m.slots) > self.local.max_keys_per_request:
-            raise RemoteProtocolError(
-                f"{len(m.slots)} slots in one request (cap {self.local.max_keys_per_request})"
-            )
-        self._check_slots(m.slots)
-        if expired:  # nothing is pinned (the hit count went with the round): answered here
-            self._expired.pop(m.req_id, None)
-            if m.slots:
-                lease_expired = int(Outcome.LEASE_EXPIRED)
-                self._emit(TransferDone(req_id=m.req_id, outcomes=[lease_expired] * len(m.slots)))
-            return None
-        assert r is not None
-        if len(m.slots) != r.nhits:
-            raise RemoteProtocolError(
-                f"fetch_hits of {len(m.slots)} slots for a round of {r.nhits} hits"
-            )
-        if not m.slots:
-            del self._in[m.req_id]
-            return RoundClosed(m.req_id)
-        r.state = InState.WRITING
-        r.nfetch = len(m.slots)
-        return FetchRequested(m.req_id, None, m.slots)
 
     def _on_abort(self, m: Abort) -> Event | None:
         r = self._in.get(m.req_id)
