@@ -242,7 +242,7 @@ async def test_a_flush_the_kernel_takes_at_once_does_not_yield_and_a_big_one_arr
 ):
     """On plain TCP a flush hands the bytes to the kernel without a trip through the
     scheduler (the caller takes no step of its own inside it). What the kernel will not take
-    at once (a 4 KiB send buffer against a 1,024-key lookup) goes through ``send_all``, in
+    at once (a 4 KiB send buffer against a 1,024-key lookup) goes through ``_send_rest``, in
     order: the peer answers the lookup. The session's duplicate of the socket is closed with
     the session."""
     with trio.fail_after(20):
@@ -267,7 +267,7 @@ async def test_a_flush_the_kernel_takes_at_once_does_not_yield_and_a_big_one_arr
 
 async def test_two_lookups_at_once_on_the_same_keys_through_a_small_send_buffer() -> None:
     """Two tasks look up the same 1,024 keys at once while the kernel takes only part of
-    each frame: what one flush leaves to ``send_all`` must reach the peer before the other
+    each frame: what one flush leaves to ``_send_rest`` must reach the peer before the other
     task's frame starts (frames interleaved on the wire would be a protocol error that
     closes the session). Both rounds are answered, each with every key a hit."""
     with trio.fail_after(20):

@@ -3,38 +3,38 @@ connection and reuses the round's request id (the old round's pins are still rel
 once, and the new round is not), and while the node closes (it does not wait forever).
 
 Real TCP on loopback with a hand-driven peer; the session's sends are held by a gate
-(FAKE: a full socket send buffer: ``_send_now`` takes nothing and ``send_all`` waits).
+(FAKE: a full socket send buffer: ``_send_now`` takes nothing and ``_send_rest`` waits).
 Autojump clock with VirtualOffload (inline, no real threads).
 """
 
 from __future__ import annotations
 
 import socket
-from typing import Any
 
 import attrs
 import pytest
 import trio
 import trio.testing
 
-from p2pkv.session.protocol import SessionProtocol
+from p2pkv.session.protocol import SessionProtocol, TransferCompleted
 from p2pkv.session.session import PeerSession
-from p2pkv.wire import Lookup, encode
+from p2pkv.wire import Lookup, Outcome, encode
 
-from .helpers import fill
+from .helpers import RawPeer, fill
 from .test_producer_caps import connected, looked_up, node
 
 
 class SendGate:
     """FAKE full send buffer for one session: while shut, nothing the session sends
-    reaches the kernel (every flush parks in ``send_all``, holding the send lock)."""
+    reaches the kernel (every flush parks in ``_send_rest``, holding the send lock; the
+    wait is outside its deadline, so shut longer than ``idle_timeout`` means nothing)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.session: PeerSession | None = None
         self.open = trio.Event()
         self.open.set()
         real_send_now = PeerSession._send_now
-        real_send_all = trio.SocketStream.send_all
+        real_send_rest = PeerSession._send_rest
         gate = self
 
         def send_now(s: PeerSession, data: bytes) -> int:
@@ -42,13 +42,13 @@ class SendGate:
                 return 0
             return real_send_now(s, data)
 
-        async def send_all(stream: trio.SocketStream, data: Any) -> None:
-            if gate.session is not None and stream is gate.session.stream:
+        async def send_rest(s: PeerSession, rest: memoryview) -> None:
+            if s is gate.session:
                 await gate.open.wait()
-            await real_send_all(stream, data)
+            await real_send_rest(s, rest)
 
         monkeypatch.setattr(PeerSession, "_send_now", send_now)
-        monkeypatch.setattr(trio.SocketStream, "send_all", send_all)
+        monkeypatch.setattr(PeerSession, "_send_rest", send_rest)
 
     def shut(self, session: PeerSession) -> None:
         self.session, self.open = session, trio.Event()
@@ -67,7 +67,7 @@ async def test_reply_stuck_in_send_while_peer_restarts_and_reuses_the_request_id
         old = s._pinned[req]
 
         # The fetch is written and settles; its transfer_done is queued, and the flush
-        # that sends it parks in send_all (holding the send lock).
+        # that sends it parks in `_send_rest` (holding the send lock).
         gate.shut(s)
         raw.proto.send_fetch(req, keys_a, [0, 1, 2, 3])
         await raw.flush()
@@ -116,7 +116,7 @@ async def test_a_reply_stuck_in_a_full_socket_does_not_hold_the_node_close(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A peer that keeps the connection but never reads again (small socket buffers, a
-    transfer_done too big for them): the write task's reply is stuck in send_all. The
+    transfer_done too big for them): the write task's reply is stuck in its send. The
     node's close must still end the session and release the round's pins."""
     n = 65536
     async with node(
@@ -153,3 +153,121 @@ async def test_a_reply_stuck_in_a_full_socket_does_not_hold_the_node_close(
             await raw.aclose()  # in any case: the send then fails and everything ends
         # A node's close ends each session within close_timeout (2 s) a stage.
         assert state == (True, 0)
+
+
+@pytest.mark.parametrize("pinging", [False, True], ids=["silent", "pinging"])
+async def test_a_peer_that_stops_reading_is_dropped_alone_after_idle_timeout(
+    autojump_clock: trio.testing.MockClock, pinging: bool
+) -> None:
+    """A peer that keeps the connection but stops reading (small socket buffers, a
+    transfer_done too big for them) leaves the write task's reply stuck in its send,
+    holding the send lock: the keepalive's ping and the reader's pong then wait behind it.
+    Silent or still pinging us, such a peer must lose its session once our send has made
+    no headway for ``idle_timeout``, with its pins released, while another peer is served
+    throughout."""
+    n = 65536
+    async with node(
+        "src",
+        block_len=64,
+        verify_checksums=True,
+        max_keys_held_per_peer=1 << 20,
+        idle_timeout=30.0,
+        heartbeat_interval=5.0,
+    ) as src:
+        keys = fill(src.store, 4, 64)
+        raw, s = await connected(src, num_blocks=n, block_len=64)
+        other, _ = await connected(src, num_blocks=16, block_len=64)
+        miss = [bytes([i & 255, i >> 8]) * 16 for i in range(n - 4)]
+        req, hits = await looked_up(raw, keys + miss)
+        assert sum(hits) == 4
+        assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
+        s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.proto.send_fetch(req, keys + miss, list(range(n)))
+        await raw.flush()
+        await trio.sleep(1.0)
+        assert s._send_lock.locked() and s._write_done == {}  # the reply is stuck
+        held = s._pinned[req]
+        assert src.store.pinned_slots == 4
+        stuck_at = trio.current_time() - 1.0
+
+        async def ping_forever() -> None:
+            while True:
+                raw.proto.send_ping()
+                await raw.flush()
+                await trio.sleep(1.0)
+
+        async with trio.open_nursery() as nursery:
+            if pinging:
+                nursery.start_soon(ping_forever)
+            # The other peer is served while the stuck one waits out its timeout.
+            for _ in range(5):
+                _, other_hits = await looked_up(other, keys)
+                assert other_hits == [True] * 4
+                await trio.sleep(5.0)
+            with trio.fail_after(60):
+                await s.finished.wait()
+            dropped_after = trio.current_time() - stuck_at
+            nursery.cancel_scope.cancel()
+        # No headway for idle_timeout from the stuck send's start (within the second
+        # after the fetch went out), then the close, which sends nothing more.
+        assert 30.0 <= dropped_after <= 32.0, dropped_after
+        assert s.close_reason is not None and "reading" in s.close_reason, s.close_reason
+        assert s._pinned == {} and src.store.unpin(held.owner) == 0
+        _, other_hits = await looked_up(other, keys)
+        assert other_hits == [True] * 4
+        await raw.aclose()
+        await other.aclose()
+
+
+async def test_a_slow_reader_that_makes_headway_keeps_its_session(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The send deadline is for headway, not for the whole reply: a peer that reads a
+    little of a big transfer_done every 10 s (a third of ``idle_timeout``) for far longer
+    than ``idle_timeout`` in all keeps its session and gets the whole reply."""
+    n = 65536
+    async with node(
+        "src",
+        block_len=64,
+        verify_checksums=True,
+        max_keys_held_per_peer=1 << 20,
+        idle_timeout=30.0,
+        heartbeat_interval=5.0,
+    ) as src:
+        keys = fill(src.store, 4, 64)
+        # A receive buffer set before the connection (its window scale is agreed then):
+        # small, so the node's reply stays mostly in its own send path, paced by our reads.
+        raw = RawPeer(num_blocks=n, block_len=64)
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        await sock.connect(src.address)
+        raw.stream = trio.SocketStream(sock)
+        await raw.handshake()
+        s = src._by_peer[raw.peer_id]
+        miss = [bytes([i & 255, i >> 8]) * 16 for i in range(n - 4)]
+        req, _ = await looked_up(raw, keys + miss)
+        assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
+        s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        raw.proto.send_fetch(req, keys + miss, list(range(n)))
+        await raw.flush()
+        start = trio.current_time()
+        done: TransferCompleted | None = None
+        got = 0
+        with trio.fail_after(3600):
+            while done is None:
+                await trio.sleep(10.0)
+                raw.proto.send_ping()  # as the side that dialed does: the node hears from us
+                await raw.flush()
+                data = await raw.stream.receive_some(16384)
+                got += len(data)
+                assert data, s.close_reason
+                raw.proto.receive_data(data)
+                while (ev := raw.proto.next_event()) is not None:
+                    if isinstance(ev, TransferCompleted):
+                        done = ev
+        assert trio.current_time() - start > 2 * 30.0  # far longer than the timeout
+        assert got > 100_000  # the reply, whole (its checksums make it ~130 KB)
+        assert done.req_id == req and done.outcomes[:4] == [int(Outcome.OK)] * 4
+        assert s.alive and s.close_reason is None
+        await raw.aclose()

@@ -334,7 +334,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             try:
                 sent = self._send_now(data)
                 if sent < len(data):
-                    await self.stream.send_all(memoryview(data)[sent:])
+                    await self._send_rest(memoryview(data)[sent:])
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._send_broken = True
                 self._fail(exc, f"connection lost while sending: {exc}", "transport")
@@ -343,6 +343,50 @@ class PeerSession(ProducerSide, ConsumerSide):
                 raise
         finally:
             lock.release()
+
+    async def _send_rest(self, rest: memoryview) -> None:
+        """What the kernel would not take at once; the session fails if that much of it
+        stays unsent for ``idle_timeout``.
+
+        A peer that keeps the connection open but stops reading would otherwise hold this
+        send, and with it the send lock, for ever: the keepalive's ping and the reader's
+        next flush wait behind it, so neither the idle deadline nor anything else would end
+        the session (its rounds' pins held all the while). On a plain TCP stream the
+        deadline is for headway: each send the kernel takes part of moves it on, so a slow
+        reader keeps its session and only one that takes nothing for that long loses it.
+        A TLS stream's ``send_all`` cannot tell, so there the whole rest must go out within
+        it. The scope is entered only here, off the usual path where the kernel takes
+        everything in :meth:`_send_now`."""
+        idle = self.cfg.idle_timeout
+        raw = self._raw_socket()
+        with trio.CancelScope(deadline=trio.current_time() + idle) as cs:
+            if raw is None:
+                await self.stream.send_all(rest)
+            while raw is not None and rest:
+                await trio.lowlevel.wait_writable(raw)
+                try:
+                    sent = raw.send(rest)
+                except BlockingIOError:  # woken without room (rare): wait again
+                    continue
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+                rest = rest[sent:]
+                # Headway: the peer reads. It counts as hearing from it, for while this
+                # send holds the lock our reader waits behind it and reads no frames.
+                self._heard_from()
+                cs.deadline = self._last_rx + idle
+        if cs.cancelled_caught:
+            # Cut mid-send: the stream is undefined now, so nothing more goes out on it.
+            self._send_broken = True
+            self._fail(
+                P2PKVTimeout(
+                    f"peer stopped reading: no send made headway for {idle:.1f} s",
+                    peer=self.peer_id,
+                    op="send",
+                ),
+                "peer stopped reading",
+                "timeout",
+            )
 
     def _send_now(self, data: bytes) -> int:
         """Hand ``data`` to the kernel without a trip through the scheduler: bytes sent.
@@ -456,16 +500,21 @@ class PeerSession(ProducerSide, ConsumerSide):
             # below is on its path.
             await self._flush()
             if self.proto.frames_received != frames:  # bytes alone are not a sign of life
-                self._last_rx = trio.current_time()
+                self._heard_from()
                 self._rx.unpark_all()
-                # The keepalive need not look before the peer has been quiet this long. Its
-                # deadline moves only once it is within a quarter of that (moving one costs
-                # a few microseconds a frame): it may then wake early, once after a burst,
-                # find the peer was not quiet long enough, and sleep again.
-                if (quiet := self._quiet) is not None and (
-                    quiet.deadline < self._last_rx + self._quiet_after * 0.75
-                ):
-                    quiet.deadline = self._last_rx + self._quiet_after
+
+    def _heard_from(self) -> None:
+        """The peer showed it is alive now: a frame from it, or our send making headway
+        (it read what we sent)."""
+        self._last_rx = trio.current_time()
+        # The keepalive need not look before the peer has been quiet this long. Its
+        # deadline moves only once it is within a quarter of that (moving one costs a few
+        # microseconds a frame): it may then wake early, once after a burst, find the peer
+        # was not quiet long enough, and sleep again.
+        if (quiet := self._quiet) is not None and (
+            quiet.deadline < self._last_rx + self._quiet_after * 0.75
+        ):
+            quiet.deadline = self._last_rx + self._quiet_after
 
     async def _handshake_deadline(self) -> None:
         with trio.move_on_after(self.cfg.handshake_timeout):
