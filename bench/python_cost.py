@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -290,6 +291,29 @@ def figures(res: dict[str, list[float]], v: str, n: int) -> dict[str, list[float
     return out
 
 
+def fixed_and_marginal(sizes: dict[str, dict[str, list[float]]], v: str) -> dict[str, float]:
+    """Variant ``v``'s cycle split into what every cycle pays and what each block adds: a
+    least-squares line through the median Python CPU per cycle (us) against the blocks per
+    cycle, ``fixed`` (its intercept, us per cycle) and ``marginal`` (its slope, us per
+    block), and the slope between each two adjacent sizes (``"256-1024"``...). A per-block
+    average that falls with size while the slopes stay level is a fixed cost per cycle, not
+    work that grows faster than the blocks. Empty with fewer than two sizes."""
+    points = []
+    for size, res in sorted(sizes.items(), key=lambda kv: int(kv[0])):
+        n = int(size)
+        fig = figures(res, v, n)
+        points.append((n, statistics.median(fig.get("python", fig["over bare"])) * n))
+    if len(points) < 2:
+        return {}
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x in xs)
+    out = {"fixed": my - slope * mx, "marginal": slope}
+    for (x1, y1), (x2, y2) in itertools.pairwise(points):
+        out[f"{x1}-{x2}"] = (y2 - y1) / (x2 - x1)
+    return out
+
+
 def summary(values: Sequence[float]) -> str:
     return f"{statistics.median(values):6.2f} [{min(values):.2f}-{max(values):.2f}]"
 
@@ -386,6 +410,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{'PASS' if ok else 'FAIL'}: {what} {got:.2f} us per block at {n} blocks "
                     f"(target <= {TARGET_US:.0f} us)"
                 )
+    for v in variants:
+        split = fixed_and_marginal(raw["sizes"], v)
+        if split:
+            steps = ", ".join(f"{k} {x:.2f}" for k, x in split.items() if "-" in k)
+            print(
+                f"  {v}: fixed {split['fixed']:.0f} us per cycle + {split['marginal']:.2f} us "
+                f"per block (least squares over the medians); between sizes: {steps}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(raw, f, indent=1)

@@ -329,7 +329,7 @@ def render_control_plane(res: Json, machine: str) -> str:
 
 
 def render_python_cost(res: Json, machine: str) -> str:
-    from python_cost import figures  # bench/ is on sys.path when run as a script
+    from python_cost import figures, fixed_and_marginal  # bench/ is on sys.path as a script
 
     sizes = sorted(res["sizes"], key=int)
     variants = ["p2pkv"] + (["baseline"] if res.get("baseline") else [])
@@ -374,6 +374,18 @@ def render_python_cost(res: Json, machine: str) -> str:
         "block at 4,096 blocks, flat from 256 to 16,384.",
         table(header, rows),
     ]
+    for v in variants:
+        split = fixed_and_marginal(res["sizes"], v)
+        if split:
+            steps = ", ".join(
+                f"{k.replace('-', ' to ')}: {x:.2f}" for k, x in split.items() if "-" in k
+            )
+            out.append(
+                f"Fixed and marginal ({v}; a least-squares line through the medians' Python "
+                f"CPU per cycle): {split['fixed'] / 1000:.2f} ms per cycle + "
+                f"{split['marginal']:.2f} us per block. What one more block costs, between "
+                f"adjacent sizes, us: {steps}."
+            )
 
     def lines(ax: Any) -> None:
         xs = [int(s) for s in sizes]

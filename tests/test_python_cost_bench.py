@@ -53,3 +53,30 @@ def test_a_rep_is_as_many_cycles_as_make_the_target_block_count() -> None:
 
     assert [cycles(n) for n in (1, 16, 256, 1024, 4096, 16384)] == [4096, 256, 16, 4, 1, 1]
     assert cycles(3000) == 1 and cycles(256, given=1) == 1 and cycles(4096, given=3) == 3
+
+
+def test_fixed_and_marginal_recovers_a_line_and_shows_where_it_bends() -> None:
+    """Per-cycle Python CPU of 500 us + 2 us a block (``copy`` taken out of ``total``):
+    the fit gives both back, and so does every step between sizes; a size whose cycles
+    cost 1 us a block more moves its steps, not the others."""
+
+    def result(us_per_cycle: float, n: int) -> dict[str, list[float]]:
+        total = (us_per_cycle + 10.0 * n) * 1e-6  # 10 us a block of copy on top
+        return {
+            "p2pkv_cpu": [total] * 3,
+            "p2pkv_copy": [10.0 * n * 1e-6] * 3,
+            "bare_cpu": [0.0] * 3,
+            "p2pkv_trio": [0.0] * 3,
+            "p2pkv_gc": [0.0] * 3,
+        }
+
+    sizes = {str(n): result(500.0 + 2.0 * n, n) for n in (256, 1024, 4096)}
+    split = python_cost.fixed_and_marginal(sizes, "p2pkv")
+    assert split["fixed"] == pytest.approx(500.0)
+    assert split["marginal"] == pytest.approx(2.0)
+    assert split["256-1024"] == pytest.approx(2.0) and split["1024-4096"] == pytest.approx(2.0)
+    sizes["4096"] = result(500.0 + 3.0 * 4096, 4096)
+    split = python_cost.fixed_and_marginal(sizes, "p2pkv")
+    assert split["256-1024"] == pytest.approx(2.0)
+    assert split["1024-4096"] == pytest.approx((500 + 3.0 * 4096 - 500 - 2.0 * 1024) / 3072)
+    assert python_cost.fixed_and_marginal({"256": sizes["256"]}, "p2pkv") == {}
