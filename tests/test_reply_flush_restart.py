@@ -10,13 +10,21 @@ Autojump clock with VirtualOffload (inline, no real threads).
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import pytest
 import trio
 import trio.testing
 
-from p2pkv.session.protocol import SessionProtocol, TransferCompleted
+from p2pkv import Node
+from p2pkv.session.protocol import (
+    LookupAnswered,
+    LookupRequested,
+    SessionProtocol,
+    TransferCompleted,
+)
 from p2pkv.session.session import PeerSession
 from p2pkv.wire import Lookup, Outcome, encode
 
@@ -25,16 +33,18 @@ from .test_producer_caps import connected, looked_up, node
 
 
 class SendGate:
-    """FAKE full send buffer for one session: while shut, nothing the session sends
-    reaches the kernel (every flush parks in ``_send_rest``, holding the send lock; the
-    wait is outside its deadline, so shut longer than ``idle_timeout`` means nothing)."""
+    """FAKE full send buffer for one session: while shut, the kernel takes nothing the
+    session sends (``_send_now`` takes nothing, and waiting for the socket to be writable
+    waits for the gate), so every flush parks in ``_send_rest``, holding the send lock, under
+    its real deadline. A real socket's buffers make no such promise: loopback may take a
+    whole reply into a peer's receive queue, whatever buffer sizes the test sets."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.session: PeerSession | None = None
         self.open = trio.Event()
         self.open.set()
         real_send_now = PeerSession._send_now
-        real_send_rest = PeerSession._send_rest
+        real_wait_writable = trio.lowlevel.wait_writable
         gate = self
 
         def send_now(s: PeerSession, data: bytes) -> int:
@@ -42,16 +52,29 @@ class SendGate:
                 return 0
             return real_send_now(s, data)
 
-        async def send_rest(s: PeerSession, rest: memoryview) -> None:
-            if s is gate.session:
+        async def wait_writable(sock: Any) -> None:
+            if gate.session is not None and sock is gate.session._raw:
                 await gate.open.wait()
-            await real_send_rest(s, rest)
+            await real_wait_writable(sock)
 
         monkeypatch.setattr(PeerSession, "_send_now", send_now)
-        monkeypatch.setattr(PeerSession, "_send_rest", send_rest)
+        monkeypatch.setattr(trio.lowlevel, "wait_writable", wait_writable)
 
     def shut(self, session: PeerSession) -> None:
         self.session, self.open = session, trio.Event()
+
+
+async def connected_small(n: Node, rcvbuf: int, **info: Any) -> tuple[RawPeer, PeerSession]:
+    """A hand-driven peer whose receive buffer is ``rcvbuf`` bytes from before it connects:
+    the window it offers is agreed at the connection, and shrinking the buffer later
+    leaves a window of loopback's default (128 KiB) that a whole reply can slip into."""
+    raw = RawPeer(**info)
+    sock = trio.socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    await sock.connect(n.address)
+    raw.stream = trio.SocketStream(sock)
+    await raw.handshake()
+    return raw, n._by_peer[raw.peer_id]
 
 
 async def test_reply_stuck_in_send_while_peer_restarts_and_reuses_the_request_id(
@@ -86,25 +109,28 @@ async def test_reply_stuck_in_send_while_peer_restarts_and_reuses_the_request_id
         # `_forget` left it; the new incarnation is registered and our ack is queued.
         assert s._pinned.get(req) is old
         assert s.proto._ack_sent
-        # Both the registration's flush and the reader's (after the hello: our own
-        # hello is queued on a restart) wait behind the write task's flush.
-        assert s._send_lock.statistics().tasks_waiting >= 2
+        # Nobody waits behind the stuck send: the registration's flush and the reader's
+        # (after the hello: our own hello is queued on a restart) left their frames to it.
+        assert s._send_lock.statistics().tasks_waiting == 0
+        assert s.proto.has_data_to_send()
 
         # The new incarnation's first lookup, with the old round's request id.
         await raw.send_raw(encode(Lookup(req_id=req, keys=keys_b)))
         await trio.sleep(1.0)
-        # The reader is still parked in its flush: the lookup has not been read.
-        assert s._pinned.get(req) is old
-        assert src.store.pinned_slots == 4
+        # The reader went on reading: the lookup pinned keys_b under the same id, beside
+        # the old round, whose pins the stuck write task still holds (by identity).
+        new = s._pinned.get(req)
+        assert new is not None and new is not old
+        assert src.store.pinned_slots == 8
 
         gate.open.set()
         await trio.sleep(5.0)
-        # The write task's flush returned first (FIFO lock) and released the old round;
-        # only then did the reader take the lookup, which pinned keys_b.
-        new = s._pinned.get(req)
-        assert new is not None and new is not old
+        # The write task's flush sent everything queued behind it too (the old reply, our
+        # hello and ack, the new answer) and released the old round's pins, not the new's.
+        assert s._pinned.get(req) is new
         assert src.store.unpin(old.owner) == 0
         assert src.store.pinned_slots == 4
+        assert not s.proto.has_data_to_send() and not s._send_lock.locked()
         await raw.aclose()
         with trio.fail_after(30):
             while src.statistics().sessions:
@@ -210,9 +236,12 @@ async def test_a_peer_that_stops_reading_is_dropped_alone_after_idle_timeout(
             dropped_after = trio.current_time() - stuck_at
             nursery.cancel_scope.cancel()
         # No headway for idle_timeout from the stuck send's start (within the second
-        # after the fetch went out), then the close, which sends nothing more.
-        assert 30.0 <= dropped_after <= 32.0, dropped_after
-        assert s.close_reason is not None and "reading" in s.close_reason, s.close_reason
+        # after the fetch went out), then the close, which sends nothing more. A silent
+        # peer may meet the idle deadline first (nothing heard since its fetch): the
+        # keepalive no longer waits behind the stuck send either.
+        assert 29.0 <= dropped_after <= 32.0, dropped_after
+        reasons = {"peer stopped reading"} | ({"idle timeout"} if not pinging else set())
+        assert s.close_reason in reasons, s.close_reason
         assert s._pinned == {} and src.store.unpin(held.owner) == 0
         _, other_hits = await looked_up(other, keys)
         assert other_hits == [True] * 4
@@ -236,15 +265,9 @@ async def test_a_slow_reader_that_makes_headway_keeps_its_session(
         heartbeat_interval=5.0,
     ) as src:
         keys = fill(src.store, 4, 64)
-        # A receive buffer set before the connection (its window scale is agreed then):
-        # small, so the node's reply stays mostly in its own send path, paced by our reads.
-        raw = RawPeer(num_blocks=n, block_len=64)
-        sock = trio.socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        await sock.connect(src.address)
-        raw.stream = trio.SocketStream(sock)
-        await raw.handshake()
-        s = src._by_peer[raw.peer_id]
+        # Small from before the connection, so the node's reply stays mostly in its own
+        # send path, paced by our reads.
+        raw, s = await connected_small(src, 16384, num_blocks=n, block_len=64)
         miss = [bytes([i & 255, i >> 8]) * 16 for i in range(n - 4)]
         req, _ = await looked_up(raw, keys + miss)
         assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
@@ -270,4 +293,99 @@ async def test_a_slow_reader_that_makes_headway_keeps_its_session(
         assert got > 100_000  # the reply, whole (its checksums make it ~130 KB)
         assert done.req_id == req and done.outcomes[:4] == [int(Outcome.OK)] * 4
         assert s.alive and s.close_reason is None
+        await raw.aclose()
+
+
+async def test_the_reader_goes_on_reading_while_its_own_send_is_stuck() -> None:
+    """The node's lookup of 4,096 keys to a peer is stuck in a full socket (the peer reads
+    nothing yet). The peer's own lookups still get read and answered (pinned, the answers
+    queued behind the stuck send): a reader that waited behind that send to flush the
+    first answer would read no second one, and two nodes doing this to each other would
+    wait for each other for ever (each reader stuck behind its node's send, each send
+    waiting for the other's reader). Once the peer reads, everything arrives in order.
+    Real clock: once the peer reads, real TCP timers pace the frame, which an autojump
+    clock would outrun; the waits below are for conditions, bounded by ``fail_after``."""
+
+    async def until(ok: Callable[[], bool]) -> None:
+        while not ok():
+            await trio.sleep(0.005)
+
+    # Deadlines far off: this peer pings nobody and answers late, on purpose.
+    long: dict[str, Any] = {
+        "idle_timeout": 600.0,
+        "heartbeat_interval": 100.0,
+        "lookup_timeout": 600.0,
+    }
+    with trio.fail_after(60):
+        async with node("src", block_len=64, max_keys_held_per_peer=1 << 20, **long) as src:
+            keys = fill(src.store, 8, 64)
+            raw, s = await connected(src, num_blocks=16, block_len=64)
+            assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
+            s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            (peer,) = src.peers()
+            big = [i.to_bytes(4, "big") * 8 for i in range(4096)]
+            got: list[list[bool]] = []
+
+            async def look() -> None:
+                got.append(await src.lookup(peer, big))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(look)
+                await until(lambda: s._send_lock.locked())  # the lookup's frame is stuck
+                r1 = raw.proto.send_lookup(keys[:4])
+                await raw.flush()
+                await until(lambda: r1 in s._pinned)
+                r2 = raw.proto.send_lookup(keys[4:])
+                await raw.flush()
+                await until(lambda: r2 in s._pinned)  # read behind the stuck send
+                assert s._send_lock.locked() and s._send_lock.statistics().tasks_waiting == 0
+                assert src.store.pinned_slots == 8 and not got
+                # The peer reads at last: the node's lookup (answered: no hits), our answers.
+                answers: dict[int, list[bool]] = {}
+                while len(answers) < 2:
+                    ev = await raw.next_event()
+                    if isinstance(ev, LookupRequested):
+                        hits = [False] * len(ev.keys)
+                        raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 30.0)
+                        await raw.flush()
+                    elif isinstance(ev, LookupAnswered):
+                        answers[ev.req_id] = ev.hits
+                    else:
+                        assert ev is not None
+            assert answers == {r1: [True] * 4, r2: [True] * 4}
+            assert got == [[False] * 4096] and s.alive
+            await raw.aclose()
+
+
+async def test_a_probe_does_not_wait_behind_a_stuck_send_and_a_cut_send_ends_the_session(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """While the node's lookup frame is stuck in a peer's full socket: a probe of that
+    session (a reconnecting peer's claim on its id) answers "silent" within its own time,
+    not the send's deadline; and the caller's deadline cutting that send off mid-frame ends
+    the session at once (nothing more can go out on the stream), instead of leaving a
+    session that looks alive and can never send again."""
+    async with node("src", block_len=64, max_keys_held_per_peer=1 << 20) as src:
+        raw, s = await connected(src, num_blocks=16, block_len=64)
+        assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
+        s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        (peer,) = src.peers()
+        big = [i.to_bytes(4, "big") * 8 for i in range(4096)]
+        async with trio.open_nursery() as nursery:
+
+            async def look() -> None:
+                with trio.move_on_after(5.0):
+                    await src.lookup(peer, big)
+
+            nursery.start_soon(look)
+            await trio.sleep(1.0)
+            assert s._send_lock.locked() and s.alive
+            t0 = trio.current_time()
+            assert await s.probe(2.0) is False
+            assert trio.current_time() - t0 <= 2.5
+        assert s.close_reason == "a send was cut off mid-frame" and not s.alive
+        with trio.fail_after(10):
+            await s.finished.wait()
         await raw.aclose()

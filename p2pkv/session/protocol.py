@@ -387,6 +387,10 @@ class SessionProtocol:
         """Whether :meth:`data_to_send` would return anything (no copy, no change)."""
         return bool(self._outbox)
 
+    def bytes_to_send(self) -> int:
+        """How many bytes :meth:`data_to_send` would return (no copy, no change)."""
+        return sum(map(len, self._outbox))
+
     def data_to_send(self) -> bytes:
         """Every frame that may go on the wire now, coalesced; clears the outbox."""
         data = b"".join(self._outbox)

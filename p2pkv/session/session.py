@@ -91,6 +91,10 @@ __all__ = ["FetchResult", "LookupRound", "PeerSession"]
 log = logging.getLogger("p2pkv.session")
 RECEIVE_SIZE = 1 << 16
 LINGER = 0.25  # seconds we wait for the peer to see our bye before closing
+# Bytes that may wait behind a send in progress before a flush waits for it too (and the
+# reader stops reading): a few answers' worth, far more than a live peer leaves queued.
+OUTBOX_CAP = 4 << 20
+TLS_PIECE = 1 << 16  # a TLS send's piece between two moves of its headway deadline
 
 
 @attrs.define(eq=False)
@@ -314,7 +318,16 @@ class PeerSession(ProducerSide, ConsumerSide):
 
         With nothing queued it returns at once, without a checkpoint: a flush is called
         after every event and most have nothing to send, and each checkpoint is a trip
-        through the scheduler. What is queued later is sent by whoever queues it."""
+        through the scheduler. What is queued later is sent by whoever queues it.
+
+        While another task is sending (the peer's socket full), a flush does not wait for
+        it: that task sends what was queued meanwhile before it lets the lock go. So the
+        reader goes on reading while a send is stuck, and two nodes whose big frames to
+        each other fill both sockets at once each drain the other's instead of waiting for
+        ever (or, with a send deadline, dropping each other); nor do the keepalive, the
+        lease timer or a probe wait behind such a send. Only past ``OUTBOX_CAP`` bytes
+        queued behind it does a flush wait: that is the backpressure that makes the reader
+        stop reading a peer that sends requests and does not read their answers."""
         if not final and not self.proto.has_data_to_send():
             return
         lock = self._send_lock
@@ -324,57 +337,66 @@ class PeerSession(ProducerSide, ConsumerSide):
         try:
             lock.acquire_nowait()
         except trio.WouldBlock:
+            if not final and self.proto.bytes_to_send() <= OUTBOX_CAP:
+                return  # the sender sends it once its own send is through
             await lock.acquire()
         try:
-            if self._send_broken or (self._cancel.cancel_called and not final):
-                return
-            data = self.proto.data_to_send()
-            if not data:
-                return
-            try:
-                sent = self._send_now(data)
-                if sent < len(data):
-                    await self._send_rest(memoryview(data)[sent:])
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._send_broken = True
-                self._fail(exc, f"connection lost while sending: {exc}", "transport")
-            except BaseException:
-                self._send_broken = True  # a cancelled send leaves the stream undefined
-                raise
+            while not (self._send_broken or (self._cancel.cancel_called and not final)):
+                data = self.proto.data_to_send()
+                if not data:
+                    return
+                try:
+                    sent = self._send_now(data)
+                    if sent < len(data):
+                        # Frames queued while this waits go out in the next pass.
+                        await self._send_rest(memoryview(data)[sent:])
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._send_broken = True
+                    self._fail(exc, f"connection lost while sending: {exc}", "transport")
+                except BaseException:
+                    # A send cut by cancellation (a caller's deadline, the session's close)
+                    # leaves the stream undefined: nothing more may go out on it, so the
+                    # session cannot go on either.
+                    self._send_broken = True
+                    self.close("a send was cut off mid-frame", "transport")
+                    raise
+                if not self.proto.has_data_to_send():
+                    return  # the usual case: nothing was queued while this sent
         finally:
             lock.release()
 
     async def _send_rest(self, rest: memoryview) -> None:
-        """What the kernel would not take at once; the session fails if that much of it
-        stays unsent for ``idle_timeout``.
+        """What the kernel would not take at once; the session fails if the kernel takes
+        none of it for ``idle_timeout``.
 
         A peer that keeps the connection open but stops reading would otherwise hold this
-        send, and with it the send lock, for ever: the keepalive's ping and the reader's
-        next flush wait behind it, so neither the idle deadline nor anything else would end
-        the session (its rounds' pins held all the while). On a plain TCP stream the
-        deadline is for headway: each send the kernel takes part of moves it on, so a slow
-        reader keeps its session and only one that takes nothing for that long loses it.
-        A TLS stream's ``send_all`` cannot tell, so there the whole rest must go out within
-        it. The scope is entered only here, off the usual path where the kernel takes
+        send, and with it the send lock, for ever, with its rounds' pins. The deadline is
+        for headway: each send the kernel takes part of moves it on, so a peer whose side
+        keeps making room for our bytes, however slowly, keeps its session. Headway counts
+        as hearing from the peer, as its frames do (the kernel takes our bytes only as the
+        peer's side acknowledges room for them). A TLS stream's ``send_all`` reports no
+        headway, so there the rest goes in 64 KiB pieces, the deadline moved after each.
+        The scope is entered only here, off the usual path where the kernel takes
         everything in :meth:`_send_now`."""
         idle = self.cfg.idle_timeout
         raw = self._raw_socket()
         with trio.CancelScope(deadline=trio.current_time() + idle) as cs:
-            if raw is None:
-                await self.stream.send_all(rest)
-            while raw is not None and rest:
-                await trio.lowlevel.wait_writable(raw)
-                try:
-                    sent = raw.send(rest)
-                except BlockingIOError:  # woken without room (rare): wait again
-                    continue
-                except OSError as exc:
-                    raise trio.BrokenResourceError(f"send failed: {exc}") from exc
-                rest = rest[sent:]
-                # Headway: the peer reads. It counts as hearing from it, for while this
-                # send holds the lock our reader waits behind it and reads no frames.
-                self._heard_from()
-                cs.deadline = self._last_rx + idle
+            while rest:
+                if raw is None:
+                    sent = min(len(rest), TLS_PIECE)
+                    await self.stream.send_all(rest[:sent])
+                else:
+                    await trio.lowlevel.wait_writable(raw)
+                    try:
+                        sent = raw.send(rest)
+                    except BlockingIOError:  # woken without room (rare): wait again
+                        continue
+                    except OSError as exc:
+                        raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+                if sent:
+                    rest = rest[sent:]
+                    self._heard_from()
+                    cs.deadline = self._last_rx + idle
         if cs.cancelled_caught:
             # Cut mid-send: the stream is undefined now, so nothing more goes out on it.
             self._send_broken = True
@@ -505,7 +527,7 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _heard_from(self) -> None:
         """The peer showed it is alive now: a frame from it, or our send making headway
-        (it read what we sent)."""
+        (its side made room for what we sent)."""
         self._last_rx = trio.current_time()
         # The keepalive need not look before the peer has been quiet this long. Its
         # deadline moves only once it is within a quarter of that (moving one costs a few
