@@ -312,6 +312,7 @@ class SessionProtocol:
         # Until the peer's hello passes its checks, no frame over a hello's size is read.
         self._decoder = FrameDecoder(min(local.max_frame_size, MAX_HELLO_FRAME))
         self._outbox: list[bytes] = []  # may go on the wire now
+        self._outbox_bytes = 0  # their length together
         self._held: list[Message] = []  # waiting for the peer's hello_ack
         self._hello_sent = False
         self._challenge: bytes | None = None  # the peer's nonce, once known (auth on)
@@ -389,17 +390,30 @@ class SessionProtocol:
 
     def bytes_to_send(self) -> int:
         """How many bytes :meth:`data_to_send` would return (no copy, no change)."""
-        return sum(map(len, self._outbox))
+        return self._outbox_bytes
 
     def data_to_send(self) -> bytes:
         """Every frame that may go on the wire now, coalesced; clears the outbox."""
         data = b"".join(self._outbox)
         self._outbox.clear()
+        self._outbox_bytes = 0
         return data
+
+    def unsend(self, data: bytes) -> None:
+        """Bytes :meth:`data_to_send` returned that did not go out (their send was
+        cancelled between two pieces): they go first in the next :meth:`data_to_send`,
+        before anything queued since, so the stream stays whole."""
+        if data:
+            self._outbox.insert(0, data)
+            self._outbox_bytes += len(data)
+
+    def _queue(self, frame: bytes) -> None:
+        self._outbox.append(frame)
+        self._outbox_bytes += len(frame)
 
     def _emit(self, msg: Message) -> None:
         if isinstance(msg, _HANDSHAKE_MSGS) or self._peer_acked:
-            self._outbox.append(encode(msg))
+            self._queue(encode(msg))
         else:
             self._held.append(msg)
 
@@ -567,7 +581,7 @@ class SessionProtocol:
             self._ack_sent = self._peer_acked = self._ready_emitted = False
             self._peer_last_req_id = 0
             self.state = State.HANDSHAKE
-            self._outbox.append(encode(self._hello()))
+            self._queue(encode(self._hello()))
         elif li.secret is not None and self._started and not self._hello_sent:
             self._send_hello()  # accepting side with a secret: the dialer has proven itself
         self.peer = h
@@ -591,7 +605,7 @@ class SessionProtocol:
             raise HandshakeRejected("authentication failed", peer=a.peer_id)
         self._peer_acked = True
         for msg in self._held:
-            self._outbox.append(encode(msg))
+            self._queue(encode(msg))
         self._held.clear()
         return self._maybe_ready()
 
@@ -648,7 +662,7 @@ class SessionProtocol:
         self._decoder.max_frame_size = min(self.local.max_frame_size, MAX_FRAME_SIZE)
 
     def _fail(self, reason: str) -> None:
-        self._outbox.append(encode(Bye(code="protocol", reason=reason[:1000])))
+        self._queue(encode(Bye(code="protocol", reason=reason[:1000])))
         self.close_reason = ("protocol", reason)
         self.state = State.ERROR
         self._in.clear()
@@ -1081,7 +1095,7 @@ class SessionProtocol:
         self._close(code, reason)
 
     def _close(self, code: str, reason: str) -> None:
-        self._outbox.append(encode(Bye(code=code[:64], reason=reason[:1000])))
+        self._queue(encode(Bye(code=code[:64], reason=reason[:1000])))
         self.close_reason = (code, reason)
         self.state = State.CLOSED
         self._in.clear()

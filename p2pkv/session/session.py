@@ -35,6 +35,7 @@ frame is idle, and is closed at the idle deadline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -137,6 +138,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self.inflight_bytes = 0
         self._cancel = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
+        self._requeued = False  # a cancelled send put its rest back in the outbox
         self._send_lock = trio.StrictFIFOLock()
         self._send_broken = False
         self._raw: socket.socket | None = None  # a duplicate of a plain stream's socket
@@ -353,10 +355,16 @@ class PeerSession(ProducerSide, ConsumerSide):
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._send_broken = True
                     self._fail(exc, f"connection lost while sending: {exc}", "transport")
+                except trio.Cancelled:
+                    if self._requeued:  # the rest waits in the outbox: the stream is whole
+                        self._requeued = False
+                        raise
+                    # A TLS send cut by cancellation leaves the stream undefined: nothing
+                    # more may go out on it, so the session cannot go on either.
+                    self._send_broken = True
+                    self.close("a send was cut off mid-frame", "transport")
+                    raise
                 except BaseException:
-                    # A send cut by cancellation (a caller's deadline, the session's close)
-                    # leaves the stream undefined: nothing more may go out on it, so the
-                    # session cannot go on either.
                     self._send_broken = True
                     self.close("a send was cut off mid-frame", "transport")
                     raise
@@ -372,20 +380,30 @@ class PeerSession(ProducerSide, ConsumerSide):
         A peer that keeps the connection open but stops reading would otherwise hold this
         send, and with it the send lock, for ever, with its rounds' pins. The deadline is
         for headway: each send the kernel takes part of moves it on, so a peer whose side
-        keeps making room for our bytes, however slowly, keeps its session. Headway counts
-        as hearing from the peer, as its frames do (the kernel takes our bytes only as the
-        peer's side acknowledges room for them). A TLS stream's ``send_all`` reports no
-        headway, so there the rest goes in 64 KiB pieces, the deadline moved after each.
-        The scope is entered only here, off the usual path where the kernel takes
-        everything in :meth:`_send_now`."""
+        keeps making room for our bytes, however slowly, keeps its session. On a plain TCP
+        stream that headway counts as hearing from the peer, as its frames do: we are here
+        only once its side had no room, and the kernel takes more only as the peer
+        acknowledges room for it. A TLS stream's ``send_all`` reports no headway and is
+        entered for every send, so there the rest goes in 64 KiB pieces with the deadline
+        moved after each, and nothing counts as hearing from the peer. The scope is entered
+        only here, off the usual path where the kernel takes everything in
+        :meth:`_send_now`.
+
+        Cancelled between two pieces on a plain TCP stream (a caller's deadline, an
+        incarnation's end), nothing is lost and the stream stays whole: the rest goes back
+        to the front of the outbox, and a flush in the session's own nursery sends it (the
+        close's final flush, if the session is closing)."""
         idle = self.cfg.idle_timeout
         raw = self._raw_socket()
-        with trio.CancelScope(deadline=trio.current_time() + idle) as cs:
-            while rest:
-                if raw is None:
-                    sent = min(len(rest), TLS_PIECE)
-                    await self.stream.send_all(rest[:sent])
-                else:
+        try:
+            with trio.CancelScope(deadline=trio.current_time() + idle) as cs:
+                while rest:
+                    if raw is None:
+                        sent = min(len(rest), TLS_PIECE)
+                        await self.stream.send_all(rest[:sent])
+                        rest = rest[sent:]
+                        cs.deadline = trio.current_time() + idle
+                        continue
                     await trio.lowlevel.wait_writable(raw)
                     try:
                         sent = raw.send(rest)
@@ -393,10 +411,20 @@ class PeerSession(ProducerSide, ConsumerSide):
                         continue
                     except OSError as exc:
                         raise trio.BrokenResourceError(f"send failed: {exc}") from exc
-                if sent:
-                    rest = rest[sent:]
-                    self._heard_from()
-                    cs.deadline = self._last_rx + idle
+                    if sent:
+                        rest = rest[sent:]
+                        self._heard_from()
+                        cs.deadline = self._last_rx + idle
+        except trio.Cancelled:
+            if raw is not None:
+                self.proto.unsend(bytes(rest))
+                self._requeued = True
+                if self._nursery is not None:
+                    # RuntimeError: the nursery takes no more tasks (the session is
+                    # closing): the final flush sends the rest.
+                    with contextlib.suppress(RuntimeError):
+                        self._nursery.start_soon(self._flush)
+            raise
         if cs.cancelled_caught:
             # Cut mid-send: the stream is undefined now, so nothing more goes out on it.
             self._send_broken = True
