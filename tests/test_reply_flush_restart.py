@@ -296,7 +296,9 @@ async def test_a_slow_reader_that_makes_headway_keeps_its_session(
         await raw.aclose()
 
 
-async def test_the_reader_goes_on_reading_while_its_own_send_is_stuck() -> None:
+async def test_the_reader_goes_on_reading_while_its_own_send_is_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The node's lookup of 4,096 keys to a peer is stuck in a full socket (the peer reads
     nothing yet). The peer's own lookups still get read and answered (pinned, the answers
     queued behind the stuck send): a reader that waited behind that send to flush the
@@ -304,7 +306,17 @@ async def test_the_reader_goes_on_reading_while_its_own_send_is_stuck() -> None:
     wait for each other for ever (each reader stuck behind its node's send, each send
     waiting for the other's reader). Once the peer reads, everything arrives in order.
     Real clock: once the peer reads, real TCP timers pace the frame, which an autojump
-    clock would outrun; the waits below are for conditions, bounded by ``fail_after``."""
+    clock would outrun; the waits below are for conditions, bounded by ``fail_after``.
+    The answers queued behind the stuck frame go out from a task of the session's own,
+    not from the lookup's task, which returns once its own frame is out."""
+    senders: list[str] = []
+    real_send_now = PeerSession._send_now
+
+    def send_now(session: PeerSession, data: bytes) -> int:
+        senders.append(trio.lowlevel.current_task().name)
+        return real_send_now(session, data)
+
+    monkeypatch.setattr(PeerSession, "_send_now", send_now)
 
     async def until(ok: Callable[[], bool]) -> None:
         while not ok():
@@ -354,6 +366,8 @@ async def test_the_reader_goes_on_reading_while_its_own_send_is_stuck() -> None:
                     else:
                         assert ev is not None
             assert answers == {r1: [True] * 4, r2: [True] * 4}
+            # The lookup's task sent its own frame and nothing queued after it.
+            assert sum(name.endswith(".look") for name in senders) == 1, senders
             assert got == [[False] * 4096] and s.alive
             await raw.aclose()
 

@@ -36,6 +36,7 @@ frame is idle, and is closed at the idle deadline.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -313,7 +314,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             pass
 
-    async def _flush(self, *, final: bool = False) -> None:
+    async def _flush(self, *, final: bool = False, drain: bool = False) -> None:
         """Send what the protocol has queued. Once closing, only the shielded final flush
         sends: a send cut by cancellation would leave the stream undefined (and lose the
         bye), so nothing is taken from the protocol that might not go out whole.
@@ -329,7 +330,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         ever (or, with a send deadline, dropping each other); nor do the keepalive, the
         lease timer or a probe wait behind such a send. Only past ``OUTBOX_CAP`` bytes
         queued behind it does a flush wait: that is the backpressure that makes the reader
-        stop reading a peer that sends requests and does not read their answers."""
+        stop reading a peer that sends requests and does not read their answers. What was
+        queued while the holder sent goes out from a task of the session's own (``drain``),
+        not from the caller that happened to hold the lock."""
         if not final and not self.proto.has_data_to_send():
             return
         lock = self._send_lock
@@ -370,8 +373,21 @@ class PeerSession(ProducerSide, ConsumerSide):
                     raise
                 if not self.proto.has_data_to_send():
                     return  # the usual case: nothing was queued while this sent
+                if not (final or drain):
+                    # Frames other tasks queued while this one sent: a task of the
+                    # session's own sends them, so that a caller (a lookup, a write task)
+                    # is not kept sending others' frames while the peer reads slowly.
+                    self._drain_soon()
+                    return
         finally:
             lock.release()
+
+    def _drain_soon(self) -> None:
+        """A flush in the session's own nursery sends what is queued; if the session is
+        closing (its nursery takes no more tasks), the close's final flush does."""
+        if self._nursery is not None:
+            with contextlib.suppress(RuntimeError):
+                self._nursery.start_soon(functools.partial(self._flush, drain=True))
 
     async def _send_rest(self, rest: memoryview) -> None:
         """What the kernel would not take at once; the session fails if the kernel takes
@@ -419,11 +435,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             if raw is not None:
                 self.proto.unsend(bytes(rest))
                 self._requeued = True
-                if self._nursery is not None:
-                    # RuntimeError: the nursery takes no more tasks (the session is
-                    # closing): the final flush sends the rest.
-                    with contextlib.suppress(RuntimeError):
-                        self._nursery.start_soon(self._flush)
+                self._drain_soon()
             raise
         if cs.cancelled_caught:
             # Cut mid-send: the stream is undefined now, so nothing more goes out on it.
