@@ -10,7 +10,8 @@ Autojump clock with VirtualOffload (inline, no real threads).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -62,6 +63,47 @@ class SendGate:
 
     def shut(self, session: PeerSession) -> None:
         self.session, self.open = session, trio.Event()
+
+
+N = 65536  # keys of a fetch whose transfer_done (with checksums, ~130 KB) fills small buffers
+
+
+@asynccontextmanager
+async def big_reply_node(**kw: Any) -> AsyncIterator[tuple[Node, list[bytes]]]:
+    """A node whose replies carry checksums, and 4 keys it holds."""
+    cfg: dict[str, Any] = {"block_len": 64, "verify_checksums": True}
+    async with node("src", max_keys_held_per_peer=1 << 20, **cfg, **kw) as src:
+        yield src, fill(src.store, 4, 64)
+
+
+async def fetch_with_a_big_reply(
+    raw: RawPeer, s: PeerSession, keys: list[bytes], *, shrink_peer: bool = True
+) -> int:
+    """``raw`` looks up ``keys`` and N - 4 misses, then fetches them all, through a 4 KiB
+    send buffer on the node's side (and a 4 KiB receive buffer on the peer's, unless
+    ``shrink_peer`` is off): the reply is N outcomes with their checksums. Its request id."""
+    miss = [bytes([i & 255, i >> 8]) * 16 for i in range(N - len(keys))]
+    req, hits = await looked_up(raw, keys + miss)
+    assert sum(hits) == len(keys)
+    # Only the direction the node sends in (the fetch must get through whole).
+    assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
+    s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    if shrink_peer:
+        raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    raw.proto.send_fetch(req, keys + miss, list(range(N)))
+    await raw.flush()
+    return req
+
+
+async def stuck_lookup_setup(src: Node) -> tuple[RawPeer, PeerSession, Any, list[bytes]]:
+    """A hand-driven peer with 4 KiB buffers between it and ``src``, and a lookup of 4,096
+    keys (~150 KB) for ``src`` to send it: the frame sticks until the peer reads."""
+    raw, s = await connected(src, num_blocks=16, block_len=64)
+    assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
+    s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    (peer,) = src.peers()
+    return raw, s, peer, [i.to_bytes(4, "big") * 8 for i in range(4096)]
 
 
 async def connected_small(n: Node, rcvbuf: int, **info: Any) -> tuple[RawPeer, PeerSession]:
@@ -144,25 +186,9 @@ async def test_a_reply_stuck_in_a_full_socket_does_not_hold_the_node_close(
     """A peer that keeps the connection but never reads again (small socket buffers, a
     transfer_done too big for them): the write task's reply is stuck in its send. The
     node's close must still end the session and release the round's pins."""
-    n = 65536
-    async with node(
-        "src",
-        block_len=64,
-        verify_checksums=True,
-        max_keys_held_per_peer=1 << 20,
-        close_timeout=2.0,
-    ) as src:
-        keys = fill(src.store, 4, 64)
-        raw, s = await connected(src, num_blocks=n, block_len=64)
-        miss = [bytes([i & 255, i >> 8]) * 16 for i in range(n - 4)]
-        req, hits = await looked_up(raw, keys + miss)
-        assert sum(hits) == 4
-        # Only the direction the node sends in (the fetch must get through whole).
-        assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
-        s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        raw.proto.send_fetch(req, keys + miss, list(range(n)))
-        await raw.flush()
+    async with big_reply_node(close_timeout=2.0) as (src, keys):
+        raw, s = await connected(src, num_blocks=N, block_len=64)
+        await fetch_with_a_big_reply(raw, s, keys)
         await trio.sleep(1.0)
         assert s._send_lock.locked() and s._write_done == {}  # the write task is in its flush
         assert src.store.pinned_slots == 4
@@ -191,26 +217,10 @@ async def test_a_peer_that_stops_reading_is_dropped_alone_after_idle_timeout(
     Silent or still pinging us, such a peer must lose its session once our send has made
     no headway for ``idle_timeout``, with its pins released, while another peer is served
     throughout."""
-    n = 65536
-    async with node(
-        "src",
-        block_len=64,
-        verify_checksums=True,
-        max_keys_held_per_peer=1 << 20,
-        idle_timeout=30.0,
-        heartbeat_interval=5.0,
-    ) as src:
-        keys = fill(src.store, 4, 64)
-        raw, s = await connected(src, num_blocks=n, block_len=64)
+    async with big_reply_node(idle_timeout=30.0, heartbeat_interval=5.0) as (src, keys):
+        raw, s = await connected(src, num_blocks=N, block_len=64)
         other, _ = await connected(src, num_blocks=16, block_len=64)
-        miss = [bytes([i & 255, i >> 8]) * 16 for i in range(n - 4)]
-        req, hits = await looked_up(raw, keys + miss)
-        assert sum(hits) == 4
-        assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
-        s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        raw.proto.send_fetch(req, keys + miss, list(range(n)))
-        await raw.flush()
+        req = await fetch_with_a_big_reply(raw, s, keys)
         await trio.sleep(1.0)
         assert s._send_lock.locked() and s._write_done == {}  # the reply is stuck
         held = s._pinned[req]
@@ -255,25 +265,12 @@ async def test_a_slow_reader_that_makes_headway_keeps_its_session(
     """The send deadline is for headway, not for the whole reply: a peer that reads a
     little of a big transfer_done every 10 s (a third of ``idle_timeout``) for far longer
     than ``idle_timeout`` in all keeps its session and gets the whole reply."""
-    n = 65536
-    async with node(
-        "src",
-        block_len=64,
-        verify_checksums=True,
-        max_keys_held_per_peer=1 << 20,
-        idle_timeout=30.0,
-        heartbeat_interval=5.0,
-    ) as src:
-        keys = fill(src.store, 4, 64)
+    async with big_reply_node(idle_timeout=30.0, heartbeat_interval=5.0) as (src, keys):
         # Small from before the connection, so the node's reply stays mostly in its own
         # send path, paced by our reads.
-        raw, s = await connected_small(src, 16384, num_blocks=n, block_len=64)
-        miss = [bytes([i & 255, i >> 8]) * 16 for i in range(n - 4)]
-        req, _ = await looked_up(raw, keys + miss)
-        assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
-        s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-        raw.proto.send_fetch(req, keys + miss, list(range(n)))
-        await raw.flush()
+        raw, s = await connected_small(src, 16384, num_blocks=N, block_len=64)
+        req = await fetch_with_a_big_reply(raw, s, keys, shrink_peer=False)
+        assert raw.stream is not None
         start = trio.current_time()
         done: TransferCompleted | None = None
         got = 0
@@ -331,12 +328,7 @@ async def test_the_reader_goes_on_reading_while_its_own_send_is_stuck(
     with trio.fail_after(60):
         async with node("src", block_len=64, max_keys_held_per_peer=1 << 20, **long) as src:
             keys = fill(src.store, 8, 64)
-            raw, s = await connected(src, num_blocks=16, block_len=64)
-            assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
-            s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-            raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            (peer,) = src.peers()
-            big = [i.to_bytes(4, "big") * 8 for i in range(4096)]
+            raw, s, peer, big = await stuck_lookup_setup(src)
             got: list[list[bool]] = []
 
             async def look() -> None:
@@ -384,12 +376,7 @@ async def test_a_probe_does_not_wait_behind_a_stuck_send_and_a_cut_send_loses_no
     long: dict[str, Any] = {"idle_timeout": 600.0, "heartbeat_interval": 100.0}
     with trio.fail_after(60):
         async with node("src", block_len=64, max_keys_held_per_peer=1 << 20, **long) as src:
-            raw, s = await connected(src, num_blocks=16, block_len=64)
-            assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
-            s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-            raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            (peer,) = src.peers()
-            big = [i.to_bytes(4, "big") * 8 for i in range(4096)]
+            raw, s, peer, big = await stuck_lookup_setup(src)
             cut = False
 
             async def look() -> None:

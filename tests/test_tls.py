@@ -137,24 +137,28 @@ def pki(tmp_path: Path) -> PKI:
 
 @asynccontextmanager
 async def recording_proxy(
-    target: tuple[str, int],
+    target: tuple[str, int], mute: dict[str, bool] | None = None
 ) -> AsyncIterator[tuple[tuple[str, int], bytearray]]:
-    """A TCP relay to ``target`` that records every byte that crosses it (both ways)."""
+    """A TCP relay to ``target`` that records every byte that crosses it (both ways).
+    With ``mute``, once ``mute["on"]`` is set the bytes from the dialing side stop reaching
+    ``target`` (read and dropped) while the other direction flows: to ``target``, a peer
+    that went silent."""
     seen = bytearray()
 
     async def relay(client: trio.SocketStream) -> None:
         server = await trio.open_tcp_stream(*target)
         async with client, server, trio.open_nursery() as nursery:
 
-            async def pipe(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+            async def pipe(src: trio.SocketStream, dst: trio.SocketStream, muted: bool) -> None:
                 with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     while data := await src.receive_some(1 << 16):
                         seen.extend(data)
-                        await dst.send_all(data)
+                        if not (muted and mute is not None and mute["on"]):
+                            await dst.send_all(data)
                 nursery.cancel_scope.cancel()
 
-            nursery.start_soon(pipe, client, server)
-            nursery.start_soon(pipe, server, client)
+            nursery.start_soon(pipe, client, server, True)
+            nursery.start_soon(pipe, server, client, False)
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
@@ -451,37 +455,6 @@ async def test_serve_with_tls_flags_refuses_a_plain_peer(pki: PKI) -> None:
                 await proc.wait()
 
 
-@asynccontextmanager
-async def muting_relay(
-    target: tuple[str, int],
-) -> AsyncIterator[tuple[tuple[str, int], dict[str, bool]]]:
-    """A TCP relay in front of ``target``; once ``state["mute"]`` is set, the bytes from
-    the dialing side stop reaching ``target`` (they are read and dropped), while the
-    other direction flows: to ``target``, a peer that went silent."""
-    state = {"mute": False}
-
-    async def relay(client: trio.SocketStream) -> None:
-        server = await trio.open_tcp_stream(*target)
-        async with client, server, trio.open_nursery() as nursery:
-
-            async def pipe(src: trio.SocketStream, dst: trio.SocketStream, mute: bool) -> None:
-                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    while data := await src.receive_some(1 << 16):
-                        if not (mute and state["mute"]):
-                            await dst.send_all(data)
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(pipe, client, server, True)
-            nursery.start_soon(pipe, server, client, False)
-
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-    port = listeners[0].socket.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, relay, listeners)
-        yield ("127.0.0.1", port), state
-        nursery.cancel_scope.cancel()
-
-
 @pytest.mark.parametrize("use_tls", [True, False], ids=["tls", "plain"])
 async def test_a_peer_gone_silent_is_dropped_at_idle_timeout_over_tls_too(
     pki: PKI, use_tls: bool, autojump_clock: trio.testing.MockClock
@@ -490,18 +463,19 @@ async def test_a_peer_gone_silent_is_dropped_at_idle_timeout_over_tls_too(
     through the send deadline's path, and counting its pieces as hearing from the peer kept
     a silent one's session up for ever (found by a review)."""
     kw: dict[str, Any] = {"heartbeat_interval": 2.0, "idle_timeout": 9.0}
+    mute = {"on": False}
     tls_a, tls_b = (pki.tls("a"), pki.tls("b")) if use_tls else ({}, {})
     with trio.fail_after(60):
         async with (
             open_node(config("a", **kw, **tls_a), offload=VirtualOffload()) as a,
             open_node(config("b", **kw, **tls_b), offload=VirtualOffload()) as b,
-            muting_relay(a.address) as (address, state),
+            recording_proxy(a.address, mute) as (address, _),
         ):
             await b.connect(address)
             while not a.peers():
                 await trio.sleep(0.01)
             (sa,) = a._by_peer.values()
-            state["mute"] = True
+            mute["on"] = True
             t0 = trio.current_time()
             with trio.move_on_after(40):
                 await sa.finished.wait()
