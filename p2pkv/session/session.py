@@ -323,16 +323,19 @@ class PeerSession(ProducerSide, ConsumerSide):
         after every event and most have nothing to send, and each checkpoint is a trip
         through the scheduler. What is queued later is sent by whoever queues it.
 
-        While another task is sending (the peer's socket full), a flush does not wait for
-        it: that task sends what was queued meanwhile before it lets the lock go. So the
-        reader goes on reading while a send is stuck, and two nodes whose big frames to
-        each other fill both sockets at once each drain the other's instead of waiting for
-        ever (or, with a send deadline, dropping each other); nor do the keepalive, the
-        lease timer or a probe wait behind such a send. Only past ``OUTBOX_CAP`` bytes
-        queued behind it does a flush wait: that is the backpressure that makes the reader
-        stop reading a peer that sends requests and does not read their answers. What was
-        queued while the holder sent goes out from a task of the session's own (``drain``),
-        not from the caller that happened to hold the lock."""
+        Only a task of the session's own (``drain``) or the close's final flush ever waits
+        for a full socket. A caller whose bytes the kernel will not take at once puts the
+        rest back at the front of the outbox and leaves it to a drain task; a flush that
+        finds the lock taken leaves its frames to the task sending, which hands what was
+        queued meanwhile to a drain task too. So the reader goes on reading while the socket
+        is full, two nodes whose big frames to each other fill both sockets at once each
+        drain the other's instead of waiting for ever (or, with the send deadline, dropping
+        each other), the keepalive, the lease timer and a probe never wait for the socket,
+        and no caller's deadline can cut a send mid-frame. Only past ``OUTBOX_CAP`` bytes
+        queued does a caller wait for the socket itself: that is the backpressure that
+        makes the reader stop reading a peer that sends requests and does not read their
+        answers. Over TLS, where ``_send_now`` takes nothing, every flush goes through a
+        drain task (one more trip through the scheduler per send)."""
         if not final and not self.proto.has_data_to_send():
             return
         lock = self._send_lock
@@ -345,6 +348,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             if not final and self.proto.bytes_to_send() <= OUTBOX_CAP:
                 return  # the sender sends it once its own send is through
             await lock.acquire()
+            drain = True  # past the cap: this caller waits for the socket itself
         try:
             while not (self._send_broken or (self._cancel.cancel_called and not final)):
                 data = self.proto.data_to_send()
@@ -353,8 +357,17 @@ class PeerSession(ProducerSide, ConsumerSide):
                 try:
                     sent = self._send_now(data)
                     if sent < len(data):
+                        rest = memoryview(data)[sent:]
+                        if not (final or drain) and (
+                            len(rest) + self.proto.bytes_to_send() <= OUTBOX_CAP
+                        ):
+                            # The socket is full: a task of the session's own waits for
+                            # it, and this caller (the reader, a lookup) goes on.
+                            self.proto.unsend(bytes(rest))
+                            self._drain_soon()
+                            return
                         # Frames queued while this waits go out in the next pass.
-                        await self._send_rest(memoryview(data)[sent:])
+                        await self._send_rest(rest)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._send_broken = True
                     self._fail(exc, f"connection lost while sending: {exc}", "transport")
