@@ -371,16 +371,12 @@ class PeerSession(ProducerSide, ConsumerSide):
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._send_broken = True
                     self._fail(exc, f"connection lost while sending: {exc}", "transport")
-                except trio.Cancelled:
-                    if self._requeued:  # the rest waits in the outbox: the stream is whole
-                        self._requeued = False
+                except BaseException as exc:
+                    if isinstance(exc, trio.Cancelled) and self._requeued:
+                        self._requeued = False  # the rest waits in the outbox: stream whole
                         raise
-                    # A TLS send cut by cancellation leaves the stream undefined: nothing
-                    # more may go out on it, so the session cannot go on either.
-                    self._send_broken = True
-                    self.close("a send was cut off mid-frame", "transport")
-                    raise
-                except BaseException:
+                    # A send cut otherwise (TLS) leaves the stream undefined: nothing more
+                    # may go out on it, so the session cannot go on either.
                     self._send_broken = True
                     self.close("a send was cut off mid-frame", "transport")
                     raise
