@@ -115,11 +115,12 @@ async def measure(
     counts = args.counts
     samples: Samples = {
         kind: {n: [[] for _ in range(args.reps)] for n in counts}
-        for kind in ("p2pkv", "bare", "p2pkv_cpu")
+        for kind in ("p2pkv", "bare", "p2pkv_cpu") + (("no_lane",) if args.ab_lane else ())
     }
     per_rep = math.ceil(args.samples / args.reps)
     async with p2pkv.open_node(cfg) as node:
         peer = await node.connect(source)
+        (session,) = node._sessions
         stream = await trio.open_tcp_stream(*bare)
         buf = bytearray()
 
@@ -158,15 +159,30 @@ async def measure(
             assert got == answer
             return elapsed
 
+        async def no_lane_lookup(n: int) -> float:
+            # The same session with its answer lane off: each answer reaches the lookup's
+            # task through the reader and an event (p2pkv before the lane).
+            session.answer_lane = False
+            try:
+                elapsed = await p2pkv_lookup(n)
+            finally:
+                session.answer_lane = True
+            cpu.pop()
+            return elapsed
+
         kinds: list[tuple[str, Callable[[int], Awaitable[float]]]] = [
             ("p2pkv", p2pkv_lookup),
             ("bare", bare_round_trip),
         ]
+        if args.ab_lane:
+            kinds.insert(1, ("no_lane", no_lane_lookup))
         settle = args.settle_ms / 1e3
         for i in range(args.warmup + per_rep * args.reps):
             rep = (i - args.warmup) // per_rep
             for n in counts:
-                for kind, sample in kinds if i % 2 else kinds[::-1]:
+                # The kinds' order flips each sample (and rotates too, with three).
+                order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
+                for kind, sample in order if i % 2 else order[::-1]:
                     if settle:
                         await trio.sleep(settle)
                     elapsed = await sample(n)
@@ -214,6 +230,23 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
             out["consumer_cpu_s"] = summaries
         else:
             out["latency_s"][kind] = summaries
+    if "no_lane" in samples:
+        out["ratio_no_lane"] = {}
+        out["ratio_lane_over_no_lane"] = {}
+        for n in samples["p2pkv"]:
+            for name, (a, b) in {
+                "ratio_no_lane": ("no_lane", "bare"),
+                "ratio_lane_over_no_lane": ("p2pkv", "no_lane"),
+            }.items():
+                rs = [
+                    statistics.median(x) / statistics.median(y)
+                    for x, y in zip(samples[a][n], samples[b][n], strict=True)
+                ]
+                out[name][str(n)] = {
+                    "median": statistics.median(rs),
+                    "min": min(rs),
+                    "max": max(rs),
+                }
     for n in samples["p2pkv"]:
         ratios = [
             statistics.median(ours) / statistics.median(theirs)
@@ -266,6 +299,13 @@ def print_report(out: dict[str, Any]) -> None:
             f"  p2pkv / bare, {n:>5} keys: p50 ratio {r['median']:.2f} "
             f"(reps {r['min']:.2f}-{r['max']:.2f})"
         )
+    for n, r in out.get("ratio_no_lane", {}).items():
+        q = out["ratio_lane_over_no_lane"][n]
+        print(
+            f"  no lane / bare, {n:>5} keys: p50 ratio {r['median']:.2f} "
+            f"(reps {r['min']:.2f}-{r['max']:.2f}); lane / no lane {q['median']:.2f} "
+            f"(reps {q['min']:.2f}-{q['max']:.2f})"
+        )
     for name, t in out["targets"].items():
         verdict = "PASS" if t["pass"] else "FAIL"
         unit = 1e3 if name.endswith("_s") else 1.0
@@ -306,6 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="sleep this long before each sample of either kind, so that no work left from"
         " the untimed fetch before a p2pkv sample overlaps it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ab-lane",
+        action="store_true",
+        help="also sample p2pkv with the session's answer lane off (a third kind, same"
+        " session, alternating): what the lane is worth, paired",
     )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -354,17 +354,18 @@ class _WatchedSocket(socket.socket):
 
 @contextlib.asynccontextmanager
 async def watched_reader(
-    session: PeerSession, monkeypatch: pytest.MonkeyPatch
+    session: PeerSession, monkeypatch: pytest.MonkeyPatch, which: str = "_rsock"
 ) -> AsyncIterator[_WatchedSocket]:
-    """From the next receive on, ``session``'s reader reads a :class:`_WatchedSocket`; its
-    log also records each wait for the descriptor (``"wait"``)."""
+    """From the next receive on, ``session``'s reader (``which="_lane_sock"``: the answer
+    lane) reads a :class:`_WatchedSocket`; its log also records each wait for the
+    descriptor (``"wait"``)."""
     assert isinstance(session.stream, trio.SocketStream)
-    old = session._raw
-    assert old is not None  # the handshake made it
+    old = getattr(session, which)
+    assert old is not None  # the handshake (the lane: a first lookup) made it
     watched = _WatchedSocket(fileno=os.dup(session.stream.socket.fileno()))
     watched.setblocking(False)
     watched.log, watched.fail_next = [], 0
-    session._raw = watched
+    setattr(session, which, watched)
     waits = trio.lowlevel.wait_readable
 
     async def wait_readable(sock: Any) -> None:
@@ -386,7 +387,9 @@ async def test_the_reader_waits_before_it_receives_unless_its_last_receive_fille
     """On plain TCP each session reads its own duplicate of the socket. A frame arriving on
     a quiet session costs one wait and one receive, never a receive that finds nothing (as
     ``SocketStream.receive_some`` makes, since it receives before it waits). A receive that
-    fills the buffer (a frame over 64 KiB) is followed by another receive at once."""
+    fills the buffer (a frame over 64 KiB) is followed by another receive at once. With the
+    answer lane, the lookup's own task makes that wait and receive for its answer; the
+    reader wakes with it and receives nothing (no receive that finds nothing either)."""
     with trio.fail_after(20):
         async with pair({"block_len": BL, "num_blocks": 4200}, {"block_len": BL}) as (src, dst):
             keys = fill(src.store, 4096, BL)
@@ -396,20 +399,25 @@ async def test_the_reader_waits_before_it_receives_unless_its_last_receive_fille
             assert isinstance(session, PeerSession) and isinstance(serving, PeerSession)
             await dst.lookup(peer, keys[:1])  # each reader is parked on its old descriptor
             async with (
-                watched_reader(session, monkeypatch) as answers,
+                watched_reader(session, monkeypatch) as reader,
+                watched_reader(session, monkeypatch, "_lane_sock") as answers,
                 watched_reader(serving, monkeypatch) as requests,
             ):
-                await dst.lookup(peer, keys[:1])  # the readers move to the watched ones
+                await dst.lookup(peer, keys[:1])  # the waits move to the watched ones
+                reader.log.clear()
                 answers.log.clear()
                 requests.log.clear()
                 for _ in range(10):
                     assert await dst.lookup(peer, keys[:1]) == [True]
-                assert "again" not in answers.log and "again" not in requests.log
-                # One receive per wait, and the reader waits again before the lookup's task
-                # resumes (a keepalive frame in between would add one more such pair).
-                receives, waits = answers.log[::2], answers.log[1::2]
-                assert len(receives) >= 10 and waits == ["wait"] * len(receives)
+                assert "again" not in reader.log + answers.log + requests.log
+                # One wait and one receive per answer, in the lookup's own task.
+                waits, receives = answers.log[::2], answers.log[1::2]
+                assert len(receives) == 10 and waits == ["wait"] * 10
                 assert all(isinstance(entry, int) and entry > 0 for entry in receives)
+                # The reader woke with each and left the bytes to it (a keepalive frame
+                # in between would be the reader's: one receive more).
+                assert sum(isinstance(entry, int) for entry in reader.log) <= 1
+                assert reader.log.count("wait") >= 10
                 requests.log.clear()
                 assert await dst.lookup(peer, keys) == [True] * 4096  # a 160 KB frame
                 sizes = [entry for entry in requests.log if isinstance(entry, int)]
@@ -422,13 +430,15 @@ async def test_a_reader_woken_without_bytes_waits_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A wake-up with nothing to read (the receive fails with EAGAIN; here made to fail
-    twice) sends the reader back to waiting, and the answer is then read and delivered."""
+    twice) sends the reader back to waiting, and the answer is then read and delivered
+    (the answer lane is off here, so the reader reads every answer)."""
     with trio.fail_after(20):
         async with pair({"block_len": BL}, {"block_len": BL}) as (src, dst):
             keys = fill(src.store, 4, BL)
             peer = await dst.connect(src.address)
             (session,) = dst._sessions
             assert isinstance(session, PeerSession)
+            session.answer_lane = False
             await dst.lookup(peer, keys)
             async with watched_reader(session, monkeypatch) as answers:
                 await dst.lookup(peer, keys)

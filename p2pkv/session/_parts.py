@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..config import NodeConfig
     from ..node import Node
     from ..transport.base import RemotePeer
+    from .consumer import _Pending
     from .protocol import SessionProtocol
 
 
@@ -27,6 +28,8 @@ class SessionParts:
         _wake_lease: trio.Event
 
         def _rearm_lease_timer(self, deadline: float) -> None: ...
+        def _wake_waiter(self, p: _Pending) -> None: ...
+        async def _wait_in_lane(self, p: _Pending) -> bool: ...
 
         @property
         def peer_id(self) -> str | None: ...

@@ -310,13 +310,13 @@ class ConsumerSide(SessionParts):
         p = self._pending.get(ev.req_id)
         if p is not None:
             p.result = ev
-            p.event.set()
+            self._wake_waiter(p)
 
     def _on_transfer_done(self, ev: TransferCompleted) -> None:
         p = self._pending.get(ev.req_id)
         if p is not None:
             p.result = ev
-            p.event.set()
+            self._wake_waiter(p)
         self._request_ended(ev.req_id)
 
     def _on_abort_ack(self, ev: AbortAcknowledged) -> None:
@@ -502,7 +502,8 @@ class ConsumerSide(SessionParts):
         p.deadline = trio.current_time() + seconds
         self._rearm_lease_timer(p.deadline)
         try:
-            await p.event.wait()
+            if not await self._wait_in_lane(p):
+                await p.event.wait()
         finally:
             p.deadline = math.inf
 

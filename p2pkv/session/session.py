@@ -71,6 +71,7 @@ from .protocol import (
     AbortAcknowledged,
     AbortRequested,
     ByeReceived,
+    Event,
     FetchRequested,
     HelloReceived,
     LookupAnswered,
@@ -97,6 +98,10 @@ LINGER = 0.25  # seconds we wait for the peer to see our bye before closing
 # reader stops reading): a few answers' worth, far more than a live peer leaves queued.
 OUTBOX_CAP = 4 << 20
 TLS_PIECE = 1 << 16  # a TLS send's piece between two moves of its headway deadline
+# The events the answer lane's task handles itself (see PeerSession._wait_in_lane).
+LANE_EVENTS: frozenset[type[Any]] = frozenset(
+    {LookupAnswered, TransferCompleted, AbortAcknowledged, PongReceived}
+)
 
 
 @attrs.define(eq=False)
@@ -113,6 +118,10 @@ class Incarnation:
 
 
 class PeerSession(ProducerSide, ConsumerSide):
+    # False: every request's task waits on its event (``bench/control_plane.py --ab-lane``
+    # sets it on one of two consumers, to pair the two ways sample by sample).
+    answer_lane = True
+
     def __init__(
         self,
         node: Node,
@@ -143,6 +152,15 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._send_lock = trio.StrictFIFOLock()
         self._send_broken = False
         self._raw: socket.socket | None = None  # a duplicate of a plain stream's socket
+        # The answer lane (see _wait_in_lane): the reader's and the lane's own duplicates.
+        self._rsock: socket.socket | None = None
+        self._lane_sock: socket.socket | None = None
+        self._lane_p: _Pending | None = None  # the request whose task waits in the lane
+        self._lane_parked = False  # that task waits for the socket now
+        self._lane_reads = 0  # receives the lane's task made
+        self._reader_idle = False  # the reader waits for bytes, nothing of a turn half done
+        self._lane_left = False  # the lane's task left frames or an event for the reader
+        self._handback: Event | None = None  # the event it left
         self._requests = RequestSlots(self.cfg.max_open_requests)  # resized by each hello
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
@@ -272,10 +290,13 @@ class PeerSession(ProducerSide, ConsumerSide):
         try:
             await self._close_down()
         finally:
-            if self._raw is not None:
-                trio.lowlevel.notify_closing(self._raw)  # forget any epoll registration
-                self._raw.close()  # our duplicate of the descriptor, not the stream's
-                self._raw = None
+            # Our duplicates of the descriptor, not the stream's: each forgets its epoll
+            # registration (and wakes a waiter, if one were left) before it closes.
+            for dup in (self._raw, self._rsock, self._lane_sock):
+                if dup is not None:
+                    trio.lowlevel.notify_closing(dup)
+                    dup.close()
+            self._raw = self._rsock = self._lane_sock = None
 
     async def _close_down(self) -> None:
         with trio.CancelScope(shield=True):
@@ -283,7 +304,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             for p in self._pending.values():
                 if p.error is None and p.result is None:
                     p.error = SessionClosed(reason, peer=self.peer_id)
-                p.event.set()
+                self._wake_waiter(p)
             for req in list(self._pinned):
                 self._release_round(req)
             for inc in [*self._retiring, self.incarnation]:
@@ -480,17 +501,34 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _raw_socket(self) -> socket.socket | None:
         """A non-blocking duplicate of a plain TCP stream's descriptor, kept until the
-        session ends; None for TLS (and any other kind of stream) or a closed one."""
-        raw = self._raw
-        if raw is None:
-            if not isinstance(self.stream, trio.SocketStream) or self.stream.socket.fileno() < 0:
-                return None
-            raw = self._raw = socket.socket(fileno=os.dup(self.stream.socket.fileno()))
-            raw.setblocking(False)
-        return raw
+        session ends; None for TLS (and any other kind of stream) or a closed one. Sends
+        use it; the reader and the answer lane each have their own
+        (:meth:`_reader_socket`, :meth:`_lane_socket`), so that a wake-up meant for one
+        (``notify_closing``) never reaches a task waiting on another."""
+        if self._raw is None:
+            self._raw = self._dup()
+        return self._raw
 
-    async def _receive(self, wait_first: bool = True) -> bytes | bytearray:
-        """The peer's next bytes, b"" once it has closed; always a checkpoint.
+    def _reader_socket(self) -> socket.socket | None:
+        if self._rsock is None:
+            self._rsock = self._dup()
+        return self._rsock
+
+    def _lane_socket(self) -> socket.socket | None:
+        if self._lane_sock is None and self.alive:
+            self._lane_sock = self._dup()
+        return self._lane_sock
+
+    def _dup(self) -> socket.socket | None:
+        if not isinstance(self.stream, trio.SocketStream) or self.stream.socket.fileno() < 0:
+            return None
+        dup = socket.socket(fileno=os.dup(self.stream.socket.fileno()))
+        dup.setblocking(False)
+        return dup
+
+    async def _receive(self, wait_first: bool = True) -> bytes | bytearray | None:
+        """The peer's next bytes, b"" once it has closed, None if it woke without any
+        (the answer lane's task took them, or left the reader work); always a checkpoint.
 
         On a plain TCP stream the reader reads the duplicate descriptor itself.
         ``SocketStream.receive_some`` tries a receive before it waits, so every frame that
@@ -504,50 +542,78 @@ class PeerSession(ProducerSide, ConsumerSide):
         another task would no longer wake the reader, so only ``_close_down`` closes the
         stream (after the reader has ended); anything else ends a session with
         :meth:`close`."""
-        raw = self._raw_socket()
+        raw = self._reader_socket()
         if raw is None:
             return await self.stream.receive_some(RECEIVE_SIZE)
-        if wait_first:
-            await trio.lowlevel.wait_readable(raw)
-        else:
-            await trio.lowlevel.checkpoint()
-        while True:
-            try:
-                data = raw.recv(RECEIVE_SIZE)
-            except BlockingIOError:  # woken without bytes (rare): wait again
-                await trio.lowlevel.wait_readable(raw)
-                continue
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
-            return data
+        self._reader_idle = True  # the answer lane's task may read until we do
+        lane_reads = self._lane_reads
+        try:
+            if wait_first:
+                try:
+                    await trio.lowlevel.wait_readable(raw)
+                except trio.ClosedResourceError:  # the lane's nudge: it left us work
+                    return None
+                if self._lane_parked:
+                    # The bytes are most likely its answer: its task reads first, in this
+                    # same batch, and the answer skips the hand-over through an event.
+                    await trio.lowlevel.checkpoint()
+            else:
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._reader_idle = False
+        if self._lane_left or self._lane_reads != lane_reads:
+            return None  # the lane's task read (more bytes, if any, wake us again)
+        try:
+            return raw.recv(RECEIVE_SIZE)
+        except BlockingIOError:  # woken without bytes: the lane's task took them
+            return None
+        except OSError as exc:
+            raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
 
     async def _reader(self) -> None:
         """Bytes in, events out; at most one turn's work between yields (see
         :mod:`p2pkv.session.turns`), so no peer's backlog delays the other sessions."""
         cfg = self.cfg
         turn = Turn(cfg.max_events_per_turn, cfg.max_keys_per_turn, self._flush)
-        data: bytes | bytearray = b""
+        data: bytes | bytearray | None = None
+        filled = False  # the last receive filled the buffer: bytes are likely left
+        proto = self.proto
         while True:
-            try:
-                # A receive that filled the buffer left bytes behind: read again at once.
-                data = await self._receive(wait_first=len(data) < RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._fail(exc, f"connection lost: {exc}", "transport")
-                return
-            if not data:
-                self._fail(
-                    SessionClosed("connection closed by peer", peer=self.peer_id),
-                    "connection closed by peer",
-                    "transport",
-                )
-                return
+            if self._lane_left:  # the lane's task stopped short: its rest is ours
+                self._lane_left = False
+                await trio.lowlevel.checkpoint()
+            else:
+                try:
+                    # A receive that filled the buffer left bytes behind: read again at once.
+                    data = await self._receive(wait_first=not filled)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self._fail(exc, f"connection lost: {exc}", "transport")
+                    return
+                filled = False
+                if data is None:
+                    continue
+                if not data:
+                    self._fail(
+                        SessionClosed("connection closed by peer", peer=self.peer_id),
+                        "connection closed by peer",
+                        "transport",
+                    )
+                    return
             turn.fresh()  # receiving yielded
-            proto = self.proto
             frames = charged = proto.frames_received
-            proto.receive_data(data)
+            if data is not None:
+                filled = len(data) >= RECEIVE_SIZE
+                proto.receive_data(data)
+                data = None
+            handback: Event | None = self._handback
+            self._handback = None
             try:
                 while True:
-                    event = proto.next_event(max(1, turn.max_events - turn.events))
+                    event: Event | None
+                    if handback is not None:
+                        event, handback = handback, None
+                    else:
+                        event = proto.next_event(max(1, turn.max_events - turn.events))
                     # Every frame is charged, those that made no event too (a ping flood).
                     turn.charge(events=proto.frames_received - charged)
                     charged = proto.frames_received
@@ -573,6 +639,117 @@ class PeerSession(ProducerSide, ConsumerSide):
             if self.proto.frames_received != frames:  # bytes alone are not a sign of life
                 self._heard_from()
                 self._rx.unpark_all()
+
+    # --- the answer lane --------------------------------------------------------------
+
+    async def _wait_in_lane(self, p: _Pending) -> bool:
+        """Wait for ``p``'s answer reading the socket ourselves; False if the lane is not
+        for us (TLS, another request's task in it, the session closing, the reader busy),
+        and the caller waits on ``p.event`` instead (or still: the lane may give up).
+
+        Through the reader, every answer takes two trips through Trio's scheduler: the
+        reader's, which reads the frame and sets the request's event, and then the
+        request's task's, in the next batch, after the reader has gone back to waiting.
+        On a machine with idle cores that second trip was most of what a 1-key lookup
+        costs beyond a bare round trip (``bench/trio_handoff.py``). In the lane, the
+        waiting task waits for the socket itself, on a duplicate descriptor of its own
+        (Trio lets one task wait per descriptor), so when the answer comes both it and
+        the reader wake in the same batch. The reader, finding the lane's task waiting,
+        yields once without reading, so the task reads the bytes and handles them itself
+        (:meth:`_lane_take`) and returns with no second trip.
+
+        Frames are still handled by one task at a time and in order: the lane's task reads
+        only while the reader waits for bytes with nothing half done (``_reader_idle``),
+        and handles them without yielding. It handles only what a consumer's waiters and
+        the session's liveness need (:data:`LANE_EVENTS`: answers, transfer results, abort
+        acks, pongs; pings are answered inside the protocol). Any other event (a lookup or
+        fetch the peer asks of us, a hello, a bye) and whatever follows it are left to the
+        reader, as is the rest of a turn's worth of frames: the producer's side and the
+        handshake run in the reader alone, as before. If the reader is busy when the bytes
+        come, the task leaves the lane and waits on its event like any other. Whoever
+        settles ``p`` other than the task itself (the reader, the lease timer, the close)
+        wakes it through :meth:`_wake_waiter`."""
+        if self._lane_p is not None or not self.answer_lane:
+            return False
+        lane = self._lane_socket()
+        if lane is None:
+            return False
+        self._lane_p = p
+        try:
+            while not p.event.is_set():
+                self._lane_parked = True
+                try:
+                    await trio.lowlevel.wait_readable(lane)
+                except trio.ClosedResourceError:  # woken by _wake_waiter, or the close
+                    return p.event.is_set()
+                finally:
+                    self._lane_parked = False
+                if p.event.is_set():
+                    break
+                if not self._reader_idle or self._lane_left:
+                    return False  # the reader is mid-turn: it reads and wakes us
+                try:
+                    data = lane.recv(RECEIVE_SIZE)
+                except BlockingIOError:  # the reader read them first
+                    continue
+                except OSError:
+                    return False  # the reader meets the same error and ends the session
+                if not data:
+                    return False  # the peer closed: the reader ends the session
+                self._lane_reads += 1
+                self._lane_take(data)
+            return True
+        finally:
+            self._lane_p = None
+
+    def _lane_take(self, data: bytes) -> None:
+        """Handle ``data`` in the lane's task, as the reader would, without yielding: at
+        most one turn's frames, and no event that must wait (see :meth:`_wait_in_lane`);
+        what is left over is the reader's, and the reader is woken for it. Its turn counts
+        frames, as the reader's does; none of its events carries keys to count."""
+        proto = self.proto
+        frames = charged = proto.frames_received
+        budget = self.cfg.max_events_per_turn
+        used = 0
+        proto.receive_data(data)
+        try:
+            while True:
+                event = proto.next_event(max(1, budget - used))
+                used += proto.frames_received - charged
+                charged = proto.frames_received
+                if event is None:
+                    self._lane_left = proto.input_pending
+                    break
+                if type(event) not in LANE_EVENTS:
+                    self._handback = event
+                    self._lane_left = True
+                    break
+                self._handlers[type(event)](event)
+                if used >= budget:
+                    self._lane_left = True  # frames may be left: the reader's next turn
+                    break
+        except RemoteProtocolError as exc:
+            log.warning("protocol error from %s: %s", self.peer_id, exc)
+            self._fail(exc, f"protocol error: {exc.message}")
+        except HandshakeRejected as exc:
+            log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
+            self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
+        if proto.has_data_to_send():
+            self._drain_soon()  # a pong, an abort's ack: sent by a task of the session's
+        if proto.frames_received != frames:
+            self._heard_from()
+            self._rx.unpark_all()
+        if self._lane_left and self._rsock is not None:
+            # Wake the reader for the rest. It is waiting for bytes (or yielding before it
+            # reads): a wake-up that finds it already woken only drops the registration.
+            trio.lowlevel.notify_closing(self._rsock)
+
+    def _wake_waiter(self, p: _Pending) -> None:
+        """``p`` is settled (answered, failed, past its deadline): wake its task, which
+        waits on ``p.event`` or, in the answer lane, on the socket."""
+        p.event.set()
+        if p is self._lane_p and self._lane_parked and self._lane_sock is not None:
+            trio.lowlevel.notify_closing(self._lane_sock)
 
     def _heard_from(self) -> None:
         """The peer showed it is alive now: a frame from it, or our send making headway
@@ -663,7 +840,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             for p in self._pending.values():
                 if p.deadline <= now:
                     p.deadline = math.inf
-                    p.event.set()
+                    self._wake_waiter(p)
             await self._flush()
             deadlines = [r.deadline for r in self._rounds.values()]
             deadlines += [p.deadline for p in self._pending.values() if p.deadline < math.inf]
@@ -751,7 +928,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                 p = self._pending.get(req)
                 if p is not None:
                     p.error = SessionClosed("peer restarted", peer=self.peer_id)
-                    p.event.set()
+                    self._wake_waiter(p)
                     # Nothing of the new incarnation will end it (no transfer_done or
                     # abort_ack comes for an old request): its request slot is free now.
                     self._request_ended(req)

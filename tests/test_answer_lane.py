@@ -1,0 +1,363 @@
+"""The answer lane (``PeerSession._wait_in_lane``): a request's task reads its own answer.
+
+What must hold whatever arrives with the answer or instead of it: frames are handled once,
+in order, by one task at a time; an event that must wait (the peer's own lookup), and the
+rest of a turn's frames, go to the reader, which is woken for them; a waiter the lane
+cannot serve (the reader mid-turn) still gets its answer through its event; the lease
+timer, the session's end, a malformed frame and a cancelled caller each end a wait in the
+lane as they end any other, and leave the lane free for the next request.
+
+The peer is a :class:`RawPeer` driven by the test over real TCP (loopback), so the test
+decides exactly which bytes arrive in one write. Real clock unless said; every wait is
+bounded by ``trio.fail_after``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import Node, open_node
+from p2pkv.errors import P2PKVTimeout, SessionClosed
+from p2pkv.pins import HostPins
+from p2pkv.session.protocol import LookupAnswered, LookupRequested, PongReceived
+from p2pkv.session.session import PeerSession
+
+from .helpers import RawPeer, VirtualOffload, config, fill
+
+BOUND = 20.0  # seconds: "this did not hang", never an expected duration
+
+
+@asynccontextmanager
+async def raw_peer_of(node: Node, **info: Any) -> AsyncIterator[tuple[RawPeer, PeerSession]]:
+    """A hand-driven peer connected to ``node``, and ``node``'s session with it."""
+    raw = RawPeer(**info)
+    try:
+        await raw.connect(node.address)
+        await raw.handshake()
+        while not node.is_connected(raw.peer_id):
+            await trio.sleep(0.001)
+        (session,) = [s for s in node._sessions if s.peer_id == raw.peer_id]
+        assert isinstance(session, PeerSession)
+        yield raw, session
+    finally:
+        await raw.aclose()
+
+
+async def next_lookup(raw: RawPeer) -> LookupRequested:
+    ev = await raw.next_event()
+    assert isinstance(ev, LookupRequested), ev
+    return ev
+
+
+def answer(raw: RawPeer, ev: LookupRequested) -> None:
+    """Queue an all-hit answer to ``ev`` (sent by the next flush)."""
+    raw.proto.send_lookup_resp(ev.req_id, [True] * len(ev.keys), trio.current_time(), 100)
+
+
+class LaneSpy:
+    """Counts what the lane's task handled (wraps ``_lane_take``)."""
+
+    def __init__(self, session: PeerSession, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.takes = 0
+        self.left: list[bool] = []  # per take: whether it left work for the reader
+        take = session._lane_take
+
+        def spy(data: bytes) -> None:
+            self.takes += 1
+            take(data)
+            self.left.append(session._lane_left)
+
+        monkeypatch.setattr(session, "_lane_take", spy)
+
+
+async def test_our_answer_and_the_peers_own_lookup_in_one_receive_are_both_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lane's task reads our answer and, behind it in the same bytes, the peer's own
+    lookup. It returns with its answer and leaves the lookup to the reader, which pins
+    and answers it."""
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            ours = fill(node.store, 3, 4096)
+            spy = LaneSpy(session, monkeypatch)
+            theirs = [os.urandom(32) for _ in range(2)]
+            async with trio.open_nursery() as nursery:
+                got: list[list[bool]] = []
+
+                async def lookup() -> None:
+                    got.append(await node.lookup(raw.peer_id, theirs))
+
+                nursery.start_soon(lookup)
+                ev = await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_parked  # the lookup's task waits in the lane
+                answer(raw, ev)
+                req = raw.proto.send_lookup(ours)
+                await raw.flush()  # one write: our answer, then the peer's lookup
+            assert got == [[True, True]]
+            assert spy.takes == 1 and spy.left == [True]  # the lookup was left to the reader
+            resp = await raw.next_event()
+            assert isinstance(resp, LookupAnswered) and resp.req_id == req
+            assert resp.hits == [True] * 3
+            assert session.alive and session._handback is None and not session._lane_left
+
+
+async def test_a_turns_worth_of_frames_before_the_answer_goes_to_the_reader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More frames in one receive than a turn may handle (pings, then the answer): the
+    lane's task handles a turn's worth and wakes the reader for the rest, which reaches
+    the answer and wakes the task. Every ping is answered, once."""
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("n", max_events_per_turn=8)) as node,
+            raw_peer_of(node) as (raw, session),
+        ):
+            spy = LaneSpy(session, monkeypatch)
+            async with trio.open_nursery() as nursery:
+                got: list[list[bool]] = []
+
+                async def lookup() -> None:
+                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
+
+                nursery.start_soon(lookup)
+                ev = await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_parked
+                pings = [raw.proto.send_ping() for _ in range(30)]
+                answer(raw, ev)
+                await raw.flush()
+            assert got == [[True]]
+            assert spy.takes >= 1 and spy.left[0] is True
+            pongs: list[int] = []
+            while len(pongs) < len(pings):
+                pong = await raw.next_event()
+                assert isinstance(pong, PongReceived)
+                pongs.append(pong.nonce)
+            assert sorted(pongs) == sorted(pings)
+            assert session.alive
+
+
+async def test_a_waiter_whose_answer_comes_while_the_reader_is_mid_turn_gets_it_by_its_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader is inside a turn (answering the peer's lookup, waiting for the host to
+    pin) when our answer arrives: the lane's task must not read under it, so it leaves the
+    lane and waits on its event; the reader reads the answer once the host has answered."""
+    pins = HostPins(8, answer_within=30.0)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("n"), pin_source=pins) as node,
+            raw_peer_of(node) as (raw, session),
+        ):
+            spy = LaneSpy(session, monkeypatch)
+            their_req = raw.proto.send_lookup([os.urandom(32)])
+            await raw.flush()
+            while not (taken := pins.take()):  # the reader waits for the host now
+                await trio.sleep(0.001)
+            async with trio.open_nursery() as nursery:
+                got: list[list[bool]] = []
+
+                async def lookup() -> None:
+                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
+
+                nursery.start_soon(lookup)
+                ev = await next_lookup(raw)
+                answer(raw, ev)
+                await raw.flush()
+                while session._lane_p is not None:  # it woke, saw the reader busy, left
+                    await trio.sleep(0.001)
+                assert got == [] and spy.takes == 0
+                pins.answer(taken[0], [None], None)  # the host: a miss
+            assert got == [[True]]
+            assert spy.takes == 0  # the reader read our answer
+            resp = await raw.next_event()
+            assert isinstance(resp, LookupAnswered) and resp.req_id == their_req
+            assert resp.hits == [False]
+
+
+async def test_a_lookup_that_times_out_in_the_lane_frees_it_for_the_next(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No answer comes: the lease timer ends the wait at the lookup's deadline (it wakes
+    the task out of the lane), the lookup raises a timeout, and the next lookup waits in
+    the lane and gets its answer there."""
+    with trio.fail_after(120):
+        async with (
+            open_node(config("n", lookup_timeout=5.0), offload=VirtualOffload()) as node,
+            raw_peer_of(node) as (raw, session),
+        ):
+            spy = LaneSpy(session, monkeypatch)
+            start = trio.current_time()
+            with pytest.raises(P2PKVTimeout):
+                await node.lookup(raw.peer_id, [os.urandom(32)])
+            assert 5.0 <= trio.current_time() - start < 6.0
+            assert session._lane_p is None and not session._lane_parked
+            ignored = await next_lookup(raw)
+            async with trio.open_nursery() as nursery:
+                got: list[list[bool]] = []
+
+                async def lookup() -> None:
+                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
+
+                nursery.start_soon(lookup)
+                while True:  # the abort of the first, then the second lookup
+                    ev = await raw.next_event()
+                    if isinstance(ev, LookupRequested) and ev.req_id != ignored.req_id:
+                        break
+                answer(raw, ev)
+                await raw.flush()
+            assert got == [[True]] and spy.takes >= 1
+            assert session.alive
+
+
+async def test_a_cancelled_waiter_leaves_the_lane_free() -> None:
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            with trio.move_on_after(0.2) as cs:
+                await node.lookup(raw.peer_id, [os.urandom(32)])
+            assert cs.cancelled_caught
+            assert session._lane_p is None and not session._lane_parked
+            first = await next_lookup(raw)
+            async with trio.open_nursery() as nursery:
+                got: list[list[bool]] = []
+
+                async def lookup() -> None:
+                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
+
+                nursery.start_soon(lookup)
+                while True:
+                    ev = await raw.next_event()
+                    if isinstance(ev, LookupRequested) and ev.req_id != first.req_id:
+                        break
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_parked  # the next request's task took the lane
+                answer(raw, ev)
+                await raw.flush()
+            assert got == [[True]]
+
+
+async def test_two_waiters_one_in_the_lane_both_answered_by_one_write() -> None:
+    """Only one task waits in the lane; the other waits on its event. One write answers
+    both (the other's answer first): the lane's task wakes the other and then returns
+    with its own."""
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            got: dict[int, list[bool]] = {}
+            async with trio.open_nursery() as nursery:
+
+                async def lookup(i: int, n: int) -> None:
+                    got[i] = await node.lookup(raw.peer_id, [os.urandom(32) for _ in range(n)])
+
+                nursery.start_soon(lookup, 0, 1)
+                first = await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                in_lane = session._lane_p
+                assert in_lane is not None and in_lane.req_id == first.req_id
+                nursery.start_soon(lookup, 1, 2)
+                second = await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_p is in_lane  # the second waits on its event
+                answer(raw, second)
+                answer(raw, first)
+                await raw.flush()
+            assert got == {0: [True], 1: [True, True]}
+            assert session._lane_p is None
+
+
+async def test_the_peer_closing_while_we_wait_in_the_lane_ends_the_lookup_not_the_node() -> None:
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node:
+            async with raw_peer_of(node) as (raw, session):
+                async with trio.open_nursery() as nursery:
+                    errors: list[BaseException] = []
+
+                    async def lookup() -> None:
+                        try:
+                            await node.lookup(raw.peer_id, [os.urandom(32)])
+                        except SessionClosed as exc:
+                            errors.append(exc)
+
+                    nursery.start_soon(lookup)
+                    await next_lookup(raw)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert session._lane_parked
+                    assert raw.stream is not None
+                    await raw.stream.aclose()
+                assert len(errors) == 1
+                await session.finished.wait()
+            # The node serves another peer as before.
+            async with raw_peer_of(node) as (other, _):
+                async with trio.open_nursery() as nursery:
+                    got: list[list[bool]] = []
+
+                    async def lookup2() -> None:
+                        got.append(await node.lookup(other.peer_id, [os.urandom(32)]))
+
+                    nursery.start_soon(lookup2)
+                    answer(other, await next_lookup(other))
+                    await other.flush()
+                assert got == [[True]]
+
+
+async def test_a_malformed_frame_read_in_the_lane_closes_that_session_with_a_reason() -> None:
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            async with trio.open_nursery() as nursery:
+                errors: list[BaseException] = []
+
+                async def lookup() -> None:
+                    try:
+                        await node.lookup(raw.peer_id, [os.urandom(32)])
+                    except SessionClosed as exc:
+                        errors.append(exc)
+
+                nursery.start_soon(lookup)
+                await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_parked
+                await raw.send_raw(b"\x00\x00\x00\x03\xc1\xc1\xc1")  # 0xc1: never valid
+            assert len(errors) == 1
+            await session.finished.wait()
+            assert session.close_reason is not None
+            assert session.close_reason.startswith("protocol error")
+            assert node.statistics().peers == 0
+
+
+async def test_work_the_lane_leaves_wakes_a_reader_that_is_waiting_for_bytes() -> None:
+    """The lane's task may take bytes after the reader went back to waiting in the same
+    batch (so the reader is not woken by them). What it leaves (here: more pings than a
+    turn, then the peer's lookup) must wake the reader, with no more bytes to come."""
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("n", max_events_per_turn=4)) as node,
+            raw_peer_of(node) as (raw, session),
+        ):
+            keys = fill(node.store, 2, 4096)
+            await trio.testing.wait_all_tasks_blocked()
+            assert session._reader_idle  # parked, and nothing on the socket to wake it
+            pings = [raw.proto.send_ping() for _ in range(10)]
+            req = raw.proto.send_lookup(keys)
+            session._lane_take(raw.proto.data_to_send())  # as the lane's task would
+            assert session._lane_left
+            pongs: list[int] = []
+            while len(pongs) < len(pings):
+                ev = await raw.next_event()
+                if isinstance(ev, PongReceived):
+                    pongs.append(ev.nonce)
+                else:
+                    assert isinstance(ev, LookupAnswered) and ev.req_id == req
+                    assert ev.hits == [True, True]
+                    req = -1
+            assert sorted(pongs) == sorted(pings)
+            if req != -1:
+                resp = await raw.next_event()
+                assert isinstance(resp, LookupAnswered) and resp.req_id == req
+            assert not session._lane_left and session._handback is None
