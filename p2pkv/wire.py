@@ -440,28 +440,43 @@ def _describe(exc: BaseException) -> str:
 _M = TypeVar("_M")
 
 
-_FIELD_NAMES: dict[type[Any], frozenset[str]] = {}
+class _Trusted:
+    """``trusted[cls](**fields)``: a message of fields that this process built and has
+    just checked itself, made without running the validators a second time (the hot
+    messages: a 1,024-key lookup spent more time validating its keys again than encoding
+    them). Every field must be given, as a keyword; a missing or unknown one is a
+    ``TypeError``. The hot decoder builds what it decoded the same way: msgspec has
+    checked every bound and type the validators would.
+
+    Each class gets its builder once, a function that writes each slot through the
+    slot's own descriptor: a 1-key lookup's message is made in about 0.5 us on the VM,
+    against 1.1 us through a generic function that checked the names and set each field
+    in a loop."""
+
+    def __init__(self) -> None:
+        self._builders: dict[type[Any], Callable[..., Any]] = {}
+
+    def __getitem__(self, cls: type[_M]) -> Callable[..., _M]:
+        build = self._builders.get(cls)
+        if build is None:
+            build = self._builders[cls] = self._make(cls)
+        return build
+
+    @staticmethod
+    def _make(cls: type[Any]) -> Callable[..., Any]:
+        names = [a.name for a in attrs.fields(cls)]
+        env: dict[str, Any] = {"new": object.__new__, "cls": cls}
+        for name in names:
+            env[f"set_{name}"] = cls.__dict__[name].__set__
+        body = "".join(f"    set_{name}(msg, {name})\n" for name in names)
+        fn = f"trusted_{cls.__name__}"
+        src = f"def {fn}(*, {', '.join(names)}):\n    msg = new(cls)\n{body}    return msg\n"
+        exec(compile(src, f"<{fn}>", "exec"), env)
+        build: Callable[..., Any] = env[fn]
+        return build
 
 
-def _field_names(cls: type[Any]) -> frozenset[str]:
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = frozenset(a.name for a in attrs.fields(cls))
-    return names
-
-
-def trusted(cls: type[_M], **fields: Any) -> _M:
-    """A message of fields that this process built and has just checked itself, made
-    without running the validators a second time (the hot messages: a 1,024-key lookup
-    spent more time validating its keys again than encoding them). Every field must be
-    given. The hot decoder builds what it decoded the same way: msgspec has checked
-    every bound and type the validators would."""
-    if fields.keys() != _field_names(cls):
-        raise TypeError(f"{cls.__name__}: trusted() needs exactly its fields")
-    msg = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(msg, name, value)
-    return msg
+trusted: Final = _Trusted()
 
 
 def encode(msg: Message) -> bytes:
@@ -487,7 +502,7 @@ _ARRAY_HEADERS: Final = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
 
 # Every field name of any message (and the tag's): the general decoder builds only these.
 _KNOWN_FIELDS: Final = frozenset(
-    {"t"}.union(*(_field_names(cls) for cls in MESSAGE_TYPES.values()))
+    {"t"}.union(*({a.name for a in attrs.fields(cls)} for cls in MESSAGE_TYPES.values()))
 )
 
 
@@ -704,19 +719,19 @@ def _decode_hot(body: bytes | memoryview) -> Message | None:
     if type(hot) is _HotLookup:
         if size != _FIXMAP_3:
             return None
-        msg = trusted(Lookup, req_id=hot.req_id, keys=hot.keys)
+        msg = trusted[Lookup](req_id=hot.req_id, keys=hot.keys)
     elif type(hot) is _HotLookupResp:
         if size != _FIXMAP_3:
             return None
-        msg = trusted(LookupResp, req_id=hot.req_id, hits=hot.hits)
+        msg = trusted[LookupResp](req_id=hot.req_id, hits=hot.hits)
     elif type(hot) is _HotFetch:
         if size != _FIXMAP_4 or len(hot.keys) != len(hot.slots):
             return None
-        msg = trusted(Fetch, req_id=hot.req_id, keys=hot.keys, slots=hot.slots)
+        msg = trusted[Fetch](req_id=hot.req_id, keys=hot.keys, slots=hot.slots)
     elif type(hot) is _HotFetchHits:
         if size != _FIXMAP_3:
             return None
-        msg = trusted(FetchHits, req_id=hot.req_id, slots=hot.slots)
+        msg = trusted[FetchHits](req_id=hot.req_id, slots=hot.slots)
     elif type(hot) is _HotTransferDone:
         checksums = hot.checksums
         if checksums is msgspec.UNSET:
@@ -727,7 +742,7 @@ def _decode_hot(body: bytes | memoryview) -> Message | None:
             return None
         if not _OUTCOMES_ARE_A_RANGE and not _OUTCOMES.issuperset(hot.outcomes):
             return None
-        msg = trusted(TransferDone, req_id=hot.req_id, outcomes=hot.outcomes, checksums=checksums)
+        msg = trusted[TransferDone](req_id=hot.req_id, outcomes=hot.outcomes, checksums=checksums)
     else:
         return None
     return msg

@@ -362,14 +362,14 @@ def test_a_trusted_message_is_the_validated_one_and_needs_every_field() -> None:
     the validated one, and a missing or unknown field is refused."""
     ks = [b"k%d" % i for i in range(100)]
     slots = list(range(100))
-    assert wire.trusted(Lookup, req_id=7, keys=ks) == Lookup(req_id=7, keys=ks)
-    fetch = wire.trusted(Fetch, req_id=7, keys=ks, slots=slots)
+    assert wire.trusted[Lookup](req_id=7, keys=ks) == Lookup(req_id=7, keys=ks)
+    fetch = wire.trusted[Fetch](req_id=7, keys=ks, slots=slots)
     assert fetch == Fetch(req_id=7, keys=ks, slots=slots)
     assert encode(fetch) == encode(Fetch(req_id=7, keys=ks, slots=slots))
-    with pytest.raises(TypeError, match="exactly its fields"):
-        wire.trusted(Fetch, req_id=7, keys=ks)
-    with pytest.raises(TypeError, match="exactly its fields"):
-        wire.trusted(Lookup, req_id=7, keys=ks, slots=slots)
+    with pytest.raises(TypeError, match=r"trusted_.*(missing|unexpected)"):
+        wire.trusted[Fetch](req_id=7, keys=ks)
+    with pytest.raises(TypeError, match=r"trusted_.*(missing|unexpected)"):
+        wire.trusted[Lookup](req_id=7, keys=ks, slots=slots)
 
 
 @settings(max_examples=200, deadline=None)

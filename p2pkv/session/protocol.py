@@ -900,7 +900,7 @@ class SessionProtocol:
         if not checked:
             self._check_own_keys(keys, "lookup")
         # Checked just above against limits within the wire's: no second validation.
-        msg = trusted(Lookup, req_id=self._next_req_id, keys=list(keys))
+        msg = trusted[Lookup](req_id=self._next_req_id, keys=list(keys))
         self._next_req_id += 1
         self._out[msg.req_id] = _OutReq(OutState.LOOKUP_SENT, len(msg.keys))
         self._emit(msg)
@@ -928,7 +928,7 @@ class SessionProtocol:
         if not checked:
             self._check_own_slots(slots)
         # Keys and slots checked just above, within the wire's limits: no second validation.
-        msg = trusted(Fetch, req_id=req_id, keys=list(keys), slots=slots)
+        msg = trusted[Fetch](req_id=req_id, keys=list(keys), slots=slots)
         self._emit(msg)
         if not msg.keys:
             del self._out[req_id]
@@ -975,7 +975,7 @@ class SessionProtocol:
             )
         if not checked:
             self._check_own_slots(slots)
-        self._emit(trusted(FetchHits, req_id=req_id, slots=slots))
+        self._emit(trusted[FetchHits](req_id=req_id, slots=slots))
         r.state = OutState.FETCH_SENT
         r.nfetch = len(slots)
 
@@ -1025,7 +1025,7 @@ class SessionProtocol:
             raise LocalProtocolError("hit count differs from key count")
         # Checked just above (the request id is the peer's, already checked): the
         # message is built without running its validators again.
-        msg = trusted(LookupResp, req_id=req_id, hits=hits)
+        msg = trusted[LookupResp](req_id=req_id, hits=hits)
         r.state = InState.PINNED
         r.pins = r.nhits = hits.count(True)
         r.deadline = now + lease
@@ -1070,7 +1070,7 @@ class SessionProtocol:
             if not _OUTCOME_CODES.issuperset(outcomes) or bool in map(type, outcomes):
                 raise LocalProtocolError("outcomes must be Outcome codes", peer=self.peer_id)
         if checksums is None:
-            msg = trusted(TransferDone, req_id=req_id, outcomes=outcomes, checksums=None)
+            msg = trusted[TransferDone](req_id=req_id, outcomes=outcomes, checksums=None)
         else:  # the rare case: validated in full
             msg = TransferDone(req_id=req_id, outcomes=outcomes, checksums=list(checksums))
         del self._in[req_id]
