@@ -576,6 +576,9 @@ def _reject_ext(code: int, data: bytes) -> object:
     raise RemoteProtocolError(f"msgpack extension type {code} is not allowed")
 
 
+_SMALL_FRAME: Final = 4096  # bodies up to this size are decoded from a copy
+
+
 class FrameDecoder:
     """Incremental frame decoder. Feed bytes, pull messages. After an error it is poisoned."""
 
@@ -617,6 +620,15 @@ class FrameDecoder:
         buf = self._buf
         if len(buf) < end:
             return None
+        if length <= _SMALL_FRAME:
+            # A small body is copied: cheaper than the two views below (0.5 us of a
+            # 1-key answer's 2.2 us on the VM).
+            small = buf[HEADER.size : end]
+            msg = _decode_hot(small)
+            if msg is None:
+                msg = _decode_general(bytes(small))
+            del buf[:end]
+            return msg
         # Decoded in place: a copy of a body over 128 KiB (a 4,096-key fetch is 150 KB)
         # is a fresh mapping, page-faulted in on every frame. The view is gone before the
         # buffer shrinks; the general path (rare) gets a copy of its own.
@@ -698,7 +710,7 @@ _FIXMAP_3: Final = 0x83
 _FIXMAP_4: Final = 0x84
 
 
-def _decode_hot(body: bytes | memoryview) -> Message | None:
+def _decode_hot(body: bytes | bytearray | memoryview) -> Message | None:
     """The hot message in ``body``, or ``None`` where the general path must decide.
 
     A hot message is a map of exactly its fields (3 or 4 with the tag), so the map's size
