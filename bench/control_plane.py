@@ -21,6 +21,11 @@ the median of the reps' ratios with their min-max. The CPU time of the consumer'
 thread per lookup is printed too: what else shares the cores moves it less than it moves a
 latency (on a busy 2-core box it still swings by a third).
 
+``--ab-lane`` adds a third kind, sampled in turn with the other two on the same session:
+p2pkv with the session's answer lane off (each answer reaches the lookup's task through the
+reader and an event, as before the lane; ``docs/design.md``, "Sessions"). It prints the
+lane's worth as a ratio paired rep by rep.
+
 Targets (issue 9): ``--keys`` 1,024 at p50 <= 1.5 ms on a 2-core machine, <= 1 ms with
 more cores; 1 key within 1.5 x the bare round trip.
 """
