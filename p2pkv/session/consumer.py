@@ -469,11 +469,14 @@ class ConsumerSide(SessionParts):
                 self._requests.give_back()
             raise
         # Waiting for a request slot is part of the lookup's deadline; the usual case, a
-        # slot free, takes no checkpoint.
+        # slot free, takes no checkpoint (and nothing can have changed since the check).
+        waited = False
         if not has_slot and not self._requests.take_nowait():
             await self._take_request_slots(1)
+            waited = True
         try:
-            self._check_usable("lookup")
+            if waited:
+                self._check_usable("lookup")
             req = self.proto.send_lookup(keys, checked=lim is self._limits())
         except BaseException:
             self._requests.give_back()

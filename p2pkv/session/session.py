@@ -626,7 +626,8 @@ class PeerSession(ProducerSide, ConsumerSide):
                         if isinstance(event, FetchRequested):
                             turn.charge(keys=len(event.slots))
                         self._handlers[type(event)](event)
-                    await turn.pause_if_spent()
+                    if turn.spent():
+                        await turn.pause()
             except RemoteProtocolError as exc:
                 log.warning("protocol error from %s: %s", self.peer_id, exc)
                 self._fail(exc, f"protocol error: {exc.message}")
@@ -638,7 +639,8 @@ class PeerSession(ProducerSide, ConsumerSide):
             await self._flush()
             if self.proto.frames_received != frames:  # bytes alone are not a sign of life
                 self._heard_from()
-                self._rx.unpark_all()
+                if self._rx:  # a probe waits for a frame
+                    self._rx.unpark_all()
 
     # --- the answer lane --------------------------------------------------------------
 
@@ -738,7 +740,8 @@ class PeerSession(ProducerSide, ConsumerSide):
             self._drain_soon()  # a pong, an abort's ack: sent by a task of the session's
         if proto.frames_received != frames:
             self._heard_from()
-            self._rx.unpark_all()
+            if self._rx:
+                self._rx.unpark_all()
         if self._lane_left and self._rsock is not None:
             # Wake the reader for the rest. It is waiting for bytes (or yielding before it
             # reads): a wake-up that finds it already woken only drops the registration.

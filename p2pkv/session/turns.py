@@ -40,9 +40,17 @@ class Turn:
         """The task just yielded anyway (e.g. to receive): a new turn starts."""
         self.events = self.keys = 0
 
+    def spent(self) -> bool:
+        return self.events >= self.max_events or self.keys >= self.max_keys
+
+    async def pause(self) -> None:
+        """Send what is queued, let the other tasks run once; a new turn starts."""
+        await self.flush()
+        await trio.lowlevel.checkpoint()
+        self.fresh()
+
     async def pause_if_spent(self) -> None:
-        """If the budget is spent: send what is queued, let the other tasks run once."""
-        if self.events >= self.max_events or self.keys >= self.max_keys:
-            await self.flush()
-            await trio.lowlevel.checkpoint()
-            self.fresh()
+        """If the budget is spent: :meth:`pause`. (The reader checks :meth:`spent` first
+        itself, so an event that leaves budget costs it no coroutine.)"""
+        if self.spent():
+            await self.pause()
