@@ -1,11 +1,13 @@
 """The answer lane (``PeerSession._wait_in_lane``): a request's task reads its own answer.
 
 What must hold whatever arrives with the answer or instead of it: frames are handled once,
-in order, by one task at a time; an event that must wait (the peer's own lookup), and the
-rest of a turn's frames, go to the reader, which is woken for them; a waiter the lane
+in order, each by one task; the first frame that is not an answer or a pong (the peer's
+own lookup, a ping, a bye, a new hello) is not acted on by the lane at all, and it and the
+rest go to the reader, which is woken for them, as does the rest of a turn's frames; what
+the caller sees after such a frame is what it saw before the lane; a waiter the lane
 cannot serve (the reader mid-turn) still gets its answer through its event; the lease
-timer, the session's end, a malformed frame and a cancelled caller each end a wait in the
-lane as they end any other, and leave the lane free for the next request.
+timer, the session's end, a reset, a malformed frame and a cancelled caller each end a
+wait in the lane as they end any other, and leave the lane free for the next request.
 
 The peer is a :class:`RawPeer` driven by the test over real TCP (loopback), so the test
 decides exactly which bytes arrive in one write. Real clock unless said; every wait is
@@ -15,19 +17,23 @@ bounded by ``trio.fail_after``.
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
 from p2pkv import Node, open_node
-from p2pkv.errors import P2PKVTimeout, SessionClosed
+from p2pkv.errors import P2PKVTimeout, PeerUnavailable, SessionClosed
 from p2pkv.pins import HostPins
-from p2pkv.session.protocol import LookupAnswered, LookupRequested, PongReceived
+from p2pkv.session.protocol import LookupAnswered, LookupRequested, PongReceived, SessionProtocol
 from p2pkv.session.session import PeerSession
+from p2pkv.wire import Lookup, Pong, encode
 
 from .helpers import RawPeer, VirtualOffload, config, fill
 
@@ -106,15 +112,14 @@ async def test_our_answer_and_the_peers_own_lookup_in_one_receive_are_both_serve
             resp = await raw.next_event()
             assert isinstance(resp, LookupAnswered) and resp.req_id == req
             assert resp.hits == [True] * 3
-            assert session.alive and session._handback is None and not session._lane_left
+            assert session.alive and session.proto._unread is None and not session._lane_left
 
 
-async def test_a_turns_worth_of_frames_before_the_answer_goes_to_the_reader(
+async def test_pings_before_the_answer_go_to_the_reader_with_the_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """More frames in one receive than a turn may handle (pings, then the answer): the
-    lane's task handles a turn's worth and wakes the reader for the rest, which reaches
-    the answer and wakes the task. Every ping is answered, once."""
+    """Pings are the reader's (its turns count them): the lane's task stops at the first,
+    and the reader answers every ping, once, then reaches our answer and wakes the task."""
     with trio.fail_after(BOUND):
         async with (
             open_node(config("n", max_events_per_turn=8)) as node,
@@ -135,7 +140,7 @@ async def test_a_turns_worth_of_frames_before_the_answer_goes_to_the_reader(
                 answer(raw, ev)
                 await raw.flush()
             assert got == [[True]]
-            assert spy.takes >= 1 and spy.left[0] is True
+            assert spy.takes == 1 and spy.left == [True]
             pongs: list[int] = []
             while len(pongs) < len(pings):
                 pong = await raw.next_event()
@@ -244,13 +249,16 @@ async def test_a_cancelled_waiter_leaves_the_lane_free() -> None:
             assert got == [[True]]
 
 
-async def test_two_waiters_one_in_the_lane_both_answered_by_one_write() -> None:
+async def test_two_waiters_one_in_the_lane_both_answered_by_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Only one task waits in the lane; the other waits on its event. One write answers
     both (the other's answer first): the lane's task wakes the other and then returns
     with its own."""
     with trio.fail_after(BOUND):
         async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
             got: dict[int, list[bool]] = {}
+            spy = LaneSpy(session, monkeypatch)
             async with trio.open_nursery() as nursery:
 
                 async def lookup(i: int, n: int) -> None:
@@ -270,6 +278,7 @@ async def test_two_waiters_one_in_the_lane_both_answered_by_one_write() -> None:
                 await raw.flush()
             assert got == {0: [True], 1: [True, True]}
             assert session._lane_p is None
+            assert spy.takes == 1 and spy.left == [False]  # the lane's task read both
 
 
 async def test_the_peer_closing_while_we_wait_in_the_lane_ends_the_lookup_not_the_node() -> None:
@@ -360,4 +369,144 @@ async def test_work_the_lane_leaves_wakes_a_reader_that_is_waiting_for_bytes() -
             if req != -1:
                 resp = await raw.next_event()
                 assert isinstance(resp, LookupAnswered) and resp.req_id == req
-            assert not session._lane_left and session._handback is None
+            assert not session._lane_left and session.proto._unread is None
+
+
+async def test_a_turns_worth_of_answers_and_pongs_then_the_reader_takes_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More lane frames in one receive than a turn (pongs, then the answer): the lane's
+    task handles a turn's worth and wakes the reader for the rest, which reaches the
+    answer and wakes the task."""
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("n", max_events_per_turn=8)) as node,
+            raw_peer_of(node) as (raw, session),
+        ):
+            spy = LaneSpy(session, monkeypatch)
+            async with trio.open_nursery() as nursery:
+                got: list[list[bool]] = []
+
+                async def lookup() -> None:
+                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
+
+                nursery.start_soon(lookup)
+                ev = await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_parked
+                before = session.proto.frames_received
+                pongs = b"".join(encode(Pong(nonce=i)) for i in range(30))
+                answer(raw, ev)
+                await raw.send_raw(pongs + raw.proto.data_to_send())
+            assert got == [[True]]
+            assert spy.takes == 1 and spy.left == [True]  # it stopped at its budget
+            assert session.proto.frames_received - before == 31 and session.alive
+
+
+async def test_what_the_lane_leaves_is_not_acted_on_until_the_reader_takes_it() -> None:
+    """The lane's task stops at the peer's lookup without dispatching it: the protocol
+    has not opened that round when the task's receive is handled; the reader then answers
+    it."""
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            keys = fill(node.store, 1, 4096)
+            await trio.testing.wait_all_tasks_blocked()
+            req = raw.proto.send_lookup(keys)
+            session._lane_take(raw.proto.data_to_send())  # as the lane's task would
+            assert session._lane_left and isinstance(session.proto._unread, Lookup)
+            assert session.proto.in_state(req) is None  # not acted on
+            resp = await raw.next_event()
+            assert isinstance(resp, LookupAnswered) and resp.req_id == req
+            assert resp.hits == [True]
+            assert session.proto._unread is None
+
+
+async def _answer_then(
+    raw: RawPeer, session: PeerSession, node: Node, lane: bool, rest: Any
+) -> list[object]:
+    """A lookup answered in one write with whatever ``rest(raw)`` returns after it, then a
+    second lookup made with no checkpoint between: what each gave."""
+    session.answer_lane = lane
+    got: list[object] = []
+    async with trio.open_nursery() as nursery:
+
+        async def lookups() -> None:
+            got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
+            try:
+                await node.lookup(raw.peer_id, [os.urandom(32)])
+            except PeerUnavailable as exc:
+                got.append(exc)
+
+        nursery.start_soon(lookups)
+        ev = await next_lookup(raw)
+        await trio.testing.wait_all_tasks_blocked()
+        assert session._lane_parked is lane
+        answer(raw, ev)
+        await raw.send_raw(raw.proto.data_to_send() + rest(raw))
+    return got
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_answer_then_bye_in_one_write_a_next_lookup_sees_the_peer_gone(
+    lane: bool,
+) -> None:
+    """The answer and a bye in one write: the lookup returns its answer, and a lookup made
+    right after is refused as with the lane off."""
+
+    def bye(raw: RawPeer) -> bytes:
+        raw.proto.send_bye("shutdown", "bye")
+        return raw.proto.data_to_send()
+
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            got = await _answer_then(raw, session, node, lane, bye)
+            assert got[0] == [True]
+            assert isinstance(got[1], PeerUnavailable), got
+
+
+@pytest.mark.parametrize("lane", [True, False])
+async def test_answer_then_a_restart_hello_in_one_write_a_next_lookup_is_not_ready(
+    lane: bool,
+) -> None:
+    """The answer and the peer's hello of a new epoch in one write: a lookup made right
+    after is refused as not ready, as with the lane off (not queued for the new one)."""
+
+    def restart(raw: RawPeer) -> bytes:
+        raw.proto = SessionProtocol(attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1))
+        raw.proto.start()
+        return raw.proto.data_to_send()
+
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            got = await _answer_then(raw, session, node, lane, restart)
+            assert got[0] == [True]
+            assert isinstance(got[1], PeerUnavailable), got
+
+
+async def test_a_reset_read_by_the_lane_is_reported_as_a_reset() -> None:
+    """A reset is reported once, to whichever receive comes first: read by the lane's
+    task, it still ends the session as a lost connection (not as a close)."""
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            async with trio.open_nursery() as nursery:
+                errors: list[BaseException] = []
+
+                async def lookup() -> None:
+                    try:
+                        await node.lookup(raw.peer_id, [os.urandom(32)])
+                    except SessionClosed as exc:
+                        errors.append(exc)
+
+                nursery.start_soon(lookup)
+                await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_parked
+                assert raw.stream is not None
+                raw.stream.socket.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                )
+                raw.stream.socket.close()  # a reset
+            assert len(errors) == 1
+            await session.finished.wait()
+            assert session.close_reason is not None
+            assert session.close_reason.startswith("connection lost: receive failed")

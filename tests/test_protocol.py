@@ -1604,3 +1604,50 @@ def test_bounded_draining_yields_every_event_in_order(kinds: list[str], max_sile
         assert stops == (sum(len(r) // bound for r in runs_of_pings) if bound else 0)
         runs.append([(type(e).__name__, getattr(e, "req_id", None)) for e in events])
     assert runs[0] == runs[1]
+
+
+@settings(max_examples=100, deadline=None)
+@given(kinds=st.lists(st.sampled_from(["resp", "lookup", "ping", "pong"]), min_size=1, max_size=12))
+def test_next_event_only_leaves_the_first_other_frame_undispatched(kinds: list[str]) -> None:
+    """``next_event(only=...)`` takes frames of the given types in order and stops at the
+    first other one without acting on it; the next call of any caller starts with that
+    frame. Interleaving the two kinds of caller gives exactly the events, the state and the
+    frame count that plain calls give (the answer lane and the reader)."""
+    only = frozenset({LookupResp, Pong})
+    results = []
+    for mixed in (False, True):
+        pair = ready_pair()
+        a, b = pair.a, pair.b
+        reqs = [a.send_lookup([b"k%d" % i]) for i in range(kinds.count("resp"))]
+        b.receive_data(a.data_to_send())
+        while b.next_event() is not None:
+            pass
+        frames = b""
+        for kind in kinds:
+            if kind == "resp":
+                req = reqs.pop(0)
+                b.send_lookup_resp(req, [True], 0.0, 100.0)
+                frames += b.data_to_send()
+            elif kind == "lookup":
+                frames += encode(Lookup(req_id=1000 + len(frames), keys=[b"x"]))
+            elif kind == "ping":
+                frames += encode(Ping(nonce=len(frames)))
+            else:
+                frames += encode(Pong(nonce=len(frames)))
+        base = a.frames_received
+        a.receive_data(frames)
+        events: list[Event] = []
+        while True:
+            if mixed:
+                ev = a.next_event(0, only)
+                assert ev is None or type(ev) in (LookupAnswered, PongReceived)
+                if ev is None and a.input_pending:
+                    ev = a.next_event()  # the other caller takes the frame left, and on
+            else:
+                ev = a.next_event()
+            if ev is None:
+                break
+            events.append(ev)
+        results.append((events, a.frames_received - base, snapshot(a), a.data_to_send()))
+    assert results[0] == results[1]
+    assert results[0][1] == len(kinds)  # each frame counted once

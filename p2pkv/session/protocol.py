@@ -57,7 +57,7 @@ import enum
 import hashlib
 import hmac
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import msgpack
@@ -318,7 +318,8 @@ class SessionProtocol:
         self._challenge: bytes | None = None  # the peer's nonce, once known (auth on)
         self._started = False
         self.frames_received = 0  # complete frames decoded (liveness counts only these)
-        self.input_pending = False  # next_event stopped at max_silent: frames may be left
+        self.input_pending = False  # next_event stopped short: frames may be left
+        self._unread: Message | None = None  # decoded, not dispatched (next_event's only)
         self._ack_sent = False
         self._peer_acked = False
         self._registering = False
@@ -623,13 +624,20 @@ class SessionProtocol:
             return  # after a bye, further bytes are ignored
         self._decoder.feed(data)
 
-    def next_event(self, max_silent: int = 0) -> Event | None:
+    def next_event(
+        self, max_silent: int = 0, only: frozenset[type[Any]] | None = None
+    ) -> Event | None:
         """The next event from the peer, ``None`` when more bytes are needed.
 
         ``max_silent`` > 0: also ``None`` after that many frames in a row that made no
         event (pings, an abort of a finished request...), with :attr:`input_pending` set:
         complete frames may be left, and a caller that shares its thread with others lets
         them run before it calls again. Every frame counts in :attr:`frames_received`.
+
+        ``only``: message types this caller may take. The first frame of another type is
+        decoded but not acted on: ``None`` with :attr:`input_pending` set, and the next
+        call (of any caller) starts with it. So a caller that handles only some events
+        (the session's answer lane) never changes the state that the others belong to.
 
         Raises :class:`RemoteProtocolError` / :class:`HandshakeRejected` on bad input; the
         machine is then closed with a ``bye`` queued.
@@ -638,10 +646,21 @@ class SessionProtocol:
         silent = 0
         while self.state in (State.HANDSHAKE, State.READY):
             try:
-                msg = self._decoder.next_message()
-                if msg is None:
-                    return None
-                self.frames_received += 1
+                msg = self._unread
+                if msg is not None:
+                    if only is not None and type(msg) not in only:
+                        self.input_pending = True
+                        return None
+                    self._unread = None
+                else:
+                    msg = self._decoder.next_message()
+                    if msg is None:
+                        return None
+                    self.frames_received += 1
+                    if only is not None and type(msg) not in only:
+                        self._unread = msg
+                        self.input_pending = True
+                        return None
                 event = self._dispatch(msg)
             except RemoteProtocolError as exc:
                 exc.peer = exc.peer or self.peer_id

@@ -56,7 +56,7 @@ from ..errors import (
     SessionClosed,
 )
 from ..transport.base import RegionLayout, RemotePeer
-from ..wire import Hello
+from ..wire import AbortAck, Hello, LookupResp, Pong, TransferDone
 from .consumer import (
     ConsumerSide,
     FetchResult,
@@ -71,7 +71,6 @@ from .protocol import (
     AbortAcknowledged,
     AbortRequested,
     ByeReceived,
-    Event,
     FetchRequested,
     HelloReceived,
     LookupAnswered,
@@ -98,10 +97,9 @@ LINGER = 0.25  # seconds we wait for the peer to see our bye before closing
 # reader stops reading): a few answers' worth, far more than a live peer leaves queued.
 OUTBOX_CAP = 4 << 20
 TLS_PIECE = 1 << 16  # a TLS send's piece between two moves of its headway deadline
-# The events the answer lane's task handles itself (see PeerSession._wait_in_lane).
-LANE_EVENTS: frozenset[type[Any]] = frozenset(
-    {LookupAnswered, TransferCompleted, AbortAcknowledged, PongReceived}
-)
+# The messages the answer lane's task takes from the peer (see PeerSession._wait_in_lane):
+# answers to our requests and pongs. Anything else stays undecided for the reader.
+LANE_MESSAGES: frozenset[type[Any]] = frozenset({LookupResp, TransferDone, AbortAck, Pong})
 
 
 @attrs.define(eq=False)
@@ -159,8 +157,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._lane_parked = False  # that task waits for the socket now
         self._lane_reads = 0  # receives the lane's task made
         self._reader_idle = False  # the reader waits for bytes, nothing of a turn half done
-        self._lane_left = False  # the lane's task left frames or an event for the reader
-        self._handback: Event | None = None  # the event it left
+        self._lane_left = False  # the lane's task left frames for the reader
         self._requests = RequestSlots(self.cfg.max_open_requests)  # resized by each hello
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
@@ -516,7 +513,10 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _lane_socket(self) -> socket.socket | None:
         if self._lane_sock is None and self.alive:
-            self._lane_sock = self._dup()
+            try:
+                self._lane_sock = self._dup()
+            except OSError:  # out of descriptors: the request waits on its event
+                return None
         return self._lane_sock
 
     def _dup(self) -> socket.socket | None:
@@ -579,41 +579,33 @@ class PeerSession(ProducerSide, ConsumerSide):
         filled = False  # the last receive filled the buffer: bytes are likely left
         proto = self.proto
         while True:
-            if self._lane_left:  # the lane's task stopped short: its rest is ours
-                self._lane_left = False
-                await trio.lowlevel.checkpoint()
-            else:
-                try:
-                    # A receive that filled the buffer left bytes behind: read again at once.
-                    data = await self._receive(wait_first=not filled)
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self._fail(exc, f"connection lost: {exc}", "transport")
-                    return
-                filled = False
-                if data is None:
-                    continue
-                if not data:
-                    self._fail(
-                        SessionClosed("connection closed by peer", peer=self.peer_id),
-                        "connection closed by peer",
-                        "transport",
-                    )
-                    return
+            try:
+                # A receive that filled the buffer left bytes behind: read again at once.
+                data = await self._receive(wait_first=not filled)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self._fail(exc, f"connection lost: {exc}", "transport")
+                return
+            filled = False
+            if data is None:  # woken without bytes of our own to read
+                if not self._lane_left:
+                    continue  # the lane's task read them all
+                self._lane_left = False  # it stopped short: the rest is ours
+            elif not data:
+                self._fail(
+                    SessionClosed("connection closed by peer", peer=self.peer_id),
+                    "connection closed by peer",
+                    "transport",
+                )
+                return
             turn.fresh()  # receiving yielded
             frames = charged = proto.frames_received
             if data is not None:
                 filled = len(data) >= RECEIVE_SIZE
                 proto.receive_data(data)
                 data = None
-            handback: Event | None = self._handback
-            self._handback = None
             try:
                 while True:
-                    event: Event | None
-                    if handback is not None:
-                        event, handback = handback, None
-                    else:
-                        event = proto.next_event(max(1, turn.max_events - turn.events))
+                    event = proto.next_event(max(1, turn.max_events - turn.events))
                     # Every frame is charged, those that made no event too (a ping flood).
                     turn.charge(events=proto.frames_received - charged)
                     charged = proto.frames_received
@@ -646,31 +638,32 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     async def _wait_in_lane(self, p: _Pending) -> bool:
         """Wait for ``p``'s answer reading the socket ourselves; False if the lane is not
-        for us (TLS, another request's task in it, the session closing, the reader busy),
-        and the caller waits on ``p.event`` instead (or still: the lane may give up).
+        for us (TLS, another request's task in it, the reader busy, the connection lost or
+        closed by the peer): the caller then waits on ``p.event``.
 
         Through the reader, every answer takes two trips through Trio's scheduler: the
         reader's, which reads the frame and sets the request's event, and then the
         request's task's, in the next batch, after the reader has gone back to waiting.
-        On a machine with idle cores that second trip was most of what a 1-key lookup
-        costs beyond a bare round trip (``bench/trio_handoff.py``). In the lane, the
+        On a machine with idle cores that second trip was a large part of what a 1-key
+        lookup costs beyond a bare round trip (``bench/trio_handoff.py``). In the lane, the
         waiting task waits for the socket itself, on a duplicate descriptor of its own
         (Trio lets one task wait per descriptor), so when the answer comes both it and
         the reader wake in the same batch. The reader, finding the lane's task waiting,
         yields once without reading, so the task reads the bytes and handles them itself
         (:meth:`_lane_take`) and returns with no second trip.
 
-        Frames are still handled by one task at a time and in order: the lane's task reads
-        only while the reader waits for bytes with nothing half done (``_reader_idle``),
-        and handles them without yielding. It handles only what a consumer's waiters and
-        the session's liveness need (:data:`LANE_EVENTS`: answers, transfer results, abort
-        acks, pongs; pings are answered inside the protocol). Any other event (a lookup or
-        fetch the peer asks of us, a hello, a bye) and whatever follows it are left to the
-        reader, as is the rest of a turn's worth of frames: the producer's side and the
-        handshake run in the reader alone, as before. If the reader is busy when the bytes
-        come, the task leaves the lane and waits on its event like any other. Whoever
-        settles ``p`` other than the task itself (the reader, the lease timer, the close)
-        wakes it through :meth:`_wake_waiter`."""
+        Frames are still handled one at a time, in order, each by one task: the lane's
+        task reads only while the reader waits for bytes with nothing of a turn half done
+        (``_reader_idle``), and handles what it read without yielding. It takes only the
+        answers to our requests and pongs (:data:`LANE_MESSAGES`; pings too are left to
+        the reader, which counts them in its turns). The first frame of any other kind,
+        a lookup or fetch the peer asks of us, an abort, a hello, a bye, stays decoded
+        but not acted on, with everything after it, until the reader handles it: the
+        protocol's state for the producer's side and the handshake changes only in the
+        reader, as before the lane. The reader is woken for what is left. If the reader
+        is busy when the bytes come, the task leaves the lane and waits on its event.
+        Whoever settles ``p`` other than the task itself (the reader, the lease timer, a
+        restart, the close) wakes it through :meth:`_wake_waiter`."""
         if self._lane_p is not None or not self.answer_lane:
             return False
         lane = self._lane_socket()
@@ -689,15 +682,20 @@ class PeerSession(ProducerSide, ConsumerSide):
                 if p.event.is_set():
                     break
                 if not self._reader_idle or self._lane_left:
-                    return False  # the reader is mid-turn: it reads and wakes us
+                    return False  # the reader is mid-turn, or has our rest: it reads on
                 try:
                     data = lane.recv(RECEIVE_SIZE)
                 except BlockingIOError:  # the reader read them first
                     continue
-                except OSError:
-                    return False  # the reader meets the same error and ends the session
+                except OSError as exc:  # a reset: read once, so it is ours to report
+                    self._fail(
+                        trio.BrokenResourceError(f"receive failed: {exc}"),
+                        f"connection lost: receive failed: {exc}",
+                        "transport",
+                    )
+                    return False
                 if not data:
-                    return False  # the peer closed: the reader ends the session
+                    return False  # the peer closed: the reader sees it too and ends it
                 self._lane_reads += 1
                 self._lane_take(data)
             return True
@@ -706,9 +704,9 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _lane_take(self, data: bytes) -> None:
         """Handle ``data`` in the lane's task, as the reader would, without yielding: at
-        most one turn's frames, and no event that must wait (see :meth:`_wait_in_lane`);
-        what is left over is the reader's, and the reader is woken for it. Its turn counts
-        frames, as the reader's does; none of its events carries keys to count."""
+        most one turn's frames, only :data:`LANE_MESSAGES` (see :meth:`_wait_in_lane`);
+        what is left is the reader's, and the reader is woken for it. None of these
+        messages carries keys to count."""
         proto = self.proto
         frames = charged = proto.frames_received
         budget = self.cfg.max_events_per_turn
@@ -716,15 +714,11 @@ class PeerSession(ProducerSide, ConsumerSide):
         proto.receive_data(data)
         try:
             while True:
-                event = proto.next_event(max(1, budget - used))
+                event = proto.next_event(max(1, budget - used), LANE_MESSAGES)
                 used += proto.frames_received - charged
                 charged = proto.frames_received
                 if event is None:
                     self._lane_left = proto.input_pending
-                    break
-                if type(event) not in LANE_EVENTS:
-                    self._handback = event
-                    self._lane_left = True
                     break
                 self._handlers[type(event)](event)
                 if used >= budget:
@@ -733,11 +727,8 @@ class PeerSession(ProducerSide, ConsumerSide):
         except RemoteProtocolError as exc:
             log.warning("protocol error from %s: %s", self.peer_id, exc)
             self._fail(exc, f"protocol error: {exc.message}")
-        except HandshakeRejected as exc:
-            log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
-            self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
         if proto.has_data_to_send():
-            self._drain_soon()  # a pong, an abort's ack: sent by a task of the session's
+            self._drain_soon()  # e.g. the bye of a protocol error
         if proto.frames_received != frames:
             self._heard_from()
             if self._rx:
