@@ -29,7 +29,7 @@ import trio
 import trio.testing
 
 from p2pkv import Node, open_node
-from p2pkv.errors import P2PKVTimeout, PeerUnavailable, SessionClosed
+from p2pkv.errors import P2PKVError, P2PKVTimeout, PeerUnavailable, SessionClosed
 from p2pkv.pins import HostPins
 from p2pkv.session.protocol import LookupAnswered, LookupRequested, PongReceived, SessionProtocol
 from p2pkv.session.session import PeerSession
@@ -56,10 +56,38 @@ async def raw_peer_of(node: Node, **info: Any) -> AsyncIterator[tuple[RawPeer, P
         await raw.aclose()
 
 
-async def next_lookup(raw: RawPeer) -> LookupRequested:
-    ev = await raw.next_event()
-    assert isinstance(ev, LookupRequested), ev
-    return ev
+async def next_lookup(raw: RawPeer, skip: int | None = None) -> LookupRequested:
+    """The peer's next lookup request, passing over other events and request ``skip``
+    (one the test gave up on: its abort comes too)."""
+    while True:
+        ev = await raw.next_event()
+        assert ev is not None
+        if isinstance(ev, LookupRequested) and ev.req_id != skip:
+            return ev
+
+
+async def lookup_in_background(
+    nursery: trio.Nursery,
+    node: Node,
+    raw: RawPeer,
+    keys: list[bytes] | None = None,
+    skip: int | None = None,
+) -> tuple[list[object], LookupRequested]:
+    """Start ``node.lookup`` of ``keys`` (one random key) at ``raw`` in ``nursery``; once
+    the peer has the request and every task waits, return the list the lookup's result
+    (or its ``P2PKVError``) lands in, and the request."""
+    got: list[object] = []
+
+    async def lookup() -> None:
+        try:
+            got.append(await node.lookup(raw.peer_id, keys or [os.urandom(32)]))
+        except P2PKVError as exc:
+            got.append(exc)
+
+    nursery.start_soon(lookup)
+    ev = await next_lookup(raw, skip)
+    await trio.testing.wait_all_tasks_blocked()
+    return got, ev
 
 
 def answer(raw: RawPeer, ev: LookupRequested) -> None:
@@ -83,6 +111,19 @@ class LaneSpy:
         monkeypatch.setattr(session, "_lane_take", spy)
 
 
+@asynccontextmanager
+async def small_turns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[Node, RawPeer, PeerSession, LaneSpy]]:
+    """A node whose turns take 8 frames, a hand-driven peer, their session, a spy on its
+    lane."""
+    async with (
+        open_node(config("n", max_events_per_turn=8)) as node,
+        raw_peer_of(node) as (raw, session),
+    ):
+        yield node, raw, session, LaneSpy(session, monkeypatch)
+
+
 async def test_our_answer_and_the_peers_own_lookup_in_one_receive_are_both_served(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -95,14 +136,7 @@ async def test_our_answer_and_the_peers_own_lookup_in_one_receive_are_both_serve
             spy = LaneSpy(session, monkeypatch)
             theirs = [os.urandom(32) for _ in range(2)]
             async with trio.open_nursery() as nursery:
-                got: list[list[bool]] = []
-
-                async def lookup() -> None:
-                    got.append(await node.lookup(raw.peer_id, theirs))
-
-                nursery.start_soon(lookup)
-                ev = await next_lookup(raw)
-                await trio.testing.wait_all_tasks_blocked()
+                got, ev = await lookup_in_background(nursery, node, raw, theirs)
                 assert session._lane_parked  # the lookup's task waits in the lane
                 answer(raw, ev)
                 req = raw.proto.send_lookup(ours)
@@ -121,20 +155,9 @@ async def test_pings_before_the_answer_go_to_the_reader_with_the_answer(
     """Pings are the reader's (its turns count them): the lane's task stops at the first,
     and the reader answers every ping, once, then reaches our answer and wakes the task."""
     with trio.fail_after(BOUND):
-        async with (
-            open_node(config("n", max_events_per_turn=8)) as node,
-            raw_peer_of(node) as (raw, session),
-        ):
-            spy = LaneSpy(session, monkeypatch)
+        async with small_turns(monkeypatch) as (node, raw, session, spy):
             async with trio.open_nursery() as nursery:
-                got: list[list[bool]] = []
-
-                async def lookup() -> None:
-                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
-
-                nursery.start_soon(lookup)
-                ev = await next_lookup(raw)
-                await trio.testing.wait_all_tasks_blocked()
+                got, ev = await lookup_in_background(nursery, node, raw)
                 assert session._lane_parked
                 pings = [raw.proto.send_ping() for _ in range(30)]
                 answer(raw, ev)
@@ -207,16 +230,8 @@ async def test_a_lookup_that_times_out_in_the_lane_frees_it_for_the_next(
             assert session._lane_p is None and not session._lane_parked
             ignored = await next_lookup(raw)
             async with trio.open_nursery() as nursery:
-                got: list[list[bool]] = []
-
-                async def lookup() -> None:
-                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
-
-                nursery.start_soon(lookup)
-                while True:  # the abort of the first, then the second lookup
-                    ev = await raw.next_event()
-                    if isinstance(ev, LookupRequested) and ev.req_id != ignored.req_id:
-                        break
+                got, ev = await lookup_in_background(nursery, node, raw, skip=ignored.req_id)
+                assert session._lane_parked
                 answer(raw, ev)
                 await raw.flush()
             assert got == [[True]] and spy.takes >= 1
@@ -232,17 +247,7 @@ async def test_a_cancelled_waiter_leaves_the_lane_free() -> None:
             assert session._lane_p is None and not session._lane_parked
             first = await next_lookup(raw)
             async with trio.open_nursery() as nursery:
-                got: list[list[bool]] = []
-
-                async def lookup() -> None:
-                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
-
-                nursery.start_soon(lookup)
-                while True:
-                    ev = await raw.next_event()
-                    if isinstance(ev, LookupRequested) and ev.req_id != first.req_id:
-                        break
-                await trio.testing.wait_all_tasks_blocked()
+                got, ev = await lookup_in_background(nursery, node, raw, skip=first.req_id)
                 assert session._lane_parked  # the next request's task took the lane
                 answer(raw, ev)
                 await raw.flush()
@@ -286,54 +291,29 @@ async def test_the_peer_closing_while_we_wait_in_the_lane_ends_the_lookup_not_th
         async with open_node(config("n")) as node:
             async with raw_peer_of(node) as (raw, session):
                 async with trio.open_nursery() as nursery:
-                    errors: list[BaseException] = []
-
-                    async def lookup() -> None:
-                        try:
-                            await node.lookup(raw.peer_id, [os.urandom(32)])
-                        except SessionClosed as exc:
-                            errors.append(exc)
-
-                    nursery.start_soon(lookup)
-                    await next_lookup(raw)
-                    await trio.testing.wait_all_tasks_blocked()
+                    got, _ = await lookup_in_background(nursery, node, raw)
                     assert session._lane_parked
                     assert raw.stream is not None
                     await raw.stream.aclose()
-                assert len(errors) == 1
+                assert len(got) == 1 and isinstance(got[0], SessionClosed)
                 await session.finished.wait()
             # The node serves another peer as before.
             async with raw_peer_of(node) as (other, _):
                 async with trio.open_nursery() as nursery:
-                    got: list[list[bool]] = []
-
-                    async def lookup2() -> None:
-                        got.append(await node.lookup(other.peer_id, [os.urandom(32)]))
-
-                    nursery.start_soon(lookup2)
-                    answer(other, await next_lookup(other))
+                    served, ev = await lookup_in_background(nursery, node, other)
+                    answer(other, ev)
                     await other.flush()
-                assert got == [[True]]
+                assert served == [[True]]
 
 
 async def test_a_malformed_frame_read_in_the_lane_closes_that_session_with_a_reason() -> None:
     with trio.fail_after(BOUND):
         async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
             async with trio.open_nursery() as nursery:
-                errors: list[BaseException] = []
-
-                async def lookup() -> None:
-                    try:
-                        await node.lookup(raw.peer_id, [os.urandom(32)])
-                    except SessionClosed as exc:
-                        errors.append(exc)
-
-                nursery.start_soon(lookup)
-                await next_lookup(raw)
-                await trio.testing.wait_all_tasks_blocked()
+                got, _ = await lookup_in_background(nursery, node, raw)
                 assert session._lane_parked
                 await raw.send_raw(b"\x00\x00\x00\x03\xc1\xc1\xc1")  # 0xc1: never valid
-            assert len(errors) == 1
+            assert len(got) == 1 and isinstance(got[0], SessionClosed)
             await session.finished.wait()
             assert session.close_reason is not None
             assert session.close_reason.startswith("protocol error")
@@ -379,20 +359,9 @@ async def test_a_turns_worth_of_answers_and_pongs_then_the_reader_takes_the_rest
     task handles a turn's worth and wakes the reader for the rest, which reaches the
     answer and wakes the task."""
     with trio.fail_after(BOUND):
-        async with (
-            open_node(config("n", max_events_per_turn=8)) as node,
-            raw_peer_of(node) as (raw, session),
-        ):
-            spy = LaneSpy(session, monkeypatch)
+        async with small_turns(monkeypatch) as (node, raw, session, spy):
             async with trio.open_nursery() as nursery:
-                got: list[list[bool]] = []
-
-                async def lookup() -> None:
-                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
-
-                nursery.start_soon(lookup)
-                ev = await next_lookup(raw)
-                await trio.testing.wait_all_tasks_blocked()
+                got, ev = await lookup_in_background(nursery, node, raw)
                 assert session._lane_parked
                 before = session.proto.frames_received
                 pongs = b"".join(encode(Pong(nonce=i)) for i in range(30))
@@ -446,39 +415,30 @@ async def _answer_then(
     return got
 
 
-@pytest.mark.parametrize("lane", [True, False])
-async def test_answer_then_bye_in_one_write_a_next_lookup_sees_the_peer_gone(
-    lane: bool,
-) -> None:
-    """The answer and a bye in one write: the lookup returns its answer, and a lookup made
-    right after is refused as with the lane off."""
+def _bye(raw: RawPeer) -> bytes:
+    raw.proto.send_bye("shutdown", "bye")
+    return raw.proto.data_to_send()
 
-    def bye(raw: RawPeer) -> bytes:
-        raw.proto.send_bye("shutdown", "bye")
-        return raw.proto.data_to_send()
 
-    with trio.fail_after(BOUND):
-        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
-            got = await _answer_then(raw, session, node, lane, bye)
-            assert got[0] == [True]
-            assert isinstance(got[1], PeerUnavailable), got
+def _restart(raw: RawPeer) -> bytes:
+    """The peer's hello of a new epoch (it restarted)."""
+    raw.proto = SessionProtocol(attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1))
+    raw.proto.start()
+    return raw.proto.data_to_send()
 
 
 @pytest.mark.parametrize("lane", [True, False])
-async def test_answer_then_a_restart_hello_in_one_write_a_next_lookup_is_not_ready(
-    lane: bool,
+@pytest.mark.parametrize("rest", [_bye, _restart], ids=["bye", "restart"])
+async def test_answer_then_a_bye_or_a_new_hello_in_one_write_a_next_lookup_is_refused(
+    lane: bool, rest: Any
 ) -> None:
-    """The answer and the peer's hello of a new epoch in one write: a lookup made right
-    after is refused as not ready, as with the lane off (not queued for the new one)."""
-
-    def restart(raw: RawPeer) -> bytes:
-        raw.proto = SessionProtocol(attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1))
-        raw.proto.start()
-        return raw.proto.data_to_send()
-
+    """The answer and then a bye, or the hello of the peer's new epoch, in one write: the
+    lookup returns its answer, and a lookup made right after (no checkpoint between) is
+    refused as the peer gone or not ready, exactly as with the lane off (not sent to a
+    closed machine, not queued for the new incarnation)."""
     with trio.fail_after(BOUND):
         async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
-            got = await _answer_then(raw, session, node, lane, restart)
+            got = await _answer_then(raw, session, node, lane, rest)
             assert got[0] == [True]
             assert isinstance(got[1], PeerUnavailable), got
 
@@ -489,24 +449,14 @@ async def test_a_reset_read_by_the_lane_is_reported_as_a_reset() -> None:
     with trio.fail_after(BOUND):
         async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
             async with trio.open_nursery() as nursery:
-                errors: list[BaseException] = []
-
-                async def lookup() -> None:
-                    try:
-                        await node.lookup(raw.peer_id, [os.urandom(32)])
-                    except SessionClosed as exc:
-                        errors.append(exc)
-
-                nursery.start_soon(lookup)
-                await next_lookup(raw)
-                await trio.testing.wait_all_tasks_blocked()
+                got, _ = await lookup_in_background(nursery, node, raw)
                 assert session._lane_parked
                 assert raw.stream is not None
                 raw.stream.socket.setsockopt(
                     socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
                 )
                 raw.stream.socket.close()  # a reset
-            assert len(errors) == 1
+            assert len(got) == 1 and isinstance(got[0], SessionClosed)
             await session.finished.wait()
             assert session.close_reason is not None
             assert session.close_reason.startswith("connection lost: receive failed")
