@@ -31,9 +31,15 @@ import trio.testing
 from p2pkv import Node, open_node
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PeerUnavailable, SessionClosed
 from p2pkv.pins import HostPins
-from p2pkv.session.protocol import LookupAnswered, LookupRequested, PongReceived, SessionProtocol
+from p2pkv.session.protocol import (
+    HelloReceived,
+    LookupAnswered,
+    LookupRequested,
+    PongReceived,
+    SessionProtocol,
+)
 from p2pkv.session.session import PeerSession
-from p2pkv.wire import Lookup, Pong, encode
+from p2pkv.wire import FrameDecoder, Lookup, Pong, encode
 
 from .helpers import RawPeer, VirtualOffload, config, fill
 
@@ -322,8 +328,9 @@ async def test_a_malformed_frame_read_in_the_lane_closes_that_session_with_a_rea
 
 async def test_work_the_lane_leaves_wakes_a_reader_that_is_waiting_for_bytes() -> None:
     """The lane's task may take bytes after the reader went back to waiting in the same
-    batch (so the reader is not woken by them). What it leaves (here: more pings than a
-    turn, then the peer's lookup) must wake the reader, with no more bytes to come."""
+    batch (so the reader is not woken by them). What it leaves (here: pings, which the
+    lane's task stops at, more of them than the reader's turn, then the peer's lookup)
+    must wake the reader, with no more bytes to come."""
     with trio.fail_after(BOUND):
         async with (
             open_node(config("n", max_events_per_turn=4)) as node,
@@ -427,6 +434,35 @@ def _restart(raw: RawPeer) -> bytes:
     return raw.proto.data_to_send()
 
 
+async def _sent_until_closed(raw: RawPeer) -> list[str]:
+    """The kinds of the frames the node sends until it closes the connection."""
+    assert raw.stream is not None
+    decoder, kinds = FrameDecoder(), []
+    while True:
+        try:
+            data = await raw.stream.receive_some(65536)
+        except trio.BrokenResourceError:
+            break
+        if not data:
+            break
+        decoder.feed(data)
+        while (msg := decoder.next_message()) is not None:
+            kinds.append(type(msg).__name__)
+    return kinds
+
+
+async def _new_handshake(raw: RawPeer) -> None:
+    """The restarted peer's side of its new handshake: every frame the node sends until
+    both acks are through goes through the new protocol (which refuses a request before
+    its handshake as a protocol error)."""
+    while not raw.proto.ready:
+        ev = await raw.next_event()
+        assert ev is not None and not isinstance(ev, LookupRequested), ev
+        if isinstance(ev, HelloReceived):
+            raw.proto.registration_succeeded()
+            await raw.flush()
+
+
 @pytest.mark.parametrize("lane", [True, False])
 @pytest.mark.parametrize("rest", [_bye, _restart], ids=["bye", "restart"])
 async def test_answer_then_a_bye_or_a_new_hello_in_one_write_a_next_lookup_is_refused(
@@ -434,13 +470,19 @@ async def test_answer_then_a_bye_or_a_new_hello_in_one_write_a_next_lookup_is_re
 ) -> None:
     """The answer and then a bye, or the hello of the peer's new epoch, in one write: the
     lookup returns its answer, and a lookup made right after (no checkpoint between) is
-    refused as the peer gone or not ready, exactly as with the lane off (not sent to a
-    closed machine, not queued for the new incarnation)."""
+    refused before anything is sent, exactly as with the lane off: nothing goes to the
+    peer that said bye, and the restarted peer's new handshake sees no request before
+    it."""
     with trio.fail_after(BOUND):
         async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
             got = await _answer_then(raw, session, node, lane, rest)
             assert got[0] == [True]
-            assert isinstance(got[1], PeerUnavailable), got
+            assert type(got[1]) is PeerUnavailable, got
+            if rest is _bye:
+                assert "Lookup" not in await _sent_until_closed(raw)
+            else:
+                await _new_handshake(raw)
+                assert session.alive
 
 
 async def test_a_reset_read_by_the_lane_is_reported_as_a_reset() -> None:

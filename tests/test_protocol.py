@@ -1607,12 +1607,18 @@ def test_bounded_draining_yields_every_event_in_order(kinds: list[str], max_sile
 
 
 @settings(max_examples=100, deadline=None)
-@given(kinds=st.lists(st.sampled_from(["resp", "lookup", "ping", "pong"]), min_size=1, max_size=12))
-def test_next_event_only_leaves_the_first_other_frame_undispatched(kinds: list[str]) -> None:
+@given(
+    kinds=st.lists(st.sampled_from(["resp", "lookup", "ping", "pong"]), min_size=1, max_size=12),
+    max_silent=st.integers(0, 3),
+)
+def test_next_event_only_leaves_the_first_other_frame_undispatched(
+    kinds: list[str], max_silent: int
+) -> None:
     """``next_event(only=...)`` takes frames of the given types in order and stops at the
-    first other one without acting on it; the next call of any caller starts with that
-    frame. Interleaving the two kinds of caller gives exactly the events, the state and the
-    frame count that plain calls give (the answer lane and the reader)."""
+    first other one without acting on it (no round opened, no pong queued); the next call
+    of any caller starts with that frame. Interleaving the two kinds of caller gives
+    exactly the events, the state and the frame count that plain calls give (the answer
+    lane and the reader)."""
     only = frozenset({LookupResp, Pong})
     results = []
     for mixed in (False, True):
@@ -1639,13 +1645,21 @@ def test_next_event_only_leaves_the_first_other_frame_undispatched(kinds: list[s
         events: list[Event] = []
         while True:
             if mixed:
-                ev = a.next_event(0, only)
+                queued = a.bytes_to_send()
+                ev = a.next_event(max_silent, only)
                 assert ev is None or type(ev) in (LookupAnswered, PongReceived)
+                assert a.bytes_to_send() == queued  # answers and pongs queue nothing
                 if ev is None and a.input_pending:
-                    ev = a.next_event()  # the other caller takes the frame left, and on
+                    left = a.unread
+                    assert left is not None and type(left) not in only
+                    if isinstance(left, Lookup):
+                        assert a.in_state(left.req_id) is None  # not acted on
+                    ev = a.next_event(max_silent)  # the other caller takes it, and on
             else:
-                ev = a.next_event()
+                ev = a.next_event(max_silent)
             if ev is None:
+                if a.input_pending:
+                    continue  # max_silent frames in a row made no event: call again
                 break
             events.append(ev)
         results.append((events, a.frames_received - base, snapshot(a), a.data_to_send()))

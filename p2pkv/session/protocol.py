@@ -624,6 +624,12 @@ class SessionProtocol:
             return  # after a bye, further bytes are ignored
         self._decoder.feed(data)
 
+    @property
+    def unread(self) -> Message | None:
+        """The frame a :meth:`next_event` with ``only`` stopped at: decoded, not acted on
+        (the next call starts with it)."""
+        return self._unread
+
     def next_event(
         self, max_silent: int = 0, only: frozenset[type[Any]] | None = None
     ) -> Event | None:

@@ -56,7 +56,7 @@ from ..errors import (
     SessionClosed,
 )
 from ..transport.base import RegionLayout, RemotePeer
-from ..wire import AbortAck, Hello, LookupResp, Pong, TransferDone
+from ..wire import AbortAck, Bye, Hello, LookupResp, Pong, TransferDone
 from .consumer import (
     ConsumerSide,
     FetchResult,
@@ -158,6 +158,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._lane_reads = 0  # receives the lane's task made
         self._reader_idle = False  # the reader waits for bytes, nothing of a turn half done
         self._lane_left = False  # the lane's task left frames for the reader
+        # Set once the reader has acted on a bye or hello the lane's task left (see
+        # _wait_in_lane); None while no task waits for that.
+        self._lane_handed: trio.Event | None = None
         self._requests = RequestSlots(self.cfg.max_open_requests)  # resized by each hello
         self._pending: dict[int, _Pending] = {}
         self._rounds: dict[int, _Round] = {}
@@ -298,6 +301,8 @@ class PeerSession(ProducerSide, ConsumerSide):
     async def _close_down(self) -> None:
         with trio.CancelScope(shield=True):
             reason = self.close_reason or "session ended"
+            if self._lane_handed is not None:
+                self._lane_handed.set()  # the reader will not act on it now: we end
             for p in self._pending.values():
                 if p.error is None and p.result is None:
                     p.error = SessionClosed(reason, peer=self.peer_id)
@@ -542,7 +547,10 @@ class PeerSession(ProducerSide, ConsumerSide):
         another task would no longer wake the reader, so only ``_close_down`` closes the
         stream (after the reader has ended); anything else ends a session with
         :meth:`close`."""
-        raw = self._reader_socket()
+        try:
+            raw = self._reader_socket()
+        except OSError as exc:  # out of descriptors: this session cannot read on
+            raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
         if raw is None:
             return await self.stream.receive_some(RECEIVE_SIZE)
         self._reader_idle = True  # the answer lane's task may read until we do
@@ -618,6 +626,9 @@ class PeerSession(ProducerSide, ConsumerSide):
                         if isinstance(event, FetchRequested):
                             turn.charge(keys=len(event.slots))
                         self._handlers[type(event)](event)
+                    if (handed := self._lane_handed) is not None and proto.unread is None:
+                        self._lane_handed = None  # the bye or hello the lane left is done
+                        handed.set()
                     if turn.spent():
                         await turn.pause()
             except RemoteProtocolError as exc:
@@ -661,9 +672,11 @@ class PeerSession(ProducerSide, ConsumerSide):
         but not acted on, with everything after it, until the reader handles it: the
         protocol's state for the producer's side and the handshake changes only in the
         reader, as before the lane. The reader is woken for what is left. If the reader
-        is busy when the bytes come, the task leaves the lane and waits on its event.
-        Whoever settles ``p`` other than the task itself (the reader, the lease timer, a
-        restart, the close) wakes it through :meth:`_wake_waiter`."""
+        is busy when the bytes come, the task leaves the lane and waits on its event. If a
+        bye or a new hello follows its answer in what it read, the task returns only once
+        the reader has acted on it, so its caller sees the session as it would have seen it
+        without the lane. Whoever settles ``p`` other than the task itself (the reader,
+        the lease timer, a restart, the close) wakes it through :meth:`_wake_waiter`."""
         if self._lane_p is not None or not self.answer_lane:
             return False
         lane = self._lane_socket()
@@ -698,6 +711,13 @@ class PeerSession(ProducerSide, ConsumerSide):
                     return False  # the peer closed: the reader sees it too and ends it
                 self._lane_reads += 1
                 self._lane_take(data)
+            if isinstance(self.proto.unread, (Bye, Hello)) and self.alive:
+                # The peer said bye or restarted right after our answer. The session acts
+                # on that in the reader; our caller must not act before it does (its next
+                # request would go to a closed or restarted peer, which refuses a request
+                # before its new handshake as a protocol error). Rare: one more trip.
+                handed = self._lane_handed = self._lane_handed or trio.Event()
+                await handed.wait()
             return True
         finally:
             self._lane_p = None
