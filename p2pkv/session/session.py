@@ -591,7 +591,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                 # A receive that filled the buffer left bytes behind: read again at once.
                 data = await self._receive(wait_first=not filled)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self._fail(exc, f"connection lost: {exc}", "transport")
+                self._connection_lost(exc)
                 return
             filled = False
             if data is None:  # woken without bytes of our own to read
@@ -632,8 +632,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                     if turn.spent():
                         await turn.pause()
             except RemoteProtocolError as exc:
-                log.warning("protocol error from %s: %s", self.peer_id, exc)
-                self._fail(exc, f"protocol error: {exc.message}")
+                self._protocol_error(exc)
             except HandshakeRejected as exc:
                 log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
                 self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
@@ -641,9 +640,21 @@ class PeerSession(ProducerSide, ConsumerSide):
             # below is on its path.
             await self._flush()
             if self.proto.frames_received != frames:  # bytes alone are not a sign of life
-                self._heard_from()
-                if self._rx:  # a probe waits for a frame
-                    self._rx.unpark_all()
+                self._frames_arrived()
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        self._fail(exc, f"connection lost: {exc}", "transport")
+
+    def _protocol_error(self, exc: RemoteProtocolError) -> None:
+        log.warning("protocol error from %s: %s", self.peer_id, exc)
+        self._fail(exc, f"protocol error: {exc.message}")
+
+    def _frames_arrived(self) -> None:
+        """Complete frames came in (the reader's or the lane's receive): the peer lives,
+        and a probe waiting for a frame has one."""
+        self._heard_from()
+        if self._rx:
+            self._rx.unpark_all()
 
     # --- the answer lane --------------------------------------------------------------
 
@@ -701,11 +712,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                 except BlockingIOError:  # the reader read them first
                     continue
                 except OSError as exc:  # a reset: read once, so it is ours to report
-                    self._fail(
-                        trio.BrokenResourceError(f"receive failed: {exc}"),
-                        f"connection lost: receive failed: {exc}",
-                        "transport",
-                    )
+                    self._connection_lost(trio.BrokenResourceError(f"receive failed: {exc}"))
                     return False
                 if not data:
                     return False  # the peer closed: the reader sees it too and ends it
@@ -745,14 +752,11 @@ class PeerSession(ProducerSide, ConsumerSide):
                     self._lane_left = True  # frames may be left: the reader's next turn
                     break
         except RemoteProtocolError as exc:
-            log.warning("protocol error from %s: %s", self.peer_id, exc)
-            self._fail(exc, f"protocol error: {exc.message}")
+            self._protocol_error(exc)
         if proto.has_data_to_send():
             self._drain_soon()  # e.g. the bye of a protocol error
         if proto.frames_received != frames:
-            self._heard_from()
-            if self._rx:
-                self._rx.unpark_all()
+            self._frames_arrived()
         if self._lane_left and self._rsock is not None:
             # Wake the reader for the rest. It is waiting for bytes (or yielding before it
             # reads): a wake-up that finds it already woken only drops the registration.
