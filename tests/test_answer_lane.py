@@ -39,7 +39,7 @@ from p2pkv.session.protocol import (
     SessionProtocol,
 )
 from p2pkv.session.session import PeerSession
-from p2pkv.wire import FrameDecoder, Lookup, Pong, encode
+from p2pkv.wire import FrameDecoder, Lookup, LookupResp, Pong, encode
 
 from .helpers import RawPeer, VirtualOffload, config, fill
 
@@ -502,3 +502,31 @@ async def test_a_reset_read_by_the_lane_is_reported_as_a_reset() -> None:
             await session.finished.wait()
             assert session.close_reason is not None
             assert session.close_reason.startswith("connection lost: receive failed")
+
+
+async def test_two_lookups_of_the_same_keys_and_a_replayed_answer_read_in_the_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two lookups of the same keys at once, one in the lane and one on its event; the
+    peer answers each (the second first) and then replays the first's answer, all in one
+    write. Each lookup gets its own round's answer, and the replay, a lie, closes that
+    session with a protocol error; the node lives on."""
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            spy = LaneSpy(session, monkeypatch)
+            keys = [os.urandom(32) for _ in range(2)]
+            async with trio.open_nursery() as nursery:
+                first, ev1 = await lookup_in_background(nursery, node, raw, keys)
+                assert session._lane_p is not None and session._lane_p.req_id == ev1.req_id
+                second, ev2 = await lookup_in_background(nursery, node, raw, keys)
+                now = trio.current_time()
+                raw.proto.send_lookup_resp(ev2.req_id, [False, True], now, 100)
+                raw.proto.send_lookup_resp(ev1.req_id, [True, False], now, 100)
+                replay = encode(LookupResp(req_id=ev1.req_id, hits=[True, False]))
+                await raw.send_raw(raw.proto.data_to_send() + replay)
+            assert first == [[True, False]] and second == [[False, True]]
+            assert spy.takes == 1  # the lane's task read all three
+            await session.finished.wait()
+            assert session.close_reason is not None
+            assert session.close_reason.startswith("protocol error")
+            assert node.statistics().peers == 0
