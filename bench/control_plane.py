@@ -5,29 +5,40 @@ Reproduce (about 30 s on 2 cores; ``--quick`` for a smoke run)::
 
     .venv/bin/python bench/control_plane.py [--json PATH]
 
-Three processes: a source (``p2pkv serve --fill 1024``, NIXL), a bare server (this script
-with ``--bare-server``: plain Trio TCP, no p2pkv) and this process as the client of both,
-each connected once. A p2pkv sample is one ``node.lookup(peer, keys)`` with every key
-present (every key is pinned at the source, the usual case before a fetch); between samples,
-untimed, a one-block fetch closes the round (that releases the pins and the request slot; a
-lookup round otherwise stays open for its lease) and the block is evicted again. ``--close
-release`` closes it with a release instead (an empty fetch frame: no data plane between
-samples). A bare sample sends the very frame that lookup puts on the wire and reads back the
-very frame its answer is, over a Trio TCP stream, with nothing else on either side: what the
-round trip would cost with no engine at all. The two kinds alternate sample by sample (their
-order flips each time) for 1 key and for ``--keys`` keys, so both see the same load. The
-samples are split into ``--reps`` consecutive reps; each ratio (p2pkv p50 over bare p50) is
-the median of the reps' ratios with their min-max. The CPU time of the consumer's Trio
-thread per lookup is printed too: what else shares the cores moves it less than it moves a
-latency (on a busy 2-core box it still swings by a third).
+Three processes: the source (this script with ``--source``: ``p2pkv serve --fill 1024``'s
+node, NIXL, and beside it on the same Trio loop a bare echo server), a second bare server in
+a process of its own (``--bare-server``: plain Trio TCP, no p2pkv) and this process as the
+client of all three, each connected once. A p2pkv sample is one ``node.lookup(peer, keys)``
+with every key present (every key is pinned at the source, the usual case before a fetch);
+between samples, untimed, a one-block fetch closes the round (that releases the pins and
+the request slot; a lookup round otherwise stays open for its lease) and the block is
+evicted again. ``--close release`` closes it with a release instead (an empty fetch frame:
+no data plane between samples). A bare sample sends the very frame that lookup puts on the
+wire and reads back the very frame its answer is, over a Trio TCP stream, with nothing else
+on either side: what the round trip would cost with no engine at all.
 
-``--ab-lane`` adds a third kind, sampled in turn with the other two on the same session:
-p2pkv with the session's answer lane off (each answer reaches the lookup's task through the
-reader and an event, as before the lane; ``docs/design.md``, "Sessions"). It prints the
-lane's worth as a ratio paired rep by rep.
+There are two bare kinds. ``bare`` is answered in the source's process, by the same Trio
+loop as the node: both ends of its round trip are the processes p2pkv's lookup runs
+between, with the same heaps, caches and loops, so the ratio to it is what the engine adds.
+``bare_own`` is answered by a process that does nothing else, whose few lines of code stay
+in its core's caches between samples while the source's are pushed out by the lookups and
+fetches in between: a best case no process of an inference worker has, printed for
+reference (before 2026-12-04 it was the only bare kind; ``bench/notes/control_plane.md``).
+
+The kinds alternate sample by sample (their order rotates and flips), for 1 key and for
+``--keys`` keys, so all see the same load. The samples are split into ``--reps``
+consecutive reps; each ratio (p2pkv p50 over bare p50) is the median of the reps' ratios
+with their min-max. The CPU time of the consumer's Trio thread per lookup is printed too:
+what else shares the cores moves it less than it moves a latency (on a busy 2-core box it
+still swings by a third).
+
+``--ab-lane`` adds a kind, sampled in turn with the others on the same session: p2pkv with
+the session's answer lane off (each answer reaches the lookup's task through the reader and
+an event, as before the lane; ``docs/design.md``, "Sessions"). It prints the lane's worth
+as a ratio paired rep by rep.
 
 Targets (issue 9): ``--keys`` 1,024 at p50 <= 1.5 ms on a 2-core machine, <= 1 ms with
-more cores; 1 key within 1.5 x the bare round trip.
+more cores; 1 key within 1.5 x the bare round trip (``bare``).
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ import trio
 
 import p2pkv
 from p2pkv.cli import Child, demo_keys, set_env_defaults
+from p2pkv.cli.serve import serve
 from p2pkv.wire import HEADER, Lookup, LookupResp, encode
 
 TARGET_RATIO_1_KEY = 1.5
@@ -86,8 +98,9 @@ async def receive_frame(stream: trio.SocketStream, buf: bytearray) -> bytes | No
 # --- the bare server (a child process) -------------------------------------------------------
 
 
-async def serve_bare(counts: Sequence[int]) -> None:
-    """Answer each lookup frame with its all-hit answer frame; stop at EOF on stdin."""
+async def start_bare(nursery: trio.Nursery, counts: Sequence[int]) -> list[Any]:
+    """Start a server that answers each lookup frame with its all-hit answer frame; its
+    address."""
     answers = dict(frames(n) for n in counts)
 
     async def handle(stream: trio.SocketStream) -> None:
@@ -95,12 +108,28 @@ async def serve_bare(counts: Sequence[int]) -> None:
         while (frame := await receive_frame(stream, buf)) is not None:
             await stream.send_all(answers[frame])
 
+    serve = functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1")
+    listeners = await nursery.start(serve)
+    return list(listeners[0].socket.getsockname()[:2])
+
+
+async def serve_bare(counts: Sequence[int]) -> None:
+    """The bare server in a process of its own; stops at EOF on stdin."""
     async with trio.open_nursery() as nursery:
-        serve = functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1")
-        listeners = await nursery.start(serve)
-        host, port = listeners[0].socket.getsockname()[:2]
-        print(json.dumps({"address": [host, port]}), flush=True)
+        print(json.dumps({"address": await start_bare(nursery, counts)}), flush=True)
         await trio.to_thread.run_sync(sys.stdin.read)  # EOF: the parent is done
+        nursery.cancel_scope.cancel()
+
+
+async def serve_source(args: argparse.Namespace) -> None:
+    """The source: ``p2pkv serve``'s node, filled with ``--keys`` demo keys, and a bare
+    server on the same Trio loop; stops at EOF on stdin."""
+    cfg = p2pkv.NodeConfig(
+        peer_id="source", num_blocks=args.keys, block_len=args.block_len, transport="nixl"
+    )
+    async with trio.open_nursery() as nursery:
+        print(json.dumps({"bare": await start_bare(nursery, args.counts)}), flush=True)
+        await serve(cfg, fill=args.keys, seed=0, exit_on_eof=True)  # prints its address
         nursery.cancel_scope.cancel()
 
 
@@ -111,7 +140,7 @@ Samples = dict[str, dict[int, list[list[float]]]]  # kind -> keys -> rep -> seco
 
 
 async def measure(
-    args: argparse.Namespace, source: tuple[str, int], bare: tuple[str, int]
+    args: argparse.Namespace, source: tuple[str, int], bares: dict[str, tuple[str, int]]
 ) -> Samples:
     cfg = p2pkv.NodeConfig(
         peer_id="consumer", num_blocks=16, block_len=args.block_len, transport="nixl"
@@ -120,14 +149,14 @@ async def measure(
     counts = args.counts
     samples: Samples = {
         kind: {n: [[] for _ in range(args.reps)] for n in counts}
-        for kind in ("p2pkv", "bare", "p2pkv_cpu") + (("no_lane",) if args.ab_lane else ())
+        for kind in ("p2pkv", *bares, "p2pkv_cpu", "bare_cpu")
+        + (("no_lane",) if args.ab_lane else ())
     }
     per_rep = math.ceil(args.samples / args.reps)
     async with p2pkv.open_node(cfg) as node:
         peer = await node.connect(source)
         (session,) = node._sessions
-        stream = await trio.open_tcp_stream(*bare)
-        buf = bytearray()
+        streams = {kind: await trio.open_tcp_stream(*addr) for kind, addr in bares.items()}
 
         cpu: list[float] = []
 
@@ -155,14 +184,25 @@ async def measure(
 
         bare_frames = {n: frames(n) for n in counts}
 
-        async def bare_round_trip(n: int) -> float:
-            request, answer = bare_frames[n]
-            t0 = time.perf_counter()
-            await stream.send_all(request)
-            got = await receive_frame(stream, buf)
-            elapsed = time.perf_counter() - t0
-            assert got == answer
-            return elapsed
+        bare_cpu: list[float] = []  # the client's CPU per round trip with "bare"
+
+        def bare_round_trip(
+            stream: trio.SocketStream, kind: str
+        ) -> Callable[[int], Awaitable[float]]:
+            buf = bytearray()
+
+            async def sample(n: int) -> float:
+                request, answer = bare_frames[n]
+                c0, t0 = time.thread_time(), time.perf_counter()
+                await stream.send_all(request)
+                got = await receive_frame(stream, buf)
+                elapsed = time.perf_counter() - t0
+                if kind == "bare":
+                    bare_cpu.append(time.thread_time() - c0)
+                assert got == answer
+                return elapsed
+
+            return sample
 
         async def no_lane_lookup(n: int) -> float:
             # The same session with its answer lane off: each answer reaches the lookup's
@@ -175,18 +215,18 @@ async def measure(
             cpu.pop()
             return elapsed
 
-        kinds: list[tuple[str, Callable[[int], Awaitable[float]]]] = [
-            ("p2pkv", p2pkv_lookup),
-            ("bare", bare_round_trip),
-        ]
+        kinds: list[tuple[str, Callable[[int], Awaitable[float]]]] = [("p2pkv", p2pkv_lookup)]
+        kinds += [(kind, bare_round_trip(stream, kind)) for kind, stream in streams.items()]
         if args.ab_lane:
             kinds.insert(1, ("no_lane", no_lane_lookup))
         settle = args.settle_ms / 1e3
         for i in range(args.warmup + per_rep * args.reps):
             rep = (i - args.warmup) // per_rep
             for n in counts:
-                # The kinds' order flips each sample (and rotates too, with three).
-                order = kinds[i % len(kinds) :] + kinds[: i % len(kinds)]
+                # The kinds' order flips each sample and rotates every second one: with
+                # two kinds, ab ba ba ab ...; with k, all 2k orders in turn.
+                r = i // 2 % len(kinds)
+                order = kinds[r:] + kinds[:r]
                 for kind, sample in order if i % 2 else order[::-1]:
                     if settle:
                         await trio.sleep(settle)
@@ -195,7 +235,9 @@ async def measure(
                         samples[kind][n][rep].append(elapsed)
                 if rep >= 0:
                     samples["p2pkv_cpu"][n][rep].append(cpu[-1])
-        await stream.aclose()
+                    samples["bare_cpu"][n][rep].append(bare_cpu[-1])
+        for stream in streams.values():
+            await stream.aclose()
     return samples
 
 
@@ -233,6 +275,8 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
         summaries = {str(n): summary([v for r in reps for v in r]) for n, reps in by_n.items()}
         if kind == "p2pkv_cpu":
             out["consumer_cpu_s"] = summaries
+        elif kind == "bare_cpu":  # the same thread's CPU per bare round trip
+            out["bare_client_cpu_s"] = summaries
         else:
             out["latency_s"][kind] = summaries
     if "no_lane" in samples:
@@ -252,17 +296,21 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
                     "min": min(rs),
                     "max": max(rs),
                 }
-    for n in samples["p2pkv"]:
-        ratios = [
-            statistics.median(ours) / statistics.median(theirs)
-            for ours, theirs in zip(samples["p2pkv"][n], samples["bare"][n], strict=True)
-        ]
-        out["ratio"][str(n)] = {
-            "median": statistics.median(ratios),
-            "min": min(ratios),
-            "max": max(ratios),
-            "per_rep": ratios,
-        }
+    # "ratio": over the bare round trip between the same two processes (the target's);
+    # "ratio_own": over the bare server in a process of its own, for reference.
+    for name, bare in (("ratio", "bare"), ("ratio_own", "bare_own")):
+        out[name] = {}
+        for n in samples["p2pkv"]:
+            ratios = [
+                statistics.median(ours) / statistics.median(theirs)
+                for ours, theirs in zip(samples["p2pkv"][n], samples[bare][n], strict=True)
+            ]
+            out[name][str(n)] = {
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+                "max": max(ratios),
+                "per_rep": ratios,
+            }
     p50 = out["latency_s"]["p2pkv"][str(args.keys)]["p50"]
     ratio = out["ratio"]["1"]["median"]
     out["targets"] = {
@@ -279,7 +327,8 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
 def print_report(out: dict[str, Any]) -> None:
     m = out["machine"]
     print(
-        f"\ncontrol plane: lookup round trip, 3 processes on loopback, "
+        f"\ncontrol plane: lookup round trip on loopback; bare: answered in the source's "
+        f"process, bare_own: in a process of its own; "
         f"{out['samples_per_kind']} samples per kind in {out['reps']} alternating reps; "
         f"each p2pkv round closed, untimed, by a "
         f"{'release' if out['close'] == 'release' else 'one-block fetch'}"
@@ -289,20 +338,24 @@ def print_report(out: dict[str, Any]) -> None:
         f"{m['load_average_before']:.2f} before / {m['load_average_after']:.2f} after "
         f"(others' work shares these cores); p2pkv from {out['p2pkv_module']}"
     )
-    print(f"  {'kind':>6}{'keys':>6}{'p50':>10}{'p90':>10}{'p99':>10}{'min':>10}{'max':>10}")
+    print(f"  {'kind':>8}{'keys':>6}{'p50':>10}{'p90':>10}{'p99':>10}{'min':>10}{'max':>10}")
     for kind, by_n in out["latency_s"].items():
         for n, s in by_n.items():
             cols = [s["p50"], s["p90"], s["p99"], s["min"], s["max"]]
-            print(f"  {kind:>6}{n:>6}" + "".join(f"{v * 1e3:8.3f}ms" for v in cols))
+            print(f"  {kind:>8}{n:>6}" + "".join(f"{v * 1e3:8.3f}ms" for v in cols))
     for n, s in out["consumer_cpu_s"].items():
+        b = out["bare_client_cpu_s"][n]
         print(
             f"  consumer's Trio thread CPU per p2pkv lookup, {n:>5} keys: "
-            f"p50 {s['p50'] * 1e6:.0f} us, p90 {s['p90'] * 1e6:.0f} us"
+            f"p50 {s['p50'] * 1e6:.0f} us, p90 {s['p90'] * 1e6:.0f} us; "
+            f"per bare round trip p50 {b['p50'] * 1e6:.0f} us"
         )
     for n, r in out["ratio"].items():
+        o = out["ratio_own"][n]
         print(
             f"  p2pkv / bare, {n:>5} keys: p50 ratio {r['median']:.2f} "
-            f"(reps {r['min']:.2f}-{r['max']:.2f})"
+            f"(reps {r['min']:.2f}-{r['max']:.2f}); / bare_own {o['median']:.2f} "
+            f"(reps {o['min']:.2f}-{o['max']:.2f})"
         )
     for n, r in out.get("ratio_no_lane", {}).items():
         q = out["ratio_lane_over_no_lane"][n]
@@ -359,39 +412,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         " session, alternating): what the lane is worth, paired",
     )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--source", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.counts = sorted({1, args.keys} | ({16, 128} if args.sweep else set()), reverse=True)
+    set_env_defaults()
     if args.bare_server:
         trio.run(serve_bare, args.counts)
         return 0
+    if args.source:
+        trio.run(serve_source, args)
+        return 0
     if args.quick:
         args.samples, args.warmup = 30, 5
-    set_env_defaults()
-    argv_source = [
-        sys.executable,
-        "-m",
-        "p2pkv",
-        "serve",
-        "--exit-on-eof",
-        "--peer-id",
-        "source",
-        "--blocks",
-        str(args.keys),
-        "--block-len",
-        str(args.block_len),
-        "--fill",
-        str(args.keys),
-    ]
-    argv_bare = [sys.executable, __file__, "--bare-server", "--keys", str(args.keys)]
-    argv_bare += ["--sweep"] if args.sweep else []
+    child = [sys.executable, __file__, "--keys", str(args.keys), "--block-len", str(args.block_len)]
+    child += ["--sweep"] if args.sweep else []
     load_before = os.getloadavg()[0]
     with (
-        Child(argv_source, name="source process") as source,
-        Child(argv_bare, name="bare server") as bare,
+        Child([*child, "--source"], name="source process") as source,
+        Child([*child, "--bare-server"], name="bare server") as bare_own,
     ):
+        bare = source.receive(timeout=60)["bare"]
         host, port = source.receive(timeout=300)["address"]
-        bare_host, bare_port = bare.receive(timeout=60)["address"]
-        samples = trio.run(measure, args, (host, int(port)), (bare_host, int(bare_port)))
+        bares = {"bare": bare, "bare_own": bare_own.receive(timeout=60)["address"]}
+        addrs = {kind: (host_, int(port_)) for kind, (host_, port_) in bares.items()}
+        samples = trio.run(measure, args, (host, int(port)), addrs)
     out = report(args, samples, [load_before, os.getloadavg()[0]])
     print_report(out)
     if args.json:

@@ -275,26 +275,34 @@ def render_dataplane(res: Json, machine: str) -> str:
 def render_control_plane(res: Json, machine: str) -> str:
     lat = res["latency_s"]
     counts = sorted(lat["p2pkv"], key=int)
+    own = "bare_own" in lat  # runs before 2026-12-04 had one bare kind, in its own process
     rows = []
     for n in counts:
         ours, bare, cpu = lat["p2pkv"][n], lat["bare"][n], res["consumer_cpu_s"][n]
         r = res["ratio"][n]
-        rows.append(
-            [
-                n,
-                f"{ours['p50'] * 1e3:.3f} / {ours['p99'] * 1e3:.3f}",
-                f"{bare['p50'] * 1e3:.3f} / {bare['p99'] * 1e3:.3f}",
-                f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]",
-                f"{cpu['p50'] * 1e6:.0f}",
+        row = [
+            n,
+            f"{ours['p50'] * 1e3:.3f} / {ours['p99'] * 1e3:.3f}",
+            f"{bare['p50'] * 1e3:.3f} / {bare['p99'] * 1e3:.3f}",
+            f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]",
+        ]
+        if own:
+            o, q = lat["bare_own"][n], res["ratio_own"][n]
+            row += [
+                f"{o['p50'] * 1e3:.3f} / {o['p99'] * 1e3:.3f}",
+                f"{q['median']:.2f} [{q['min']:.2f}-{q['max']:.2f}]",
             ]
-        )
+        rows.append([*row, f"{cpu['p50'] * 1e6:.0f}"])
+    where = " (answered in the source's process)" if own else ""
     header = [
         "keys",
         "p2pkv p50 / p99 (ms)",
-        "bare Trio TCP p50 / p99 (ms)",
+        f"bare Trio TCP{where} p50 / p99 (ms)",
         "p2pkv / bare (p50, per rep)",
-        "consumer Trio-thread CPU p50 (us)",
     ]
+    if own:
+        header += ["bare_own (a process of its own) p50 / p99 (ms)", "p2pkv / bare_own"]
+    header.append("consumer Trio-thread CPU p50 (us)")
     verdicts = [
         f"{'PASS' if t['pass'] else 'FAIL'} {name}: {t['got']:.3g} (target <= {t['limit']:.3g})"
         for name, t in res["targets"].items()
@@ -309,7 +317,8 @@ def render_control_plane(res: Json, machine: str) -> str:
 
     def lines(ax: Any) -> None:
         xs = [int(n) for n in counts]
-        for kind, style in (("p2pkv", "o-"), ("bare", "s--")):
+        styles = (("p2pkv", "o-"), ("bare", "s--"), ("bare_own", "^:"))
+        for kind, style in [(k, st) for k, st in styles if k in lat]:
             ax.plot(xs, [lat[kind][n]["p50"] * 1e3 for n in counts], style, label=f"{kind} p50")
             ax.plot(
                 xs,
