@@ -53,7 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -63,6 +63,7 @@ from p2pkv.cli.serve import serve
 from p2pkv.wire import HEADER, Lookup, LookupResp, encode
 
 TARGET_RATIO_1_KEY = 1.5
+T = TypeVar("T")
 REQ_ID = 1000  # a request id of the size a run's ids have (msgpack: 3 bytes)
 
 
@@ -95,7 +96,17 @@ async def receive_frame(stream: trio.SocketStream, buf: bytearray) -> bytes | No
         buf += data
 
 
-# --- the bare server (a child process) -------------------------------------------------------
+def sample_order(kinds: Sequence[T], i: int) -> list[T]:
+    """The order of the kinds in sample ``i``: it flips every sample and rotates every
+    second one, so over any 2k samples in a row each of k kinds runs in each place twice
+    (two kinds: ab ba ba ab ...; what follows the previous sample's untimed fetch is each
+    kind in turn)."""
+    r = i // 2 % len(kinds)
+    order = [*kinds[r:], *kinds[:r]]
+    return order if i % 2 else order[::-1]
+
+
+# --- the bare servers -------------------------------------------------------------------------
 
 
 async def start_bare(nursery: trio.Nursery, counts: Sequence[int]) -> list[Any]:
@@ -223,11 +234,7 @@ async def measure(
         for i in range(args.warmup + per_rep * args.reps):
             rep = (i - args.warmup) // per_rep
             for n in counts:
-                # The kinds' order flips each sample and rotates every second one: with
-                # two kinds, ab ba ba ab ...; with k, all 2k orders in turn.
-                r = i // 2 % len(kinds)
-                order = kinds[r:] + kinds[:r]
-                for kind, sample in order if i % 2 else order[::-1]:
+                for kind, sample in sample_order(kinds, i):
                     if settle:
                         await trio.sleep(settle)
                     elapsed = await sample(n)
