@@ -20,10 +20,10 @@ on either side: what the round trip would cost with no engine at all.
 There are two bare kinds. ``bare`` is answered in the source's process, by the same Trio
 loop as the node: both ends of its round trip are the processes p2pkv's lookup runs
 between, with the same heaps, caches and loops, so the ratio to it is what the engine adds.
-``bare_own`` is answered by a process that does nothing else, whose few lines of code stay
-in its core's caches between samples while the source's are pushed out by the lookups and
-fetches in between: a best case no process of an inference worker has, printed for
-reference (before 2026-12-04 it was the only bare kind; ``bench/notes/control_plane.md``).
+``bare_own`` is answered by a process that does nothing else; with the rounds closed by
+fetches it is the slower of the two, for a reason not established (docs/design.md,
+"Performance: where it stands"). It is printed for reference: until 2026-12-03 it was the
+only bare kind (``bench/notes/control_plane.md``).
 
 The kinds alternate sample by sample (their order rotates and flips), for 1 key and for
 ``--keys`` keys, so all see the same load. The samples are split into ``--reps``

@@ -275,7 +275,7 @@ def render_dataplane(res: Json, machine: str) -> str:
 def render_control_plane(res: Json, machine: str) -> str:
     lat = res["latency_s"]
     counts = sorted(lat["p2pkv"], key=int)
-    own = "bare_own" in lat  # runs before 2026-12-04 had one bare kind, in its own process
+    own = "bare_own" in lat  # runs until 2026-12-03 had one bare kind, in its own process
     rows = []
     for n in counts:
         ours, bare, cpu = lat["p2pkv"][n], lat["bare"][n], res["consumer_cpu_s"][n]

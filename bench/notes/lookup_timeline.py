@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import functools
 import json
 import os
 import statistics
@@ -107,7 +108,9 @@ def run_source(out_path: str) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(trio.serve_tcp, handle, 0)
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1")
+            )
             print(json.dumps({"bare": listeners[0].socket.getsockname()[1]}), flush=True)
             await serve(cfg, fill=1, seed=0, exit_on_eof=True)
             nursery.cancel_scope.cancel()
