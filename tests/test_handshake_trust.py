@@ -29,7 +29,17 @@ from p2pkv.session.protocol import (
     Ready,
     SessionProtocol,
 )
-from p2pkv.wire import HEADER, MAX_HELLO_FRAME, Bye, Challenge, FrameDecoder, Ping, encode
+from p2pkv.wire import (
+    HEADER,
+    MAX_HELLO_FRAME,
+    Abort,
+    Bye,
+    Challenge,
+    FrameDecoder,
+    Lookup,
+    Ping,
+    encode,
+)
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until_sessions
 
@@ -350,6 +360,35 @@ async def test_pings_before_the_peers_ack_hold_one_pong_not_one_each() -> None:
                         pongs.append(ev.nonce)
             assert pongs == [n], f"{len(pongs)} pongs held for pings before our ack"
             assert src.is_connected("r")
+        finally:
+            await raw.aclose()
+
+
+@pytest.mark.parametrize("request_kind", ["lookup", "abort"])
+async def test_a_request_before_the_peers_ack_ends_its_session_only(request_kind: str) -> None:
+    """A peer asks only once both acks are through. Before, a request after our ack but
+    before the peer's was served and its reply held until that ack: a peer that never
+    acked could make us hold any number (a review held 50,002 acks of 50,000 aborts of
+    one round, and 40 answers of 64k-key lookups, 21 MB, each round closed at once by an
+    empty fetch). Now the first such request is a protocol error: the session ends with a
+    bye, having held nothing, and the node serves its other peers."""
+    first = Lookup(req_id=1, keys=[b"k" * 32]) if request_kind == "lookup" else Abort(req_id=1)
+    async with node("src") as src, node("b") as b:
+        raw = RawPeer("r")
+        try:
+            with trio.fail_after(10):
+                await raw.connect(src.address)
+                await hello_until_acked(raw)  # src registered us and acked; we never ack
+                session = src._by_peer["r"]
+                await raw.send_raw(encode(first) + encode(Abort(req_id=1)) * 1000)
+                assert raw.stream is not None
+                byes = await byes_until_eof(raw.stream)
+                assert [y.code for y in byes] == ["protocol"]
+                assert "before the peer's hello_ack" in byes[0].reason
+                assert not session.alive and session.proto._held == []
+                assert not src.is_connected("r")
+                peer = await b.connect(src.address)  # the node lives on
+                assert await b.lookup(peer.peer_id, [b"k" * 32]) == [False]
         finally:
             await raw.aclose()
 

@@ -27,7 +27,7 @@ from p2pkv.session.protocol import (
     TransferCompleted,
 )
 from p2pkv.session.session import PeerSession
-from p2pkv.wire import Lookup, Outcome, encode
+from p2pkv.wire import HelloAck, Lookup, Outcome, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 from .test_producer_caps import connected, looked_up, node
@@ -156,8 +156,11 @@ async def test_reply_stuck_in_send_while_peer_restarts_and_reuses_the_request_id
         assert s._send_lock.statistics().tasks_waiting == 0
         assert s.proto.has_data_to_send()
 
-        # The new incarnation's first lookup, with the old round's request id.
-        await raw.send_raw(encode(Lookup(req_id=req, keys=keys_b)))
+        # The new incarnation's ack (by hand: this peer reads nothing, so its protocol has
+        # not seen our new hello; a request before the ack would be a protocol error),
+        # then its first lookup, with the old round's request id.
+        ack = HelloAck(peer_id=raw.proto.local.peer_id, epoch=s.proto.local.epoch)
+        await raw.send_raw(encode(ack) + encode(Lookup(req_id=req, keys=keys_b)))
         await trio.sleep(1.0)
         # The reader went on reading: the lookup pinned keys_b under the same id.
         new = s._pinned.get(req)

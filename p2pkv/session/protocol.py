@@ -15,10 +15,13 @@ The handshake and the ack barrier
     the machine emits :class:`HelloReceived`; the driver registers the peer's memory with
     the data plane and then calls :meth:`SessionProtocol.registration_succeeded`, which
     queues our ``hello_ack``. The ack therefore means "I can write into you now". Nothing
-    but ``hello``/``hello_ack``/``bye`` is put on the wire before the *peer's* ack has
-    arrived (it is queued), and any request from the peer that arrives before *our* ack
+    but ``hello``/``hello_ack``/``bye`` is put on the wire before both acks are through
+    (the rest is held), and any request from the peer that arrives before *our* ack
     was sent is a protocol error: so no write ever targets a peer this side has not
-    finished registering (invariant 3).
+    finished registering (invariant 3). So is any frame but a ping or pong before the
+    peer's own ack (a peer sends requests only once both acks are through): replies
+    would be held until that ack, and a peer that never sent it could make us hold any
+    number of them. Of the pongs held, only the latest is kept.
 
 Requests
     Request ids are per direction and strictly increasing, so a reused id is detected in
@@ -413,10 +416,25 @@ class SessionProtocol:
         self._outbox_bytes += len(frame)
 
     def _emit(self, msg: Message) -> None:
-        if isinstance(msg, _HANDSHAKE_MSGS) or self._peer_acked:
+        """Queue ``msg``, or hold it until it may go out: the handshake at once; pings and
+        pongs once the peer's ack is in (the peer takes them once its ack is out); the
+        rest once both acks are through (the peer takes requests only then). Nothing
+        overtakes what is held."""
+        if isinstance(msg, _HANDSHAKE_MSGS) or (
+            self._peer_acked and not self._held and (self._ack_sent or isinstance(msg, Ping | Pong))
+        ):
             self._queue(encode(msg))
         else:
             self._held.append(msg)
+
+    def _release_held(self) -> None:
+        """What waited for the acks goes out, in order, up to the first that still waits."""
+        held, self._held = self._held, []
+        for i, msg in enumerate(held):
+            self._emit(msg)
+            if self._held:  # it waits still, and so does everything after it
+                self._held += held[i + 1 :]
+                return
 
     def _require(self, ok: bool, what: str) -> None:
         if not ok:
@@ -488,6 +506,8 @@ class SessionProtocol:
         if self.local.secret is not None:
             auth = ack_proof(self.local.secret, self.local.peer_id, self.peer.nonce)
         self._emit(HelloAck(peer_id=self.local.peer_id, epoch=self.peer.epoch, auth=auth))
+        if self._peer_acked:
+            self._release_held()
         return self._maybe_ready()
 
     def registration_failed(self, reason: str) -> None:
@@ -605,9 +625,7 @@ class SessionProtocol:
             self._close("handshake", "authentication failed")
             raise HandshakeRejected("authentication failed", peer=a.peer_id)
         self._peer_acked = True
-        for msg in self._held:
-            self._queue(encode(msg))
-        self._held.clear()
+        self._release_held()
         return self._maybe_ready()
 
     def _maybe_ready(self) -> Ready | None:
@@ -720,6 +738,12 @@ class SessionProtocol:
             return ByeReceived(msg.code, msg.reason)
         if not self._ack_sent:
             raise RemoteProtocolError(f"{msg.TAG} before our hello_ack")
+        if not self._peer_acked and not isinstance(msg, Ping | Pong):
+            # A peer is ready (and so sends requests) only once its own ack is out, so a
+            # request before it is a lie. Were it served, every reply to it would be held
+            # (nothing but the handshake goes out before the peer's ack) with nothing to
+            # bound how many: a peer that never acks could make us hold them for ever.
+            raise RemoteProtocolError(f"{msg.TAG} before the peer's hello_ack")
         if isinstance(msg, Lookup):
             return self._on_lookup(msg)
         if isinstance(msg, Fetch):
@@ -740,8 +764,6 @@ class SessionProtocol:
             return None
         if isinstance(msg, Pong):
             return PongReceived(msg.nonce)
-        if not self._peer_acked:
-            raise RemoteProtocolError(f"{msg.TAG} before the peer's hello_ack")
         if isinstance(msg, LookupResp):
             return self._on_lookup_resp(msg)
         if isinstance(msg, TransferDone):
