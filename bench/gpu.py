@@ -299,7 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     os.environ["P2PKV_BENCH_ORDER"] = args.order  # the spawned children read it too
-    for key, value in (("UCX_MEM_MMAP_HOOK_MODE", "none"), ("NIXL_LOG_LEVEL", "WARN")):
+    for key, value in (
+        ("UCX_MEM_MMAP_HOOK_MODE", "none"),
+        ("UCX_NET_DEVICES", "lo"),  # one host
+        ("NIXL_LOG_LEVEL", "WARN"),
+    ):
         os.environ.setdefault(key, value)
     import torch
 

@@ -90,9 +90,11 @@ def nixl_cause(exc: BaseException) -> BaseException:
 
 
 # Set before the first agent exists, and only where the user has not set them (notes: env).
+# Not UCX_NET_DEVICES: the environment is the whole process's, and ``lo`` there would keep
+# every UCX user in it (a node talking to other hosts, vLLM's own NIXL connector) on
+# loopback. Tests and the CLI choose it (``cli.set_env_defaults``: ``lo`` on loopback).
 ENV_DEFAULTS = {
     "UCX_MEM_MMAP_HOOK_MODE": "none",  # first agent: 0.43 s -> 16-40 ms
-    "UCX_NET_DEVICES": "lo",
     "NIXL_LOG_LEVEL": "WARN",  # nixl's Python logger prints INFO to stdout otherwise
 }
 # Set before an agent over VRAM creates its UCX backend (UCX reads its environment then),
