@@ -63,8 +63,28 @@ def _port(_inst: object, attr: attrs.Attribute[Any], value: int) -> None:
         raise ConfigError(f"{attr.name} must be 0..65535 (0: any free port), got {value!r}")
 
 
-def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
-    return None if value is None else os.fspath(value)
+def _to_path(value: object, name: str) -> str | None:
+    """A converter: it runs before any validator, so it checks the type itself (os.fspath
+    would raise a TypeError naming no field, and would let bytes through)."""
+    if value is None:
+        return None
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise ConfigError(f"{name} must be a path (str or os.PathLike), got {value!r}")
+    return path
+
+
+# Named functions: mypy's attrs plugin reads a converter's type only from one.
+def _tls_cert(value: str | os.PathLike[str] | None) -> str | None:
+    return _to_path(value, "tls_cert")
+
+
+def _tls_key(value: str | os.PathLike[str] | None) -> str | None:
+    return _to_path(value, "tls_key")
+
+
+def _tls_ca(value: str | os.PathLike[str] | None) -> str | None:
+    return _to_path(value, "tls_ca")
 
 
 def _all_or_no_tls_files(inst: NodeConfig, _attr: attrs.Attribute[Any], _value: object) -> None:
@@ -175,10 +195,10 @@ class NodeConfig:
     # Optional mutual TLS of the control connection (p2pkv/tls.py): paths to PEM files of
     # this node's certificate (naming its peer id), its private key, and the CA that signs
     # every peer's certificate. All three or none.
-    tls_cert: str | None = attrs.field(default=None, converter=_optional_path)
-    tls_key: str | None = attrs.field(default=None, converter=_optional_path)
+    tls_cert: str | None = attrs.field(default=None, converter=_tls_cert)
+    tls_key: str | None = attrs.field(default=None, converter=_tls_key)
     tls_ca: str | None = attrs.field(
-        default=None, converter=_optional_path, validator=_all_or_no_tls_files
+        default=None, converter=_tls_ca, validator=_all_or_no_tls_files
     )
 
     # How long the data plane may keep writing after a transfer handle was released

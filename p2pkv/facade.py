@@ -56,7 +56,7 @@ import trio
 from . import _switch
 from .config import NodeConfig
 from .errors import P2PKVTimeout, PortalClosed
-from .node import Node, NodeStatistics, Peer, TransportFactory, open_node
+from .node import Node, NodeStatistics, Peer, TransportFactory, check_address, open_node
 from .pins import PinSource
 from .portal import EngineContext, EngineThread
 from .registrar import Offload
@@ -207,7 +207,7 @@ class BlockingNode:
     def connect(self, address: tuple[str, int], *, timeout: float | None = None) -> Peer:
         """Dial a peer; returns once both sides have registered each other."""
         return self._engine.call(
-            self._node.connect, address, timeout=self._timeout("connect", timeout)
+            self._node.connect, check_address(address), timeout=self._timeout("connect", timeout)
         )
 
     def lookup(
@@ -315,7 +315,7 @@ class BlockingNode:
 
     def submit_connect(self, address: tuple[str, int], *, timeout: float | None = None) -> int:
         """Start :meth:`connect` on the engine; returns a ticket (result: Peer)."""
-        return self._submit(self._node.connect, (address,), "connect", timeout)
+        return self._submit(self._node.connect, (check_address(address),), "connect", timeout)
 
     def submit_lookup(
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None

@@ -91,6 +91,22 @@ class Peer:
     address: tuple[str, int] | None = None
 
 
+def check_address(address: object) -> tuple[str, int]:
+    """``address`` as the ``(host, port)`` pair :meth:`Node.connect` dials; TypeError or
+    ValueError naming what is wrong. A ``"host:port"`` string is refused, not indexed as
+    a pair (it would dial host ``"1"``, port 2)."""
+    if isinstance(address, str | bytes) or not isinstance(address, Sequence) or len(address) != 2:
+        raise TypeError(f"address must be a (host, port) pair, got {address!r}")
+    host, port = address
+    if not isinstance(host, str) or not host:
+        raise TypeError(f"address: host must be a non-empty str, got {host!r}")
+    if isinstance(port, bool) or not isinstance(port, int):
+        raise TypeError(f"address: port must be an int, got {port!r}")
+    if not 0 < port < 65536:
+        raise ValueError(f"address: port must be 1..65535, got {port}")
+    return host, int(port)
+
+
 @attrs.frozen
 class NodeStatistics:
     peer_id: str
@@ -433,9 +449,9 @@ class Node:
         """Dial a peer; returns once both sides have registered each other (both acks).
         Connecting to a peer that is already connected returns it (the live session is
         never replaced); concurrent connects to one address share one dial."""
+        address = check_address(address)
         if self._closing or self._nursery is None:
             raise PeerUnavailable("node is closed", op="connect")
-        address = (address[0], int(address[1]))
         while (dialing := self._dialing.get(address)) is not None:
             await dialing.wait()
         existing = self._established(address)

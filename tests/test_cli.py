@@ -320,20 +320,29 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
         (["serve", "--config", "{cfg}"], 'fill = "x"\n', "fill must be an int >= 0"),
         (["serve", "--config", "{cfg}"], 'port = "5710"\n', "port must be int"),
         (["serve", "--config", "{cfg}.json"], "{port: 1}", "not valid JSON"),
+        (["serve", "--config", "{cfg}"], b"\xff\xfe port = 1\n", "not UTF-8 text"),
+        (  # read for the peer id before NodeConfig checks it
+            ["serve", "--config", "{cfg}.json"],
+            '{"tls_cert": 5, "tls_key": "k.pem", "tls_ca": "ca.pem"}',
+            "tls_cert must be a path",
+        ),
+        (["serve", "--config", "{cfg}.json"], '{"peer_id": "a", "tls_ca": 5}', "tls_ca must be"),
     ],
 )
 def test_bad_input_is_a_one_line_error_not_a_traceback(
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     argv: list[str],
-    config: str | None,
+    config: str | bytes | None,
     message: str,
 ) -> None:
     from p2pkv.cli import main
 
     cfg = tmp_path / "node.toml"
     argv = [a.replace("{cfg}", str(cfg)) for a in argv]
-    if config is not None:
+    if isinstance(config, bytes):
+        Path(argv[-1]).write_bytes(config)
+    elif config is not None:
         Path(argv[-1]).write_text(config)
     try:
         code = main([*argv, "--transport", "local"])

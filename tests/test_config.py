@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -37,6 +38,10 @@ from .helpers import fill
         ({"quarantine": 1.0}, "quarantine .* must exceed abort_timeout"),
         ({"block_len": 4096, "max_inflight_bytes": 1024}, "less than one block"),
         ({"tls_cert": "c.pem"}, "tls_cert, tls_key and tls_ca together"),
+        # A converter runs before the validators: it names the field itself.
+        ({"tls_cert": 5, "tls_key": "k", "tls_ca": "c"}, "tls_cert must be a path"),
+        ({"tls_cert": "c", "tls_key": b"/k", "tls_ca": "c"}, "tls_key must be a path"),
+        ({"tls_cert": "c", "tls_key": "k", "tls_ca": ["c"]}, "tls_ca must be a path"),
     ],
     ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
 )
@@ -45,6 +50,15 @@ def test_a_bad_value_is_a_config_error_naming_it(kw: dict[str, Any], match: str)
         NodeConfig(**{"peer_id": "a", **kw})
     # One type, caught either way a caller may expect.
     assert isinstance(info.value, P2PKVError) and isinstance(info.value, ValueError)
+
+
+def test_tls_files_may_be_path_objects_and_are_kept_as_str(tmp_path: Path) -> None:
+    cfg = NodeConfig(peer_id="a", tls_cert=tmp_path / "c", tls_key=tmp_path / "k", tls_ca="ca")
+    assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == (
+        str(tmp_path / "c"),
+        str(tmp_path / "k"),
+        "ca",
+    )
 
 
 async def test_numbers_of_any_kind_that_mean_the_same_are_plain_python_numbers() -> None:

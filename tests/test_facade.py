@@ -152,6 +152,19 @@ def test_blocking_connect_lookup_fetch_round_trip_loads_the_producers_bytes(
         dst.lookup(peer, keys, timeout=BOUND)
 
 
+def test_a_bad_address_is_refused_in_the_callers_thread(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    dst = nodes("dst")
+    host, port = nodes("src").address
+    for bad in (f"{host}:{port}", (host,), (host, str(port))):
+        with pytest.raises(TypeError, match="address"):
+            dst.connect(bad, timeout=BOUND)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="address"):  # no ticket to poll
+            dst.submit_connect(bad, timeout=BOUND)  # type: ignore[arg-type]
+    assert dst.pending() == 0 and dst.peers() == []
+
+
 def test_submit_fetch_poll_and_get_finished_deliver_every_outcome_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:

@@ -131,6 +131,33 @@ async def test_connect_refused_is_peer_unavailable() -> None:
                 await a.connect(("127.0.0.1", port))
 
 
+BAD_ADDRESSES = [
+    ("127.0.0.1:5710", TypeError),  # was indexed as a pair: host "1", port 2
+    (b"127.0.0.1:5710", TypeError),
+    (("127.0.0.1",), TypeError),
+    (("127.0.0.1", 5710, 0), TypeError),
+    (None, TypeError),
+    (("", 5710), TypeError),
+    ((5710, "127.0.0.1"), TypeError),
+    (("127.0.0.1", "5710"), TypeError),
+    (("127.0.0.1", 5710.0), TypeError),
+    (("127.0.0.1", True), TypeError),
+    (("127.0.0.1", 0), ValueError),
+    (("127.0.0.1", 65536), ValueError),
+]
+
+
+@pytest.mark.parametrize(("address", "error"), BAD_ADDRESSES, ids=repr)
+async def test_connect_refuses_what_is_not_a_host_port_pair(
+    address: object, error: type[Exception]
+) -> None:
+    with trio.fail_after(10):
+        async with open_node(config("a")) as a:
+            with pytest.raises(error, match="address"):
+                await a.connect(address)  # type: ignore[arg-type]
+            assert a.statistics().sessions == 0  # nothing was dialed
+
+
 @pytest.mark.parametrize(
     ("field", "value", "reason"),
     [

@@ -277,6 +277,7 @@ def test_vllm_builds_the_tier_from_its_config_alone(engines: Callable[..., Engin
         ({"port": "http"}, "port"),
         ({"transport": "carrier-pigeon"}, "transport"),
         ({"backpressure": {"max_pending": 4}}, "backpressure"),
+        ({"tls_cert": 5, "tls_key": "k.pem", "tls_ca": "ca.pem"}, "tls_cert must be a path"),
     ],
 )
 def test_a_bad_configuration_is_refused_naming_the_key(
@@ -286,6 +287,13 @@ def test_a_bad_configuration_is_refused_naming_the_key(
     with pytest.raises(Exception, match=match):
         engines(**bad)
     assert engine_threads() == before  # nothing started, or it was stopped again
+
+
+def test_tls_files_given_as_null_are_absent() -> None:
+    # JSON's null means "not given", as for the secret: it was read as the path "None".
+    tls = {"tls_cert": None, "tls_key": None, "tls_ca": None}
+    s = vllm_tier.TierSettings.from_kwargs({"host": "127.0.0.1", "port": 0, **tls})
+    assert (s.tls_cert, s.tls_key, s.tls_ca) == (None, None, None)
 
 
 def test_a_port_in_use_fails_the_build_and_leaves_nothing_running(

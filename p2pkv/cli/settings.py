@@ -73,7 +73,10 @@ _PATH_FIELDS = {"tls_cert", "tls_key", "tls_ca"}  # relative to the config file'
 
 def load_config(path: Path) -> dict[str, Any]:
     """A TOML (``.toml``) or JSON file of NodeConfig fields, plus ``fill`` and ``seed``."""
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise P2PKVError(f"{path}: not UTF-8 text: {exc}") from exc
     try:
         data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
@@ -109,6 +112,9 @@ def serve_settings(args: argparse.Namespace) -> tuple[NodeConfig, int, int]:
         raise P2PKVError(f"seed must be an int, got {seed!r}")
     if "peer_id" not in settings:
         cert = settings.get("tls_cert")
+        if cert is not None and not isinstance(cert, str):
+            # Read before NodeConfig checks it: the peer id comes from the certificate.
+            raise P2PKVError(f"bad node settings: tls_cert must be a path, got {cert!r}")
         settings["peer_id"] = (
             tls.cert_file_peer_id(cert) if cert else f"{socket.gethostname()}-{os.getpid()}"
         )

@@ -194,8 +194,12 @@ class TierSettings:
                 raise ValueError("p2pkv tier: secret must be a non-empty string")
             out["secret"] = secret.encode() if isinstance(secret, str) else secret
         for name in ("tls_cert", "tls_key", "tls_ca"):
-            if name in kw:
-                out[name] = str(kw.pop(name))
+            path = kw.pop(name, None)
+            if path is None:  # absent, or null in the JSON: no TLS file
+                continue
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"p2pkv tier: {name} must be a path, got {path!r}")
+            out[name] = path
         if "verify_checksums" in kw:
             flag = kw.pop("verify_checksums")
             if not isinstance(flag, bool):
