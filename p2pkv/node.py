@@ -56,7 +56,7 @@ from .errors import (
     PeerUnavailable,
 )
 from .pins import PinSource
-from .registrar import Offload, Registrar, RegistrarStatistics, to_thread
+from .registrar import Offload, Registrar, RegistrarStatistics, RegistrationJob, to_thread
 from .session.protocol import LocalInfo
 from .session.session import FetchResult, LookupRound, PeerSession
 from .store import BlockStore, StoreStatistics
@@ -621,11 +621,11 @@ class Node:
                     new = await self.offload(
                         self._transport_factory, self.config, self.store, limiter=oneoff
                     )
-                    swaps: list[tuple[PeerSession, RemotePeer]] = []
+                    swaps: list[tuple[PeerSession, RegistrationJob, RemotePeer]] = []
                     try:
                         await self._reregister(new, swaps, oneoff)
                     except BaseException:
-                        for session, _rp in swaps:
+                        for session, _job, _rp in swaps:
                             session.close("reconfiguration failed", "reconfigure")
                         await self.offload(new.close, limiter=oneoff)
                         raise
@@ -635,9 +635,13 @@ class Node:
                     self._retired_transports.append(old)
                     self._nursery_or_raise().start_soon(self._retire_transport, old)
                     stale: list[RemotePeer] = []
-                    for session, rp in swaps:
-                        assert session.job is not None
-                        if session.alive and self.registrar.replace(session.job, rp):
+                    for session, job, rp in swaps:
+                        # The incarnation it was built for: a peer that restarted on its
+                        # connection meanwhile has a new one (whose job registers on the
+                        # new transport once we let go of the limiter), and the old one's
+                        # registration is stale. (It used to be read here afresh: None,
+                        # and an assertion stopped the swap half done.)
+                        if session.alive and session.job is job and self.registrar.replace(job, rp):
                             session.remote = rp
                         else:
                             stale.append(rp)
@@ -655,7 +659,7 @@ class Node:
     async def _reregister(
         self,
         new: DataTransport,
-        swaps: list[tuple[PeerSession, RemotePeer]],
+        swaps: list[tuple[PeerSession, RegistrationJob, RemotePeer]],
         limiter: trio.CapacityLimiter,
     ) -> None:
         """Register every live, registered peer on ``new``; each one into ``swaps`` as it
@@ -677,7 +681,7 @@ class Node:
             except P2PKVError as exc:
                 session.close(f"re-registration failed: {exc}", "reconfigure")
                 continue
-            swaps.append((session, rp))
+            swaps.append((session, job, rp))
 
     @asynccontextmanager
     async def _data_plane(self) -> AsyncIterator[None]:

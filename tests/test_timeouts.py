@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -541,6 +542,106 @@ async def test_a_registration_queued_behind_a_reconfiguration_goes_to_the_new_tr
             f"fetch failed {result.failed}; registrations of 'late' per transport "
             f"(old, new): {[t.adds for t in factory.built]}"
         )
+
+
+async def test_reconfigure_while_a_peer_restarts_on_its_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer re-hellos (new epoch) on its live connection while a reconfiguration is
+    re-registering the survivors. The reconfiguration must still complete: every
+    surviving peer gets its new registration, and the hub serves the other peer. (Found
+    by a review: the swap read the restarted session's job afresh, None, and an assertion
+    stopped it half done, with p2 left on the retired transport and its new registration
+    leaked.)"""
+    factory = FaultFactory()
+    raw = RawPeer("phoenix")
+    try:
+        with trio.fail_after(120):
+            async with (
+                node("hub", factory=factory, delays={"add_remote_peer": 5.0}) as hub,
+                node("p2") as p2,
+            ):
+                keys = fill(hub.store, 2, 4096)
+                await raw.connect(hub.address)
+                await raw.handshake()
+                await p2.connect(hub.address)
+                assert list(hub._by_peer) == ["phoenix", "p2"]
+                errors: list[BaseException] = []
+                async with trio.open_nursery() as nursery:
+
+                    async def reconfigure() -> None:
+                        try:
+                            await hub.reconfigure(["phoenix", "p2"])
+                        except BaseException as exc:  # recorded for the assert
+                            errors.append(exc)
+
+                    nursery.start_soon(reconfigure)
+                    await trio.sleep(7.0)  # phoenix re-registered (5 s), p2's under way
+                    assert factory.built[1].adds == 1
+                    raw.proto = SessionProtocol(
+                        attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+                    )
+                    raw.proto.start()  # the new epoch's hello
+                    await raw.flush()
+                assert errors == [], f"reconfigure raised {errors!r}"
+                assert hub.transport is factory.built[1]
+                sess = hub._by_peer["p2"]
+                assert sess.remote is hub.registrar.current("p2")
+                result = await p2.fetch("hub", keys)
+                assert sorted(result.loaded) == sorted(keys), result.failed
+    finally:
+        await raw.aclose()
+
+
+async def test_a_hung_write_is_released_within_the_consumers_quarantine_while_reconfiguring(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The consumer frees its slots ``quarantine`` after it gave up, so the producer must
+    release an unsettled write within ``abort_timeout`` of the abort (then a released
+    write may land for ``landing_margin`` more). A reconfiguration of the producer that
+    holds the data-plane limiter at that moment must not push that release past the
+    consumer's quarantine: until released, a hung write may land at any time, into slots
+    the consumer has handed to another block by then."""
+    # Found by a review: the release waited for data_limiter, which the reconfiguration
+    # held through a 5 s re-registration: released at t=14.2, slots free at t=12.0.
+    released_at: list[float] = []
+
+    def hang(t: Any) -> None:
+        t.hang = True
+        original = t.release
+
+        def release(h: TransferHandle) -> None:
+            if not h.released and h.native is TransferState.PROC:
+                released_at.append(trio.current_time())
+            original(h)
+
+        t.release = release
+
+    factory = FaultFactory(hang)
+    kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
+    with trio.fail_after(300):
+        async with (
+            node("src", factory=factory, delays={"add_remote_peer": 5.0}, **kw) as src,
+            node("dst", fetch_timeout=4.0, **kw) as dst,
+        ):
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            async with trio.open_nursery() as nursery:
+                result = await dst.fetch(peer, keys)
+                gave_up = trio.current_time()
+                assert set(result.failed.values()) == {"timeout"}
+                assert dst.statistics().quarantined_slots == 2
+                await trio.sleep(0.2)  # the abort is at src; its write task waits to settle
+                nursery.start_soon(src.reconfigure, ["dst"])
+                while not released_at:
+                    await trio.sleep(0.1)
+            slots_free_at = gave_up + dst.config.quarantine
+            last_landing = max(released_at) + src.config.landing_margin
+            assert last_landing <= slots_free_at, (
+                f"the hung write was released at t={max(released_at):.1f} and may land until "
+                f"t={last_landing:.1f}, but the consumer's slots were free again at "
+                f"t={slots_free_at:.1f} (gave up at {gave_up:.1f})"
+            )
 
 
 async def test_a_reconfiguration_cancelled_midway_completes_and_leaves_nothing_behind(

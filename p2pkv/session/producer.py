@@ -402,7 +402,11 @@ class ProducerSide(SessionParts):
                 quiet = False
                 unsettled.append((dp, h))
         if unsettled:
-            await node.offload_data(_release_all, unsettled)
+            # Not through data_limiter: a reconfiguration holds it while it re-registers
+            # every peer, and the consumer frees these slots ``quarantine`` after it gave
+            # up, whatever we wait for. Each handle carries its transport, whose calls
+            # into the agent are serialised by the transport itself.
+            await node.offload(_release_all, unsettled, limiter=trio.CapacityLimiter(1))
         return quiet
 
 
