@@ -226,7 +226,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             return False
         before = self.proto.frames_received
         self.proto.send_ping()
-        await self._flush()
+        await self._flush(background=True)
         with trio.move_on_after(within):
             while self.alive and self.proto.frames_received == before:
                 await self._rx.park()
@@ -300,13 +300,16 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     async def _close_down(self) -> None:
         with trio.CancelScope(shield=True):
-            reason = self.close_reason or "session ended"
+            # Not alive from here (ended by a cancel from outside, nothing had closed it):
+            # a task woken below must not start a request on it.
+            reason = self.close_reason = self.close_reason or "session ended"
             if self._lane_handed is not None:
                 self._lane_handed.set()  # the reader will not act on it now: we end
             for p in self._pending.values():
                 if p.error is None and p.result is None:
                     p.error = SessionClosed(reason, peer=self.peer_id)
                 self._wake_waiter(p)
+            self._requests.end()  # and those that wait for a request slot
             for req in list(self._pinned):
                 self._release_round(req)
             for inc in [*self._retiring, self.incarnation]:
@@ -337,7 +340,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.BusyResourceError):
             pass
 
-    async def _flush(self, *, final: bool = False, drain: bool = False) -> None:
+    async def _flush(
+        self, *, final: bool = False, drain: bool = False, background: bool = False
+    ) -> None:
         """Send what the protocol has queued. Once closing, only the shielded final flush
         sends: a send cut by cancellation would leave the stream undefined (and lose the
         bye), so nothing is taken from the protocol that might not go out whole.
@@ -357,8 +362,12 @@ class PeerSession(ProducerSide, ConsumerSide):
         and no caller's deadline can cut a send mid-frame. Only past ``OUTBOX_CAP`` bytes
         queued does a caller wait for the socket itself: that is the backpressure that
         makes the reader stop reading a peer that sends requests and does not read their
-        answers. Over TLS, where ``_send_now`` takes nothing, every flush goes through a
-        drain task (one more trip through the scheduler per send)."""
+        answers. ``background``: the caller is a task of the session's own that keeps
+        time or liveness (the keepalive, the lease timer, a probe, the registration): it
+        never waits for the socket, past the cap or not, or the deadlines it keeps would
+        wait for a peer that reads nothing. Over TLS, where ``_send_now`` takes nothing,
+        every flush goes through a drain task (one more trip through the scheduler per
+        send)."""
         if not final and not self.proto.has_data_to_send():
             return
         lock = self._send_lock
@@ -368,7 +377,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         try:
             lock.acquire_nowait()
         except trio.WouldBlock:
-            if not final and self.proto.bytes_to_send() <= OUTBOX_CAP:
+            if background or (not final and self.proto.bytes_to_send() <= OUTBOX_CAP):
                 return  # the sender sends it once its own send is through
             await lock.acquire()
             drain = True  # past the cap: this caller waits for the socket itself
@@ -382,7 +391,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                     if sent < len(data):
                         rest = memoryview(data)[sent:]
                         if not (final or drain) and (
-                            len(rest) + self.proto.bytes_to_send() <= OUTBOX_CAP
+                            background or len(rest) + self.proto.bytes_to_send() <= OUTBOX_CAP
                         ):
                             # The socket is full: a task of the session's own waits for
                             # it, and this caller (the reader, a lookup) goes on.
@@ -820,7 +829,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             elif quiet >= quiet_before_ping - early and now - last_ping >= hb - early:
                 self.proto.send_ping()
                 last_ping = now
-                await self._flush()
+                await self._flush(background=True)
                 next_ping = now + hb
             else:
                 next_ping = max(self._last_rx + quiet_before_ping, last_ping + hb)
@@ -859,7 +868,7 @@ class PeerSession(ProducerSide, ConsumerSide):
                 if p.deadline <= now:
                     p.deadline = math.inf
                     self._wake_waiter(p)
-            await self._flush()
+            await self._flush(background=True)
             deadlines = [r.deadline for r in self._rounds.values()]
             deadlines += [p.deadline for p in self._pending.values() if p.deadline < math.inf]
             d = self.proto.next_deadline()
@@ -936,7 +945,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         ready = self.proto.registration_succeeded()
         if ready is not None:
             self._on_ready(ready)
-        await self._flush()
+        await self._flush(background=True)
 
     async def _forget(self, old: Incarnation, ev: HelloReceived) -> None:
         """The peer restarted (new epoch): drop everything of the old incarnation first."""

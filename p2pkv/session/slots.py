@@ -25,6 +25,7 @@ class RequestSlots:
         self._limit = limit
         self._used = 0
         self._waiters: collections.deque[tuple[int, trio.Event]] = collections.deque()
+        self._ended = False
 
     @property
     def limit(self) -> int:
@@ -40,7 +41,11 @@ class RequestSlots:
         self._hand_over()
 
     def take_nowait(self, n: int = 1) -> bool:
-        """Take ``n`` slots if they are free now and nobody waits (no checkpoint)."""
+        """Take ``n`` slots if they are free now and nobody waits (no checkpoint); at once
+        once the session has ended (see :meth:`end`)."""
+        if self._ended:
+            self._used += n
+            return True
         if self._waiters or self._used + n > self._limit:
             return False
         self._used += n
@@ -63,6 +68,17 @@ class RequestSlots:
                 self._waiters.remove(entry)
             self._hand_over()  # whoever waited behind us may fit now
             raise
+
+    def end(self) -> None:
+        """The session has ended: every waiter gets its slots at once, and so does every
+        later taker, whatever the limit. Each finds the session closed, fails with that,
+        and gives them back. (A waiter used to wait for a slot of a dead session until its
+        deadline, then report that no slot was free.)"""
+        self._ended = True
+        while self._waiters:
+            n, taken = self._waiters.popleft()
+            self._used += n
+            taken.set()
 
     def give_back(self, n: int = 1) -> None:
         if n > self._used:
