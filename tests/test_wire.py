@@ -200,6 +200,44 @@ def test_unknown_fields_are_skipped_without_building_them() -> None:
     assert peak < 3 * len(body), f"decoding a {len(body)}-byte frame peaked at {peak} bytes"
 
 
+@pytest.mark.parametrize("element", [b"\x90", b"\x80"], ids=["empty-lists", "empty-maps"])
+def test_a_hello_sized_frame_of_empty_containers_is_refused_before_it_is_built(
+    element: bytes,
+) -> None:
+    """Every known field a list of 65,535 one-byte empty lists (or maps), in the 1 MiB a
+    stranger may send before admission or any proof: each element used to become a new
+    Python list or dict (a review measured a 70 MB peak and 0.4 s of the Trio thread for
+    one frame). A container inside a field is now refused at the first one."""
+    parts: list[bytes] = []
+    room = wire.MAX_HELLO_FRAME - 64
+    for name in sorted(wire._KNOWN_FIELDS - {"t"}):
+        k = min(65535, room - 24)
+        if k <= 0:
+            break
+        part = msgpack.packb(name, use_bin_type=True) + b"\xdc" + k.to_bytes(2, "big")
+        parts.append(part + element * k)
+        room -= len(parts[-1])
+    n = len(parts) + 1
+    body = (
+        b"\xde"
+        + n.to_bytes(2, "big")
+        + b"".join(parts)
+        + msgpack.packb("t")
+        + msgpack.packb("hello")
+    )
+    assert len(body) > 1_000_000
+    dec = FrameDecoder(wire.MAX_HELLO_FRAME)
+    dec.feed(struct.pack(">I", len(body)) + body)
+    tracemalloc.start()
+    try:
+        with pytest.raises(RemoteProtocolError, match="a list or map inside a field"):
+            dec.next_message()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * len(body), f"decoding a {len(body)}-byte frame peaked at {peak} bytes"
+
+
 @pytest.mark.parametrize("name", ["nonce", "added_in_1_1"])
 def test_a_field_named_twice_is_refused(name: str) -> None:
     """msgpack maps may repeat a key; which value a peer meant is unknowable (the hot
