@@ -423,6 +423,8 @@ class BlockStore:
     def get_tensor(self, key: bytes) -> Any | None:
         """Device region: a uint8 CUDA tensor view of ``key``'s block (no copy), or None;
         marks it recently used."""
+        if self._tensor is None:  # refused before the LRU is touched, as get's is
+            raise TypeError("a host region has no CUDA view: use get / view")
         slot = self._touch(key)
         return None if slot is None else self.view_tensor(slot)
 
@@ -430,8 +432,7 @@ class BlockStore:
         """Device region: a uint8 CUDA tensor view of one slot, whatever its state."""
         if self._tensor is None:
             raise TypeError("a host region has no CUDA view: use get / view")
-        self._check_slot(slot)
-        start = slot * self.block_len
+        start = self._check_slot(slot) * self.block_len
         return self._tensor[start : start + self.block_len]
 
     def _touch(self, key: bytes) -> int | None:
@@ -447,8 +448,13 @@ class BlockStore:
             raise TypeError(f"{op}: a device region has no host view; use {op}_tensor")
 
     def __contains__(self, key: object) -> bool:
+        """As :meth:`get` and :meth:`slot_of` find it: a bytes-like key equal to a stored
+        key (a read-only memoryview) is in; something unhashable is not."""
         with self._turn, self._lock:
-            return isinstance(key, bytes) and key in self._map
+            try:
+                return key in self._map
+            except TypeError:
+                return False
 
     def __len__(self) -> int:
         return len(self._map)
@@ -460,8 +466,7 @@ class BlockStore:
     def view(self, slot: int) -> memoryview:
         """Read-only view of one slot's bytes, whatever its state."""
         self._host_only("view")
-        self._check_slot(slot)
-        start = slot * self.block_len
+        start = self._check_slot(slot) * self.block_len
         return self._ro[start : start + self.block_len]
 
     def keys(self) -> list[bytes]:
@@ -542,7 +547,6 @@ class BlockStore:
         """
         released = 0
         step = self.batch_keys
-        it = iter(slots)
         with self._serial:
             pins = self._pins.get(owner)
             if pins is None:
@@ -551,19 +555,25 @@ class BlockStore:
                 return self._unpin_keys_small(owner, pins, slots)
             self._offered_at = _clock()
             counts = pins.counts()  # only engine-side calls change them: read outside _lock
-            for _ in range(0, len(slots), step):
+            # Every listed slot taken off the copy first: a bad entry (unhashable) raises
+            # before any pin is dropped. (Taken batch by batch, one in a later batch left
+            # the owner's record listing pins already dropped: a review saw another
+            # owner's pinned slot handed out.)
+            dropped = list(_take_pins(counts, slots).items())
+            for start in range(0, len(dropped), step):
+                part = dropped[start : start + step]
                 with _Batch(self):
-                    dropped = _take_pins(counts, islice(it, step))
-                    if dropped:
-                        n = len(dropped)
-                        released += self._drop_pins_locked(
-                            pins,
-                            np.fromiter(dropped, np.int64, n),
-                            np.fromiter(dropped.values(), np.int64, n),
-                        )
-                    if not counts:
+                    n = len(part)
+                    released += self._drop_pins_locked(
+                        pins,
+                        np.fromiter((slot for slot, _ in part), np.int64, n),
+                        np.fromiter((drop for _, drop in part), np.int64, n),
+                    )
+                    if not counts and start + step >= len(dropped):
                         del self._pins[owner]
-                        break
+            if not dropped and not counts:  # an owner with no pins left: forget it too
+                with _Batch(self):
+                    self._pins.pop(owner, None)
             pins.set_counts(counts)
         return released
 
@@ -1400,11 +1410,14 @@ class BlockStore:
             self._lru.push(done)
         return released
 
-    def _check_slot(self, slot: int) -> None:
+    def _check_slot(self, slot: int) -> int:
+        """``slot`` as a Python int: a NumPy int's own arithmetic wraps (np.int32(1024) *
+        2 MiB is negative: a review found views of another slot's bytes)."""
         if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
             raise TypeError(f"slot must be an int, got {slot!r}")
         if not 0 <= slot < self.num_blocks:
             raise ValueError(f"slot {slot} out of range [0, {self.num_blocks})")
+        return int(slot)
 
     def _lru_keys(self) -> list[bytes]:
         """Test hook: the evictable keys, least recently used first."""

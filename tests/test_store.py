@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import queue
 import threading
+import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
 
@@ -947,3 +948,82 @@ def test_a_slot_that_is_not_an_int_in_range_is_refused_and_changes_nothing(
         calls[how]()
     assert snapshot(store) == before and store.statistics().reserved == 2
     store._check_invariants()
+
+
+# --------------------------------------- found by a review (2026-12-03); each failed before
+
+
+def _filled(n: int, block_len: int) -> BlockStore:
+    store = BlockStore(n, block_len)
+    for i in range(n):
+        store.put(b"k%d" % i, i.to_bytes(block_len, "big"))
+    return store
+
+
+@pytest.mark.parametrize(
+    ("n", "block_len", "dtype", "slot"),
+    [(256, 4, np.uint8, 200), (128, 4096, np.int16, 99), (300, 4, np.int8, 100)],
+)
+def test_view_of_a_numpy_int_slot_is_that_slots_bytes(
+    n: int, block_len: int, dtype: type, slot: int
+) -> None:
+    """``view`` accepts NumPy integers (``_check_slot``), but computes the offset as
+    ``slot * block_len`` in the slot's own dtype: it wraps, and another slot's bytes come
+    back (in production only a RuntimeWarning says so; int32 chunk ids overflow the same
+    way once the region passes 2 GiB, e.g. slot 1024 of 2 MiB blocks)."""
+    store = _filled(n, block_len)
+    want = bytes(store.view(slot))
+    assert int.from_bytes(want, "big") == slot
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # as outside pytest: a warning, not an error
+        got = bytes(store.view(dtype(slot)))
+    assert got == want, f"view({dtype.__name__}({slot})) gave slot {int.from_bytes(got, 'big')}"
+
+
+def test_unpin_keys_that_fails_in_a_later_batch_leaves_no_pin_to_drop_twice() -> None:
+    """``unpin_keys`` with more slots than one batch (``batch_keys``) and an unhashable
+    entry in a later batch: the first batch's pins are taken off the slots (and off the
+    owner's total), then TypeError, and ``pins.set_counts`` never runs, so the owner's
+    record still lists them. The scalar path refuses the same input with nothing changed.
+    The next ``unpin`` drops them again: another owner's pin goes, and its slot is
+    evicted and handed to a reservation while that owner still holds the pin."""
+    store = BlockStore(400, 4)
+    keys = [b"k%d" % i for i in range(300)]
+    for i, key in enumerate(keys):
+        store.put(key, i.to_bytes(4, "big"))
+    mine = store.pin("a", keys)
+    theirs = store.pin("b", keys[:1])
+    with pytest.raises(TypeError):
+        store.unpin_keys("a", [*mine[:256], [1]])  # type: ignore[list-item]
+    held = store.pins_of("a")
+    assert store.unpin("a") == held, "unpin released more pins than the owner held"
+    assert store.pins_of("b") == 1
+    assert theirs[0] not in store.reserve("r", store.num_blocks - 1), (
+        "a slot that 'b' still pins was evicted and reserved"
+    )
+    store._check_invariants()
+
+
+def test_get_tensor_refused_on_a_host_region_leaves_the_lru_alone() -> None:
+    """``get_tensor`` on a host region raised TypeError only after ``_touch`` had
+    made the key most recently used: a refused call changes which block is evicted next."""
+    store = BlockStore(4, 4)
+    keys = [b"k%d" % i for i in range(4)]
+    for key in keys:
+        store.put(key, bytes(4))
+    with pytest.raises(TypeError):
+        store.get_tensor(keys[0])
+    assert store._lru_keys() == keys
+    store.put(b"new", bytes(4))  # evicts the least recently used block
+    assert keys[0] not in store
+
+
+def test_contains_agrees_with_get_for_a_bytes_like_key() -> None:
+    """A memoryview of a stored key: ``get``, ``slot_of``, ``evict`` and ``present`` find
+    the block, ``in`` says it is absent (it alone checks ``isinstance(key, bytes)``)."""
+    store = BlockStore(4, 4)
+    store.put(b"k", b"abcd")
+    key = memoryview(b"k")
+    assert store.present([key]) == [True]
+    assert store.get(key) is not None  # type: ignore[arg-type]
+    assert (key in store) == (store.get(key) is not None)  # type: ignore[arg-type]
