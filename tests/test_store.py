@@ -1024,6 +1024,6 @@ def test_contains_agrees_with_get_for_a_bytes_like_key() -> None:
     store = BlockStore(4, 4)
     store.put(b"k", b"abcd")
     key = memoryview(b"k")
-    assert store.present([key]) == [True]
+    assert store.present([key]) == [True]  # type: ignore[list-item]
     assert store.get(key) is not None  # type: ignore[arg-type]
     assert (key in store) == (store.get(key) is not None)  # type: ignore[arg-type]
