@@ -44,6 +44,20 @@ async def node(
         yield n
 
 
+def assert_released_within_quarantine(
+    released_at: list[float], gave_up: float, src: Node, dst: Node
+) -> None:
+    """A write released at ``released_at`` may land for ``landing_margin`` more: that must
+    end before the consumer, which gave up at ``gave_up``, frees its slots."""
+    slots_free_at = gave_up + dst.config.quarantine
+    last_landing = max(released_at) + src.config.landing_margin
+    assert last_landing <= slots_free_at, (
+        f"a released write may land until t={last_landing:.1f}, but the consumer's "
+        f"slots were free again at t={slots_free_at:.1f} (releases at {released_at}, "
+        f"gave up at {gave_up:.1f})"
+    )
+
+
 @asynccontextmanager
 async def raw_server(raw: RawPeer, n: Node) -> AsyncIterator[Peer]:
     """``n`` dials ``raw``, which answers the handshake by hand."""
@@ -428,13 +442,7 @@ async def test_a_fetch_of_several_unsettled_chunks_is_released_within_the_consum
         with trio.fail_after(60):
             while len(released_at) < 4 or src.statistics().pinned_slots:
                 await trio.sleep(0.5)
-        slots_free_at = gave_up + dst.config.quarantine
-        last_landing = max(released_at) + src.config.landing_margin
-        assert last_landing <= slots_free_at, (
-            f"a released write may land until t={last_landing:.1f}, but the consumer's "
-            f"slots were free again at t={slots_free_at:.1f} (releases at {released_at}, "
-            f"gave up at {gave_up:.1f})"
-        )
+        assert_released_within_quarantine(released_at, gave_up, src, dst)
 
 
 class _ClosingReleasesHandles(FaultTransport):
@@ -635,13 +643,7 @@ async def test_a_hung_write_is_released_within_the_consumers_quarantine_while_re
                 nursery.start_soon(src.reconfigure, ["dst"])
                 while not released_at:
                     await trio.sleep(0.1)
-            slots_free_at = gave_up + dst.config.quarantine
-            last_landing = max(released_at) + src.config.landing_margin
-            assert last_landing <= slots_free_at, (
-                f"the hung write was released at t={max(released_at):.1f} and may land until "
-                f"t={last_landing:.1f}, but the consumer's slots were free again at "
-                f"t={slots_free_at:.1f} (gave up at {gave_up:.1f})"
-            )
+            assert_released_within_quarantine(released_at, gave_up, src, dst)
 
 
 async def test_a_reconfiguration_cancelled_midway_completes_and_leaves_nothing_behind(
