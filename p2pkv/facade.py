@@ -253,10 +253,11 @@ class BlockingNode:
             self._node.release, peer, rounds, timeout=self._timeout("release", timeout)
         )
 
-    def release_unused_pins(self, *, timeout: float | None = None) -> int:
+    def release_unused_pins(self, *, cut_writes: bool = False, timeout: float | None = None) -> int:
         """Blocking :meth:`Node.release_unused_pins`."""
         return self._engine.call(
-            self._node.release_unused_pins, timeout=self._timeout("release", timeout)
+            functools.partial(self._node.release_unused_pins, cut_writes=cut_writes),
+            timeout=self._timeout("release", timeout),
         )
 
     def disconnect(self, peer: Peer | str, *, timeout: float | None = None) -> None:
@@ -347,14 +348,23 @@ class BlockingNode:
         slots: Sequence[int],
         *,
         rounds: LookupRound | Sequence[LookupRound] | None = None,
+        within: float | None = None,
         timeout: float | None = None,
     ) -> int:
         """Start :meth:`Node.fetch_into` (land ``keys[i]`` in region slot ``slots[i]``);
         returns a ticket (result: FetchResult, published only once no write into the
-        slots can land any more). If the ticket ends in an exception instead (deadline,
-        node closed), the slots must be kept ``config.quarantine`` seconds more."""
+        slots can land any more). ``within``: the engine gives up that many seconds from
+        now, lookups included (the ticket's ``timeout`` then defaults to ``within`` +
+        ``config.quarantine`` + a second, which it never cuts). If the ticket ends in an
+        exception instead (its timeout, node closed), the slots must be kept
+        ``config.quarantine`` seconds more."""
+        if timeout is None and within is not None:
+            timeout = max(within, 0.0) + self._node.config.quarantine + _MARGIN
         args = (peer, list(keys), list(slots), rounds)
-        return self._submit(self._node.fetch_into, args, "fetch_into", timeout)
+        afn = self._node.fetch_into
+        if within is not None:
+            afn = functools.partial(afn, within=within)
+        return self._submit(afn, args, "fetch_into", timeout)
 
     def poll(self, ticket: int) -> TicketResult | None:
         """None while the ticket is in flight; then its result, once (raising the

@@ -574,15 +574,20 @@ class Node:
         keys: Sequence[bytes],
         slots: Sequence[int],
         rounds: LookupRound | Iterable[LookupRound] | None = None,
+        *,
+        within: float | None = None,
     ) -> FetchResult:
         """Pull ``keys[i]`` into region slot ``slots[i]``, bypassing :attr:`store`'s key
         map: for a host that owns allocation and presence itself (vLLM's primary tier).
         Returns only once no write into ``slots`` can land any more (after a give-up,
-        ``quarantine`` seconds later). Per-key failures are in ``result.failed``; raises
-        ``PeerUnavailable`` if the peer is not connected and ``LocalProtocolError`` for bad
-        arguments (see :meth:`~p2pkv.session.session.PeerSession.fetch_into`)."""
+        ``quarantine`` seconds later). ``within``: give up that many seconds from now,
+        lookups included, so the result comes by ``within + quarantine`` (keys cut short
+        fail "timed out"); None: each request keeps the configured deadlines. Per-key
+        failures are in ``result.failed``; raises ``PeerUnavailable`` if the peer is not
+        connected and ``LocalProtocolError`` for bad arguments (see
+        :meth:`~p2pkv.session.session.PeerSession.fetch_into`)."""
         session = self._session(peer, "fetch")
-        return await session.fetch_into(keys, slots, self._handles(rounds))
+        return await session.fetch_into(keys, slots, self._handles(rounds), within)
 
     def is_connected(self, peer_id: str) -> bool:
         """A session with ``peer_id`` is established (safe to read from another thread:
@@ -597,12 +602,16 @@ class Node:
         else:
             self.store.unpin(owner)
 
-    async def release_unused_pins(self) -> int:
+    async def release_unused_pins(self, *, cut_writes: bool = False) -> int:
         """Release every pin held for a peer's round that no write is using, in every
         session (a host that must get its memory back, e.g. vLLM's ``reset_cache``). A
         peer that fetches such a round later gets ``NOT_PINNED`` for its keys. Pins under
-        a write stay until it settles or its quarantine ends. Returns how many rounds."""
-        return sum(s.release_unused_pins() for s in list(self._sessions))
+        a write stay until it settles or its quarantine ends. ``cut_writes``: cut every
+        write in flight too, as its peer's abort would, so that every pin is back
+        within ``abort_timeout + quarantine`` whatever the peers do (their keys fail
+        ``aborted``; nothing they were told is loaded is untrue). Returns how many
+        rounds were released at once."""
+        return sum(s.release_unused_pins(cut_writes=cut_writes) for s in list(self._sessions))
 
     async def release(self, peer: Peer | str, rounds: LookupRound | Iterable[LookupRound]) -> int:
         """Give back the pins of the rounds of ``rounds`` (from :meth:`lookup_round`) that

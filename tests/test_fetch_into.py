@@ -76,7 +76,8 @@ class HandProducer:
     fetched block straight into the consumer's region, as the in-process transport
     would). Hits for the keys of ``blocks``; every event it receives is kept in ``log``.
 
-    ``hold``: a fetch is answered only once it is set. ``vanish``: on the first fetch the
+    ``hold``: a fetch is answered only once it is set; ``mute``: lookups are never
+    answered. ``vanish``: on the first fetch the
     producer closes its connection instead of answering (its process died). A fetch of a
     round's hits (``fetch_hits``: no keys) is logged with the round's hits as its keys, and
     its request id in ``by_hits``."""
@@ -88,10 +89,12 @@ class HandProducer:
         blocks: dict[bytes, bytes],
         *,
         hold: trio.Event | None = None,
+        mute: bool = False,
         vanish: bool = False,
     ) -> None:
         self.raw, self.dst, self.blocks = raw, dst, blocks
-        self.hold, self.vanish = hold, vanish
+        self.hold, self.mute, self.vanish = hold, mute, vanish
+        self.asked = trio.Event()  # the first lookup is in
         self.log: list[Event] = []
         self.fetched = trio.Event()  # the first fetch message is in
         self.vanished_at: float | None = None
@@ -106,6 +109,9 @@ class HandProducer:
                 ev = attrs.evolve(ev, keys=self.hit_keys[ev.req_id])
             self.log.append(ev)
             if isinstance(ev, LookupRequested):
+                self.asked.set()
+                if self.mute:
+                    continue
                 hits = [k in self.blocks for k in ev.keys]
                 self.hit_keys[ev.req_id] = [k for k in ev.keys if k in self.blocks]
                 raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
@@ -462,6 +468,48 @@ async def test_fetch_into_cut_short_by_the_session_ending_returns_after_the_quar
             # Not at the fetch deadline (30 s): the quarantine after the session's end.
             assert ending + 6.0 <= returned <= ended + 6.0 + 0.01
             assert r.loaded == [] and set(r.failed) == set(keys)
+            assert_left_no_trace(dst)
+
+
+# ---------------------------------------------------------------- the caller's deadline
+
+
+async def test_fetch_into_within_gives_up_on_a_lookup_that_is_never_answered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Keys no round holds are looked up first; ``within`` bounds that lookup too (the
+    lookup's own deadline, 60 s, would come much later). Nothing was posted, so nothing
+    can land: the result comes at the give-up itself."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with hand_served(
+            {"lookup_timeout": 60.0, "fetch_timeout": 60.0, "quarantine": 6.0},
+            virtual=True,
+            mute=True,
+        ) as (dst, producer):
+            keys = list(producer.blocks)
+            start = trio.current_time()
+            r = await dst.fetch_into(producer.raw.peer_id, keys, [1, 2, 3, 4], within=3.0)
+            assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)
+            assert r.loaded == [] and r.failed == dict.fromkeys(keys, "timed out")
+            assert producer.asked.is_set() and producer.sent(FetchRequested) == []
+            assert_left_no_trace(dst)
+
+
+async def test_fetch_into_within_cuts_a_fetch_after_a_lookup_and_returns_a_quarantine_later(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The lookup took part of ``within``; the fetch after it is cut at ``within``, not at
+    its own deadline, and the result waits out the quarantine of its slots."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with hand_served(
+            {"fetch_timeout": 60.0, "quarantine": 6.0}, virtual=True, hold=trio.Event()
+        ) as (dst, producer):
+            keys = list(producer.blocks)
+            start = trio.current_time()
+            r = await dst.fetch_into(producer.raw.peer_id, keys, [1, 2, 3, 4], within=3.0)
+            assert producer.fetched.is_set()
+            assert trio.current_time() - start == pytest.approx(3.0 + 6.0, abs=0.1)
+            assert r.loaded == [] and r.failed == dict.fromkeys(keys, "timed out")
             assert_left_no_trace(dst)
 
 

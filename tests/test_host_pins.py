@@ -432,6 +432,45 @@ async def test_release_unused_pins_gives_idle_rounds_back_and_keeps_a_rounds_und
     assert host.released() == ["tok-1", "tok-2"]
 
 
+async def test_release_unused_pins_cutting_writes_aborts_a_write_and_gets_its_pins_back() -> None:
+    """A host that must have its memory back (vLLM's ``reset_cache``) cannot wait for a
+    peer's write to settle on the peer's terms: ``cut_writes`` aborts it as the peer's
+    abort would. Bytes that landed after the cut are not reported as loaded."""
+    keys = [os.urandom(32) for _ in range(4)]
+    blocks = dict(zip(keys, [10, 11, 12, 13], strict=True))
+    region = host_region()
+    handles: list[TransferHandle] = []
+    pins = HostPins(N_BLOCKS, answer_within=5.0)
+    with trio.fail_after(BOUND), DictHost(pins, blocks).running() as host:
+        async with host_pinned_pair(pins, region, src_transport=gated_writes(handles)) as (
+            src,
+            dst,
+        ):
+            peer = await dst.connect(src.address)
+            await dst.lookup_round(peer, keys[:2])  # tok-1, nobody fetches it
+            busy: list[FetchResult] = []
+
+            async def fetch() -> None:
+                busy.append(await dst.fetch(peer, keys[2:]))  # tok-2, its write hangs
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await until(lambda: len(handles) == 1)
+                assert await src.release_unused_pins(cut_writes=True) == 1
+                handles[0].native = TransferState.DONE  # lands, but after the cut
+            assert busy[0].loaded == [] and busy[0].failed == dict.fromkeys(keys[2:], "aborted")
+            assert len(dst.store) == 0
+            await until(lambda: sorted(map(str, host.released())) == ["tok-1", "tok-2"])
+            assert pins.held() == 0
+            assert dst.statistics().peers == 1  # the session goes on
+            async with trio.open_nursery() as nursery:  # and serves the next fetch in full
+                nursery.start_soon(fetch)
+                await until(lambda: len(handles) == 2)
+                handles[1].native = TransferState.DONE
+            assert sorted(busy[1].loaded) == sorted(keys[2:])
+            assert_host_bytes(dst, region, blocks, busy[1])
+
+
 async def test_release_unused_pins_unpins_idle_rounds_in_the_store() -> None:
     with trio.fail_after(BOUND):
         async with open_node(config("src")) as src, open_node(config("dst")) as dst:

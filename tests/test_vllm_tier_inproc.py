@@ -49,9 +49,11 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
     from vllm.v1.kv_offload.tiering import manager as vllm_manager
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from p2pkv import BlockingNode, start_node
+from p2pkv import BlockingNode, FetchResult, start_node
 from p2pkv.integrations import vllm_tier
 from p2pkv.integrations.vllm_tier import P2pkvSecondaryTier
+
+from .helpers import FaultFactory
 
 pytestmark = pytest.mark.vllm
 
@@ -432,6 +434,105 @@ def test_reset_cache_drains_a_peers_unfetched_round_under_the_lock(
         assert got.loaded == [] and set(got.failed.values()) == {"not_pinned"}
     finally:
         peer.close()
+
+
+def hanging_source(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch, **kw: Any
+) -> tuple[Engine, FaultFactory]:
+    """A source engine whose data plane posts writes that never settle (FAKE: a stalled
+    NIC), and the factory that built its transport."""
+    factory = FaultFactory(lambda t: setattr(t, "hang", True))
+    real = start_node  # the function vllm_tier calls
+
+    def with_fault(cfg: Any, **skw: Any) -> BlockingNode:
+        return real(cfg, transport=factory, **skw)
+
+    with monkeypatch.context() as m:
+        m.setattr(vllm_tier, "start_node", with_fault)
+        return engines(**kw), factory
+
+
+def open_rounds(eng: Engine) -> int:
+    """The rounds the engine's node holds open at its peers (as a consumer)."""
+    node = eng.tier._node._node
+    return sum(len(s._rounds) for s in node._sessions)
+
+
+def test_reset_cache_at_a_source_whose_write_to_a_peer_hangs_reports_every_job(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer's round is under a write that never settles. Left alone, the producer
+    would hold its pins until the peer gives up, then abort_timeout and a quarantine:
+    past drain_jobs' bound, and vLLM's reset_cache asserts that no job is left. The drain
+    cuts the write itself; the peer's fetch fails, loading nothing."""
+    times = {"abort_timeout_s": 1.0, "quarantine_s": 2.0}
+    src, factory = hanging_source(engines, monkeypatch, **times)
+    keys = make_keys(4, "hang")
+    src.fill(keys)
+    # The peer would wait for the write much longer than the source's drain may take.
+    peer_cfg = attrs.evolve(src.tier._node.config, peer_id="raw-peer", port=0, fetch_timeout=8.0)
+    peer: BlockingNode = start_node(peer_cfg)
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        rnd = peer.lookup_round(remote, keys, timeout=BOUND)
+        assert rnd.hits == [True] * len(keys)
+        ticket = peer.submit_fetch(remote, keys, rounds=rnd, timeout=BOUND)
+        until(lambda: factory.transport.posts > 0, "the source to post its write")
+        with src.mgr.lock:
+            src.mgr.reset_cache()  # asserts that drain_jobs left no job behind
+        assert src.jobs() == 0
+        until(lambda: peer.pending() == 0, "the peer's fetch to end")
+        result = peer.poll(ticket)
+        assert isinstance(result, FetchResult)
+        assert result.loaded == [] and set(result.failed) == set(keys)
+    finally:
+        peer.close()
+
+
+def test_a_slot_load_that_must_look_its_keys_up_again_is_reported_within_the_drain(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request's round expired before its load, so the load's fetch looks the keys
+    up again (the source answers late), then writes, and the write hangs. The load must
+    still end by its own deadline and a quarantine: its ticket used to cut it later
+    than that, and the tier then held the report another quarantine, past drain_jobs'
+    bound (vLLM's reset_cache then asserts)."""
+    src, factory = hanging_source(engines, monkeypatch, poll_s=0, lease_s=1.0, serve_timeout_s=4.0)
+    dst = engines(lease_s=1.0)
+    keys = make_keys(4, "relook")
+    src.fill(keys)
+    ctx = request(src, "r-relook")
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(ctx)
+    assert set(dst.step(ctx, keys)) == {LookupResult.RETRY}
+
+    def answered() -> bool:
+        with dst.mgr.lock:
+            return dst.tier._core.lookup(keys[-1], dst.tier._view(ctx)) is True
+
+    until(answered, "the lookup's answer", step=src.idle_step)
+    until(lambda: open_rounds(dst) == 0, "the round's lease to run out")
+    assert set(dst.step(ctx, keys)) == {LookupResult.HIT_PENDING}  # the load is submitted
+    until(src.tier._pins.any_waiting, "the fetch's own lookup to reach the source")
+    errors: list[BaseException] = []
+
+    def reset() -> None:
+        try:
+            with dst.mgr.lock:
+                dst.mgr.reset_cache()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=reset, name="test-reset-cache")
+    t.start()
+    # The scenario, not a synchronisation: the source's vLLM answers that lookup only
+    # 1.5 s later (no tier-poll thread: a step serves it), eating into the load's 2 s.
+    time.sleep(1.5)
+    until(lambda: factory.transport.posts > 0, "the source's write", step=src.idle_step)
+    t.join(BOUND + 10)
+    assert not t.is_alive()
+    assert errors == []
+    assert dst.jobs() == 0
 
 
 def test_a_peers_lookup_waiting_for_a_step_keeps_an_idle_engine_stepping(

@@ -714,13 +714,15 @@ class P2PTier:
         if load.slots is None:
             ticket = self.node.submit_fetch(peer, load.keys, rounds=load.rounds, timeout=limit)
         else:  # the engine withholds the result until no write can land
-            # The engine gives up at the fetch deadline and returns a quarantine later: the
-            # ticket's own deadline must not cut that short (a cut means another quarantine).
+            # The engine gives up at the load's deadline, a lookup of keys whose round
+            # expired included, and returns a quarantine later: the ticket's own deadline
+            # must not cut that short (a cut means another quarantine).
             ticket = self.node.submit_fetch_into(
                 peer,
                 load.keys,
                 load.slots,
                 rounds=load.rounds,
+                within=limit,
                 timeout=limit + self.quarantine + 1.0,
             )
         self._loads[ticket] = load

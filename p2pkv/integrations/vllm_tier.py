@@ -526,14 +526,17 @@ class P2pkvSecondaryTier(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         """Every job submitted so far reported or queued for ``get_finished_jobs``: loads
-        end (a write in flight is never cut: it settles or quarantines out), peers'
-        rounds no write is using give their pins back, lookups being answered are
-        answered all misses. Bounded by ``load_timeout_s + quarantine_s`` + 1 s."""
+        end (a load's write in flight is never cut: it settles or quarantines out),
+        peers' rounds give their pins back (writes to peers are cut, as a peer's abort
+        would: each settles or quarantines out), lookups being answered are answered all
+        misses. Bounded by ``max(load_timeout_s, abort_timeout_s) + quarantine_s`` + 1 s."""
         s = self.settings
-        end = time.monotonic() + s.load_timeout_s + s.quarantine_s + 1.0
+        end = time.monotonic() + max(s.load_timeout_s, s.abort_timeout_s) + s.quarantine_s + 1.0
         self._stop_serving()
         try:
-            self._node.release_unused_pins(timeout=max(end - time.monotonic(), 0.1))
+            self._node.release_unused_pins(
+                cut_writes=True, timeout=max(end - time.monotonic(), 0.1)
+            )
         except Exception as exc:  # the node is gone: its sessions released everything
             log.warning("p2pkv tier: releasing peers' pins failed: %s", exc)
         self._core.drain(max(end - time.monotonic(), 0.0))

@@ -653,6 +653,7 @@ class ConsumerSide(SessionParts):
         keys: Sequence[bytes],
         slots: Sequence[int],
         rounds: Iterable[LookupRound] = (),
+        within: float | None = None,
     ) -> FetchResult:
         """Fetch ``keys[i]`` into the caller's slot ``slots[i]`` of the region, bypassing the
         store's key map (the caller owns presence, allocation and pins: vLLM's primary
@@ -663,7 +664,10 @@ class ConsumerSide(SessionParts):
         producer's ``transfer_done`` is in; after a give-up (deadline, session lost), only
         ``quarantine`` seconds later. So whatever the result says, the caller may reuse
         every slot when it has it. Cancelled before that, it promises nothing: the caller
-        must keep the slots ``quarantine`` seconds. Raises :class:`LocalProtocolError`,
+        must keep the slots ``quarantine`` seconds. ``within``: give up (lookups, waits for
+        a request slot and the fetch itself) that many seconds from now, so the result
+        comes by ``within + quarantine`` at the latest, whatever had to be looked up
+        again; the keys cut short fail "timed out". Raises :class:`LocalProtocolError`,
         before anything is sent, for mismatched lengths, a slot that is not an integer or
         out of the region, a slot named twice or in use by another ``fetch_into``, or a
         repeated key."""
@@ -695,6 +699,7 @@ class ConsumerSide(SessionParts):
                 peer=self.peer_id,
                 op="fetch",
             )
+        give_up_at = math.inf if within is None else trio.current_time() + max(within, 0.0)
         outcome = _Outcome()
         valid, lim = self._sendable(keys, outcome)
         landing = _CallerSlots(dst)
@@ -702,11 +707,19 @@ class ConsumerSide(SessionParts):
         try:
             # No checkpoint between finding the rounds and claiming them.
             groups, uncovered = self._claim_rounds(valid, rounds)
-            try:
-                await self._fetch_all(groups, uncovered, outcome, landing, lim)
-            finally:
-                if outcome.decided() < len(keys):  # keys are distinct, each decided once
-                    outcome.settle_rest(valid, "cancelled")
+            # The give-up cancels whatever runs (a request waiting for its answer
+            # quarantines its slots on the way out: ``_give_up``); the quarantine's
+            # wait below is outside it.
+            with trio.move_on_at(give_up_at) as cut:
+                try:
+                    await self._fetch_all(groups, uncovered, outcome, landing, lim)
+                finally:
+                    if outcome.decided() < len(keys):  # keys are distinct, each decided once
+                        outcome.settle_rest(valid, "cancelled")
+            if cut.cancelled_caught:
+                for k, why in outcome.items():
+                    if why == "cancelled":
+                        outcome[k] = "timed out"
             # A write we gave up on may still land until the quarantine's end.
             await trio.sleep_until(landing.settle_at)
         finally:

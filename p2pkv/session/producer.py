@@ -172,9 +172,15 @@ class ProducerSide(SessionParts):
         if held is not None and not held.quarantined:  # else the quarantine's end unpins
             self.node.unpin(held.owner)
 
-    def release_unused_pins(self) -> int:
+    def release_unused_pins(self, *, cut_writes: bool = False) -> int:
         """Release the pins of every round no write is using (a host draining its
-        memory); a fetch on such a round later gets NOT_PINNED. Returns how many."""
+        memory); a fetch on such a round later gets NOT_PINNED. ``cut_writes``: cut
+        every write too, as the peer's abort would (each settles within
+        ``abort_timeout``, or its round waits out a quarantine, then gives its pins
+        back). Returns how many rounds were released at once."""
+        if cut_writes:
+            for write in list(self._writes.values()):
+                write.cancel()
         idle = [r for r, h in self._pinned.items() if r not in self._writes and not h.quarantined]
         for req in idle:
             self._release_round(req)
