@@ -645,9 +645,13 @@ class Node:
         registration), the surviving peers are re-registered on it and swapped in with no
         checkpoint in between, and once that configuration is live the peers that are no
         longer members are released by agent name. The old transport is closed when its
-        in-flight writes have settled. Returns the agent names released.
+        in-flight writes have settled. Returns the agent names released. Raises
+        ``PeerUnavailable`` on a node that is closing or closed (a membership controller
+        racing shutdown): nothing is built then, and a data plane built while the node
+        began closing is closed again, never swapped in.
         """
         async with self._reconfigure_lock:
+            self._refuse_reconfigure_if_closing()
             keep = set(members)
             leaving = [s for pid, s in self._by_peer.items() if pid not in keep]
             for session in leaving:
@@ -665,22 +669,27 @@ class Node:
             # which no cancel interrupts anyway); an error closes what it built.
             async with self.registrar.limiter, self._data_plane():
                 with trio.CancelScope(shield=True):
+                    self._refuse_reconfigure_if_closing()  # it may have begun while we waited
                     new = await self.offload(
                         self._transport_factory, self.config, self.store, limiter=oneoff
                     )
                     swaps: list[tuple[PeerSession, RegistrationJob, RemotePeer]] = []
                     try:
                         await self._reregister(new, swaps, oneoff)
+                        # The node began closing meanwhile: its close releases the data
+                        # plane it has, so this one must never become it.
+                        self._refuse_reconfigure_if_closing()
                     except BaseException:
                         for session, _job, _rp in swaps:
                             session.close("reconfiguration failed", "reconfigure")
                         await self.offload(new.close, limiter=oneoff)
                         raise
-                    # Go live: no checkpoint from here to the end of the swap.
+                    # Go live: no checkpoint from the check above to the end of the swap.
+                    nursery = self._nursery_or_raise()
                     old = self.transport
                     self.transport = self.registrar.transport = self.poller.transport = new
                     self._retired_transports.append(old)
-                    self._nursery_or_raise().start_soon(self._retire_transport, old)
+                    nursery.start_soon(self._retire_transport, old)
                     stale: list[RemotePeer] = []
                     for session, job, rp in swaps:
                         # The incarnation it was built for: a peer that restarted on its
@@ -758,6 +767,10 @@ class Node:
             await self.offload(old.close, limiter=trio.CapacityLimiter(1))
         if old in self._retired_transports:
             self._retired_transports.remove(old)
+
+    def _refuse_reconfigure_if_closing(self) -> None:
+        if self._closing or self._closed.is_set():
+            raise PeerUnavailable("node is closed", op="reconfigure")
 
     def _nursery_or_raise(self) -> trio.Nursery:
         if self._nursery is None:

@@ -351,6 +351,19 @@ async def start_all(children: Children, seeds: dict[str, int], **kw: Any) -> dic
     return started
 
 
+async def test_reconfigure_after_close_leaves_no_nixl_agent_or_registration() -> None:
+    """Over real NIXL: reconfigure on a closed node used to build a new agent and register
+    the region again after the close had released both, and leave them alive."""
+    cfg = NodeConfig(peer_id="nx-hub", transport="nixl", num_blocks=64, block_len=BLOCK)
+    with trio.fail_after(30):
+        async with open_node(cfg) as hub:
+            assert _nixl_agent.registry_counts() == (1, 1)
+        assert _nixl_agent.registry_counts() == (0, 0)
+        with pytest.raises(PeerUnavailable, match="node is closed"):
+            await hub.reconfigure([])
+    assert _nixl_agent.registry_counts() == (0, 0)
+
+
 async def test_reconfigure_returns_the_departed_peers(children: Children) -> None:
     seeds = {"d-a": 71, "d-b": 72}
     with trio.fail_after(60):

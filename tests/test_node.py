@@ -8,11 +8,12 @@ from typing import Any, Literal
 
 import pytest
 import trio
+import trio.testing
 
 import p2pkv
 from p2pkv import HandshakeRejected, PeerUnavailable, open_node
 
-from .helpers import FaultFactory, RawPeer, config, fill
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
 
 
 async def test_fetched_bytes_equal_source_and_misses_never_load() -> None:
@@ -402,6 +403,97 @@ async def test_reconfiguration_swaps_the_data_plane_and_drops_departed_peers() -
                     await trio.sleep(0.01)
             assert all(t.statistics().remote_peers == 0 for t in factory.built[:-1])
             assert len(factory.built) == 4
+
+
+async def test_both_sides_reconfiguring_in_turn_keep_each_other_on_the_local_transport(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reconfiguration builds a new transport over the same region; its metadata must
+    stay what the peers were told in the hello (as a NIXL agent's does), or a peer that
+    reconfigures after us re-registers us from stale metadata, is refused, and drops us.
+    (The in-process transport minted a new token per transport and so did exactly that.)"""
+    with trio.fail_after(60):
+        async with (
+            open_node(config("hub"), offload=VirtualOffload(), transport=FaultFactory()) as hub,
+            open_node(config("p1"), offload=VirtualOffload(), transport=FaultFactory()) as p1,
+        ):
+            keys = fill(hub.store, 2, 4096)
+            await p1.connect(hub.address)
+            metadata = hub.transport.metadata()
+            await hub.reconfigure(["p1"])
+            assert hub.transport.metadata() == metadata
+            await p1.reconfigure(["hub"])
+            assert [p.peer_id for p in p1.peers()] == ["hub"]
+            result = await p1.fetch("hub", keys)
+            assert sorted(result.loaded) == sorted(keys)
+
+
+async def test_a_new_node_under_an_old_name_gets_new_local_metadata() -> None:
+    """Metadata of a node that closed never reaches the memory of a new node that took
+    its name: the region differs, and so does the token."""
+    with trio.fail_after(20):
+        async with open_node(config("name")) as first:
+            stale = first.transport.metadata()
+        async with open_node(config("name")) as second, open_node(config("other")) as other:
+            assert second.transport.metadata() != stale
+            with pytest.raises(p2pkv.RegistrationFailed, match="no such live region"):
+                other.transport.add_remote_peer("name", stale, second.transport.layout)
+
+
+async def test_reconfigure_on_a_closed_node_builds_nothing_and_raises_a_typed_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A membership controller racing shutdown: reconfigure after close refuses, as every
+    call on a closed node does, and builds no data plane (NIXL: an agent with the region
+    registered again, after the node released everything)."""
+    factory = FaultFactory()
+    with trio.fail_after(10):
+        async with open_node(config("hub"), offload=VirtualOffload(), transport=factory) as hub:
+            pass
+        with pytest.raises(PeerUnavailable, match="node is closed"):
+            await hub.reconfigure([])
+    assert len(factory.built) == 1 and factory.built[0]._closed
+
+
+class GatedBuild:
+    """FAKE offload, inline: a transport factory's second call (the reconfiguration's
+    build) says it started and waits for ``gate``, uncancellable like a worker thread."""
+
+    def __init__(self) -> None:
+        self.building, self.gate = trio.Event(), trio.Event()
+
+    async def __call__(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter) -> Any:
+        async with limiter:
+            if isinstance(fn, FaultFactory) and fn.built:
+                self.building.set()
+                with trio.CancelScope(shield=True):
+                    await self.gate.wait()
+            return fn(*args)
+
+
+async def test_reconfigure_racing_close_raises_a_typed_error_and_leaves_nothing_open() -> None:
+    """The node begins closing while reconfigure builds its transport: the new transport
+    is closed, never swapped in, and reconfigure raises PeerUnavailable (it used to be
+    Trio's "Nursery is closed to new arrivals")."""
+    factory, offload = FaultFactory(), GatedBuild()
+    errors: list[Exception] = []
+    with trio.fail_after(20):
+        async with open_node(config("hub"), offload=offload, transport=factory) as hub:
+
+            async def reconfigure() -> None:
+                try:
+                    await hub.reconfigure([])
+                except Exception as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reconfigure)
+                await offload.building.wait()
+                nursery.start_soon(hub.aclose)
+                await trio.testing.wait_all_tasks_blocked()  # the close has begun
+                offload.gate.set()
+    assert len(errors) == 1 and isinstance(errors[0], PeerUnavailable), errors
+    assert len(factory.built) == 2 and all(t._closed for t in factory.built)
 
 
 async def test_release_gives_back_pins_of_an_unfetched_round() -> None:

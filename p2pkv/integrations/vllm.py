@@ -68,8 +68,9 @@ the producer's bytes. With ``slots`` (vLLM's chunk ids; the host owns that memor
 (``fetch_into``) and the job is reported only once no write of it can land any more: at
 once if the source said every write settled, else ``quarantine`` seconds after the give-up,
 since the host reuses a failed slot at once. The give-up comes by the load's deadline, a
-lookup the fetch had to make first included (``fetch_into``'s ``within``). A failed load fails its request: every later
-key of it misses (a host that frees failed slots asks again, and must not loop).
+lookup the fetch had to make first included (``fetch_into``'s ``within``). A failed load
+fails its request: every later key of it misses (a host that frees failed slots asks
+again, and must not loop).
 
 Threading and ownership. A :class:`P2PTier` is not thread-safe: one host thread (the
 scheduler) makes every call. The node may be shared with other code, but the tier polls

@@ -42,7 +42,27 @@ from .base import (
 _SLICE_MIN_BYTES = 4096
 
 _directory_lock = threading.Lock()
-_directory: dict[str, tuple[bytes, np.ndarray]] = {}  # agent name -> (token, region array)
+
+
+# Agent name -> its region, token and the open transports over it. The transports of one node
+# over its one region (a reconfiguration builds a new one before it closes the old) share
+# the entry and its token, so the metadata peers hold stays valid, as a NIXL agent's does.
+class _Entry:
+    __slots__ = ("array", "token", "users")
+
+    def __init__(self, token: bytes, array: np.ndarray) -> None:
+        self.token, self.array, self.users = token, array, 1
+
+    def holds(self, array: np.ndarray) -> bool:
+        """``array`` is this entry's region (the same memory, not a copy of it)."""
+        mine = self.array
+        return bool(
+            mine.nbytes == array.nbytes
+            and mine.__array_interface__["data"][0] == array.__array_interface__["data"][0]
+        )
+
+
+_directory: dict[str, _Entry] = {}
 
 
 def _as_array(region: object, nbytes: int) -> np.ndarray:
@@ -62,13 +82,18 @@ class LocalTransport(DataTransport):
         self._name = agent_name
         self._layout = layout
         self._array = _as_array(region, layout.nbytes)
-        self._token = secrets.token_bytes(8)
         self._lock = threading.Lock()
         self._peers: dict[str, RemotePeer] = {}
         self._handles: set[int] = set()
         self._closed = False
         with _directory_lock:
-            _directory[agent_name] = (self._token, self._array)
+            entry = _directory.get(agent_name)
+            if entry is not None and entry.holds(self._array):
+                self._token = entry.token
+                entry.users += 1
+            else:  # a new region under this name (a new node): metadata of the old is stale
+                self._token = secrets.token_bytes(8)
+                _directory[agent_name] = _Entry(self._token, self._array)
 
     @classmethod
     def create(cls, *, agent_name: str, region: object, layout: RegionLayout) -> LocalTransport:
@@ -98,11 +123,12 @@ class LocalTransport(DataTransport):
             )
         with _directory_lock:
             entry = _directory.get(agent_name)
-        if entry is None or entry[0] != token:
+        if entry is None or entry.token != token:
             raise RegistrationFailed("no such live region in this process", peer=agent_name)
-        if layout.block_len != self._layout.block_len or entry[1].nbytes < layout.nbytes:
+        array = entry.array
+        if layout.block_len != self._layout.block_len or array.nbytes < layout.nbytes:
             raise RegistrationFailed("peer region layout does not match", peer=agent_name)
-        peer = RemotePeer(agent_name, layout, native=entry[1])
+        peer = RemotePeer(agent_name, layout, native=array)
         with self._lock:
             old = self._peers.get(agent_name)
             if old is not None:
@@ -200,8 +226,10 @@ class LocalTransport(DataTransport):
             self._handles.clear()
         with _directory_lock:
             entry = _directory.get(self._name)
-            if entry is not None and entry[0] == self._token:
-                del _directory[self._name]
+            if entry is not None and entry.token == self._token:
+                entry.users -= 1
+                if not entry.users:
+                    del _directory[self._name]
 
     def _check_open(self) -> None:
         if self._closed:
