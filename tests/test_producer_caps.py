@@ -27,6 +27,7 @@ from p2pkv.session.protocol import (
     TransferCompleted,
 )
 from p2pkv.session.session import PeerSession
+from p2pkv.store import BlockStore
 from p2pkv.wire import Outcome, Ping, encode
 
 from .helpers import BOUND, FaultFactory, RawPeer, VirtualOffload, config, fill, inline_offload
@@ -379,6 +380,76 @@ async def test_peers_together_pin_at_most_their_share_of_the_store() -> None:
         finally:
             await first.aclose()
             await second.aclose()
+
+
+def count_pins(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the store's ``pin`` calls from now on (one element: the count)."""
+    calls = [0]
+    real = BlockStore.pin
+
+    def pin(self: BlockStore, owner: object, keys: Any) -> list[int | None]:
+        calls[0] += 1
+        return real(self, owner, keys)
+
+    monkeypatch.setattr(BlockStore, "pin", pin)
+    return calls
+
+
+@pytest.mark.parametrize("near", ["its_own_pin_cap", "the_share_another_peer_holds"])
+async def test_a_lookup_near_a_pin_cap_costs_a_store_call_per_slice_not_per_key(
+    monkeypatch: pytest.MonkeyPatch, near: str
+) -> None:
+    """With one pin of room left, a lookup was pinned one key per store call (misses use
+    no room): 65,536 calls, each taking the lock the host's thread shares, for a lookup
+    of misses, ~5 x the engine's time. Under ``max_pinned_share``, one peer holding the
+    share minus one put every other peer's lookups on that path."""
+    kw: dict[str, Any] = {"num_blocks": 64}
+    if near == "its_own_pin_cap":
+        kw["max_pinned_blocks"] = 9
+    else:
+        kw["max_pinned_share"] = 0.5  # 32 slots for all peers together
+    async with open_node(config("src", **kw), offload=inline_offload) as src:
+        present = fill(src.store, 64, 4096)
+        hog, _ = await connected(src)
+        victim = hog
+        try:
+            with trio.fail_after(BOUND):
+                held = 8 if near == "its_own_pin_cap" else 31  # one short of the cap
+                _, hits = await looked_up(hog, present[:held])
+                assert sum(hits) == held
+                if near == "the_share_another_peer_holds":
+                    victim, _ = await connected(src)
+                calls = count_pins(monkeypatch)
+                misses = [os.urandom(32) for _ in range(65535)]  # + 1: the cap per request
+                # The one key that can still be pinned, far into the lookup.
+                keys = [*misses[:40000], present[-1], *misses[40000:]]
+                _, hits = await looked_up(victim, keys)
+            assert [i for i, h in enumerate(hits) if h] == [40000]
+            assert src.store.statistics().pinned == held + 1
+            # A call per slice of a turn's keys (1,024), not one per key.
+            assert calls[0] <= 2 * (len(keys) // 1024), calls[0]
+        finally:
+            await hog.aclose()
+            if victim is not hog:
+                await victim.aclose()
+
+
+async def test_near_a_pin_cap_the_first_present_keys_are_pinned_in_the_lookups_order() -> None:
+    """Room for 3 more pins; the lookup holds misses and 5 present keys, interleaved:
+    the first 3 present ones are hits, in order, the rest misses, and 3 pins are taken."""
+    async with open_node(config("src", num_blocks=64, max_pinned_blocks=3)) as src:
+        present = fill(src.store, 5, 4096)
+        raw, _ = await connected(src)
+        try:
+            with trio.fail_after(BOUND):
+                keys: list[bytes] = []
+                for k in present:
+                    keys += [os.urandom(32), k]
+                _, hits = await looked_up(raw, keys)
+            assert [i for i, h in enumerate(hits) if h] == [1, 3, 5]
+            assert src.store.statistics().pinned == 3
+        finally:
+            await raw.aclose()
 
 
 async def test_a_host_whose_every_slot_a_peer_pinned_is_told_how_to_get_them_back() -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Sequence
+from itertools import compress
 from typing import TYPE_CHECKING, cast
 
 import attrs
@@ -137,22 +138,39 @@ class ProducerSide(SessionParts):
             shared = int(store.num_blocks * share) if share < 1 else 1 << 62
             i = 0
             while i < len(keys) and (room := min(room, shared - store.pinned_slots)) > 0:
-                # At most `room` keys per slice, so the pins never exceed either cap.
-                part = keys[i : i + min(room, turn.room())]
-                got = store.pin(held.owner, part)
-                if None not in got:  # the usual case: every key a hit
-                    hits[i : i + len(part)] = [True] * len(part)
-                    held.keys += part
-                    held.slots += cast("list[int]", got)
-                    room -= len(part)
+                n = min(turn.room(), len(keys) - i)
+                if room >= n:  # the usual case: the caps leave room for the whole slice
+                    part = keys[i : i + n]
+                    got = store.pin(held.owner, part)
+                    if None not in got:  # every key a hit
+                        hits[i : i + n] = [True] * n
+                        held.keys += part
+                        held.slots += cast("list[int]", got)
+                        room -= n
+                    else:
+                        for j, slot in enumerate(got, i):
+                            if slot is not None:
+                                hits[j] = True
+                                held.add(keys[j], slot)
+                                room -= 1
+                    i += n
                 else:
-                    for j, slot in enumerate(got, i):
+                    # Near a cap: pin only present keys, at most `room` of them, so the
+                    # pins never exceed either cap. Slicing by `room` instead made a
+                    # lookup of misses one store call per key once room was down to one
+                    # (a peer holding the store-wide share minus one did that to all).
+                    here = list(compress(range(i, i + n), store.present(keys[i : i + n])))
+                    tried = here[:room]
+                    got = store.pin(held.owner, [keys[j] for j in tried])
+                    for j, slot in zip(tried, got, strict=True):
                         if slot is not None:
                             hits[j] = True
                             held.add(keys[j], slot)
                             room -= 1
-                i += len(part)
-                turn.charge(keys=len(part))
+                    # Present keys past the room were not tried: if a pin failed (evicted
+                    # meanwhile) and left room, the next slice starts after the last tried.
+                    i = tried[-1] + 1 if len(here) > len(tried) else i + n
+                turn.charge(keys=n)
                 if i < len(keys) and room > 0:  # more to pin: let the other sessions run
                     await turn.pause_if_spent()
                     if self._pinned.get(ev.req_id) is not held:
