@@ -48,6 +48,14 @@ import trio
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
+
+
+def child_pythonpath() -> str:
+    """A child process imports this checkout first, then whatever the parent's
+    ``PYTHONPATH`` names (packages installed by path, as on a machine without an index)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
+
 MAX_LINE = 16 << 20
 FILLER_SEED = 999_999  # the blocks of ``scatter``
 
@@ -267,7 +275,7 @@ class NodeProcess:
                 proc = await trio.lowlevel.open_process(
                     args,
                     pass_fds=(theirs.fileno(),),
-                    env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                    env={**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})},
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,

@@ -9,7 +9,6 @@ fixture), never at collection: the CPU suite does not pay for it.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +22,11 @@ from p2pkv.node import Node
 
 from .helpers import failing_lane, record_lane_parts
 from .node_proc import (
-    ROOT,
     Children,
     block_bytes,
     block_crc,
     block_key,
+    child_pythonpath,
     count_agent_calls,
     stored_bytes,
 )
@@ -44,9 +43,7 @@ pytestmark = [
 BLOCK = 64 * 1024
 DEVICE = "cuda:0"
 # Children import p2pkv from ROOT and everything else from wherever this process does.
-CHILD_ENV = {
-    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-}
+CHILD_ENV = {"PYTHONPATH": child_pythonpath()}
 
 
 @pytest.fixture

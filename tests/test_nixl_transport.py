@@ -34,6 +34,8 @@ from p2pkv.transport import _nixl_agent
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.nixl import NixlTransport  # imports no NIXL: that happens in create()
 
+from .node_proc import child_pythonpath
+
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 pytestmark = [
     pytest.mark.nixl,
@@ -42,7 +44,6 @@ pytestmark = [
 
 
 TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
 
 
 def _load_helpers() -> ModuleType:
@@ -533,7 +534,7 @@ class Target:
                     str(BLOCK),
                 ],
                 pass_fds=(theirs.fileno(),),
-                env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+                env={**os.environ, "PYTHONPATH": child_pythonpath(), **env},
                 stdout=subprocess.DEVNULL,
             )
         finally:
@@ -789,7 +790,7 @@ def test_releasing_a_stalled_write_abandons_it_and_the_peer_stays_usable(
 def test_hammering_one_shared_agent_from_threads_does_not_crash() -> None:
     result = subprocess.run(
         [sys.executable, str(TESTS / "_nixl_hammer.py"), "2"],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": child_pythonpath()},
         capture_output=True,
         text=True,
         timeout=120,
@@ -832,7 +833,7 @@ def test_import_is_lazy_and_env_defaults_respect_the_user() -> None:
     )
     # The user set one (UCX's own default, where ours is none), not the others.
     env = {k: v for k, v in os.environ.items() if k not in ("NIXL_LOG_LEVEL", "UCX_NET_DEVICES")}
-    env.update(PYTHONPATH=str(ROOT), UCX_MEM_MMAP_HOOK_MODE="reloc")
+    env.update(PYTHONPATH=child_pythonpath(), UCX_MEM_MMAP_HOOK_MODE="reloc")
     result = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
