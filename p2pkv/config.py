@@ -45,6 +45,18 @@ def _typed(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     _check_type(attr, value)
 
 
+def check_seconds(value: object, name: str) -> float:
+    """A caller's number of seconds (a timeout, a deadline), checked where it is passed:
+    TypeError for what is not a real number (a bool neither), ValueError for a negative
+    one or NaN. ``math.inf`` is a number: "no limit of mine"."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {value!r}")
+    seconds = float(value)
+    if not seconds >= 0:  # NaN as well
+        raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
+    return seconds
+
+
 def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     _check_type(attr, value)
     if not value > 0:

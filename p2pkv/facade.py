@@ -54,9 +54,17 @@ from typing import Any, TypeAlias, TypeVar
 import trio
 
 from . import _switch
-from .config import NodeConfig
+from .config import NodeConfig, check_seconds
 from .errors import P2PKVTimeout, PortalClosed
-from .node import Node, NodeStatistics, Peer, TransportFactory, check_address, open_node
+from .node import (
+    Node,
+    NodeStatistics,
+    Peer,
+    TransportFactory,
+    check_address,
+    check_peer,
+    open_node,
+)
 from .pins import PinSource
 from .portal import EngineContext, EngineThread
 from .registrar import Offload
@@ -101,6 +109,7 @@ def start_node(
     Close the node (or use it as a context manager) to stop the thread; one still
     running at interpreter exit is closed then.
     """
+    start_timeout = check_seconds(start_timeout, "start_timeout")
     board: TicketBoard[TicketResult] = TicketBoard()
 
     async def main(ctx: EngineContext[Node]) -> None:
@@ -215,7 +224,10 @@ class BlockingNode:
     ) -> list[bool]:
         """Which ``keys`` the peer holds (hits stay pinned there for the lease)."""
         return self._engine.call(
-            self._node.lookup, peer, list(keys), timeout=self._timeout("lookup", timeout)
+            self._node.lookup,
+            check_peer(peer),
+            list(keys),
+            timeout=self._timeout("lookup", timeout),
         )
 
     def lookup_round(
@@ -224,7 +236,10 @@ class BlockingNode:
         """:meth:`Node.lookup_round`: a lookup whose rounds stay the caller's (pass the
         handle to :meth:`fetch` or :meth:`release`)."""
         return self._engine.call(
-            self._node.lookup_round, peer, list(keys), timeout=self._timeout("lookup", timeout)
+            self._node.lookup_round,
+            check_peer(peer),
+            list(keys),
+            timeout=self._timeout("lookup", timeout),
         )
 
     def fetch(
@@ -238,7 +253,11 @@ class BlockingNode:
         """Pull ``keys`` into :attr:`store`; per-key failures are in ``result.failed``.
         ``rounds``: handles from :meth:`lookup_round` this fetch may use."""
         return self._engine.call(
-            self._node.fetch, peer, list(keys), rounds, timeout=self._timeout("fetch", timeout)
+            self._node.fetch,
+            check_peer(peer),
+            list(keys),
+            rounds,
+            timeout=self._timeout("fetch", timeout),
         )
 
     def release(
@@ -250,7 +269,7 @@ class BlockingNode:
     ) -> int:
         """:meth:`Node.release`: give back the pins of the handles' unfetched rounds."""
         return self._engine.call(
-            self._node.release, peer, rounds, timeout=self._timeout("release", timeout)
+            self._node.release, check_peer(peer), rounds, timeout=self._timeout("release", timeout)
         )
 
     def release_unused_pins(self, *, cut_writes: bool = False, timeout: float | None = None) -> int:
@@ -261,24 +280,26 @@ class BlockingNode:
         )
 
     def disconnect(self, peer: Peer | str, *, timeout: float | None = None) -> None:
-        self._engine.call(self._node.disconnect, peer, timeout=self._timeout("disconnect", timeout))
+        self._engine.call(
+            self._node.disconnect, check_peer(peer), timeout=self._timeout("disconnect", timeout)
+        )
 
     def peers(self, *, timeout: float | None = None) -> list[Peer]:
-        return self._engine.call(
-            _call_sync, self._node.peers, timeout=_QUICK_CALL if timeout is None else timeout
-        )
+        return self._engine.call(_call_sync, self._node.peers, timeout=self._quick(timeout))
 
     def statistics(self, *, timeout: float | None = None) -> NodeStatistics:
-        return self._engine.call(
-            _call_sync, self._node.statistics, timeout=_QUICK_CALL if timeout is None else timeout
-        )
+        return self._engine.call(_call_sync, self._node.statistics, timeout=self._quick(timeout))
 
     def close(self, *, timeout: float | None = None) -> None:
         """Close every session and stop the engine thread. Idempotent.
 
-        Pending blocking calls get ``PortalClosed`` at once; in-flight tickets finish with
-        ``PortalClosed``. Raises ``P2PKVTimeout`` if the engine thread is wedged in a
-        blocking call and does not end in time (a later close() may try again).
+        Pending blocking calls get ``PortalClosed`` at once. In-flight tickets finish with
+        what their operation makes of the node's close (a fetch: a ``FetchResult`` whose
+        keys failed "session closed"; a connect in its handshake: ``PeerUnavailable``), or
+        with ``PortalClosed`` if the engine stopped first; either way every one finishes,
+        and a ticket taken after the close is born ``PortalClosed``. Raises
+        ``P2PKVTimeout`` if the engine thread is wedged in a blocking call and does not end
+        in time (a later close() may try again).
         """
         # Refused on the engine thread before anything is sealed: the node stays usable.
         self._engine._refuse_reentry("close")
@@ -300,8 +321,7 @@ class BlockingNode:
         """Whether a session with ``peer`` is established right now: a snapshot read in
         place (no hop, never blocks), stale by the time the caller acts on it. For a host
         that keeps a :class:`Peer` across requests and must notice the session ended."""
-        pid = peer if isinstance(peer, str) else peer.peer_id
-        return self._node.is_connected(pid)
+        return self._node.is_connected(check_peer(peer))
 
     def submit_release(
         self,
@@ -312,7 +332,7 @@ class BlockingNode:
     ) -> int:
         """Start :meth:`Node.release` (give back the pins of the handles' unfetched
         rounds); returns a ticket (result: the number of rounds closed)."""
-        return self._submit(self._node.release, (peer, rounds), "release", timeout)
+        return self._submit(self._node.release, (check_peer(peer), rounds), "release", timeout)
 
     def submit_connect(self, address: tuple[str, int], *, timeout: float | None = None) -> int:
         """Start :meth:`connect` on the engine; returns a ticket (result: Peer)."""
@@ -322,13 +342,14 @@ class BlockingNode:
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> int:
         """Start :meth:`lookup` on the engine; returns a ticket (result: list[bool])."""
-        return self._submit(self._node.lookup, (peer, list(keys)), "lookup", timeout)
+        return self._submit(self._node.lookup, (check_peer(peer), list(keys)), "lookup", timeout)
 
     def submit_lookup_round(
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> int:
         """Start :meth:`Node.lookup_round`; returns a ticket (result: LookupRound)."""
-        return self._submit(self._node.lookup_round, (peer, list(keys)), "lookup", timeout)
+        args = (check_peer(peer), list(keys))
+        return self._submit(self._node.lookup_round, args, "lookup", timeout)
 
     def submit_fetch(
         self,
@@ -339,7 +360,8 @@ class BlockingNode:
         timeout: float | None = None,
     ) -> int:
         """Start :meth:`fetch` on the engine; returns a ticket (result: FetchResult)."""
-        return self._submit(self._node.fetch, (peer, list(keys), rounds), "fetch", timeout)
+        args = (check_peer(peer), list(keys), rounds)
+        return self._submit(self._node.fetch, args, "fetch", timeout)
 
     def submit_fetch_into(
         self,
@@ -358,9 +380,11 @@ class BlockingNode:
         ``config.quarantine`` + a second, which it never cuts). If the ticket ends in an
         exception instead (its timeout, node closed), the slots must be kept
         ``config.quarantine`` seconds more."""
-        if timeout is None and within is not None:
-            timeout = max(within, 0.0) + self._node.config.quarantine + _MARGIN
-        args = (peer, list(keys), list(slots), rounds)
+        if within is not None:
+            within = check_seconds(within, "within")
+            if timeout is None:
+                timeout = within + self._node.config.quarantine + _MARGIN
+        args = (check_peer(peer), list(keys), list(slots), rounds)
         afn = self._node.fetch_into
         if within is not None:
             afn = functools.partial(afn, within=within)
@@ -394,17 +418,20 @@ class BlockingNode:
         op: str,
         timeout: float | None,
     ) -> int:
+        limit = self._timeout(op, timeout)  # refused before a ticket is taken
         ticket = self._board.new_ticket()
         try:
-            self._engine.spawn_soon(
-                _serve_ticket, self._board, ticket, afn, args, op, self._timeout(op, timeout)
-            )
+            self._engine.spawn_soon(_serve_ticket, self._board, ticket, afn, args, op, limit)
         except PortalClosed as exc:
             self._board.publish(ticket, exc)
         return ticket
 
     def _timeout(self, op: str, timeout: float | None) -> float:
-        return self._defaults[op] if timeout is None else timeout
+        return self._defaults[op] if timeout is None else check_seconds(timeout, "timeout")
+
+    @staticmethod
+    def _quick(timeout: float | None) -> float:
+        return _QUICK_CALL if timeout is None else check_seconds(timeout, "timeout")
 
 
 async def _serve_ticket(

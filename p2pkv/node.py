@@ -47,7 +47,7 @@ import trio
 
 from . import tls
 from .completion import CompletionPoller
-from .config import NodeConfig
+from .config import NodeConfig, check_seconds
 from .errors import (
     DuplicateSession,
     HandshakeRejected,
@@ -129,6 +129,20 @@ def check_address(address: object) -> tuple[str, int]:
     if not 0 < port < 65536:
         raise ValueError(f"address: port must be 1..65535, got {port}")
     return host, int(port)
+
+
+def check_peer(peer: object) -> str:
+    """The peer id ``peer`` names: a :class:`Peer` or a peer id (str). TypeError for
+    anything else, the address :meth:`Node.connect` takes included (an easy slip)."""
+    if isinstance(peer, Peer):
+        return peer.peer_id
+    if isinstance(peer, str):
+        return peer
+    hint = " (an address? connect() takes those; later calls take its Peer)"
+    raise TypeError(
+        f"peer must be a Peer or a peer id (str), got {peer!r}"
+        + (hint if isinstance(peer, tuple) else "")
+    )
 
 
 @attrs.frozen
@@ -462,7 +476,7 @@ class Node:
     # --- public API -------------------------------------------------------------------------
 
     def _session(self, peer: Peer | str, op: str) -> PeerSession:
-        pid = peer if isinstance(peer, str) else peer.peer_id
+        pid = check_peer(peer)
         session = self._by_peer.get(pid)
         if session is None or not session.alive:
             raise PeerUnavailable("not connected", peer=pid, op=op)
@@ -586,6 +600,8 @@ class Node:
         failures are in ``result.failed``; raises ``PeerUnavailable`` if the peer is not
         connected and ``LocalProtocolError`` for bad arguments (see
         :meth:`~p2pkv.session.session.PeerSession.fetch_into`)."""
+        if within is not None:
+            within = check_seconds(within, "within")
         session = self._session(peer, "fetch")
         return await session.fetch_into(keys, slots, self._handles(rounds), within)
 
@@ -618,7 +634,7 @@ class Node:
         no fetch used, e.g. when the request that looked them up is finished. Returns how
         many rounds were closed; 0 if the peer's session is gone (its rounds went with it).
         """
-        pid = peer if isinstance(peer, str) else peer.peer_id
+        pid = check_peer(peer)
         session = self._by_peer.get(pid)
         if session is None or not session.alive:
             return 0

@@ -170,7 +170,7 @@ class EngineThread(Generic[V]):
         _register_for_exit(self)
         self._thread.start()
         try:
-            self._started.result(start_timeout)
+            self._started.result(_wait_bound(start_timeout))
         except TimeoutError:
             # Cancelled at its next checkpoint; a blocking call it is in (registering a
             # large region with NIXL) runs to its end first, and the caller may free what
@@ -193,7 +193,7 @@ class EngineThread(Generic[V]):
             raise
         except BaseException:  # e.g. Ctrl-C while it starts: stop it as a timeout does
             self._request_cancel()
-            self._thread.join(min(1.0, start_timeout))
+            self._thread.join(min(1.0, _wait_bound(start_timeout)))
             raise
         return self
 
@@ -233,10 +233,10 @@ class EngineThread(Generic[V]):
         if first and token is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._begin_close)
-        self._thread.join(max(0.0, timeout * _GRACEFUL_SHARE))
+        self._thread.join(_wait_bound(max(0.0, timeout * _GRACEFUL_SHARE)))
         if self._thread.is_alive():
             self._request_cancel()
-            self._thread.join(max(0.0, deadline - time.monotonic()))
+            self._thread.join(_wait_bound(max(0.0, deadline - time.monotonic())))
         if self._thread.is_alive():
             raise P2PKVTimeout(f"engine thread did not stop within {timeout} s", op="close")
 
@@ -275,7 +275,7 @@ class EngineThread(Generic[V]):
             except trio.RunFinishedError:
                 raise self._closed_error("call") from None
             try:
-                fut.exception(timeout)
+                fut.exception(None if timeout is None else _wait_bound(timeout))
             except TimeoutError:
                 if fut.cancel():
                     name = getattr(afn, "__qualname__", repr(afn))
@@ -530,6 +530,13 @@ class _LoopWatch(trio.abc.Instrument):
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def _wait_bound(seconds: float) -> float:
+    """``seconds`` as a timeout threading's waits take: they raise OverflowError past
+    ``threading.TIMEOUT_MAX`` (about 292 years), ``math.inf`` included, and a join
+    that raised it left the thread marked stopped while it still ran."""
+    return min(seconds, threading.TIMEOUT_MAX)
 
 
 def _settle_result(fut: concurrent.futures.Future[T], value: T) -> None:

@@ -9,6 +9,7 @@ ticket still in flight and seals the board, so no ticket waits forever.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -16,6 +17,10 @@ from typing import Generic, TypeVar
 __all__ = ["TicketBoard"]
 
 T = TypeVar("T")
+
+# One count for every board in the process: a ticket of one node asked of another is
+# unknown there (KeyError), never that node's own ticket of the same number.
+_numbers = itertools.count()
 
 
 class TicketBoard(Generic[T]):
@@ -30,21 +35,25 @@ class TicketBoard(Generic[T]):
     out later is born finished with an exception of ``make()`` instead of waiting forever.
     Each ticket gets an exception of its own: one instance raised again and again (by
     every poll of a host that keeps trying) would carry every raiser's frames in its
-    traceback, and keep them alive. A publish for a ticket that already finished
-    (``fail_all`` won the race) is ignored.
+    traceback, and keep them alive. A publish for a ticket that ``fail_all`` finished
+    first (the engine stopping) is ignored; a ticket this board never handed out is
+    unknown (KeyError) everywhere: ticket numbers are unique in the process, so one
+    node's ticket asked of another never reads that node's own.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._next = 0
         self._in_flight: set[int] = set()
+        # Handed out here and not published yet (whether or not fail_all finished them):
+        # what tells a late publish of ours (ignored) from a ticket that is not ours.
+        self._unpublished: set[int] = set()
         self._finished: dict[int, T | BaseException] = {}
         self._sealed: Callable[[], BaseException] | None = None
 
     def new_ticket(self) -> int:
         with self._lock:
-            ticket = self._next
-            self._next += 1
+            ticket = next(_numbers)
+            self._unpublished.add(ticket)
             if self._sealed is not None:
                 self._finished[ticket] = self._sealed()
             else:
@@ -52,13 +61,16 @@ class TicketBoard(Generic[T]):
             return ticket
 
     def publish(self, ticket: int, outcome: T | BaseException) -> bool:
-        """Finish ``ticket``. False if it had already finished (the first outcome stands)."""
+        """Finish ``ticket``. False if ``fail_all`` finished it first (that outcome
+        stands); KeyError for a ticket not ours or published already."""
         with self._lock:
             if ticket in self._in_flight:
                 self._in_flight.remove(ticket)
+                self._unpublished.discard(ticket)
                 self._finished[ticket] = outcome
                 return True
-            if 0 <= ticket < self._next:
+            if ticket in self._unpublished:
+                self._unpublished.discard(ticket)
                 return False
         raise KeyError(ticket)
 

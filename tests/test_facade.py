@@ -9,6 +9,7 @@ a timeout, and ``BOUND`` only says "this did not hang".
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import threading
@@ -163,6 +164,87 @@ def test_a_bad_address_is_refused_in_the_callers_thread(
         with pytest.raises(TypeError, match="address"):  # no ticket to poll
             dst.submit_connect(bad, timeout=BOUND)  # type: ignore[arg-type]
     assert dst.pending() == 0 and dst.peers() == []
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.nan, "5", True])
+def test_a_bad_timeout_is_refused_in_the_callers_thread_before_anything_is_posted(
+    nodes: Callable[..., BlockingNode], bad: object
+) -> None:
+    """A negative, NaN or non-number timeout (or ``within``) is the caller's mistake: a
+    TypeError or ValueError from the call itself, no ticket taken and nothing posted.
+    It used to post the work: a submit's ticket then ended with Trio's own error, and a
+    blocking connect dialed, "timed out" at once and hung up."""
+    dst, src = nodes("dst"), nodes("src")
+    peer = dst.connect(src.address, timeout=BOUND)
+    error = TypeError if isinstance(bad, str | bool) else ValueError
+    with pytest.raises(error, match="timeout"):
+        dst.submit_lookup(peer, [b"k"], timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(error, match="within"):
+        dst.submit_fetch_into(peer, [b"k"], [0], within=bad)  # type: ignore[arg-type]
+    with pytest.raises(error, match="timeout"):
+        dst.connect(src.address, timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(error, match="timeout"):
+        dst.peers(timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(error, match="start_timeout"):
+        start_node(config("never"), start_timeout=bad)  # type: ignore[arg-type]
+    assert dst.pending() == 0 and dst.get_finished() == []
+    assert src.statistics().sessions == 1  # no second dial
+
+
+def test_an_infinite_timeout_means_no_limit_of_the_callers(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """``math.inf`` (or a config deadline of inf, which the facade's defaults add to) is
+    a number like any other. Threading's waits raise OverflowError for it: every call
+    failed at once and cancelled what it had posted, and close() left the engine thread
+    marked stopped while it still ran."""
+    src, dst = nodes("src"), nodes("dst", lookup_timeout=math.inf)
+    keys = fill(src.store, 2, BLOCK)
+    peer = dst.connect(src.address, timeout=math.inf)
+    assert dst.lookup(peer, keys) == [True, True]  # default: inf + a second
+    ticket = dst.submit_lookup(peer, keys, timeout=math.inf)
+    assert wait_ticket(dst, ticket) == [True, True]
+    node = start_node(config("late"), start_timeout=math.inf)
+    node.close(timeout=math.inf)
+    assert not node.alive
+    assert not any(t.name == "p2pkv-engine-late" for t in threading.enumerate())
+
+
+def test_a_peer_given_as_an_address_is_refused_in_the_callers_thread(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """connect() takes an address, every later call the Peer (or peer id) it returned;
+    passing the address again gave AttributeError ('tuple' object has no attribute
+    'peer_id'), from a submit only once its ticket was polled."""
+    dst, src = nodes("dst"), nodes("src")
+    dst.connect(src.address, timeout=BOUND)
+    for call in (
+        lambda p: dst.submit_lookup(p, [b"k"]),
+        lambda p: dst.submit_fetch(p, [b"k"]),
+        lambda p: dst.submit_fetch_into(p, [b"k"], [0]),
+        lambda p: dst.lookup(p, [b"k"], timeout=BOUND),
+        lambda p: dst.is_connected(p),
+        lambda p: dst.disconnect(p, timeout=BOUND),
+    ):
+        with pytest.raises(TypeError, match="an address"):
+            call(src.address)
+    assert dst.pending() == 0 and dst.is_connected("src")
+
+
+def test_a_ticket_of_another_node_is_unknown_and_leaves_that_nodes_own_alone(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Two nodes in one process (a vLLM tier and the host's own node): tickets were
+    counted from 0 per node, so one node answered the other's ticket with its own of the
+    same number, and its real owner then got KeyError."""
+    a, b = nodes("a"), nodes("b")
+    ta = a.submit_lookup("nobody", [b"k"])
+    tb = b.submit_lookup("nobody-either", [b"k"])
+    wait_for(lambda: a.pending() == 0 and b.pending() == 0)
+    with pytest.raises(KeyError):
+        b.poll(ta)
+    assert isinstance(wait_ticket(b, tb), PeerUnavailable)
+    assert isinstance(wait_ticket(a, ta), PeerUnavailable)
 
 
 def test_submit_fetch_poll_and_get_finished_deliver_every_outcome_once(

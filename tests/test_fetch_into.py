@@ -495,6 +495,17 @@ async def test_fetch_into_within_gives_up_on_a_lookup_that_is_never_answered(
             assert_left_no_trace(dst)
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), "3"])
+async def test_fetch_into_refuses_a_bad_within_before_anything_is_sent(bad: object) -> None:
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=1) as (dst, producer):
+            with pytest.raises((ValueError, TypeError), match="within"):
+                await dst.fetch_into(producer.raw.peer_id, list(producer.blocks), [1], within=bad)  # type: ignore[arg-type]
+            assert producer.log == [] and dst.caller_slots == set()
+            with pytest.raises(TypeError, match="an address"):
+                await dst.fetch_into(dst.address, list(producer.blocks), [1])  # type: ignore[arg-type]
+
+
 async def test_fetch_into_within_cuts_a_fetch_after_a_lookup_and_returns_a_quarantine_later(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

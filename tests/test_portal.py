@@ -475,7 +475,33 @@ def test_ticket_board_poll_publish_drain() -> None:
         board.poll(12345)
     with pytest.raises(KeyError):
         board.publish(12345, "never issued")
-    assert not board.publish(b, "late")  # already finished and read: ignored
+    with pytest.raises(KeyError):
+        board.publish(b, "twice")  # published already: a second publish is a bug
+
+
+def test_ticket_board_ignores_a_publish_that_fail_all_beat_even_once_read() -> None:
+    board: TicketBoard[str] = TicketBoard()
+    t = board.new_ticket()
+    board.fail_all(lambda: EngineBroke("engine stopping"))
+    with pytest.raises(EngineBroke):
+        board.poll(t)
+    assert not board.publish(t, "late")  # the engine's own outcome, after the seal
+
+
+def test_tickets_of_two_boards_never_collide() -> None:
+    """Two nodes in one process: a ticket of one asked of the other is unknown there, and
+    that node's own tickets are left alone."""
+    a: TicketBoard[str] = TicketBoard()
+    b: TicketBoard[str] = TicketBoard()
+    ta, tb = a.new_ticket(), b.new_ticket()
+    assert ta != tb
+    a.publish(ta, "A")
+    b.publish(tb, "B")
+    with pytest.raises(KeyError):
+        b.poll(ta)
+    with pytest.raises(KeyError):
+        b.publish(ta, "not b's")
+    assert b.poll(tb) == "B" and a.poll(ta) == "A"
 
 
 def test_ticket_board_poll_raises_the_published_exception() -> None:
