@@ -50,6 +50,13 @@ SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parents[1]
 
 
+# UCX over TCP alone (a wire a stopped peer stalls): NIXL refuses a UCX_TLS that names
+# no CUDA transport on a machine with NVIDIA GPUs, so there cuda_copy comes along (it
+# carries no host-memory traffic).
+_GPU_DRIVER = Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()
+UCX_TCP = "tcp,cuda_copy" if _GPU_DRIVER else "tcp"
+
+
 def child_pythonpath() -> str:
     """A child process imports this checkout first, then whatever the parent's
     ``PYTHONPATH`` names (packages installed by path, as on a machine without an index)."""

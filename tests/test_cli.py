@@ -7,6 +7,7 @@ Tests marked ``nixl`` need the real data plane and skip without it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -83,6 +84,10 @@ def test_help_exits_zero_for_every_command(command: list[str]) -> None:
 
 
 def test_console_script_is_installed() -> None:
+    try:
+        importlib.metadata.distribution("p2pkv")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout by path
+        pytest.skip("p2pkv is not pip-installed here (scripts/setup.sh installs it)")
     script = Path(sys.executable).parent / "p2pkv"
     done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "demo" in done.stdout

@@ -41,7 +41,7 @@ from p2pkv.node import Node
 from p2pkv.wire import HEADER, MAX_FRAME_SIZE, MESSAGE_TYPES, FrameDecoder, Message, encode
 
 from .helpers import FaultFactory, config, fill, is_trio_cache_thread, until
-from .node_proc import Children, NodeProcess, block_bytes, block_crc, block_key
+from .node_proc import UCX_TCP, Children, NodeProcess, block_bytes, block_crc, block_key
 from .test_wire import messages
 
 SLOW = 10 if os.environ.get("P2PKV_SLOW") == "1" else 1
@@ -298,8 +298,8 @@ async def test_a_consumer_killed_mid_write_costs_the_producer_only_that_peer(
 ) -> None:
     # tcp: a write into a stopped process stalls (the socket buffers fill), so the
     # producer's writes are surely in flight when the consumer dies.
-    tcp = {"UCX_TLS": "tcp"}
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    tcp = {"UCX_TLS": UCX_TCP}
+    monkeypatch.setenv("UCX_TLS", UCX_TCP)
     seed, n = 401 + rep, 512  # 32 MiB: far more than the socket buffers hold
     with trio.fail_after(90):
         victim = await children.start("w-victim", num_blocks=n, block_len=BLOCK, env=tcp)

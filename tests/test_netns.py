@@ -20,7 +20,7 @@ import attrs
 import pytest
 import trio
 
-from .node_proc import Children, block_crc
+from .node_proc import UCX_TCP, Children, block_crc
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 pytestmark = [
@@ -45,7 +45,7 @@ class Side:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": self.device}
+        return {"UCX_TLS": UCX_TCP, "UCX_NET_DEVICES": self.device}
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:

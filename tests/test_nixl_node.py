@@ -23,6 +23,7 @@ from p2pkv.transport import _nixl_agent
 
 from .helpers import fetch_at_once
 from .node_proc import (
+    UCX_TCP,
     Children,
     NodeProcess,
     block_bytes,
@@ -148,8 +149,8 @@ async def test_peer_killed_mid_transfer_fails_its_keys_in_time_while_others_are_
 ) -> None:
     # tcp: transfers are asynchronous and stall while the target (this node) makes no
     # progress, so the source can be caught mid-transfer for sure.
-    tcp = {"UCX_TLS": "tcp"}
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    tcp = {"UCX_TLS": UCX_TCP}
+    monkeypatch.setenv("UCX_TLS", UCX_TCP)
     fetch_timeout, doomed_seed, own_seed = 5.0, 21, 22
     n = 512  # 32 MiB: far more than socket buffers hold
     with trio.fail_after(90):

@@ -34,7 +34,7 @@ from p2pkv.transport import _nixl_agent
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.nixl import NixlTransport  # imports no NIXL: that happens in create()
 
-from .node_proc import child_pythonpath
+from .node_proc import UCX_TCP, child_pythonpath
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 pytestmark = [
@@ -620,11 +620,11 @@ def test_killed_target_reports_err_and_dead_peer(
     once crashed with SIGSEGV when a collection in a later test destroyed this agent, kept
     alive by such frames, and purged its write still queued to the dead target."""
     # tcp: asynchronous (transfer() returns PROC) and stalls while the target is not progressing.
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", UCX_TCP)
     num_blocks = 1024  # 64 MiB
     src_array, src_layout = region(num_blocks)
     src = make("t7-src", src_array, src_layout, copy_threads)
-    doomed = spawn("t7-doomed", num_blocks, {"UCX_TLS": "tcp"})
+    doomed = spawn("t7-doomed", num_blocks, {"UCX_TLS": UCX_TCP})
     peer = src.add_remote_peer(doomed.name, doomed.metadata, doomed.layout)
     handle = src.post_write(peer, [3], [7])
     assert wait(src, handle) is TransferState.DONE
@@ -647,7 +647,7 @@ def test_killed_target_reports_err_and_dead_peer(
     src.release(handle)
     src.remove_remote_peer(peer)
 
-    survivor = spawn("t7-survivor", 256, {"UCX_TLS": "tcp"})
+    survivor = spawn("t7-survivor", 256, {"UCX_TLS": UCX_TCP})
     peer = src.add_remote_peer(survivor.name, survivor.metadata, survivor.layout)
     local = np.random.default_rng().choice(num_blocks, 256, replace=False).tolist()
     remote = np.random.default_rng().permutation(256).tolist()
@@ -761,11 +761,11 @@ def test_releasing_a_stalled_write_abandons_it_and_the_peer_stays_usable(
 ) -> None:
     """A write abandoned while PROC (split in parts when copy_threads > 1) is released at
     once, reported ERR; once the target progresses again the same peer takes new writes."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # stalls while the target does not progress
+    monkeypatch.setenv("UCX_TLS", UCX_TCP)  # stalls while the target does not progress
     num_blocks = 256
     src_array, src_layout = region(num_blocks, seed=9)
     src = make("t9-src", src_array, src_layout, copy_threads)
-    target = spawn("t9-dst", num_blocks, {"UCX_TLS": "tcp"})
+    target = spawn("t9-dst", num_blocks, {"UCX_TLS": UCX_TCP})
     peer = src.add_remote_peer(target.name, target.metadata, target.layout)
     handle = src.post_write(peer, [0], [0])  # wire-up while the target progresses
     assert wait(src, handle) is TransferState.DONE
