@@ -766,6 +766,11 @@ class ConsumerSide(SessionParts):
         named = [req for h in handles if h.session_token is self.token for req in h.req_ids]
         candidates = [self._rounds[r] for r in named if r in self._rounds]
         candidates += [r for r in self._rounds.values() if not r.held]
+        # A round past its own deadline (the engine stalled before the lease timer closed
+        # it) is the lease timer's: its keys are looked up again. Sent on, it got every
+        # key LEASE_EXPIRED from a producer that still holds them.
+        now = trio.current_time()
+        candidates = [r for r in candidates if r.deadline > now]
         for rnd in candidates:  # the usual case: one round holds every key (no set built)
             whole = rnd.keys == keys
             if whole or (len(rnd.keys) >= len(keys) and rnd.hits.issuperset(keys)):
