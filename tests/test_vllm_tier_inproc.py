@@ -298,6 +298,21 @@ def test_tls_files_given_as_null_are_absent() -> None:
     assert (s.tls_cert, s.tls_key, s.tls_ca) == (None, None, None)
 
 
+def test_a_peer_id_given_as_null_is_absent(engines: Callable[..., Engine]) -> None:
+    """JSON's null for peer_id means "not given", as for the secret: it became the
+    identity "None", so two engines configured so refused each other's handshake ("peer
+    id is our own") and every pull missed."""
+    s = vllm_tier.TierSettings.from_kwargs({"host": "127.0.0.1", "port": 5710, "peer_id": None})
+    assert s.peer_id == "127.0.0.1:5710"
+    with pytest.raises(ValueError, match="peer_id"):
+        vllm_tier.TierSettings.from_kwargs({"host": "127.0.0.1", "port": 5710, "peer_id": 7})
+    src, dst = engines(peer_id=None), engines(peer_id=None)
+    keys = make_keys(4, "nullid")
+    src.fill(keys)
+    res, exact = pull(dst, request(src, "r-null"), keys)
+    assert res == [LookupResult.HIT] * len(keys) and exact
+
+
 def test_a_port_in_use_fails_the_build_and_leaves_nothing_running(
     engines: Callable[..., Engine],
 ) -> None:
@@ -411,6 +426,96 @@ def test_a_source_gone_before_the_load_fails_it_at_once_and_the_request_then_mis
     until(lambda: dst.step(ctx, keys)[0] is LookupResult.MISS, "the failed load")
     assert dst.jobs() == 0  # reported, exactly once (a second report would assert)
     assert dst.step(ctx, keys) == [LookupResult.MISS]  # no loop: the request misses
+
+
+def source_params(src: Engine, name: str, **extra: Any) -> ReqContext:
+    host, port = src.tier.address
+    spec = {"remote_host": host, "remote_port": port, "kv_request_id": name, **extra}
+    return ReqContext(req_id=name, kv_transfer_params={"remote_kv_source": spec})
+
+
+def test_a_request_naming_a_wrong_peer_id_fails_alone_and_never_its_source(
+    engines: Callable[..., Engine],
+) -> None:
+    """remote_kv_source's peer_id comes from the request's client. A wrong one fails
+    that request; the source at that address serves every other request. The tier kept
+    the first request's peer_id on the source for good, so one bad client made every
+    later request of that source miss (a request with the right peer_id included)."""
+    src, dst = engines(), engines()
+    first, second, third = make_keys(4, "poison1"), make_keys(4, "poison2"), make_keys(4, "p3")
+    src.fill(first + second + third)  # each pulled once: a pulled key is a primary hit after
+    res, _ = pull(dst, source_params(src, "r-bad", peer_id="bogus"), first)
+    assert res[-1] is LookupResult.MISS
+    res, exact = pull(dst, source_params(src, "r-right", peer_id=src.tier.peer_id), first)
+    assert res == [LookupResult.HIT] * len(first) and exact
+    res, _ = pull(dst, source_params(src, "r-bad-again", peer_id="bogus"), second)
+    assert res[-1] is LookupResult.MISS  # checked on an established session too
+    res, exact = pull(dst, source_params(src, "r-none"), second)
+    assert res == [LookupResult.HIT] * len(second) and exact
+    res, exact = pull(dst, source_params(src, "r-right-again", peer_id=src.tier.peer_id), third)
+    assert res == [LookupResult.HIT] * len(third) and exact
+
+
+def test_a_load_submitted_while_its_source_backs_off_is_reported_at_once(
+    engines: Callable[..., Engine],
+) -> None:
+    """A request holds answered probes for a source whose session has since ended, and a
+    redial by another request failed (the source backs off). Its next scan asks one new
+    key besides the known hits: the load submitted then can never be posted and must fail
+    at once (vLLM recomputes). It waited for load_timeout_s instead."""
+    src = engines()
+    dst = engines(load_timeout_s=BOUND * 3, reconnect_backoff_s=BOUND * 3)
+    keys = make_keys(5, "backoff")
+    src.fill(keys)
+    r1 = request(src, "r1")
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(r1)
+    assert dst.step(r1, keys[:4]) == [LookupResult.RETRY] * 4
+
+    def answered() -> bool:
+        with dst.mgr.lock:
+            return dst.tier._core.lookup(keys[3], dst.tier._view(r1)) is True
+
+    until(answered, "r1's lookup to be answered")
+    r2 = request(src, "r2")
+    src.mgr.shutdown()  # its session ends, its port closes
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(r2)
+    until(lambda: dst.step(r2, keys[:1]) == [LookupResult.MISS], "r2's failed dial")
+    res = dst.step(r1, keys)  # 4 known hits, and a new key
+    assert res[:4] == [LookupResult.HIT_PENDING] * 4, res
+    # Reported within a few steps, far inside load_timeout_s (3 x BOUND): until's BOUND.
+    until(lambda: dst.jobs() == 0, "the load's report", step=dst.idle_step)
+
+
+def test_a_reused_request_id_is_not_failed_by_the_old_requests_load(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Request "r" loads from a source whose write hangs, and finishes; a new request
+    with the same id (another source) starts. The old load's failure must not fail the
+    new request (its keys would all miss): the load knew its request by id alone."""
+    bad, _ = hanging_source(engines, monkeypatch)
+    good, dst = engines(), engines()
+    old_keys, new_keys = make_keys(3, "old"), make_keys(3, "new")
+    bad.fill(old_keys)
+    good.fill(new_keys)
+    old = request(bad, "r")
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(old)
+    until(
+        lambda: dst.step(old, old_keys) == [LookupResult.HIT_PENDING] * 3, "the old load to start"
+    )
+    with dst.mgr.lock:
+        dst.mgr.on_request_finished(old)
+    new = request(good, "r")  # the same request id, another source
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(new)
+    assert dst.step(new, new_keys) == [LookupResult.RETRY] * 3
+    until(lambda: dst.jobs() == 0, "the old load's report", step=dst.idle_step)
+    with dst.mgr.lock:
+        assert dst.tier._core.debug_state()["requests"]["r"]["failed"] is None
+    res, exact = pull(dst, new, new_keys)
+    assert res == [LookupResult.HIT] * 3 and exact
 
 
 def test_reset_cache_drains_a_peers_unfetched_round_under_the_lock(

@@ -21,7 +21,9 @@ matter either (its engine answers).
 The source. A consumer request names the peer that holds its prefix the way vLLM does:
 ``kv_transfer_params["remote_kv_source"] = {"host", "port", "request_id"}`` (vLLM's own
 spellings ``remote_host``, ``remote_port``, ``kv_request_id`` are accepted too), with an
-optional ``peer_id`` that, when given, must match the peer that answers. The source's
+optional ``peer_id`` that, when given, must match the peer that answers (checked per
+request: a request whose ``peer_id`` does not match fails alone, and the source at that
+address goes on serving the others; it comes from a client, not the fleet). The source's
 ``request_id`` is informational: p2pkv addresses blocks by hash. A source is connected
 lazily, by the first request that needs it, through ``submit_connect``; its keys wait
 (still answering None) until the connection is up. One connection per source address is
@@ -188,7 +190,6 @@ class SourceSpec:
 @attrs.define(eq=False)
 class _Source:
     address: tuple[str, int]
-    peer_id: str | None  # the identity the params promised, if any
     peer: Peer | None = None
     connect_ticket: int | None = None
     connect_deadline: float = 0.0
@@ -199,6 +200,7 @@ class _Source:
 @attrs.define(eq=False)
 class _Load:
     job: LoadJob
+    request: _Request  # its request's state (an id may be reused once it finished)
     keys: list[bytes]
     deadline: float
     rounds: tuple[LookupRound, ...] = ()  # the request's rounds when it was submitted
@@ -209,6 +211,9 @@ class _Load:
 class _Request:
     request_id: str
     source: _Source | None
+    # The identity its params promised for the source, if any: checked per request (a
+    # client's wrong peer_id fails its own request, never the source for the others).
+    expect_peer: str | None = None
     probes: dict[bytes, bool | None] = attrs.field(factory=dict)
     unsent: list[bytes] = attrs.field(factory=list)  # the open batch
     unsent_since: float = 0.0
@@ -340,11 +345,17 @@ class P2PTier:
         if st.unsent:
             st.unsent = [k for k in st.unsent if k not in wanted]
             self._flush_request(st, now)
-        load = _Load(job, keys, now + self.load_timeout, tuple(st.rounds), slots)
+            if st.failed is not None:  # its source is down (backing off) or not its own
+                self._fail_job(job, keys, st.failed)
+                return
+        load = _Load(job, st, keys, now + self.load_timeout, tuple(st.rounds), slots)
         src = st.source
         if src.peer is not None and not self.node.is_connected(src.peer):
             src.peer = None  # the session ended since: the load waits for a new one
         if src.peer is not None:
+            if self._not_its_source(st, src.peer):
+                self._fail_job(job, keys, str(st.failed))
+                return
             self._start_load(src.peer, load, now)
         else:
             st.waiting_loads.append(load)
@@ -547,8 +558,9 @@ class P2PTier:
             if spec is not None:
                 src = self._sources.get(spec.address)
                 if src is None:
-                    src = self._sources[spec.address] = _Source(spec.address, spec.peer_id)
-            st = self._requests[request.request_id] = _Request(request.request_id, src)
+                    src = self._sources[spec.address] = _Source(spec.address)
+            st = _Request(request.request_id, src, None if spec is None else spec.peer_id)
+            self._requests[request.request_id] = st
         return st
 
     def _connect(self, src: _Source, now: float) -> None:
@@ -582,17 +594,26 @@ class P2PTier:
             del self._connecting[ticket]
             src.connect_ticket = None
             assert isinstance(peer, Peer)
-            if src.peer_id is not None and peer.peer_id != src.peer_id:
-                self._source_down(
-                    src, f"source at {src.address} is {peer.peer_id!r}, not {src.peer_id!r}", now
-                )
-                continue
             src.peer = peer
-            for st in self._requests.values():  # loads that waited for this connection
+            for st in list(self._requests.values()):  # loads that waited for this connection
                 if st.source is src and st.waiting_loads:
+                    if self._not_its_source(st, peer):
+                        continue
                     loads, st.waiting_loads = st.waiting_loads, []
                     for load in loads:
                         self._start_load(peer, load, now)
+
+    def _not_its_source(self, st: _Request, peer: Peer) -> bool:
+        """The peer at the request's source address is not the one its params named:
+        fail that request (its lookups and loads) alone."""
+        if st.expect_peer is None or peer.peer_id == st.expect_peer:
+            return False
+        assert st.source is not None
+        host, port = st.source.address
+        self._fail_request(
+            st, f"source at {host}:{port} is {peer.peer_id!r}, not {st.expect_peer!r}"
+        )
+        return True
 
     def _source_down(
         self, src: _Source, reason: str, now: float, *, backoff: bool = True, lost: bool = False
@@ -646,6 +667,8 @@ class P2PTier:
             src.peer = None  # the session ended since (the source died or restarted)
         if src.peer is None:
             self._connect(src, now)  # the batch waits for the connection (or fails)
+            return
+        if self._not_its_source(st, src.peer):
             return
         deadline = st.unsent_since + self.lookup_timeout
         keys, st.unsent = st.unsent, []
@@ -735,14 +758,11 @@ class P2PTier:
                 outcome = self.node.poll(ticket)
             except Exception as exc:
                 del self._loads[ticket]
-                st = self._requests.get(load.job.request_id)
+                st = self._live(load)
                 reason = str(exc) or type(exc).__name__
-                if (
-                    isinstance(exc, PeerUnavailable | PortalClosed)
-                    and st is not None
-                    and st.source is not None
-                ):
-                    self._source_down(st.source, f"load failed: {exc}", now, lost=True)
+                src = load.request.source
+                if isinstance(exc, PeerUnavailable | PortalClosed) and src is not None:
+                    self._source_down(src, f"load failed: {exc}", now, lost=True)
                 if st is not None and st.failed is None:
                     self._fail_request(st, f"load failed: {reason}")
                 if load.slots is None:
@@ -762,7 +782,7 @@ class P2PTier:
             assert isinstance(outcome, FetchResult)
             loaded = set(outcome.loaded)
             failed = {k: outcome.failed.get(k, "not loaded") for k in load.keys if k not in loaded}
-            st = self._requests.get(load.job.request_id)
+            st = self._live(load)
             if failed and st is not None and st.failed is None:
                 self._fail_request(st, "load failed")  # or vLLM asks for the keys again
             self._finished.append(
@@ -770,6 +790,12 @@ class P2PTier:
                     load.job.job_id, not failed, [k for k in load.keys if k in loaded], failed
                 )
             )
+
+    def _live(self, load: _Load) -> _Request | None:
+        """The load's request, if it is still the one under its id: a finished request's
+        id may be reused by a new request, which the old load's outcome must not fail."""
+        st = self._requests.get(load.job.request_id)
+        return st if st is load.request else None
 
     def _release_holds(self, now: float) -> None:
         if self._holds and self._holds[0][0] <= now:

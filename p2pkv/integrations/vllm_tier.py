@@ -187,7 +187,12 @@ class TierSettings:
             raise ValueError(f"p2pkv tier: port must be 0..65535, got {base}")
         port = base + dp_index if base else 0
         out: dict[str, Any] = {"host": host, "port": port}
-        out["peer_id"] = str(kw.pop("peer_id", f"{host}:{port}" if port else ""))
+        peer_id = kw.pop("peer_id", None)
+        if peer_id is None:  # absent, or null in the JSON: the default identity
+            peer_id = f"{host}:{port}" if port else ""
+        elif not isinstance(peer_id, str) or not peer_id:
+            raise ValueError(f"p2pkv tier: peer_id must be a non-empty string, got {peer_id!r}")
+        out["peer_id"] = peer_id
         secret = kw.pop("secret", None)
         if secret is not None:
             if not isinstance(secret, str | bytes) or not secret:
