@@ -230,6 +230,15 @@ class NodeConfig:
                 object.__setattr__(self, field.name, plain)
         if not self.peer_id or len(self.peer_id) > 128:
             raise ConfigError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
+        # What the hello carries, within its limits (wire.Hello): past them every
+        # connection failed, the node having started and listened without a word.
+        for name, limit, unit in (
+            ("fingerprint", 1024, "characters"),
+            ("hash_algo", 64, "characters"),
+            ("hash_seed", 256, "bytes"),
+        ):
+            if len(getattr(self, name)) > limit:
+                raise ConfigError(f"{name} must be at most {limit} {unit} (the hello's limit)")
         if self.transport not in ("local", "nixl"):
             raise ConfigError(f"unknown transport {self.transport!r} (use 'local' or 'nixl')")
         if self.max_key_len > 1024:

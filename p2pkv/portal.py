@@ -385,7 +385,10 @@ class EngineThread(Generic[V]):
             self._waker.join(_EXIT_CLOSE_TIMEOUT)
         if failure is None:
             failure = self._crash  # a posted callback failed after the root task ended
-        if failure is not None:
+        started = self._started.done()
+        if failure is not None and started:
+            # A failure to start is raised to start()'s caller (below), whose own handling
+            # decides what to print: a traceback here too said it twice.
             log.error("p2pkv engine %r died", self._thread.name, exc_info=failure)
         with self._lock:
             self._failure = failure
@@ -403,9 +406,12 @@ class EngineThread(Generic[V]):
             )
             err.__cause__ = failure
             _settle_exc(fut, err)
-        if not self._started.done():
-            err = PortalClosed("engine ended before it started", op="start")
-            err.__cause__ = failure or P2PKVError("main returned before calling ctx.started()")
+        if not started:
+            cause = failure or P2PKVError("main returned before calling ctx.started()")
+            # The reason in the message itself: a caller who prints str(exc) sees why
+            # (e.g. "[Errno 98] Address already in use"), not only that it ended.
+            err = PortalClosed(f"engine could not start: {cause}", op="start")
+            err.__cause__ = cause
             _settle_exc(self._started, err)
 
     async def _root(self) -> None:

@@ -375,3 +375,43 @@ def test_serve_ignores_a_line_on_stdin_that_is_not_json() -> None:
     )
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-600:]
     assert "not JSON" in done.stderr
+
+
+def test_a_pull_report_counts_what_arrived_and_each_missing_block_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A pull that loaded nothing said "throughput 4.17 GB/s" (the bytes asked for) and
+    that every missing block also "differs from the source's bytes"."""
+    from p2pkv.cli.pull import PullReport, finish
+
+    keys = demo_keys(4, seed=1)
+    nothing = PullReport(4, 4096, fetch_s=0.01, failed=dict.fromkeys(keys, "miss"), bad=keys)
+    assert finish(nothing, "local") == 1
+    out, err = capsys.readouterr()
+    assert re.search(r"throughput +0\.00 GB/s", out) and re.search(r"bytes +0 B of 16 KiB", out)
+    assert "4 blocks not loaded (miss)" in err and "differ" not in err
+    # Two arrived, one of them with a wrong byte; two never arrived.
+    some = PullReport(
+        4, 4096, fetch_s=1e-5, loaded=2, failed=dict.fromkeys(keys[2:], "miss"), bad=keys[1:]
+    )
+    assert finish(some, "local") == 1
+    out, err = capsys.readouterr()
+    assert re.search(r"throughput +0\.82 GB/s", out)  # 8 KiB in 10 us
+    assert "2 blocks not loaded (miss); 1 blocks differ" in err
+
+
+def test_command_options_read_as_users_write_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--log-level`` after the command works too (scripts/demo.sh passes its arguments
+    after ``demo``), and a bad number names the option, not a function of ours
+    ("invalid _port value")."""
+    from p2pkv.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--log-level", "INFO"]).log_level == "INFO"
+    assert parser.parse_args(["--log-level", "ERROR", "demo"]).log_level == "ERROR"
+    assert parser.parse_args(["serve"]).log_level == "WARNING"
+    for argv in (["serve", "--port", "abc"], ["demo", "--blocks", "many"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(argv)
+        err = capsys.readouterr().err
+        assert "must be an integer" in err and "_port" not in err and "_positive" not in err

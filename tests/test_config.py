@@ -38,6 +38,10 @@ from .helpers import fill
         ({"quarantine": 1.0}, "quarantine .* must exceed abort_timeout"),
         ({"block_len": 4096, "max_inflight_bytes": 1024}, "less than one block"),
         ({"tls_cert": "c.pem"}, "tls_cert, tls_key and tls_ca together"),
+        # Past the hello's limits: the node started, then every connection failed.
+        ({"fingerprint": "f" * 1025}, "fingerprint must be at most 1024 characters"),
+        ({"hash_algo": "h" * 65}, "hash_algo must be at most 64 characters"),
+        ({"hash_seed": b"s" * 257}, "hash_seed must be at most 256 bytes"),
         # A converter runs before the validators: it names the field itself.
         ({"tls_cert": 5, "tls_key": "k", "tls_ca": "c"}, "tls_cert must be a path"),
         ({"tls_cert": "c", "tls_key": b"/k", "tls_ca": "c"}, "tls_key must be a path"),
@@ -84,3 +88,18 @@ async def test_numbers_of_any_kind_that_mean_the_same_are_plain_python_numbers()
             peer = await b.connect(a.address)
             assert await b.lookup(peer, keys) == [True, True]
             assert sorted((await b.fetch(peer, keys)).loaded) == sorted(keys)
+
+
+async def test_values_at_the_hellos_limits_connect() -> None:
+    """The longest fingerprint, hash_algo and hash_seed the config takes are what the
+    hello carries: two such nodes connect and exchange blocks."""
+    longest = NodeConfig(peer_id="src", fingerprint="f" * 1024, hash_algo="h" * 64)
+    longest = attrs.evolve(longest, hash_seed=b"s" * 256)
+    with trio.fail_after(20):
+        async with (
+            open_node(longest) as src,
+            open_node(attrs.evolve(longest, peer_id="dst")) as dst,
+        ):
+            keys = fill(src.store, 2, src.config.block_len)
+            peer = await dst.connect(src.address)
+            assert sorted((await dst.fetch(peer, keys)).loaded) == sorted(keys)

@@ -9,6 +9,7 @@ a timeout, and ``BOUND`` only says "this did not hang".
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import queue
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import attrs
 import pytest
 
 from p2pkv import (
@@ -388,6 +390,19 @@ def test_a_node_that_cannot_start_raises_portal_closed_with_the_cause() -> None:
     with pytest.raises(PortalClosed) as info:
         start_node(config("a"), transport=broken_transport, start_timeout=BOUND)
     assert info.value.__cause__ is refused
+
+
+def test_a_port_in_use_says_so_once_in_the_error_itself(
+    nodes: Callable[..., BlockingNode], caplog: pytest.LogCaptureFixture
+) -> None:
+    """start_node on a port in use raised "engine ended before it started", the reason
+    only in ``__cause__``, and logged the same failure as an ERROR with a traceback
+    although the caller got it (open_node raises the OSError itself)."""
+    taken = nodes("a").address[1]
+    with pytest.raises(PortalClosed, match=r"could not start: .*[Aa]ddress already in use") as info:
+        start_node(attrs.evolve(config("b"), port=taken), start_timeout=BOUND)
+    assert isinstance(info.value.__cause__, OSError)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
 
 
 def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(

@@ -31,22 +31,31 @@ from .settings import (
 )
 
 
+def _int(text: str, base: int = 10) -> int:
+    try:
+        return int(text, base)
+    except ValueError:
+        # An ArgumentTypeError's message is shown as it is; a ValueError's would name
+        # this function ("invalid _port value").
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text, 0)
+    value = _int(text, 0)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def _port(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
     return value
@@ -100,16 +109,22 @@ def _add_tls(p: argparse.ArgumentParser) -> None:
     tls.add_argument("--tls-ca", metavar="PEM", help="the CA that signs every peer's certificate")
 
 
+def _add_log_level(p: argparse.ArgumentParser, *, default: str) -> None:
+    """Before the command (the default) or after it: both spellings work, and the one
+    after the command wins (a subcommand's default of SUPPRESS leaves the other alone)."""
+    p.add_argument(
+        "--log-level",
+        default=default,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="log level on stderr (default: WARNING)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="p2pkv", description="Share KV-cache blocks between inference workers over NIXL."
     )
-    parser.add_argument(
-        "--log-level",
-        default="WARNING",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="log level on stderr (default: %(default)s)",
-    )
+    _add_log_level(parser, default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -194,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_blocks(fetch, blocks=1024)
     _add_tls(fetch)
     fetch.set_defaults(func=cmd_fetch)
+    for command in (demo, serve_p, fetch):
+        _add_log_level(command, default=argparse.SUPPRESS)
     return parser
 
 

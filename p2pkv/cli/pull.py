@@ -114,11 +114,12 @@ def size_text(nbytes: int) -> str:
 
 
 def render(report: PullReport, transport: str) -> str:
-    gbps = report.nbytes / report.fetch_s / 1e9 if report.fetch_s else 0.0
+    moved = report.loaded * report.block_len  # what arrived, not what was asked for
+    gbps = moved / report.fetch_s / 1e9 if report.fetch_s else 0.0
     rows = [
         ("transport", transport),
         ("blocks", f"{report.blocks:,} x {size_text(report.block_len)} (scattered order)"),
-        ("bytes", size_text(report.nbytes)),
+        ("bytes", f"{size_text(moved)} of {size_text(report.nbytes)}"),
         ("cold connect", _ms(report.connect_s)),
         ("lookup", f"{_ms(report.lookup_s)} ({report.hits:,} hits)"),
         ("fetch", _ms(report.fetch_s)),
@@ -136,10 +137,12 @@ def finish(report: PullReport, transport: str) -> int:
     if report.failed:
         reasons = sorted(set(report.failed.values()))
         problems.append(f"{len(report.failed):,} blocks not loaded ({', '.join(reasons)})")
-    if report.bad:
+    # A block that never arrived is "not loaded" above, not also "differs".
+    wrong = [k for k in report.bad if k not in report.failed]
+    if wrong:
         problems.append(
-            f"{len(report.bad):,} blocks differ from the source's bytes "
-            f"(first: key {report.bad[0].hex()[:16]}...)"
+            f"{len(wrong):,} blocks differ from the source's bytes "
+            f"(first: key {wrong[0].hex()[:16]}...)"
         )
     print(f"p2pkv: FAILED: {'; '.join(problems)}", file=sys.stderr)
     return 1
