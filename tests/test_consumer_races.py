@@ -31,7 +31,7 @@ from p2pkv import (
 )
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo
 from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested, OutState
-from p2pkv.wire import MAX_FRAME_SIZE
+from p2pkv.wire import MAX_FRAME_SIZE, Outcome
 
 from .helpers import (
     FaultFactory,
@@ -701,3 +701,62 @@ async def test_a_fetch_after_a_stall_looks_up_again_instead_of_using_an_expired_
             autojump_clock.jump(src.config.lease + 0.5)  # a stall: nothing ran meanwhile
             r = await dst.fetch(peer, keys)
             assert r.failed == {} and sorted(r.loaded) == sorted(keys)
+
+
+async def test_a_fetch_from_a_producer_with_a_shorter_lease_looks_the_keys_up_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each node has its own lease and the hello does not carry it: the producer's 2 s
+    ran out before our 10 s round did, so the fetch on the round got every key
+    ``lease_expired`` (nothing written) though the producer held them. The keys are now
+    looked up and fetched once more."""
+    with trio.fail_after(100):
+        async with pair({"lease": 2.0}, {"lease": 10.0}, virtual=True) as (src, dst):
+            keys = fill(src.store, 4, 4096)
+            peer = await dst.connect(src.address)
+            assert await dst.lookup(peer, keys) == [True] * 4
+            await trio.sleep(3.0)
+            r = await dst.fetch(peer, keys)
+            assert r.failed == {} and sorted(r.loaded) == sorted(keys)
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"")
+            into = fill(src.store, 2, 4096)
+            assert await dst.lookup(peer, into) == [True] * 2
+            await trio.sleep(3.0)
+            r = await dst.fetch_into(peer, into, [40, 41])
+            assert r.failed == {} and r.loaded == into
+            assert dst.statistics().reserved_slots == 0
+            assert src.statistics().pinned_slots == 0
+
+
+async def test_keys_whose_lease_expires_again_fail_after_one_more_try(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One more try, not a loop: a producer that answers ``lease_expired`` to every fetch
+    (FAKE: a hand-driven peer) costs one lookup and one fetch more, then the keys fail."""
+    raw = RawPeer()
+    keys = [os.urandom(32) for _ in range(3)]
+    with trio.fail_after(100):
+        async with open_node(config("dst"), offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            asked: list[type] = []
+
+            async def producer() -> None:
+                while (ev := await raw.next_event()) is not None:
+                    asked.append(type(ev))
+                    if isinstance(ev, LookupRequested):
+                        raw.proto.send_lookup_resp(ev.req_id, [True] * 3, trio.current_time(), 60)
+                    elif isinstance(ev, FetchRequested):
+                        expired = int(Outcome.LEASE_EXPIRED)
+                        raw.proto.send_transfer_done(ev.req_id, [expired] * len(ev.slots))
+                    await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer)
+                r = await dst.fetch(raw.peer_id, keys)
+                nursery.cancel_scope.cancel()
+            assert r.failed == dict.fromkeys(keys, "lease_expired")
+            assert asked.count(LookupRequested) == 2 and asked.count(FetchRequested) == 2
+            assert dst.statistics().reserved_slots == 0
+    await raw.aclose()

@@ -83,6 +83,7 @@ KEY_OVERHEAD = 16
 FRAME_OVERHEAD = 4096
 
 _OK = int(Outcome.OK)
+_LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
 
 
 @attrs.define(eq=False)
@@ -809,6 +810,8 @@ class ConsumerSide(SessionParts):
         outcome: _Outcome,
         landing: _Landing,
         lim: RequestLimits,
+        *,
+        again: bool = True,
     ) -> None:
         try:
             req, hits = await self._lookup_round(keys, lim)
@@ -823,7 +826,7 @@ class ConsumerSide(SessionParts):
             hit_keys = list(compress(keys, hits))
         # The round's hits, all of them in its order: the peer may be asked for them by
         # the round alone.
-        await self._fetch_round(req, hit_keys, outcome, landing, lim, whole=True)
+        await self._fetch_round(req, hit_keys, outcome, landing, lim, whole=True, again=again)
 
     async def _fetch_round(
         self,
@@ -834,12 +837,16 @@ class ConsumerSide(SessionParts):
         lim: RequestLimits,
         *,
         whole: bool = False,
+        again: bool = True,
     ) -> None:
         """Fetch ``keys`` (checked against ``lim``) on the round ``req`` this task has
         claimed; an empty ``keys`` closes the round. Its slots come from ``landing``:
         distinct slots of our region, from the store or checked by ``fetch_into``.
         ``whole``: ``keys`` are every hit of the round, in its order; a peer that takes
-        ``fetch_hits`` is then sent the slots alone (it holds the hits itself)."""
+        ``fetch_hits`` is then sent the slots alone (it holds the hits itself).
+        ``again``: keys the producer answers ``lease_expired`` are looked up and fetched
+        once more (its lease may be shorter than ours: each node has its own, and the
+        hello does not carry it); nothing was written for them."""
         p = self._pending.get(req)
         if p is None or p.error is not None or not self.alive:
             reason = str(p.error) if p is not None and p.error is not None else "session closed"
@@ -887,6 +894,11 @@ class ConsumerSide(SessionParts):
             self._give_up(p, landing, keys, outcome, "timeout")
             return
         await self._land(p, landing, keys, p.result, outcome)
+        if again and _LEASE_EXPIRED in p.result.outcomes:
+            expired = [k for k in keys if outcome.get(k) == "lease_expired"]
+            for k in expired:
+                del outcome[k]  # undecided again: the new round decides them
+            await self._lookup_and_fetch(expired, outcome, landing, lim, again=False)
 
     def _give_up(
         self,
