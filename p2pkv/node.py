@@ -393,7 +393,7 @@ class Node:
         try:
             await session.run()
         except Exception:  # outside the session's cancel scope; see the module docstring
-            log.exception("session with %s crashed", session.peer_id)
+            log.exception("session with %s crashed", session.who)
         finally:
             self.session_gone(session)
 

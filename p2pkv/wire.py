@@ -620,8 +620,16 @@ class FrameDecoder:
             return None
         (length,) = HEADER.unpack_from(self._buf)
         if length > self.max_frame_size:
+            head = bytes(self._buf[: HEADER.size])
+            # A header of printable text is another protocol's (an HTTP request, a
+            # banner): say so, rather than only that the "frame" is huge.
+            hint = (
+                f" (it begins {head!r}: not a p2pkv peer?)"
+                if head.isascii() and (head.decode().isprintable())
+                else ""
+            )
             raise RemoteProtocolError(
-                f"frame of {length} bytes is over the limit of {self.max_frame_size}"
+                f"frame of {length} bytes is over the limit of {self.max_frame_size}{hint}"
             )
         if length == 0:
             raise RemoteProtocolError("empty frame")

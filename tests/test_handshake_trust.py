@@ -738,3 +738,21 @@ async def test_the_stranger_turned_away_is_the_oldest_of_the_busiest_source(
         picked: object = a._stranger_to_turn_away(newcomer)
         assert picked is strangers[turned_away]
         a._strangers = {}
+
+
+async def test_a_stranger_speaking_another_protocol_is_logged_by_its_address_and_told_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before its hello a peer has no id: log lines said "protocol error from None", and
+    an HTTP request read as "frame of 1213486160 bytes is over the limit"."""
+    with trio.fail_after(10):
+        async with open_node(config("n")) as node:
+            stream = await trio.open_tcp_stream(*node.address)
+            await stream.send_all(b"GET / HTTP/1.1\r\n\r\n")  # not a p2pkv peer
+            with contextlib.suppress(trio.BrokenResourceError):
+                while await stream.receive_some(4096):  # until the node hangs up
+                    pass
+            await stream.aclose()
+    lines = [r.getMessage() for r in caplog.records if "protocol error" in r.getMessage()]
+    assert lines and all("from the peer at 127.0.0.1:" in line for line in lines), lines
+    assert all("begins b'GET ': not a p2pkv peer?" in line for line in lines), lines

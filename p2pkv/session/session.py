@@ -195,6 +195,16 @@ class PeerSession(ProducerSide, ConsumerSide):
         return self.proto.peer_id
 
     @property
+    def who(self) -> str:
+        """The peer for a log line: its id once its hello is in, else its address."""
+        if self.peer_id is not None:
+            return self.peer_id
+        if not self.address:
+            return "a peer"
+        host, port = self.address[:2]
+        return f"the peer at {host}:{port}"
+
+    @property
     def alive(self) -> bool:
         return not self.finished.is_set() and self.close_reason is None
 
@@ -643,7 +653,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             except RemoteProtocolError as exc:
                 self._protocol_error(exc)
             except HandshakeRejected as exc:
-                log.warning("handshake with %s rejected: %s", exc.peer, exc.reason)
+                log.warning("handshake with %s rejected: %s", exc.peer or self.who, exc.reason)
                 self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
             # What the events queued goes out first: the peer waits for it, and nothing
             # below is on its path.
@@ -655,7 +665,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._fail(exc, f"connection lost: {exc}", "transport")
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
-        log.warning("protocol error from %s: %s", self.peer_id, exc)
+        log.warning("protocol error from %s: %s", self.who, exc)
         self._fail(exc, f"protocol error: {exc.message}")
 
     def _frames_arrived(self) -> None:
