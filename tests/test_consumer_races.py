@@ -760,3 +760,37 @@ async def test_keys_whose_lease_expires_again_fail_after_one_more_try(
             assert asked.count(LookupRequested) == 2 and asked.count(FetchRequested) == 2
             assert dst.statistics().reserved_slots == 0
     await raw.aclose()
+
+
+async def test_a_fetch_waiting_on_keys_another_caller_cancels_fetches_them_itself() -> None:
+    """Fetch B asks for keys fetch A is bringing in, and waits for A. A's caller cancels A:
+    B used to report those keys "cancelled" (one caller's cancel failed another's keys).
+    B now fetches them itself."""
+    from .test_fetch_into import hand_served
+
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=2, hold=trio.Event()) as (dst, producer):
+            keys, peer = list(producer.blocks), producer.raw.peer_id
+            a_scope = trio.CancelScope()
+            got: list[FetchResult] = []
+
+            async def a() -> None:
+                with a_scope:
+                    await dst.fetch(peer, keys)
+
+            async def b() -> None:
+                got.append(await dst.fetch(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a)
+                await producer.fetched.wait()  # A's fetch is at the producer, held
+                nursery.start_soon(b)
+                await trio.testing.wait_all_tasks_blocked()  # B waits for A's keys
+                a_scope.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert producer.hold is not None
+                producer.hold.set()  # the producer answers, in order, A's then B's own
+            assert a_scope.cancelled_caught
+            assert got[0].failed == {} and sorted(got[0].loaded) == sorted(keys)
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]

@@ -577,11 +577,15 @@ class ConsumerSide(SessionParts):
 
     # --- fetch ----------------------------------------------------------------------------
 
-    async def fetch(self, keys: Sequence[bytes], rounds: Iterable[LookupRound] = ()) -> FetchResult:
+    async def fetch(
+        self, keys: Sequence[bytes], rounds: Iterable[LookupRound] = (), *, again: bool = True
+    ) -> FetchResult:
         """Fetch ``keys`` into the local store. Uses the open rounds of the handles in
         ``rounds`` and the anonymous open rounds where they hold a key, waits for keys
         another fetch is bringing in right now, and looks the rest up first. Never raises
-        for per-key failures (:class:`LocalProtocolError` only for an unhashable key)."""
+        for per-key failures (:class:`LocalProtocolError` only for an unhashable key).
+        A key the other fetch gave up on because its caller cancelled it is fetched here
+        (``again``: once), so one caller's cancel never fails another's keys."""
         try:
             wanted = list(dict.fromkeys(keys))
         except TypeError:
@@ -601,6 +605,8 @@ class ConsumerSide(SessionParts):
                     shared.setdefault(other, []).append(k)
                 else:
                     mine.append(k)
+        if shared:
+            rounds = list(rounds)  # read twice if a shared key must be fetched here after all
         # From here to the first checkpoint: claim the keys and the rounds.
         claim = _Claim(mine)
         self._add_claim(claim)
@@ -613,10 +619,19 @@ class ConsumerSide(SessionParts):
             self._drop_claim(claim)
             claim.done.set()
         outcome.absorb(claim.outcome)
+        orphaned: list[bytes] = []
         for other, ks in shared.items():
             await other.done.wait()  # bounded: that fetch has its own deadlines
             for k in ks:
-                outcome[k] = other.outcome.why(k)
+                why = other.outcome.why(k)
+                if why == "cancelled" and again:
+                    orphaned.append(k)  # its caller cancelled it, not ours
+                else:
+                    outcome[k] = why
+        if orphaned:
+            result = await self.fetch(orphaned, rounds, again=False)
+            for k in orphaned:
+                outcome[k] = result.failed.get(k)  # None: loaded
         return _result(wanted, outcome)
 
     def _claimed(self) -> dict[bytes, _Claim] | None:
