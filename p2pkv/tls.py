@@ -71,10 +71,31 @@ def peer_uri(peer_id: str) -> str:
     return URI_SCHEME + urllib.parse.quote(peer_id, safe="")
 
 
-def cert_peer_ids(cert: dict[str, Any]) -> list[str]:
-    """The peer ids a certificate (as :meth:`ssl.SSLSocket.getpeercert` returns it) names."""
+def _canonical_peer_id(uri: str) -> str | None:
+    """The peer id ``uri`` names if it is that id's one spelling (:func:`peer_uri`), else
+    None. A CA issues, and name constraints judge, the literal string: ``p2pkv://%62``
+    must not pass for ``p2pkv://b``, nor two non-UTF-8 spellings decode to one id."""
+    try:
+        peer_id = urllib.parse.unquote(uri[len(URI_SCHEME) :], errors="strict")
+    except UnicodeDecodeError:
+        return None
+    return peer_id if peer_uri(peer_id) == uri else None
+
+
+def cert_peer_ids(cert: dict[str, Any]) -> list[str | None]:
+    """The peer ids a certificate (as :meth:`ssl.SSLSocket.getpeercert` returns it)
+    names, one per ``p2pkv://`` URI; None for a URI not in its id's canonical spelling,
+    which names no peer (and makes the certificate name none for :func:`check_peer_id`)."""
     return [
-        urllib.parse.unquote(value[len(URI_SCHEME) :])
+        _canonical_peer_id(value)
+        for kind, value in cert.get("subjectAltName", ())
+        if kind == "URI" and value.startswith(URI_SCHEME)
+    ]
+
+
+def _cert_uris(cert: dict[str, Any]) -> list[str]:
+    return [
+        value
         for kind, value in cert.get("subjectAltName", ())
         if kind == "URI" and value.startswith(URI_SCHEME)
     ]
@@ -95,6 +116,11 @@ def cert_file_peer_id(path: str) -> str:
     if len(ids) != 1:
         raise P2PKVError(
             f"the certificate {path} names {len(ids)} peer ids ({URI_SCHEME}...): give the peer id"
+        )
+    if ids[0] is None:
+        raise P2PKVError(
+            f"the certificate {path} names its peer id in a spelling other than {URI_SCHEME}"
+            "<percent-encoded id> (p2pkv.tls.peer_uri): it names no peer"
         )
     return ids[0]
 
@@ -192,7 +218,12 @@ def check_peer_id(stream: trio.abc.Stream, peer_id: str) -> None:
     cert = stream.getpeercert()
     named = cert_peer_ids(cert) if cert else []
     if named != [peer_id]:
-        shown = ", ".join(repr(n) for n in named) or f"no {URI_SCHEME} URI"
+        uris = _cert_uris(cert) if cert else []
+        shown = ", ".join(
+            repr(n) if n is not None else f"{u!r} (not the canonical spelling of an id)"
+            for n, u in zip(named, uris, strict=True)
+        )
+        shown = shown or f"no {URI_SCHEME} URI"
         raise HandshakeRejected(
             f"certificate names {shown}, but the hello says {peer_id!r}", peer=peer_id
         )

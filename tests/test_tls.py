@@ -77,8 +77,11 @@ class CA:
         self.ca_file = directory / f"{name}-ca.pem"
         self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, names: list[str], *, file_stem: str) -> tuple[Path, Path]:
-        """A certificate whose SAN URIs name ``names`` (peer ids), and its key."""
+    def issue(
+        self, names: list[str], *, file_stem: str, uris: list[str] | None = None
+    ) -> tuple[Path, Path]:
+        """A certificate whose SAN URIs name ``names`` (peer ids), and its key; ``uris``:
+        these SAN URIs instead, spelled as given."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         builder = (
@@ -95,11 +98,11 @@ class CA:
                 critical=False,
             )
         )
-        if names:
+        if uris is None:
+            uris = [peer_uri(n) for n in names]
+        if uris:
             builder = builder.add_extension(
-                x509.SubjectAlternativeName(
-                    [x509.UniformResourceIdentifier(peer_uri(n)) for n in names]
-                ),
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(u) for u in uris]),
                 critical=False,
             )
         cert = builder.sign(self.key, hashes.SHA256())
@@ -124,9 +127,15 @@ class PKI:
         self.stranger = CA("stranger", directory)
         self._n = 0
 
-    def tls(self, *names: str, issuer: CA | None = None, trust: CA | None = None) -> dict[str, Any]:
+    def tls(
+        self,
+        *names: str,
+        issuer: CA | None = None,
+        trust: CA | None = None,
+        uris: list[str] | None = None,
+    ) -> dict[str, Any]:
         self._n += 1
-        cert, key = (issuer or self.ca).issue(list(names), file_stem=f"peer{self._n}")
+        cert, key = (issuer or self.ca).issue(list(names), file_stem=f"peer{self._n}", uris=uris)
         return {"tls_cert": cert, "tls_key": key, "tls_ca": (trust or self.ca).ca_file}
 
 
@@ -218,6 +227,42 @@ def test_a_certificate_names_its_peer_id_as_a_p2pkv_uri() -> None:
     cert = {"subjectAltName": (("DNS", "a"), ("URI", peer_uri("gpu 7/ü")), ("URI", "https://x"))}
     assert peer_uri("gpu 7/ü") == "p2pkv://gpu%207%2F%C3%BC"
     assert cert_peer_ids(cert) == ["gpu 7/ü"]
+
+
+# Other spellings that percent-decoding alone read as an id: "b" encoded, bytes that are
+# not UTF-8 (two of them decoded to the same U+FFFD), a raw path and a raw query.
+NOT_CANONICAL = {
+    "p2pkv://%62": "b",
+    "p2pkv://%FF": "\ufffd",
+    "p2pkv://%FE": "\ufffd",
+    "p2pkv://b/x": "b/x",
+    "p2pkv://b?x": "b?x",
+}
+
+
+def test_only_the_canonical_spelling_of_a_uri_names_a_peer(pki: PKI) -> None:
+    for uri in NOT_CANONICAL:
+        assert cert_peer_ids({"subjectAltName": (("URI", uri),)}) == [None]
+        files = pki.tls(uris=[uri])
+        with pytest.raises(P2PKVError, match="names no peer"):
+            cert_file_peer_id(os.fspath(files["tls_cert"]))
+
+
+@pytest.mark.parametrize(("uri", "claimed"), list(NOT_CANONICAL.items()))
+async def test_a_certificate_naming_an_id_in_another_spelling_is_refused(
+    pki: PKI, uri: str, claimed: str
+) -> None:
+    """A CA (and its name constraints) judge the literal string: a certificate issued
+    for "p2pkv://%62" passed for peer "b" (OpenSSL verified one from a CA whose name
+    constraints exclude "p2pkv://b"), and the holder could take b's place."""
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a"))) as a,
+            open_node(config(claimed, **pki.tls(uris=[uri]))) as impostor,
+        ):
+            with pytest.raises(HandshakeRejected, match="not the canonical spelling"):
+                await impostor.connect(a.address)
+            assert a.peers() == []
 
 
 # --- refusals ------------------------------------------------------------------------------
