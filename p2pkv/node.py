@@ -528,7 +528,15 @@ class Node:
         session = PeerSession(self, secured, address=address, dialer=True)
         self._dialed.add(session)
         self._nursery_or_raise().start_soon(self._supervise, session)
-        await _wait_either(session.handshaken, session.finished)
+        try:
+            await _wait_either(session.handshaken, session.finished)
+        except BaseException:
+            # The caller gave up (cancelled, or its deadline passed) before the handshake
+            # was done: nobody waits for this session any more, and it would otherwise
+            # hold its socket (and a dial to the address) until handshake_timeout.
+            if not (session.handshaken.is_set() and session.alive):
+                session.close("connect cancelled", "shutdown")
+            raise
         if session.handshaken.is_set() and session.alive:
             assert session.peer_id is not None
             return Peer(session.peer_id, address)

@@ -254,6 +254,39 @@ async def test_concurrent_connects_to_a_silent_address_share_one_dials_deadline(
     assert max(t for t, _ in ended) < 12.0, ended
 
 
+async def test_a_connect_its_caller_gave_up_on_leaves_no_session_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The caller of connect() is cancelled (its own deadline) while the peer there has
+    accepted TCP and says nothing. The half-made session used to stay, with its socket,
+    until handshake_timeout, though nobody waited for it any more (found 2026-12-04);
+    it is closed with the dial now. A second connect afterwards dials afresh."""
+    async with node("n", handshake_timeout=600.0) as n:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        addr = listeners[0].socket.getsockname()[:2]
+        held: list[trio.SocketStream] = []
+
+        async def accept_and_hang() -> None:
+            while True:
+                held.append(await listeners[0].accept())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept_and_hang)
+            for attempt in range(1, 3):
+                with trio.move_on_after(1.0) as cs:
+                    await n.connect(addr)
+                assert cs.cancelled_caught
+                with trio.fail_after(5.0):  # virtual: well short of handshake_timeout
+                    while n.statistics().sessions:
+                        await trio.sleep(0.01)
+                assert len(held) == attempt and not n._dialing
+            nursery.cancel_scope.cancel()
+        for st in held:
+            await st.aclose()
+        for lst in listeners:
+            await lst.aclose()
+
+
 async def test_a_reconnect_storm_leaves_everything_at_baseline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

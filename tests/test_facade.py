@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -210,6 +211,25 @@ def test_an_infinite_timeout_means_no_limit_of_the_callers(
     node.close(timeout=math.inf)
     assert not node.alive
     assert not any(t.name == "p2pkv-engine-late" for t in threading.enumerate())
+
+
+def test_a_tickets_own_timeout_ends_it_and_what_it_started(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A submit's ``timeout`` is enforced by the engine: the ticket ends with
+    P2PKVTimeout naming the operation once it passes, even when the node's own deadline
+    for that operation is far off, and the work it started is cancelled (no session
+    left half made). The peer here accepts TCP and never says a word."""
+    dst = nodes("dst", handshake_timeout=600.0)
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        ticket = dst.submit_connect(mute.getsockname(), timeout=SHORT)
+        outcome = wait_ticket(dst, ticket)
+        assert isinstance(outcome, P2PKVTimeout), outcome
+        assert outcome.op == "connect" and f"after {SHORT} s" in str(outcome)
+        wait_for(lambda: dst.statistics().sessions == 0)
+    assert dst.pending() == 0 and dst.peers() == []
 
 
 def test_a_peer_given_as_an_address_is_refused_in_the_callers_thread(
