@@ -548,10 +548,13 @@ async def test_our_own_dials_spend_nothing_of_the_peers_budget(
             node("b", max_peer_registrations=100) as b,
         ):
             for _ in range(5):
-                peer = await a.connect(b.address)
+                peer = await a.connect(b.address)  # raises if a's own budget refused it
+                assert peer.peer_id == "b"
                 await a.disconnect(peer)
                 await until_sessions(a, lambda: a.statistics().peers == 0)
                 await until_sessions(b, lambda: b.statistics().peers == 0)
+            # Five registrations of b here, more than a's budget of 2 for any one peer.
+            assert a.statistics().registrations.published == 5
 
 
 async def test_a_lookup_on_a_session_still_handshaking_raises_peer_unavailable() -> None:

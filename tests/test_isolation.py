@@ -21,7 +21,7 @@ from p2pkv.session.protocol import LookupAnswered, TransferCompleted
 from p2pkv.transport.base import RemotePeer, TransferHandle
 from p2pkv.wire import FetchHits, Outcome, encode
 
-from .helpers import FaultFactory, FaultTransport, RawPeer, config, fill
+from .helpers import FaultFactory, FaultTransport, RawPeer, config, fill, until_sessions
 
 
 def frame(obj: object) -> bytes:
@@ -129,11 +129,16 @@ async def test_truncated_frame_then_disconnect_is_harmless() -> None:
             raw = RawPeer()
             await raw.connect(src.address)
             await raw.handshake()
+            assert src.statistics().sessions == 1
             await raw.send_raw(struct.pack(">I", 100) + b"\x81" * 10)
             await raw.aclose()
+            # Its session ends (the frame never completes) and leaves nothing behind.
+            await until_sessions(src, lambda: src.statistics().sessions == 0)
+            assert src.statistics().pinned_slots == 0 and src.statistics().peers == 0
             keys = fill(src.store, 2, 4096)
             await dst.connect(src.address)
             await sibling_fetch(dst, src, keys)
+            assert [p.peer_id for p in src.peers()] == ["dst"]
 
 
 class CrashingTransport(FaultTransport):

@@ -167,10 +167,13 @@ async def test_peer_killed_mid_transfer_fails_its_keys_in_time_while_others_are_
 
             real_progress = hub.transport.progress
             stalled = [True]
+            held_back = [0]  # progress calls the gate swallowed
 
             def gated_progress() -> None:
                 if not stalled[0]:
                     real_progress()
+                else:
+                    held_back[0] += 1
 
             monkeypatch.setattr(hub.transport, "progress", gated_progress)
             # No progress thread: the poller drives the (gated) progress for the fetch.
@@ -186,7 +189,12 @@ async def test_peer_killed_mid_transfer_fails_its_keys_in_time_while_others_are_
                 with trio.fail_after(10):
                     while (await doomed.call("stats"))["stats"]["inflight_transfers"] == 0:
                         await trio.sleep(0.02)
-                await trio.sleep(0.3)
+                # Stalled: the hub's poller has asked for progress a few times since and
+                # got none (a counter, not a sleep, says so).
+                seen = held_back[0]
+                with trio.fail_after(10):
+                    while held_back[0] < seen + 3:
+                        await trio.sleep(0.01)
                 in_flight = (await doomed.call("stats"))["stats"]["inflight_transfers"]
                 assert in_flight >= 1 and not outcome, "the transfer was not stalled"
                 doomed.kill()

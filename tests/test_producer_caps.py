@@ -28,11 +28,23 @@ from p2pkv.session.protocol import (
 )
 from p2pkv.session.session import PeerSession
 from p2pkv.store import BlockStore
+from p2pkv.transport.base import TransferHandle, TransferState
 from p2pkv.wire import Outcome, Ping, encode
 
-from .helpers import BOUND, FaultFactory, RawPeer, VirtualOffload, config, fill, inline_offload
+from .helpers import (
+    BOUND,
+    FaultFactory,
+    FaultTransport,
+    RawPeer,
+    VirtualOffload,
+    config,
+    fill,
+    inline_offload,
+)
 
+OK = int(Outcome.OK)
 OVER_CAP = int(Outcome.OVER_CAP)
+TRANSFER_FAILED = int(Outcome.TRANSFER_FAILED)
 LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
 
 
@@ -230,6 +242,68 @@ async def test_over_the_keys_cap_a_lookup_gets_misses_and_a_fetch_over_cap(
         assert hanging.transport.posts == 1 and session.alive
         raw.proto.send_fetch(c, [], [])
         await raw.flush()
+        await raw.aclose()
+
+
+async def test_bytes_in_flight_are_capped_within_a_fetch_and_across_fetches(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``max_inflight_bytes``: a key whose write would take the producer's bytes in
+    flight to this peer past the cap is answered OVER_CAP and never posted. The cap is
+    per peer, over all its fetches: a second fetch while the first one's writes are in
+    flight gets only what is left, and what a finished fetch held is free again."""
+    factory = FaultFactory()
+    async with node("src", factory=factory, max_inflight_bytes=3 * 4096) as src:
+        keys = fill(src.store, 6, 4096)
+        raw, session = await connected(src)
+        req, hits = await looked_up(raw, keys[:5])
+        assert all(hits)
+        raw.proto.send_fetch(req, keys[:5], [0, 1, 2, 3, 4])
+        await raw.flush()
+        done = await raw.next_event()
+        assert isinstance(done, TransferCompleted) and done.req_id == req
+        assert done.outcomes == [OK] * 3 + [OVER_CAP] * 2  # in the fetch's order
+        assert raw.array[3 * 4096 :].any() == False  # noqa: E712 - nothing over the cap
+        assert session.inflight_bytes == 0  # given back once the writes settled
+        factory.transport.hang = True  # from here on, writes stay in flight
+        first, _ = await looked_up(raw, keys[:2])
+        raw.proto.send_fetch(first, keys[:2], [10, 11])
+        await raw.flush()
+        await trio.sleep(0.5)  # virtual: the first fetch's two writes are posted
+        assert session.inflight_bytes == 2 * 4096
+        second, _ = await looked_up(raw, keys[2:4])
+        raw.proto.send_fetch(second, keys[2:4], [12, 13])
+        await raw.flush()
+        await trio.sleep(0.5)
+        assert session.inflight_bytes == 3 * 4096  # one more fitted, one did not
+        assert factory.transport.posts == 3  # the 5-key fetch, then one post per fetch
+        await raw.aclose()
+
+
+async def test_a_write_the_data_plane_reports_failed_is_never_reported_loaded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A posted write that completes with ERR (bytes may even have landed) is answered
+    TRANSFER_FAILED for every key of it: only a write reported DONE makes a key OK."""
+
+    class ErringWrites(FaultTransport):
+        """FAKE data plane: writes land, but every one is reported ERR."""
+
+        def poll(self, handle: TransferHandle) -> TransferState:
+            state = super().poll(handle)
+            return TransferState.ERR if state is TransferState.DONE else state
+
+    async with node("src", factory=FaultFactory(kind=ErringWrites)) as src:
+        keys = fill(src.store, 4, 4096)
+        raw, session = await connected(src)
+        req, hits = await looked_up(raw, keys)
+        assert all(hits)
+        raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
+        await raw.flush()
+        done = await raw.next_event()
+        assert isinstance(done, TransferCompleted) and done.req_id == req
+        assert done.outcomes == [TRANSFER_FAILED] * 4
+        assert session.alive and src.statistics().pinned_slots == 0
         await raw.aclose()
 
 

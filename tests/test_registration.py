@@ -20,7 +20,15 @@ from p2pkv.session.protocol import ByeReceived, SessionProtocol
 from p2pkv.transport.base import RegionLayout
 from p2pkv.wire import Fetch, Lookup, encode
 
-from .helpers import FaultFactory, RawPeer, config, fill, rejected_registration, until_sessions
+from .helpers import (
+    FaultFactory,
+    FaultTransport,
+    RawPeer,
+    config,
+    fill,
+    rejected_registration,
+    until_sessions,
+)
 
 
 async def wait_until(predicate: object, within: float = 5.0) -> None:
@@ -219,3 +227,52 @@ async def test_departed_peers_leave_nothing_in_the_registrar() -> None:
             await until_sessions(src, lambda: src.statistics().sessions == 0)
             stats = src.statistics().registrations
             assert (stats.current, stats.live, stats.published) == (0, 0, 20)
+
+
+async def test_a_registration_superseded_while_it_runs_is_released_and_the_new_one_kept() -> None:
+    """The generation guard on its own: a peer's registration is still running in its
+    thread when a new one for the same agent name is submitted (a restarted peer admitted
+    before its old session is reaped). The old one's thread finishes first; it must be
+    released as stale, not published over the new one, and a job superseded while still
+    queued never starts at all."""
+    src = RawPeer("src")  # whose transport registers the others
+    gated = FaultTransport(
+        agent_name="src", region=src.array, layout=RegionLayout(src.array.ctypes.data, 64, 4096)
+    )
+    gate = threading.Event()
+    gated.registration_gate = gate
+    x, y = RawPeer("x"), RawPeer("y")
+
+    def layout(p: RawPeer) -> RegionLayout:
+        return RegionLayout(p.array.ctypes.data, 64, 4096)
+
+    reg = Registrar(gated)
+    with trio.fail_after(10), contextlib.closing(gated), contextlib.closing(x.transport):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reg.run)
+            old = reg.submit("x", x.transport.metadata(), layout(x))
+            await trio.to_thread.run_sync(gated.registration_entered.wait, 5)
+            new = reg.submit("x", x.transport.metadata(), layout(x))  # supersedes `old`
+            queued = reg.submit("y", y.transport.metadata(), layout(y))
+            latest = reg.submit("y", y.transport.metadata(), layout(y))  # `queued` never runs
+            gate.set()
+            registered = await new.wait()
+            assert await latest.wait() is reg.current("y")
+            await reg.drain()
+            stats = reg.statistics()
+            assert (stats.started, stats.published, stats.released_stale) == (3, 2, 1)
+            assert reg.current("x") is registered and stats.live == 2
+            assert gated.adds == 3 and gated.removes == 1  # the stale one, and only it
+            assert not old.done.is_set() and not queued.done.is_set()
+            # Their sessions go: nothing of theirs is live, and their waiters get an answer.
+            assert reg.retire(old) is None and reg.retire(queued) is None
+            for gone in (old, queued):
+                with pytest.raises(SessionClosed):
+                    await gone.wait()
+            assert reg.current("x") is registered
+            await reg.release(reg.retire(new))
+            await reg.release(reg.retire(latest))
+            assert gated.removes == 3 and not gated.live
+            nursery.cancel_scope.cancel()
+    y.transport.close()
+    src.transport.close()
