@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import trio.testing
 
 from p2pkv.transport import _nixl_agent
 
+from ._clock import loopback_autojump_clock
 from .helpers import blocking_nodes
 from .node_proc import Children
 
@@ -31,6 +33,13 @@ for _name, _value in (
 def nodes() -> Iterator[Callable[..., BlockingNode]]:
     """Start BlockingNodes (sync facade) by peer id; all are closed at the end."""
     yield from blocking_nodes()
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    """pytest-trio's fixture of that name, but its jumps wait for loopback TCP
+    (``tests/_clock.py`` says why: a jump used to outrun a delayed acknowledgement)."""
+    return loopback_autojump_clock()
 
 
 @pytest.fixture
