@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from p2pkv.cli import demo_block, demo_keys, fill_store, verify_blocks
+from p2pkv import P2PKVError
+from p2pkv.cli import build_parser, demo_block, demo_keys, fill_store, verify_blocks
+from p2pkv.cli.settings import fetch_settings
 from p2pkv.store import BlockStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,6 +293,97 @@ def test_fetch_from_a_serving_node_over_nixl() -> None:
         assert proc.stdin is not None
         proc.stdin.close()
         assert proc.wait(timeout=20) == 0
+
+
+@pytest.mark.nixl
+@skip_without_nixl
+def test_fetch_takes_the_serving_nodes_config_file_secret_and_all(tmp_path: Path) -> None:
+    """A node with a secret could not be fetched from by ``p2pkv fetch`` at all: it had
+    no way to be given the secret. ``--config`` takes the serving node's own file: the
+    secret, block size and the demo blocks' count and seed come from it, its peer id,
+    address and store size are the server's and are left out."""
+    conf = tmp_path / "node.toml"
+    conf.write_text(
+        'peer_id = "guarded"\nport = 0\nnum_blocks = 64\nblock_len = 8192\n'
+        'secret = "fleet-secret"\nfill = 24\nseed = 9\n'
+    )
+    argv = [sys.executable, "-m", "p2pkv", "serve", "--config", str(conf), "--exit-on-eof"]
+    with started(argv) as proc:
+        host, port = listening(proc)["address"]
+        address = f"{host}:{port}"
+        done = p2pkv("fetch", address, "--config", str(conf), timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"verified\s+yes", done.stdout)
+        assert re.search(r"blocks\s+24 x 8 KiB", done.stdout)
+        # Without the secret the handshake is refused, and the error says why.
+        refused = p2pkv("fetch", address, "--blocks", "24", "--seed", "9", timeout=120)
+        assert refused.returncode == 1
+        assert "p2pkv fetch: error: handshake rejected" in refused.stderr, refused.stderr
+        assert "no secret configured here" in refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=20) == 0
+
+
+def test_fetch_settings_come_from_flags_then_the_file_then_defaults(tmp_path: Path) -> None:
+    conf = tmp_path / "node.json"
+    conf.write_text(
+        json.dumps(
+            {
+                "peer_id": "server",
+                "host": "10.9.8.7",
+                "port": 5710,
+                "num_blocks": 4096,
+                "block_len": 8192,
+                "fill": 100,
+                "seed": 3,
+                "secret": "s",
+                "hash_seed": "h",
+                "transport": "local",
+            }
+        )
+    )
+    parse = build_parser().parse_args
+    cfg, blocks, seed = fetch_settings(parse(["fetch", "h:1", "--config", str(conf)]), "me")
+    assert (cfg.peer_id, cfg.host, cfg.port, cfg.num_blocks) == ("me", "127.0.0.1", 0, 100)
+    assert (cfg.block_len, cfg.secret, cfg.hash_seed, cfg.transport) == (8192, b"s", b"h", "local")
+    assert (blocks, seed) == (100, 3)
+    args = parse(
+        [
+            "fetch",
+            "h:1",
+            "--config",
+            str(conf),
+            "--blocks",
+            "7",
+            "--seed",
+            "0",
+            "--block-len",
+            "4096",
+            "--transport",
+            "nixl",
+            "--peer-id",
+            "mine",
+        ]
+    )
+    cfg, blocks, seed = fetch_settings(args, "me")
+    assert (cfg.peer_id, cfg.num_blocks, cfg.block_len, cfg.transport) == ("mine", 7, 4096, "nixl")
+    assert (blocks, seed) == (7, 0)
+    cfg, blocks, seed = fetch_settings(parse(["fetch", "h:1"]), "me")
+    assert (cfg.block_len, cfg.transport, cfg.secret, blocks, seed) == (
+        65536,
+        "nixl",
+        None,
+        1024,
+        0,
+    )
+    conf.write_text(json.dumps({"seed": "3"}))
+    with pytest.raises(P2PKVError, match="seed must be an int"):
+        fetch_settings(parse(["fetch", "h:1", "--config", str(conf)]), "me")
+    conf.write_text(json.dumps({"block_len": "big"}))
+    with pytest.raises(P2PKVError, match="bad node settings"):
+        fetch_settings(parse(["fetch", "h:1", "--config", str(conf)]), "me")
 
 
 # --- examples/two_node.py ----------------------------------------------------------------------

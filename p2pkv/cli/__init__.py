@@ -13,6 +13,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ..errors import P2PKVError
 from .blocks import demo_block, demo_keys, fill_store, verify_blocks
@@ -68,24 +69,32 @@ def _address(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _add_blocks(p: argparse.ArgumentParser, *, blocks: int) -> None:
+def _add_blocks(p: argparse.ArgumentParser, *, blocks: int, from_config: bool = False) -> None:
+    """The demo blocks' flags. ``from_config``: unset flags stay None, for the config
+    file's values (or these defaults) to fill in (``fetch``)."""
+
+    def default(value: object) -> dict[str, Any]:
+        return {"default": None} if from_config else {"default": value}
+
+    where = "--config's fill, else " if from_config else ""
     p.add_argument(
         "--blocks",
         type=_positive_int,
-        default=blocks,
-        help="number of blocks (default: %(default)s)",
+        help=f"number of blocks (default: {where}{blocks})",
+        **default(blocks),
     )
     p.add_argument(
         "--block-len",
         type=_positive_int,
-        default=64 * KiB,
-        help="bytes per block (default: %(default)s)",
+        help=f"bytes per block (default: {'--config, else ' if from_config else ''}{64 * KiB})",
+        **default(64 * KiB),
     )
     p.add_argument(
         "--seed",
         type=int,
-        default=0,
-        help="seed of the demo keys and block contents (default: %(default)s)",
+        help="seed of the demo keys and block contents "
+        f"(default: {'--config, else ' if from_config else ''}0)",
+        **default(0),
     )
     p.add_argument(
         "--batch",
@@ -93,7 +102,11 @@ def _add_blocks(p: argparse.ArgumentParser, *, blocks: int) -> None:
         default=0,
         help="blocks per fetch call (default: 0, all in one)",
     )
-    p.add_argument("--fingerprint", default="", help="compatibility fingerprint (default: none)")
+    p.add_argument(
+        "--fingerprint",
+        help="compatibility fingerprint (default: none)",
+        **default(""),
+    )
     p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -201,12 +214,18 @@ def build_parser() -> argparse.ArgumentParser:
         "certificate names)",
     )
     fetch.add_argument(
+        "--config",
+        help="TOML (.toml) or JSON file of NodeConfig fields, as `serve` takes (the serving "
+        "node's own will do): secret, hash_seed, fingerprint, block_len and deadlines come "
+        "from it, fill and seed are the defaults of --blocks and --seed; its peer_id, "
+        "host, port and num_blocks are the serving node's and are not used",
+    )
+    fetch.add_argument(
         "--transport",
         choices=["nixl", "local"],
-        default="nixl",
-        help="data plane (default: %(default)s)",
+        help="data plane (default: --config, else nixl)",
     )
-    _add_blocks(fetch, blocks=1024)
+    _add_blocks(fetch, blocks=1024, from_config=True)
     _add_tls(fetch)
     fetch.set_defaults(func=cmd_fetch)
     for command in (demo, serve_p, fetch):

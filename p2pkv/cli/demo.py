@@ -9,6 +9,7 @@ it computes itself. It exits 0 only if every byte matched.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import trio
@@ -56,7 +57,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"source process {child.pid} filled {hello['blocks']:,} blocks, "
             f"listening at {host}:{port}"
         )
-        report = trio.run(consume, args, (host, int(port)), "demo-consumer", progress)
+        report = trio.run(
+            functools.partial(
+                consume,
+                consumer_config(args, "demo-consumer"),
+                (host, int(port)),
+                blocks=args.blocks,
+                seed=args.seed,
+                batch=args.batch,
+                progress=progress,
+                corrupt=args.corrupt_for_test,
+            )
+        )
     finally:
         rc = child.close()
     if rc != 0:

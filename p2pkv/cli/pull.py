@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import socket
@@ -13,10 +14,10 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from .. import tls
+from ..config import NodeConfig
 from ..node import Node, open_node
 from .blocks import demo_keys, verify_blocks
-from .settings import KiB, MiB, consumer_config, is_loopback, set_env_defaults
+from .settings import KiB, MiB, fetch_settings, is_loopback, set_env_defaults
 
 
 @attrs.define
@@ -156,29 +157,41 @@ def stderr_progress(prefix: str) -> Progress:
 
 
 async def consume(
-    args: argparse.Namespace, address: tuple[str, int], peer_id: str, progress: Progress
+    cfg: NodeConfig,
+    address: tuple[str, int],
+    *,
+    blocks: int,
+    seed: int,
+    batch: int,
+    progress: Progress,
+    corrupt: bool = False,
 ) -> PullReport:
-    async with open_node(consumer_config(args, peer_id)) as node:
+    async with open_node(cfg) as node:
         return await pull(
             node,
             address,
-            demo_keys(args.blocks, args.seed),
-            seed=args.seed,
-            batch=args.batch,
+            demo_keys(blocks, seed),
+            seed=seed,
+            batch=batch,
             progress=progress,
-            corrupt=args.corrupt_for_test,
+            corrupt=corrupt,
         )
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     host, port = args.address  # parsed by the command line (parse_address)
     set_env_defaults(loopback=is_loopback(host))
-    peer_id = args.peer_id
-    if peer_id is None:
-        peer_id = (
-            tls.cert_file_peer_id(args.tls_cert)
-            if args.tls_cert
-            else f"{socket.gethostname()}-fetch-{os.getpid()}"
+    cfg, blocks, seed = fetch_settings(args, f"{socket.gethostname()}-fetch-{os.getpid()}")
+    report = trio.run(
+        functools.partial(
+            consume,
+            cfg,
+            (host, port),
+            blocks=blocks,
+            seed=seed,
+            batch=args.batch,
+            progress=stderr_progress("fetch"),
+            corrupt=args.corrupt_for_test,
         )
-    report = trio.run(consume, args, (host, port), peer_id, stderr_progress("fetch"))
-    return finish(report, args.transport)
+    )
+    return finish(report, cfg.transport)

@@ -140,3 +140,52 @@ def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
         tls_key=getattr(args, "tls_key", None),
         tls_ca=getattr(args, "tls_ca", None),
     )
+
+
+# A config file given to ``fetch`` may be the serving node's own: these settings describe
+# that node (who it is, where it listens, how big its store is), not the fetching one.
+_SERVER_ONLY = ("peer_id", "host", "port", "num_blocks")
+_FETCH_FLAGS = {  # flag dest -> NodeConfig field; a flag given wins over the file
+    "block_len": "block_len",
+    "transport": "transport",
+    "fingerprint": "fingerprint",
+    "tls_cert": "tls_cert",
+    "tls_key": "tls_key",
+    "tls_ca": "tls_ca",
+}
+
+
+def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[NodeConfig, int, int]:
+    """``p2pkv fetch``'s node config, and how many demo blocks of which seed to fetch.
+
+    ``--config`` takes the file ``serve`` takes, the serving node's own included: what
+    peers must agree on (``secret``, ``hash_algo``, ``hash_seed``, ``fingerprint``,
+    ``block_len``) and the deadlines come from it, and its ``fill`` and ``seed`` are the
+    defaults of ``--blocks`` and ``--seed``. Its ``peer_id``, ``host``, ``port`` and
+    ``num_blocks`` are the serving node's and are not used. Flags win over the file."""
+    settings = load_config(Path(args.config)) if args.config else {}
+    for name in _SERVER_ONLY:
+        settings.pop(name, None)
+    fill, seed = settings.pop("fill", None), settings.pop("seed", None)
+    if fill is not None and (type(fill) is not int or fill < 0):
+        raise P2PKVError(f"fill must be an int >= 0, got {fill!r}")
+    if seed is not None and type(seed) is not int:
+        raise P2PKVError(f"seed must be an int, got {seed!r}")
+    blocks = args.blocks if args.blocks is not None else (fill or 1024)
+    seed = args.seed if args.seed is not None else (seed or 0)
+    for dest, field in _FETCH_FLAGS.items():
+        if getattr(args, dest) is not None:
+            settings[field] = getattr(args, dest)
+    settings.setdefault("block_len", 64 * KiB)
+    settings.setdefault("transport", "nixl")
+    peer_id = args.peer_id
+    if peer_id is None:
+        cert = settings.get("tls_cert")
+        if cert is not None and not isinstance(cert, str):
+            raise P2PKVError(f"bad node settings: tls_cert must be a path, got {cert!r}")
+        peer_id = tls.cert_file_peer_id(cert) if cert else default_peer_id
+    try:
+        cfg = NodeConfig(peer_id=peer_id, num_blocks=blocks, **settings)
+    except (TypeError, ValueError) as exc:
+        raise P2PKVError(f"bad node settings: {exc}") from exc
+    return cfg, blocks, seed
