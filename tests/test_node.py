@@ -103,6 +103,25 @@ async def test_checksums_accept_correct_bytes() -> None:
             assert sorted(result.loaded) == sorted(keys)
 
 
+async def test_a_consumer_that_verifies_loads_nothing_a_producer_sent_without_checksums() -> None:
+    """Checksums on here and off at the producer (or a producer that leaves them out):
+    the bytes may well be right, but nothing vouches for them, so nothing is committed,
+    and the reason says what to change."""
+    with trio.fail_after(20):
+        async with (
+            open_node(config("src")) as src,
+            open_node(config("dst", verify_checksums=True)) as dst,
+        ):
+            keys = fill(src.store, 4, 4096)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == []
+            reasons = set(result.failed.values())
+            assert len(reasons) == 1 and "producer sent no checksums" in reasons.pop()
+            assert all(k not in dst.store for k in keys)
+            assert dst.statistics().store.free == dst.config.num_blocks
+
+
 async def test_failed_posts_are_per_key_failures_and_slots_are_freed() -> None:
     failing = FaultFactory()
     with trio.fail_after(20):

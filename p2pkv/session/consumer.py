@@ -955,7 +955,8 @@ class ConsumerSide(SessionParts):
             if self.cfg.verify_checksums:
                 if done.checksums is None:
                     good = set()
-                    reason_bad = "producer sent no checksums"
+                    # Its verify_checksums is off (both sides need it), or it lies.
+                    reason_bad = "producer sent no checksums (verify_checksums is off there?)"
                 else:
                     local = await self.node.offload(
                         checksums,
