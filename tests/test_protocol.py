@@ -1002,6 +1002,29 @@ def test_only_the_reply_in_flight_at_the_abort_is_swallowed(reply: str) -> None:
     assert_protocol_error(a, encode(msg), "not awaiting|not fetching")
 
 
+@pytest.mark.parametrize("reply", ["lookup_resp", "transfer_done"])
+def test_a_second_reply_crossing_an_abort_is_a_protocol_error(reply: str) -> None:
+    """The one reply in flight when we aborted is swallowed; a peer that sends it again
+    (a replay, or a bug) has broken the protocol, and is told so, rather than having a
+    second answer swallowed as well."""
+    pair = ready_pair()
+    a = pair.a
+    msg: Message
+    if reply == "lookup_resp":
+        req = a.send_lookup([K1])
+        msg = LookupResp(req_id=req, hits=[True])
+    else:
+        req = pair.lookup([K1], [True])
+        a.send_fetch(req, [K1], [5])
+        msg = TransferDone(req_id=req, outcomes=[OK])
+    pair.deliver(a)
+    a.send_abort(req)
+    a.data_to_send()
+    assert events_of(a, encode(msg)) == []  # the one in flight: swallowed
+    assert a.out_state(req) is OutState.ABORT_SENT
+    assert_protocol_error(a, encode(msg), "not awaiting|not fetching")
+
+
 def test_abort_of_a_finished_request_is_acked_at_once() -> None:
     pair, req = _pinned_at_a([True])
     a, b = pair.a, pair.b
