@@ -127,6 +127,37 @@ async def test_source_pins_of_an_unsettled_write_outlive_the_session(
         assert src.statistics().pinned_slots == 0
 
 
+async def test_a_quarantined_rounds_pins_outlast_an_abort_and_a_hosts_release(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A write cut before it settled (here by a host draining its pins) is released at
+    ``abort_timeout`` and its round held for the ``quarantine``: the data plane may still
+    read its sources. Neither the consumer's abort arriving then nor another
+    ``release_unused_pins`` may unpin them early; the quarantine's end does."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
+        keys = fill(src.store, 3, 4096)
+        raw, session = await connected(src)
+        req, _ = await looked_up(raw, keys)
+        raw.proto.send_fetch(req, keys, [0, 1, 2])
+        await raw.flush()
+        await trio.sleep(0.5)  # virtual: the write hangs
+        assert await src.release_unused_pins(cut_writes=True) == 0  # cut, not released
+        await trio.sleep(2.0)  # past abort_timeout: the round is quarantined
+        cut_at = trio.current_time() - 2.0
+        assert session._pinned[req].quarantined and req not in session._writes
+        raw.proto.send_abort(req)
+        await raw.flush()
+        await trio.sleep(1.0)
+        assert await src.release_unused_pins() == 0
+        assert src.statistics().pinned_slots == 3  # still: the quarantine runs
+        ev = await raw.next_event()  # the round's answer comes at the quarantine's end
+        assert isinstance(ev, AbortAcknowledged | TransferCompleted) and ev.req_id == req
+        assert trio.current_time() >= cut_at + 20.0
+        assert src.statistics().pinned_slots == 0
+        await raw.aclose()
+
+
 # --- item 7: per-peer caps, and expired rounds keep nothing -------------------------------
 
 
