@@ -24,6 +24,7 @@ from .errors import (
     RegistrationFailed,
     RemoteProtocolError,
     SessionClosed,
+    SlotsInUse,
     StoreFull,
     TransportError,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "RegistrationFailed",
     "RemoteProtocolError",
     "SessionClosed",
+    "SlotsInUse",
     "StoreFull",
     "TransportError",
     "__version__",

@@ -90,6 +90,12 @@ class StoreFull(P2PKVError):
     """No slot could be freed: every slot is pinned, reserved or quarantined."""
 
 
+class SlotsInUse(P2PKVError):
+    """A node's region is managed either by its store (``put``, ``fetch``) or by its caller
+    (``fetch_into``, whose slots the caller allocates), never by both: the store cannot
+    know which slots the caller holds, so either could overwrite the other's blocks."""
+
+
 class CapacityExceeded(P2PKVError):
     """A per-peer or per-node cap (peers, open requests, pins, in-flight bytes) was hit."""
 

@@ -137,7 +137,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from p2pkv.errors import StoreFull
+from p2pkv.errors import SlotsInUse, StoreFull
 from p2pkv.region import adopt_device_region, adopt_region, block_source, is_device_region
 from p2pkv.transport.base import RegionLayout
 
@@ -195,6 +195,14 @@ began or last offered it (checked at each batch). ``time.sleep(0)`` is what lets
 that is waiting for the GIL in (``os.sched_yield`` does not), and on Linux it sleeps for
 the timer slack, about 55 us; offering at every batch cost a 1,024-key lookup four of
 those. A call shorter than this never sleeps; a long one sleeps ~55 us per 0.5 ms."""
+
+
+def region_lent_error(op: str) -> SlotsInUse:
+    return SlotsInUse(
+        "this region's slots are its caller's (fetch_into was used on this node): the "
+        "store may not choose slots in it; use one node for each",
+        op=op,
+    )
 
 
 class _Serial:
@@ -312,6 +320,8 @@ class BlockStore:
         self._offered_at = 0.0  # when the engine-side call in progress began or offered the GIL
         # One entry per slot (module docstring, "Slot arrays").
         self._state = np.zeros(num_blocks, dtype=np.int8)
+        # The region's slots are its caller's (``Node.fetch_into``): put and reserve refuse.
+        self._lent = False
         self._slot_key = np.full(num_blocks, None, dtype=object)  # None: free/reserved/orphan
         self._pin_count = np.zeros(num_blocks, dtype=np.int32)
         # The id of the reserving owner (0: none); 16 bits until an id needs more (_new_id).
@@ -381,6 +391,8 @@ class BlockStore:
             else block_source(data, self.block_len)
         )
         with self._turn, self._lock:
+            if self._lent:
+                raise region_lent_error("put")
             self._check_room_locked(1, "put")
             slot = self._map.get(key)
             if slot is not None and self._pin_count_at[slot] == 0:
@@ -484,6 +496,31 @@ class BlockStore:
             self._free_one_locked(slot)
             return True
 
+    def lend_to_caller(self) -> None:
+        """Hand the region's slots to the caller for good (``Node.fetch_into``: the caller
+        allocates them). From then on :meth:`put` and :meth:`reserve` raise
+        :class:`SlotsInUse`, since any slot they chose could be one the caller holds.
+        Raises :class:`SlotsInUse` instead, changing nothing, if the store holds anything
+        (a block, a reservation, a quarantine, a pin). Idempotent."""
+        if self._lent:
+            return
+        with self._turn, self._lock:
+            if self._lent:
+                return
+            if self._map or self._state.any() or self._pinned_slots:
+                raise SlotsInUse(
+                    f"the store holds blocks or slots in this region ({len(self._map)} "
+                    "blocks): fetch_into needs a region its caller manages, and "
+                    "put/fetch one the store manages; use one node for each",
+                    op="fetch_into",
+                )
+            self._lent = True
+
+    @property
+    def lent_to_caller(self) -> bool:
+        """True once :meth:`lend_to_caller` handed the region to the caller."""
+        return self._lent
+
     @property
     def pinned_slots(self) -> int:
         """Slots pinned now (one int read: no lock, the figure may be a moment old)."""
@@ -583,6 +620,8 @@ class BlockStore:
         store cannot supply ``n``."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
+        if self._lent:
+            raise region_lent_error("reserve")
         if n <= self._small_keys:
             return self._reserve_small(owner, n)
         out: list[int] = []

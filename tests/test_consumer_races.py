@@ -720,6 +720,9 @@ async def test_a_fetch_from_a_producer_with_a_shorter_lease_looks_the_keys_up_ag
             assert r.failed == {} and sorted(r.loaded) == sorted(keys)
             for k in keys:
                 assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"")
+        # fetch_into, on a node whose region its caller manages (never the store's too).
+        async with pair({"lease": 2.0}, {"lease": 10.0}, virtual=True) as (src, dst):
+            peer = await dst.connect(src.address)
             into = fill(src.store, 2, 4096)
             assert await dst.lookup(peer, into) == [True] * 2
             await trio.sleep(3.0)
@@ -794,3 +797,26 @@ async def test_a_fetch_waiting_on_keys_another_caller_cancels_fetches_them_itsel
             assert got[0].failed == {} and sorted(got[0].loaded) == sorted(keys)
             for k in keys:
                 assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+
+
+async def test_a_fetch_that_needs_no_round_leaves_another_callers_round_pinned() -> None:
+    """Caller C looked a key up (an anonymous round, pinned at the producer for C's fetch
+    soon after). Caller D fetches only a key the store holds already: D needs no round,
+    and took and closed C's (its empty key list "fit" any round), unpinning C's hits.
+    Found by a review (2026-12-04)."""
+    with trio.fail_after(20):
+        async with pair() as (src, dst):
+            peer = await dst.connect(src.address)
+            (k,) = fill(src.store, 1, 4096)
+            assert await dst.lookup(peer, [k]) == [True]  # caller C
+            assert src.statistics().pinned_slots == 1
+            local = os.urandom(32)
+            dst.store.put(local, os.urandom(4096))
+            for need_none in ([local], []):  # caller D, twice
+                r = await dst.fetch(peer, need_none)
+                assert r.loaded == need_none and not r.failed
+            # A round trip after them: whatever D sent, the producer has handled.
+            assert await dst.lookup(peer, [os.urandom(32)]) == [False]
+            assert src.statistics().pinned_slots == 1, "D's fetch unpinned C's round"
+            r = await dst.fetch(peer, [k])  # C's fetch uses its round: no second lookup
+            assert r.loaded == [k]

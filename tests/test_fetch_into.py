@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
+from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, SlotsInUse, open_node
 from p2pkv.config import PROTOCOL_MINOR
 from p2pkv.session import protocol
 from p2pkv.session.protocol import Event, FetchRequested, LookupRequested
@@ -542,4 +542,78 @@ def test_the_facade_submits_fetch_into_and_releases_unused_pins(
     assert rnd.hits == [True]
     assert src.release_unused_pins(timeout=BOUND) == 1
     assert src.statistics().pinned_slots == 0
-    assert dst.fetch(peer, keys[2:], rounds=rnd, timeout=BOUND).failed == {keys[2]: "not_pinned"}
+    ticket = dst.submit_fetch_into(peer, keys[2:], [7], rounds=rnd)
+    wait_for(lambda: dst.pending() == 0)
+    [(done, result)] = dst.get_finished()
+    assert done == ticket and isinstance(result, FetchResult)
+    assert result.failed == {keys[2]: "not_pinned"}
+    with pytest.raises(SlotsInUse):  # the region is the caller's now: the store's fetch
+        dst.fetch(peer, keys[2:], timeout=BOUND)  # may not choose slots in it
+
+
+# --- the region is the store's or the caller's, never both (2026-12-04) ------------------
+
+
+async def test_fetch_into_refuses_a_region_whose_store_holds_a_block() -> None:
+    """``fetch_into`` refused only slots another ``fetch_into`` used: one naming a slot
+    where the node's own store kept a block overwrote it (found by a review). The store
+    cannot know which slots a caller holds, so a node's region is one side's alone."""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            peer = await dst.connect(src.address)
+            (k,) = fill(src.store, 1, BLOCK)
+            mine, data = os.urandom(32), os.urandom(BLOCK)
+            slot = dst.store.put(mine, data)
+            with pytest.raises(SlotsInUse, match="store holds"):
+                await dst.fetch_into(peer, [k], [slot])
+            assert bytes(dst.store.get(mine) or b"") == data
+            assert src.statistics().pinned_slots == 0  # refused before anything was sent
+            assert not dst.store.lent_to_caller
+
+
+async def test_fetch_into_refuses_a_region_with_slots_in_quarantine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A store ``fetch`` gave up on writes that never settled: its slots (here the whole
+    region) are quarantined, and a ``fetch_into`` naming one of them could report bytes
+    loaded that the late write then overwrites (invariant 2). Found by a review."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with pair(
+            {"abort_timeout": 1.0, "quarantine": 20.0},
+            {"num_blocks": 2, "fetch_timeout": 4.0, "quarantine": 20.0},
+            src_transport=hanging,
+            virtual=True,
+        ) as (src, dst):
+            keys = fill(src.store, 2, BLOCK)
+            peer = await dst.connect(src.address)
+            r = await dst.fetch(peer, keys)
+            assert set(r.failed.values()) == {"timeout"}
+            assert dst.statistics().quarantined_slots == 2
+            hanging.transport.hang = False
+            with pytest.raises(SlotsInUse):
+                await dst.fetch_into(peer, keys[:1], [0])
+
+
+async def test_once_fetch_into_has_the_region_the_store_chooses_no_slot_in_it() -> None:
+    """After a ``fetch_into`` the caller holds slots the store knows nothing of: the
+    store's ``put``, ``reserve`` and a store ``fetch`` refuse (they would choose slots),
+    before anything is sent; reading and ``fetch_into`` go on."""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            peer = await dst.connect(src.address)
+            keys = fill(src.store, 2, BLOCK)
+            r = await dst.fetch_into(peer, keys[:1], [9])
+            assert r.loaded == keys[:1] and dst.store.lent_to_caller
+            with pytest.raises(SlotsInUse):
+                dst.store.put(os.urandom(32), os.urandom(BLOCK))
+            with pytest.raises(SlotsInUse):
+                dst.store.reserve(object(), 1)
+            with pytest.raises(SlotsInUse):
+                await dst.fetch(peer, keys[1:])
+            assert src.statistics().pinned_slots == 0  # the fetch sent no lookup
+            assert len(dst.store) == 0 and dst.statistics().reserved_slots == 0
+            r = await dst.fetch_into(peer, keys[1:], [9])  # the caller reuses its slot
+            assert r.loaded == keys[1:]
+            want = bytes(src.store.get(keys[1]) or b"")
+            assert bytes(dst.store.array[9 * BLOCK : 10 * BLOCK]) == want

@@ -62,6 +62,7 @@ from ..errors import (
     SessionClosed,
     StoreFull,
 )
+from ..store import region_lent_error
 from ..wire import MAX_FRAME_SIZE, MAX_KEY_LEN, MAX_KEYS, Outcome, keys_ok
 from ._parts import SessionParts
 from .producer import checksums
@@ -88,8 +89,11 @@ _LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
 
 @attrs.define(eq=False)
 class FetchResult:
-    """What a fetch did: ``loaded`` keys are in the local store with the producer's bytes;
-    every other requested key is in ``failed`` with a reason."""
+    """What a fetch did: ``loaded`` keys were put in the local store with the producer's
+    bytes (or were there already); every other requested key is in ``failed`` with a
+    reason. Like any block of the store, a loaded one may be evicted after that, by the
+    same fetch's reservations too when it asks for more blocks than the store holds
+    (``fetch_into``: the caller's slots, which nothing but the caller reuses)."""
 
     loaded: list[bytes] = attrs.field(factory=list)
     failed: dict[bytes, str] = attrs.field(factory=dict)
@@ -585,11 +589,14 @@ class ConsumerSide(SessionParts):
         another fetch is bringing in right now, and looks the rest up first. Never raises
         for per-key failures (:class:`LocalProtocolError` only for an unhashable key).
         A key the other fetch gave up on because its caller cancelled it is fetched here
-        (``again``: once), so one caller's cancel never fails another's keys."""
+        (``again``: once), so one caller's cancel never fails another's keys.
+        :class:`SlotsInUse` if ``fetch_into`` handed the region to the caller."""
         try:
             wanted = list(dict.fromkeys(keys))
         except TypeError:
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
+        if self.node.store.lent_to_caller:  # before anything is sent
+            raise region_lent_error("fetch")
         outcome = _Outcome()
         valid, lim = self._sendable(wanted, outcome)
         here = self.node.store.present(valid)
@@ -686,7 +693,9 @@ class ConsumerSide(SessionParts):
         again; the keys cut short fail "timed out". Raises :class:`LocalProtocolError`,
         before anything is sent, for mismatched lengths, a slot that is not an integer or
         out of the region, a slot named twice or in use by another ``fetch_into``, or a
-        repeated key."""
+        repeated key; :class:`SlotsInUse` if the node's store holds anything (the region is
+        the store's or the caller's, never both: the first ``fetch_into`` hands it to the
+        caller, and the store's ``put`` and ``fetch`` refuse from then on)."""
         keys = list(keys)
         try:  # integers only (numpy's too): a float or a string is never rounded to a slot
             dst_slots = [operator.index(s) for s in slots]
@@ -715,6 +724,9 @@ class ConsumerSide(SessionParts):
                 peer=self.peer_id,
                 op="fetch",
             )
+        store = self.node.store
+        if not store.lent_to_caller:
+            store.lend_to_caller()  # SlotsInUse if the store holds anything in the region
         give_up_at = math.inf if within is None else trio.current_time() + max(within, 0.0)
         outcome = _Outcome()
         valid, lim = self._sendable(keys, outcome)
@@ -779,6 +791,8 @@ class ConsumerSide(SessionParts):
         else can claim them meanwhile). The handles' rounds first, then anonymous ones;
         another holder's rounds never. Returns (request id -> (its keys, whether they are
         all the round's hits in its order), keys no round holds)."""
+        if not keys:  # nothing to fetch: no round is taken (nor closed, another's)
+            return {}, []
         named = [req for h in handles if h.session_token is self.token for req in h.req_ids]
         candidates = [self._rounds[r] for r in named if r in self._rounds]
         candidates += [r for r in self._rounds.values() if not r.held]
