@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -27,10 +28,17 @@ from p2pkv import (
     Node,
     NodeConfig,
     P2PKVError,
+    SessionClosed,
     open_node,
 )
 from p2pkv.integrations.vllm import JobResult, LoadJob, P2PTier, RequestInfo
-from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested, OutState
+from p2pkv.session.protocol import (
+    AbortRequested,
+    FetchRequested,
+    LookupRequested,
+    OutState,
+    SessionProtocol,
+)
 from p2pkv.wire import MAX_FRAME_SIZE, Outcome
 
 from .helpers import (
@@ -42,6 +50,7 @@ from .helpers import (
     fill,
     inline_offload,
     pair,
+    until_sessions,
     wait_for,
 )
 from .protocol_helpers import make_info, ready_pair, snapshot
@@ -820,3 +829,80 @@ async def test_a_fetch_that_needs_no_round_leaves_another_callers_round_pinned()
             assert src.statistics().pinned_slots == 1, "D's fetch unpinned C's round"
             r = await dst.fetch(peer, [k])  # C's fetch uses its round: no second lookup
             assert r.loaded == [k]
+
+
+async def test_a_handle_from_an_earlier_session_touches_no_round_of_the_new_one() -> None:
+    """Request ids start again at 1 in each session: a handle kept from before a
+    reconnect names ids that the new session gives to other callers' rounds. A fetch or
+    a release naming it must leave those alone (only the session token tells them apart;
+    removing that check survived every test, found by a review on 2026-12-04)."""
+    with trio.fail_after(20):
+        async with pair() as (src, dst):
+            old_keys, new_keys = fill(src.store, 2, 4096), fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            old = await dst.lookup_round(peer, old_keys)
+            await dst.disconnect(peer)
+            await until_sessions(src, lambda: src.statistics().sessions == 0)
+            assert src.statistics().pinned_slots == 0
+            peer = await dst.connect(src.address)
+            new = await dst.lookup_round(peer, new_keys)  # another caller's
+            assert new.req_ids == old.req_ids  # the same ids, another session
+            assert await dst.release(peer, old) == 0
+            r = await dst.fetch(peer, new_keys[:1], rounds=old)  # looks it up afresh
+            assert r.loaded == new_keys[:1]
+            # The new caller's round is whole: both its pins, and its fetch uses it.
+            assert src.statistics().pinned_slots == 2
+            r = await dst.fetch(peer, new_keys, rounds=new)
+            assert sorted(r.loaded) == sorted(new_keys)
+            assert src.statistics().pinned_slots == 0
+
+
+@pytest.mark.parametrize("op", ["lookup", "fetch"])
+async def test_a_request_in_flight_when_its_producer_restarts_fails_at_once(
+    autojump_clock: trio.testing.MockClock, op: str
+) -> None:
+    """The producer restarts on the same connection (a hello with a new epoch) while our
+    request waits for its answer: the request fails with SessionClosed at once, not at
+    its deadline (nothing of the new incarnation would ever answer it). Removing that
+    wake-up survived every test (found by a review on 2026-12-04)."""
+    raw = RawPeer("phoenix")
+    keys = [os.urandom(32) for _ in range(2)]
+    async with open_node(
+        config("dst", lookup_timeout=600.0, fetch_timeout=600.0), offload=VirtualOffload()
+    ) as dst:
+        await raw.connect(dst.address)
+        await raw.handshake()
+        failed: list[BaseException] = []
+        fetched: list[FetchResult] = []
+
+        async def request() -> None:
+            try:
+                if op == "lookup":
+                    await dst.lookup(raw.peer_id, keys)
+                else:  # a lookup first, then the fetch
+                    fetched.append(await dst.fetch(raw.peer_id, keys))
+            except SessionClosed as exc:
+                failed.append(exc)
+
+        with trio.fail_after(30):  # virtual: far short of the request's own deadlines
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(request)
+                ev = await raw.next_event()
+                assert isinstance(ev, LookupRequested)
+                if op == "fetch":
+                    raw.proto.send_lookup_resp(ev.req_id, [True] * 2, trio.current_time(), 60)
+                    await raw.flush()
+                    assert isinstance(await raw.next_event(), FetchRequested)
+                # Restarted: a hello with a new epoch, on the same connection.
+                raw.proto = SessionProtocol(
+                    attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+                )
+                await raw.handshake()
+        if op == "lookup":
+            assert len(failed) == 1 and "restarted" in str(failed[0])
+        else:  # a fetch reports per key: its keys failed, nothing raised
+            [result] = fetched
+            assert failed == [] and result.loaded == []
+            assert all("restarted" in why for why in result.failed.values()), result.failed
+            assert dst.statistics().quarantined_slots == 2  # its writes may yet land
+        await raw.aclose()
