@@ -30,7 +30,7 @@ from cryptography.x509.oid import NameOID
 
 from p2pkv import HandshakeRejected, NodeConfig, P2PKVError, P2PKVTimeout, open_node
 from p2pkv.cli import build_parser
-from p2pkv.cli.settings import consumer_config, serve_settings
+from p2pkv.cli.settings import fetch_settings, serve_settings
 from p2pkv.tls import cert_file_peer_id, cert_peer_ids, peer_uri
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
@@ -439,8 +439,13 @@ def test_serve_and_fetch_take_the_tls_files_from_flags_or_a_config_file(
     assert cfg.tls_ca == os.fspath(conf.parent / "../ca.pem")
 
     args = build_parser().parse_args(["fetch", "127.0.0.1:1", *flags])
-    cfg = consumer_config(args, "f")
+    cfg, _blocks, _seed = fetch_settings(args, "f")
     assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == tuple(files.values())
+    assert cfg.peer_id == "s"  # the one its certificate names
+    args = build_parser().parse_args(["fetch", "127.0.0.1:1", "--config", str(conf), "--peer-id=f"])
+    cfg, _blocks, _seed = fetch_settings(args, "f")
+    assert cfg.tls_cert == os.fspath(conf.parent / "c.pem")
+    assert cfg.tls_ca == os.fspath(conf.parent / "../ca.pem")
 
 
 def test_with_tls_the_peer_id_defaults_to_the_one_the_certificate_names(pki: PKI) -> None:
