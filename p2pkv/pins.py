@@ -83,14 +83,25 @@ class PinRequest:
 class HostPins:
     """The meeting point of the engine's producer and a host that owns pins (module doc)."""
 
-    def __init__(self, num_blocks: int, *, answer_within: float) -> None:
+    def __init__(
+        self, num_blocks: int, *, answer_within: float, max_blocks: int | None = None
+    ) -> None:
+        """``max_blocks``: the most blocks all peers' rounds together may hold pinned
+        (None: no bound but the per-peer one); a lookup past it gets misses for the
+        keys over it, counted pessimistically (a request's keys count until the host
+        answers, then its hits, until the round's pins are released)."""
         if answer_within <= 0:
             raise ValueError("answer_within must be positive")
+        if max_blocks is not None and max_blocks < 0:
+            raise ValueError("max_blocks must be >= 0")
         self.num_blocks = num_blocks
         self.answer_within = answer_within
+        self.max_blocks = max_blocks
         self._lock = threading.Lock()
         self._inbox: deque[PinRequest] = deque()
         self._held: dict[object, object] = {}  # owner -> the host's token for its pins
+        self._counted: dict[object, int] = {}  # owner -> blocks counted against max_blocks
+        self._total = 0  # sum of _counted
         self._released: list[object] = []
         self._closed = False  # release_all ran: every answer's token goes straight back
 
@@ -99,8 +110,15 @@ class HostPins:
     async def pin(self, owner: object, keys: Sequence[bytes]) -> list[int | None]:
         """Ask the host to pin ``keys`` for ``owner``; the source slot per key (None: not
         held). Waits at most ``answer_within`` seconds, then answers all misses."""
+        asked = len(keys)
+        if self.max_blocks is not None:
+            with self._lock:
+                room = max(self.max_blocks - self._total, 0)
+                keys = keys[:room]  # those past the room: misses
+                if keys:
+                    self._count(owner, len(keys))
         if not keys:
-            return []
+            return [None] * asked
         token = trio.lowlevel.current_trio_token()
         answered = trio.Event()
 
@@ -124,9 +142,23 @@ class HostPins:
             with self._lock:
                 if req._state is not _State.ANSWERED:
                     req._state = _State.ABANDONED
-        if req._state is _State.ANSWERED:
-            return req._slots
-        return [None] * len(keys)
+                if self.max_blocks is not None:  # from the keys asked to what is held
+                    held = owner in self._held and req._state is _State.ANSWERED
+                    self._count(owner, sum(s is not None for s in req._slots) if held else 0)
+        out: list[int | None] = (
+            list(req._slots) if req._state is _State.ANSWERED else [None] * len(keys)
+        )
+        return out + [None] * (asked - len(out))
+
+    def _count(self, owner: object, n: int) -> None:
+        """``owner`` now counts ``n`` blocks against ``max_blocks`` (the lock held)."""
+        self._total += n - self._counted.pop(owner, 0)
+        if n:
+            self._counted[owner] = n
+
+    def pinned_blocks(self) -> int:
+        """Blocks counted against ``max_blocks`` now (0 without a bound)."""
+        return self._total
 
     def unpin(self, owner: object) -> None:
         """Release ``owner``'s pins: its token goes to :meth:`released` (once)."""
@@ -134,6 +166,8 @@ class HostPins:
             tok = self._held.pop(owner, _NONE)
             if tok is not _NONE:
                 self._released.append(tok)
+            if owner in self._counted:
+                self._count(owner, 0)
 
     # --- the host's side ------------------------------------------------------------------
 
@@ -214,6 +248,8 @@ class HostPins:
             self._closed = True
             self._released.extend(self._held.values())
             self._held.clear()
+            self._counted.clear()
+            self._total = 0
             for req in self._inbox:
                 if req._state is _State.PENDING:
                     req._state = _State.ABANDONED

@@ -75,6 +75,42 @@ async def test_an_answer_wakes_the_engine_and_its_token_comes_back_exactly_once(
         assert pins.released() == []
 
 
+async def test_all_rounds_together_pin_at_most_max_blocks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``max_blocks`` bounds the blocks all rounds hold pinned (vLLM: a share of its CPU
+    tier, so its own offloads find room). A request's keys count while the host works on
+    it, then its hits, until its pins are released; keys past the room are misses the
+    host never sees. Found by a review (2026-12-04): one peer pinned the whole tier."""
+    pins = HostPins(16, answer_within=5.0, max_blocks=4)
+    keys = [bytes([i]) * 32 for i in range(8)]
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with trio.open_nursery() as nursery:
+            a = await pinning(nursery, pins, "a", keys[:3])
+            b = await pinning(nursery, pins, "b", keys[3:6])  # one fits while a is out
+            assert pins.pinned_blocks() == 4
+            ra, rb = pins.take()
+            assert ra.keys == keys[:3] and rb.keys == keys[3:4]
+            pins.answer(ra, [0, None, 2], "tok-a")  # two hits: a counts 2 from now
+            pins.answer(rb, [5], "tok-b")
+        assert a == [[0, None, 2]] and b == [[5, None, None]]
+        assert pins.pinned_blocks() == 3
+        async with trio.open_nursery() as nursery:
+            c = await pinning(nursery, pins, "c", keys[6:])
+            [rc] = pins.take()
+            assert rc.keys == keys[6:7]
+            pins.answer(rc, [None], None)  # nothing pinned: it counts nothing
+        assert c == [[None, None]] and pins.pinned_blocks() == 3
+        pins.unpin("a")
+        assert pins.pinned_blocks() == 1
+        async with trio.open_nursery() as nursery:  # the host never answers
+            d = await pinning(nursery, pins, "d", keys[:3])
+            assert pins.pinned_blocks() == 4
+        assert d == [[None, None, None]] and pins.pinned_blocks() == 1
+        pins.release_all()
+        assert pins.pinned_blocks() == 0
+
+
 async def test_an_answer_without_a_token_holds_nothing_and_unpin_is_harmless() -> None:
     pins = HostPins(8, answer_within=5.0)
     with trio.fail_after(BOUND):

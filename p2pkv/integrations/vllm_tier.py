@@ -137,8 +137,10 @@ class TierSettings:
     the built-in), ``lookup_timeout_s`` (5), ``connect_timeout_s`` (10),
     ``quarantine_s`` (5), ``abort_timeout_s`` (2), ``landing_margin_s`` (1),
     ``serve_timeout_s`` (how long a peer's lookup may wait for this engine's answer; 2),
-    ``reconnect_backoff_s`` (5), ``lease_s`` (10), and the caps ``max_peers`` (64) and
-    ``max_pinned_blocks`` (65,536 per peer).
+    ``reconnect_backoff_s`` (5), ``lease_s`` (10), and the caps ``max_peers`` (64),
+    ``max_pinned_blocks`` (65,536 per peer) and ``max_pinned_share`` (0.9: the share of
+    vLLM's CPU tier that all peers' lookups together may hold pinned, so this engine's
+    own offloads always find room; 1 lets peers pin all of it).
     """
 
     host: str
@@ -161,6 +163,7 @@ class TierSettings:
     lease_s: float = 10.0
     max_peers: int = 64
     max_pinned_blocks: int = 65536
+    max_pinned_share: float = 0.9
 
     _SECONDS: ClassVar[tuple[str, ...]] = (
         "load_timeout_s",
@@ -224,6 +227,17 @@ class TierSettings:
                 if value <= 0:
                     raise ValueError(f"p2pkv tier: {name} must be positive")
                 out[name] = value
+        if "max_pinned_share" in kw:
+            value = kw.pop("max_pinned_share")
+            try:
+                share = float(value) if isinstance(value, int | float | str) else math.nan
+            except ValueError:
+                share = math.nan
+            if isinstance(value, bool) or not 0 < share <= 1:
+                raise ValueError(
+                    f"p2pkv tier: max_pinned_share must be a number in (0, 1], got {value!r}"
+                )
+            out["max_pinned_share"] = share
         unknown = sorted(set(kw) - cls._IGNORED)
         if unknown:
             raise ValueError(f"p2pkv tier: unknown configuration keys {unknown}")
@@ -329,8 +343,13 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             lease=s.lease_s,
             max_peers=s.max_peers,
             max_pinned_blocks=s.max_pinned_blocks,
+            max_pinned_share=s.max_pinned_share,
         )
-        self._pins = HostPins(num_chunks, answer_within=s.serve_timeout_s)
+        self._pins = HostPins(
+            num_chunks,
+            answer_within=s.serve_timeout_s,
+            max_blocks=int(num_chunks * s.max_pinned_share),
+        )
         failed = ""
         try:
             node = start_node(cfg, region=region, pin_source=self._pins)
@@ -507,7 +526,15 @@ class P2pkvSecondaryTier(SecondaryTierManager):
 
     def _ask(self, parent: ParentManager, srv: _Serve, budget: int) -> int:
         """Ask vLLM about at most ``budget`` of the request's pending keys and pin the
-        HITs; returns how many were asked."""
+        HITs; returns how many were asked.
+
+        A HIT may be pinned only while nothing could have evicted it since: a lookup that
+        starts a promotion from another tier (it answers HIT_PENDING or RETRY) allocates
+        in the primary tier and may evict a chunk HIT a moment ago. So the HITs so far
+        are pinned before such a lookup's successors are asked about, after checking
+        which of them vLLM still holds (:meth:`_still_hit`). Pinning a chunk gone since
+        raised inside vLLM, left the pins it had taken held for good, and (served from
+        a step) escaped vLLM's ``schedule()`` (found by a review, 2026-12-04)."""
         keys = srv.req.keys
         asked, later = srv.pending[:budget], srv.pending[budget:]
         hits: list[int] = []
@@ -518,14 +545,45 @@ class P2pkvSecondaryTier(SecondaryTierManager):
                 hits.append(i)
             elif res is not LookupResult.MISS:  # HIT_PENDING or RETRY: ask again later
                 pending.append(i)
+                if hits:  # it may have evicted one of them: pin what is left, now
+                    self._pin(parent, srv, self._still_hit(parent, srv, hits, pending))
+                    hits = []
         srv.pending = later + pending
-        if hits:  # pinned in the same call that saw them HIT
-            job = parent.create_store_job([OffloadKey(keys[i]) for i in hits], srv.ctx)
-            srv.jobs.append(job.job_id)
-            for i, chunk in zip(hits, np.asarray(job.chunk_ids).tolist(), strict=True):
-                srv.slots[i] = int(chunk)
-            self._stats["served_blocks"] += len(hits)
+        self._pin(parent, srv, hits)  # nothing was evicted since these were HIT
         return len(asked)
+
+    @staticmethod
+    def _still_hit(
+        parent: ParentManager, srv: _Serve, hits: list[int], pending: list[int]
+    ) -> list[int]:
+        """Those of ``hits`` vLLM still holds, asked again until a round of asking starts
+        no promotion (each one that might have drops the key it was about, so this ends);
+        keys no longer HIT go to ``pending`` or are misses."""
+        keys = srv.req.keys
+        while True:
+            kept: list[int] = []
+            unsure = False
+            for i in hits:
+                res = parent.lookup(OffloadKey(keys[i]), srv.ctx)
+                if res is LookupResult.HIT:
+                    kept.append(i)
+                elif res is not LookupResult.MISS:
+                    pending.append(i)
+                    unsure = True
+            if not unsure or not kept:
+                return kept
+            hits = kept
+
+    def _pin(self, parent: ParentManager, srv: _Serve, hits: list[int]) -> None:
+        """Pin ``hits``, which vLLM answered HIT with no eviction since, in one job."""
+        if not hits:
+            return
+        keys = srv.req.keys
+        job = parent.create_store_job([OffloadKey(keys[i]) for i in hits], srv.ctx)
+        srv.jobs.append(job.job_id)
+        for i, chunk in zip(hits, np.asarray(job.chunk_ids).tolist(), strict=True):
+            srv.slots[i] = int(chunk)
+        self._stats["served_blocks"] += len(hits)
 
     # ---------------------------------------------------------------- drain and shutdown
 
