@@ -298,6 +298,26 @@ def test_tls_files_given_as_null_are_absent() -> None:
     assert (s.tls_cert, s.tls_key, s.tls_ca) == (None, None, None)
 
 
+def test_a_host_given_as_null_is_the_default_and_a_bad_one_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It was read as the host "None" (a review, 2026-12-04), and failed only at start.
+    monkeypatch.setenv("VLLM_P2P_SIDE_CHANNEL_HOST", "10.1.2.3")
+    s = vllm_tier.TierSettings.from_kwargs({"host": None, "port": 5710})
+    assert (s.host, s.peer_id) == ("10.1.2.3", "10.1.2.3:5710")
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="host"):
+            vllm_tier.TierSettings.from_kwargs({"host": bad, "port": 5710})
+    for default in ({}, {"max_pinned_share": None}):
+        s = vllm_tier.TierSettings.from_kwargs({"port": 5710, **default})
+        assert s.max_pinned_share == 0.9
+    for share in (0, 1.5, "half", True, [0.5]):
+        with pytest.raises(ValueError, match="max_pinned_share"):
+            vllm_tier.TierSettings.from_kwargs({"port": 5710, "max_pinned_share": share})
+    s = vllm_tier.TierSettings.from_kwargs({"port": 5710, "max_pinned_share": "0.25"})
+    assert s.max_pinned_share == 0.25
+
+
 def test_a_peer_id_given_as_null_is_absent(engines: Callable[..., Engine]) -> None:
     """JSON's null for peer_id means "not given", as for the secret: it became the
     identity "None", so two engines configured so refused each other's handshake ("peer

@@ -184,7 +184,11 @@ class TierSettings:
     def from_kwargs(cls, kwargs: Mapping[str, Any], dp_index: int = 0) -> TierSettings:
         """Parse the tier's keyword arguments; ValueError names the bad or unknown key."""
         kw = dict(kwargs)
-        host = str(kw.pop("host", os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST", "localhost")))
+        host = kw.pop("host", None)
+        if host is None:  # absent, or null in the JSON: the default, as for the other keys
+            host = os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST", "localhost")
+        elif not isinstance(host, str) or not host:
+            raise ValueError(f"p2pkv tier: host must be a non-empty string, got {host!r}")
         base = _int("port", kw.pop("port", os.environ.get("VLLM_P2P_SIDE_CHANNEL_PORT", 5710)))
         if not 0 <= base < 65536:
             raise ValueError(f"p2pkv tier: port must be 0..65535, got {base}")
@@ -227,6 +231,8 @@ class TierSettings:
                 if value <= 0:
                     raise ValueError(f"p2pkv tier: {name} must be positive")
                 out[name] = value
+        if kw.get("max_pinned_share", 0) is None:  # null in the JSON: the default
+            del kw["max_pinned_share"]
         if "max_pinned_share" in kw:
             value = kw.pop("max_pinned_share")
             try:
