@@ -145,14 +145,8 @@ def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
 # A config file given to ``fetch`` may be the serving node's own: these settings describe
 # that node (who it is, where it listens, how big its store is), not the fetching one.
 _SERVER_ONLY = ("peer_id", "host", "port", "num_blocks")
-_FETCH_FLAGS = {  # flag dest -> NodeConfig field; a flag given wins over the file
-    "block_len": "block_len",
-    "transport": "transport",
-    "fingerprint": "fingerprint",
-    "tls_cert": "tls_cert",
-    "tls_key": "tls_key",
-    "tls_ca": "tls_ca",
-}
+# flag dest -> NodeConfig field; a flag given wins over the file (peer_id: see below)
+_FETCH_FLAGS = {d: f for d, f in _NODE_FLAGS.items() if f not in _SERVER_ONLY}
 
 
 def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[NodeConfig, int, int]:
