@@ -507,7 +507,7 @@ class BlockStore:
         with self._turn, self._lock:
             if self._lent:
                 return
-            if self._map or self._state.any() or self._pinned_slots:
+            if self._state.any():  # a block (pinned or not), a reservation, a quarantine
                 raise SlotsInUse(
                     f"the store holds blocks or slots in this region ({len(self._map)} "
                     "blocks): fetch_into needs a region its caller manages, and "

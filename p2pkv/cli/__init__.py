@@ -76,24 +76,24 @@ def _add_blocks(p: argparse.ArgumentParser, *, blocks: int, from_config: bool = 
     def default(value: object) -> dict[str, Any]:
         return {"default": None} if from_config else {"default": value}
 
-    where = "--config's fill, else " if from_config else ""
+    file = "--config, else " if from_config else ""  # where an unset flag's value comes from
+    fill = "--config's fill, else " if from_config else ""
     p.add_argument(
         "--blocks",
         type=_positive_int,
-        help=f"number of blocks (default: {where}{blocks})",
+        help=f"number of blocks (default: {fill}{blocks})",
         **default(blocks),
     )
     p.add_argument(
         "--block-len",
         type=_positive_int,
-        help=f"bytes per block (default: {'--config, else ' if from_config else ''}{64 * KiB})",
+        help=f"bytes per block (default: {file}{64 * KiB})",
         **default(64 * KiB),
     )
     p.add_argument(
         "--seed",
         type=int,
-        help="seed of the demo keys and block contents "
-        f"(default: {'--config, else ' if from_config else ''}0)",
+        help=f"seed of the demo keys and block contents (default: {file}0)",
         **default(0),
     )
     p.add_argument(

@@ -105,28 +105,37 @@ def serve_settings(args: argparse.Namespace) -> tuple[NodeConfig, int, int]:
     for dest in ("fill", "seed"):
         if getattr(args, dest) is not None:
             settings[dest] = getattr(args, dest)
-    fill, seed = settings.pop("fill", 0), settings.pop("seed", 0)
+    fill, seed = _demo_blocks(settings.pop("fill", 0), settings.pop("seed", 0))
+    settings.setdefault("transport", "nixl")
+    settings.setdefault("num_blocks", max(fill, 1024))
+    cfg = _node_config(settings, f"{socket.gethostname()}-{os.getpid()}")
+    if fill > cfg.num_blocks:
+        raise P2PKVError(f"--fill {fill} is more than the store's {cfg.num_blocks} blocks")
+    return cfg, fill, seed
+
+
+def _demo_blocks(fill: object, seed: object) -> tuple[int, int]:
+    """A config's ``fill`` and ``seed``, checked (P2PKVError naming the bad one)."""
     if type(fill) is not int or fill < 0:
         raise P2PKVError(f"fill must be an int >= 0, got {fill!r}")
     if type(seed) is not int:
         raise P2PKVError(f"seed must be an int, got {seed!r}")
+    return fill, seed
+
+
+def _node_config(settings: dict[str, Any], default_peer_id: str) -> NodeConfig:
+    """``NodeConfig(**settings)``, P2PKVError if it is refused. Without a ``peer_id`` the
+    node is the peer its TLS certificate names, else ``default_peer_id``."""
     if "peer_id" not in settings:
         cert = settings.get("tls_cert")
         if cert is not None and not isinstance(cert, str):
             # Read before NodeConfig checks it: the peer id comes from the certificate.
             raise P2PKVError(f"bad node settings: tls_cert must be a path, got {cert!r}")
-        settings["peer_id"] = (
-            tls.cert_file_peer_id(cert) if cert else f"{socket.gethostname()}-{os.getpid()}"
-        )
-    settings.setdefault("transport", "nixl")
-    settings.setdefault("num_blocks", max(fill, 1024))
+        settings["peer_id"] = tls.cert_file_peer_id(cert) if cert else default_peer_id
     try:
-        cfg = NodeConfig(**settings)
+        return NodeConfig(**settings)
     except (TypeError, ValueError) as exc:
         raise P2PKVError(f"bad node settings: {exc}") from exc
-    if fill > cfg.num_blocks:
-        raise P2PKVError(f"--fill {fill} is more than the store's {cfg.num_blocks} blocks")
-    return cfg, fill, seed
 
 
 def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
@@ -160,26 +169,14 @@ def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[Node
     settings = load_config(Path(args.config)) if args.config else {}
     for name in _SERVER_ONLY:
         settings.pop(name, None)
-    fill, seed = settings.pop("fill", None), settings.pop("seed", None)
-    if fill is not None and (type(fill) is not int or fill < 0):
-        raise P2PKVError(f"fill must be an int >= 0, got {fill!r}")
-    if seed is not None and type(seed) is not int:
-        raise P2PKVError(f"seed must be an int, got {seed!r}")
+    fill, seed = _demo_blocks(settings.pop("fill", 1024), settings.pop("seed", 0))
     blocks = args.blocks if args.blocks is not None else (fill or 1024)
-    seed = args.seed if args.seed is not None else (seed or 0)
+    seed = args.seed if args.seed is not None else seed
     for dest, field in _FETCH_FLAGS.items():
         if getattr(args, dest) is not None:
             settings[field] = getattr(args, dest)
     settings.setdefault("block_len", 64 * KiB)
     settings.setdefault("transport", "nixl")
-    peer_id = args.peer_id
-    if peer_id is None:
-        cert = settings.get("tls_cert")
-        if cert is not None and not isinstance(cert, str):
-            raise P2PKVError(f"bad node settings: tls_cert must be a path, got {cert!r}")
-        peer_id = tls.cert_file_peer_id(cert) if cert else default_peer_id
-    try:
-        cfg = NodeConfig(peer_id=peer_id, num_blocks=blocks, **settings)
-    except (TypeError, ValueError) as exc:
-        raise P2PKVError(f"bad node settings: {exc}") from exc
-    return cfg, blocks, seed
+    if args.peer_id is not None:
+        settings["peer_id"] = args.peer_id
+    return _node_config({**settings, "num_blocks": blocks}, default_peer_id), blocks, seed

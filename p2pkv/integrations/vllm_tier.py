@@ -231,10 +231,8 @@ class TierSettings:
                 if value <= 0:
                     raise ValueError(f"p2pkv tier: {name} must be positive")
                 out[name] = value
-        if kw.get("max_pinned_share", 0) is None:  # null in the JSON: the default
-            del kw["max_pinned_share"]
-        if "max_pinned_share" in kw:
-            value = kw.pop("max_pinned_share")
+        value = kw.pop("max_pinned_share", None)
+        if value is not None:  # absent, or null in the JSON: the default
             try:
                 share = float(value) if isinstance(value, int | float | str) else math.nan
             except ValueError:

@@ -724,9 +724,7 @@ class ConsumerSide(SessionParts):
                 peer=self.peer_id,
                 op="fetch",
             )
-        store = self.node.store
-        if not store.lent_to_caller:
-            store.lend_to_caller()  # SlotsInUse if the store holds anything in the region
+        self.node.store.lend_to_caller()  # SlotsInUse if the store holds anything
         give_up_at = math.inf if within is None else trio.current_time() + max(within, 0.0)
         outcome = _Outcome()
         valid, lim = self._sendable(keys, outcome)
