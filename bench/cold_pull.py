@@ -166,7 +166,11 @@ async def consume(args: argparse.Namespace, source: Child, address: tuple[str, i
 
     def cfg(peer_id: str) -> p2pkv.NodeConfig:
         return p2pkv.NodeConfig(
-            peer_id=peer_id, num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
+            peer_id=peer_id,
+            num_blocks=args.blocks,
+            block_len=args.block_len,
+            transport="nixl",
+            max_landing_share=1.0,  # one pull fills the whole store
         )
 
     # The spinning host's loops per second during each pull and around it, per spin pull.

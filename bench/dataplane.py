@@ -84,7 +84,11 @@ def order(n: int) -> npt.NDArray[np.int64]:
 
 async def node_main(args: argparse.Namespace) -> None:
     cfg = p2pkv.NodeConfig(
-        peer_id=args.role_name, num_blocks=args.blocks, block_len=args.block_len, transport="nixl"
+        peer_id=args.role_name,
+        num_blocks=args.blocks,
+        block_len=args.block_len,
+        transport="nixl",
+        max_landing_share=1.0,  # one fetch fills the whole store, as the bare pair's write
     )
     region = touched_region(args.blocks * args.block_len)
     keys = demo_keys(args.blocks)

@@ -279,6 +279,7 @@ def main() -> int:
         "transport": args.transport,
         "max_keys_per_request": max(65536, args.chunk_blocks),
         "switch_interval": args.node_switch_interval_us * 1e-6 or None,
+        "max_landing_share": 1.0,  # the bulk fetch fills most of B's store from A
     }
     cfg_a = NodeConfig(peer_id="a-source", num_blocks=nbulk + args.ring, **common)
     cfg_b = NodeConfig(peer_id="b-consumer", num_blocks=nbulk + 2 * args.ring, **common)

@@ -121,6 +121,7 @@ async def node_main(args: argparse.Namespace) -> None:
         block_len=args.block_len,
         transport="nixl",
         nixl_copy_threads=1,
+        max_landing_share=1.0,  # one fetch fills the whole store, as the bare pair's write
     )
     region = touched_region(args.blocks * args.block_len)
     keys = demo_keys(args.blocks)

@@ -175,6 +175,13 @@ class NodeConfig:
     # release_unused_pins. A host that keeps putting while it serves sets e.g. 0.5. Where
     # the host pins (a pin source, vLLM) the host bounds its own.
     max_pinned_share: float = attrs.field(default=1.0, validator=_positive)
+    # Of this node's own store, per peer: the share of its slots that one peer's writes
+    # may hold at once, i.e. slots reserved for our fetches from it in flight plus slots
+    # quarantined after we gave up on one (a write may still land there). Keys of a
+    # fetch past it fail locally, nothing asked for them, so a producer that says "hit"
+    # and never writes cannot make fetches from other peers meet StoreFull. A fetch
+    # larger than this share of the store from one peer loads only its first part.
+    max_landing_share: float = attrs.field(default=0.5, validator=_positive)
     max_inflight_bytes: int = attrs.field(default=8 << 30, validator=_positive)
     max_frame_size: int = attrs.field(default=16 << 20, validator=_positive)
     max_key_len: int = attrs.field(default=128, validator=_positive)
@@ -251,6 +258,10 @@ class NodeConfig:
         if self.max_pinned_share > 1:
             raise ConfigError(
                 f"max_pinned_share ({self.max_pinned_share}) is a share of the store: at most 1"
+            )
+        if self.max_landing_share > 1:
+            raise ConfigError(
+                f"max_landing_share ({self.max_landing_share}) is a share of the store: at most 1"
             )
         if not self.idle_timeout > self.heartbeat_interval:
             raise ConfigError(

@@ -60,6 +60,7 @@ from .pins import PinSource
 from .registrar import Offload, Registrar, RegistrarStatistics, RegistrationJob, to_thread
 from .session.protocol import LocalInfo
 from .session.session import FetchResult, LookupRound, PeerSession
+from .session.shares import LandingShares
 from .store import BlockStore, StoreStatistics
 from .transport.base import DataTransport, RegionLayout, RemotePeer, TransportStatistics
 from .wire import Hello
@@ -234,6 +235,8 @@ class Node:
         # Who pins for a lookup of ours when the host owns presence and pins (vLLM's
         # primary tier); None: the store does.
         self.pin_source: PinSource | None = None
+        # The slots of our store each peer's writes hold (NodeConfig.max_landing_share).
+        self.landing_shares = LandingShares()
 
     # --- what sessions need -------------------------------------------------------------
 

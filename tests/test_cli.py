@@ -378,6 +378,11 @@ def test_fetch_settings_come_from_flags_then_the_file_then_defaults(tmp_path: Pa
         1024,
         0,
     )
+    # Its store is sized to the one pull: one peer may fill it, unless the file says less.
+    assert cfg.max_landing_share == 1.0
+    conf.write_text(json.dumps({"max_landing_share": 0.25}))
+    cfg, _blocks, _seed = fetch_settings(parse(["fetch", "h:1", "--config", str(conf)]), "me")
+    assert cfg.max_landing_share == 0.25
     conf.write_text(json.dumps({"seed": "3"}))
     with pytest.raises(P2PKVError, match="seed must be an int"):
         fetch_settings(parse(["fetch", "h:1", "--config", str(conf)]), "me")

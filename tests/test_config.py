@@ -33,6 +33,8 @@ from .helpers import fill
         ({"host": None}, "host must be str"),
         ({"transport": "tcp"}, "unknown transport"),
         ({"landing_margin": -1.0}, "landing_margin must be >= 0"),
+        ({"max_landing_share": 0.0}, "max_landing_share must be > 0"),
+        ({"max_landing_share": 1.5}, r"max_landing_share \(1.5\) is a share of the store"),
         ({"switch_interval": 0.0}, "switch_interval must be None or >="),
         ({"heartbeat_interval": 5.0, "idle_timeout": 2.0}, "idle_timeout .* must exceed"),
         ({"quarantine": 1.0}, "quarantine .* must exceed abort_timeout"),

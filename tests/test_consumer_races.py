@@ -517,7 +517,14 @@ async def test_a_late_abort_ack_never_frees_another_fetchs_quarantine(
     second fetch reuses exactly the slots of the first, then the first's ack comes late."""
     raw = RawPeer()
     async with open_node(
-        config("a", num_blocks=2, fetch_timeout=2.0, quarantine=6.0, max_open_requests=2),
+        config(
+            "a",
+            num_blocks=2,
+            fetch_timeout=2.0,
+            quarantine=6.0,
+            max_open_requests=2,
+            max_landing_share=1.0,  # both slots are the one peer's to quarantine
+        ),
         offload=VirtualOffload(),
     ) as a:
         await raw.connect(a.address)

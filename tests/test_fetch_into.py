@@ -581,7 +581,8 @@ async def test_fetch_into_refuses_a_region_with_slots_in_quarantine(
     with trio.fail_after(VIRTUAL_BOUND):
         async with pair(
             {"abort_timeout": 1.0, "quarantine": 20.0},
-            {"num_blocks": 2, "fetch_timeout": 4.0, "quarantine": 20.0},
+            # Both slots are the one peer's to quarantine.
+            {"num_blocks": 2, "fetch_timeout": 4.0, "quarantine": 20.0, "max_landing_share": 1.0},
             src_transport=hanging,
             virtual=True,
         ) as (src, dst):

@@ -148,6 +148,8 @@ def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
         tls_cert=getattr(args, "tls_cert", None),
         tls_key=getattr(args, "tls_key", None),
         tls_ca=getattr(args, "tls_ca", None),
+        # Its store is sized to this one pull from the one peer it names.
+        max_landing_share=1.0,
     )
 
 
@@ -177,6 +179,8 @@ def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[Node
             settings[field] = getattr(args, dest)
     settings.setdefault("block_len", 64 * KiB)
     settings.setdefault("transport", "nixl")
+    # Its store is sized to this one pull from the one peer it names (a file may say less).
+    settings.setdefault("max_landing_share", 1.0)
     if args.peer_id is not None:
         settings["peer_id"] = args.peer_id
     return _node_config({**settings, "num_blocks": blocks}, default_peer_id), blocks, seed

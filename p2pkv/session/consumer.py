@@ -85,6 +85,10 @@ FRAME_OVERHEAD = 4096
 
 _OK = int(Outcome.OK)
 _LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
+# Why a key failed that a fetch in store mode did not ask the peer for: the slots its
+# writes hold (reserved, or quarantined after we gave up on a fetch) stayed at
+# max_landing_share of our store for fetch_timeout (p2pkv/session/shares.py).
+_OVER_SHARE = "over the peer's share of our store (max_landing_share)"
 
 
 @attrs.define(eq=False)
@@ -249,24 +253,47 @@ class _StoreLanding:
     good keys committed, the rest released, unsettled slots quarantined in the store."""
 
     def __init__(self, session: ConsumerSide) -> None:
-        self.store = session.node.store
+        node = session.node
+        self.store = node.store
+        self.shares = node.landing_shares
         self.session = session
+        # The peer's share is counted under its id, across its sessions (see shares.py).
+        self.peer = session.who
 
     def owner(self, req: int) -> object:
         return (self.session.token, "dst", req)
 
     def reserve(self, req: int, keys: list[bytes]) -> list[int]:
-        return self.store.reserve(self.owner(req), len(keys))
+        """Slots for the first keys, as many as the peer's share leaves room for (the
+        rest fail locally); StoreFull if the store has too few."""
+        n = self.shares.take(self.peer, len(keys), self.cap(), trio.current_time())
+        if not n:
+            return []
+        try:
+            return self.store.reserve(self.owner(req), n)
+        except BaseException:
+            self.shares.settle(self.peer, n)
+            raise
+
+    def cap(self) -> int:
+        """The slots the peer's writes may hold: its share of the store, at least one."""
+        return max(int(self.session.cfg.max_landing_share * self.store.num_blocks), 1)
+
+    async def wait_for_room(self, give_up_at: float) -> bool:
+        return await self.shares.wait_for_room(self.peer, self.cap(), give_up_at)
 
     def commit(self, req: int, slots: list[int], keys: list[bytes]) -> None:
         # The slots are this request's reservation; the keys passed _sendable's check.
         self.store._commit_reserved(self.owner(req), slots, keys)
+        self.shares.settle(self.peer, len(slots))
 
     def release(self, req: int, slots: list[int]) -> None:
         self.store.release_reserved(self.owner(req), slots)
+        self.shares.settle(self.peer, len(slots))
 
     def quarantine(self, req: int, slots: list[int], until: float) -> None:
         self.store.quarantine(self.owner(req), slots, until=until)
+        self.shares.quarantine(self.peer, len(slots), until)
         self.session.node.wake_quarantine()
 
 
@@ -281,6 +308,9 @@ class _CallerSlots:
 
     def reserve(self, req: int, keys: list[bytes]) -> list[int]:
         return [self.dst[k] for k in keys]
+
+    async def wait_for_room(self, give_up_at: float) -> bool:  # pragma: no cover
+        return True  # reserve never falls short: the caller named every slot
 
     def commit(self, req: int, slots: list[int], keys: list[bytes]) -> None:
         pass
@@ -893,6 +923,34 @@ class ConsumerSide(SessionParts):
             outcome.update((k, f"store full: {exc}") for k in keys)
             await self._flush()
             return
+        rest: list[bytes] = []
+        if len(slots) < len(keys):  # past the peer's share of our store (shares.py)
+            keys, rest, whole = keys[: len(slots)], keys[len(slots) :], False
+            if not keys:
+                self._close_round(req)
+                await self._flush()
+                await self._fetch_when_room(rest, outcome, landing, lim, again=again)
+                return
+        if not await self._fetch_reserved(p, keys, slots, outcome, landing, lim, whole, again):
+            # The first part failed: the rest, never asked for, fails as it did.
+            outcome.update((k, outcome.get(keys[0])) for k in rest)
+        elif rest:  # the first part is in, and its slots count no more: the rest
+            await self._fetch_when_room(rest, outcome, landing, lim, again=again)
+
+    async def _fetch_reserved(
+        self,
+        p: _Pending,
+        keys: list[bytes],
+        slots: list[int],
+        outcome: _Outcome,
+        landing: _Landing,
+        lim: RequestLimits,
+        whole: bool,
+        again: bool,
+    ) -> bool:
+        """:meth:`_fetch_round` once ``slots`` are reserved for ``keys``: send, wait, land.
+        True if ``transfer_done`` came (each key then decided by its outcome)."""
+        req = p.req_id
         try:
             if whole and self.proto.peer_takes_fetch_hits:
                 self.proto.send_fetch_hits(req, slots, checked=True)
@@ -902,7 +960,7 @@ class ConsumerSide(SessionParts):
             log.warning("fetch on round %d refused locally: %s", req, exc)
             landing.release(req, slots)
             outcome.update((k, f"refused locally: {exc.message}") for k in keys)
-            return
+            return False
         p.arm()
         p.slots = slots
         self.node.poller.add_demand()
@@ -916,16 +974,33 @@ class ConsumerSide(SessionParts):
             self.node.poller.drop_demand()
         if p.error is not None:
             self._give_up(p, landing, keys, outcome, str(p.error))
-            return
+            return False
         if p.result is None:
             self._give_up(p, landing, keys, outcome, "timeout")
-            return
+            return False
         await self._land(p, landing, keys, p.result, outcome)
         if again and _LEASE_EXPIRED in p.result.outcomes:
             expired = [k for k in keys if outcome.get(k) == "lease_expired"]
             for k in expired:
                 del outcome[k]  # undecided again: the new round decides them
             await self._lookup_and_fetch(expired, outcome, landing, lim, again=False)
+        return True
+
+    async def _fetch_when_room(
+        self,
+        keys: list[bytes],
+        outcome: _Outcome,
+        landing: _Landing,
+        lim: RequestLimits,
+        *,
+        again: bool,
+    ) -> None:
+        """Keys a round could not take within the peer's share: once the peer's writes
+        hold less (within ``fetch_timeout``), look them up and fetch them again."""
+        if not await landing.wait_for_room(trio.current_time() + self.cfg.fetch_timeout):
+            outcome.update((k, _OVER_SHARE) for k in keys)
+            return
+        await self._lookup_and_fetch(keys, outcome, landing, lim, again=again)
 
     def _give_up(
         self,

@@ -1,0 +1,201 @@
+"""What one producer's writes may hold of our store (``NodeConfig.max_landing_share``).
+
+A producer that answers "hit" and never writes keeps the slots of our fetches from it
+reserved until the fetch's deadline and quarantined after it. Its share caps that, per
+peer id, so fetches from other peers still find room; a legitimate fetch larger than the
+share loads in parts.
+
+Autojump clock, real TCP on loopback; writes that never complete come from
+:class:`~tests.helpers.FaultTransport` (FAKE: ``hang``), and blocking data-plane calls run
+inline through :class:`~tests.helpers.VirtualOffload` (FAKE), as in test_timeouts.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import Node, open_node
+from p2pkv.session.shares import LandingShares
+
+from .helpers import FaultFactory, VirtualOffload, config, fill
+
+OVER_SHARE = "over the peer's share of our store (max_landing_share)"
+
+
+@asynccontextmanager
+async def node(
+    peer_id: str, *, factory: FaultFactory | None = None, **kw: Any
+) -> AsyncIterator[Node]:
+    async with open_node(
+        config(peer_id, **kw), offload=VirtualOffload(), transport=factory or FaultFactory()
+    ) as n:
+        yield n
+
+
+def hanging() -> FaultFactory:
+    return FaultFactory(lambda t: setattr(t, "hang", True))
+
+
+async def test_a_producer_that_never_writes_holds_only_its_share_and_others_still_load(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bad_transport = hanging()
+    async with (
+        node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=20.0) as bad,
+        node("good") as good,
+        node(
+            "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=20.0
+        ) as dst,
+    ):
+        bad_keys = fill(bad.store, 16, 4096)
+        good_keys = fill(good.store, 8, 4096)
+        bad_peer = await dst.connect(bad.address)
+        good_peer = await dst.connect(good.address)
+        results = {}
+
+        async def from_bad() -> None:
+            results["bad"] = await dst.fetch(bad_peer, bad_keys)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(from_bad)
+            await trio.sleep(1.0)  # the bad fetch holds its slots, its write hangs
+            assert dst.statistics().store.reserved == 8  # its share, not all 16
+            assert bad_transport.transport.posts == 1
+            # Without the share the bad fetch would hold all 16 slots: StoreFull here.
+            got = await dst.fetch(good_peer, good_keys)
+            assert got.loaded == good_keys and not got.failed
+        bad_result = results["bad"]
+        assert bad_result.loaded == []
+        # The first 8 timed out; the rest were never asked for and fail as they did.
+        assert bad_result.failed == dict.fromkeys(bad_keys, "timeout")
+        assert bad_transport.transport.posts == 1
+        assert dst.statistics().quarantined_slots == 8
+
+
+async def test_a_fetch_larger_than_the_share_loads_in_parts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    factory = FaultFactory()
+    async with (
+        node("src", num_blocks=64, factory=factory) as src,
+        node("dst", num_blocks=16, max_landing_share=0.25) as dst,
+    ):
+        keys = fill(src.store, 16, 4096)
+        peer = await dst.connect(src.address)
+        result = await dst.fetch(peer, keys)
+        assert result.loaded == keys and not result.failed
+        assert all(dst.store.get(k) == src.store.get(k) for k in keys)
+        assert factory.transport.posts == 4  # four parts of four slots, one after another
+        assert dst.statistics().store.reserved == 0
+        assert src.statistics().pinned_slots == 0
+
+
+async def test_after_a_give_up_the_peers_quarantined_slots_keep_its_next_fetch_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Quarantined slots count against the share until the quarantine ends, across a
+    reconnect: the next fetch from that peer waits for room, and gives up after
+    ``fetch_timeout`` with nothing written (its lookup was answered; no fetch was sent)."""
+    bad_transport = hanging()
+    async with (
+        node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=30.0) as bad,
+        node(
+            "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=30.0
+        ) as dst,
+    ):
+        keys = fill(bad.store, 12, 4096)
+        peer = await dst.connect(bad.address)
+        first = await dst.fetch(peer, keys[:8])
+        assert first.failed == dict.fromkeys(keys[:8], "timeout")
+        assert dst.statistics().quarantined_slots == 8
+        await dst.disconnect(peer)
+        peer = await dst.connect(bad.address)  # a new session: the same peer id's share
+        start = trio.current_time()
+        second = await dst.fetch(peer, keys[8:])
+        assert trio.current_time() - start == pytest.approx(4.0, abs=0.5)
+        assert second.failed == dict.fromkeys(keys[8:], OVER_SHARE)
+        assert bad_transport.transport.posts == 1  # nothing more was written
+        assert dst.statistics().store.reserved == 0
+
+
+async def test_a_fetch_waiting_for_room_goes_on_when_the_quarantine_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The wait ends at the peer's quarantine's end (no other wake-up comes)."""
+    factory = FaultFactory(lambda t: setattr(t, "hang", True))
+    async with (
+        node("src", factory=factory, abort_timeout=1.0, quarantine=6.0) as src,
+        node("dst", num_blocks=8, max_landing_share=0.5, fetch_timeout=3.0, quarantine=6.0) as dst,
+    ):
+        keys = fill(src.store, 8, 4096)
+        peer = await dst.connect(src.address)
+        first = await dst.fetch(peer, keys[:4])
+        gave_up = trio.current_time()
+        assert set(first.failed.values()) == {"timeout"}
+        factory.transport.hang = False  # the producer recovers
+        second_at: list[float] = []
+
+        async def second_fetch() -> None:
+            result = await dst.fetch(peer, keys[4:])
+            second_at.append(trio.current_time())
+            assert result.loaded == keys[4:]
+
+        # Started 2 s before the quarantine's end, within its 3 s fetch_timeout: room comes
+        # at that end, and nothing but the end's own timer can tell the waiter.
+        await trio.sleep(gave_up + 6.0 - trio.current_time() - 2.0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(second_fetch)
+        assert second_at and second_at[0] == pytest.approx(gave_up + 6.0, abs=0.5)
+
+
+async def test_a_fetch_waiting_for_room_goes_on_when_another_fetch_from_the_peer_lands(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two fetches from one peer at once, each the size of its share: the second waits
+    and is woken when the first's slots are committed, long before its own deadline."""
+    async with (
+        open_node(
+            config("src"), offload=VirtualOffload({"_post_run": 1.0}), transport=FaultFactory()
+        ) as src,
+        node("dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=20.0) as dst,
+    ):
+        keys = fill(src.store, 16, 4096)
+        peer = await dst.connect(src.address)
+        done: dict[str, float] = {}
+
+        async def fetch(name: str, ks: list[bytes]) -> None:
+            result = await dst.fetch(peer, ks)
+            assert result.loaded == ks and not result.failed
+            done[name] = trio.current_time()
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch, "a", keys[:8])
+            await trio.sleep(0.1)
+            nursery.start_soon(fetch, "b", keys[8:])
+        # Each write takes a virtual second: b's starts when a's slots count no more.
+        assert done["a"] - start == pytest.approx(1.0, abs=0.2)
+        assert done["b"] - start == pytest.approx(2.0, abs=0.2)
+
+
+def test_the_ledger_counts_reserved_and_quarantined_until_the_deadline() -> None:
+    shares = LandingShares()
+    assert shares.take("p", 5, cap=8, now=0.0) == 5
+    assert shares.take("p", 5, cap=8, now=0.0) == 3  # 8 in all
+    assert shares.take("q", 5, cap=8, now=0.0) == 5  # per peer
+    shares.settle("p", 3)
+    shares.quarantine("p", 5, until=10.0)
+    assert shares.held("p", now=9.9) == 5
+    assert shares.take("p", 8, cap=8, now=9.9) == 3
+    assert shares.held("p", now=10.0) == 3  # the quarantine ended
+    shares.settle("p", 3)
+    assert shares.held("p", now=10.0) == 0
+    shares.settle("q", 5)
+    assert shares.held("q", now=0.0) == 0
+    assert not shares._shares  # nothing kept for peers that hold nothing
