@@ -330,7 +330,20 @@ class Node:
             if self._closing:
                 raise HandshakeRejected("node is shutting down", peer=pid)
             old = self._by_peer.get(pid)
-            if old is None or old is session or not old.alive:
+            if old is None or old is session:
+                break
+            if not old.alive:
+                # Closing (its bye, an error, an idle timeout, a disconnect): its writes
+                # drain and its registration is released before the peer's next one
+                # starts (review 2026-12-04: a reconnect re-registered at once, while
+                # the old session's write was still in flight).
+                if not old.finished.is_set():
+                    with trio.move_on_after(self.config.close_timeout):
+                        await old.finished.wait()
+                    if not old.finished.is_set():
+                        raise HandshakeRejected(
+                            "the previous session of this peer did not close", peer=pid
+                        )
                 break
             old_hello = old.proto.peer
             if old.proto.ready:

@@ -759,3 +759,45 @@ async def test_a_stranger_speaking_another_protocol_is_logged_by_its_address_and
     lines = [r.getMessage() for r in caplog.records if "protocol error" in r.getMessage()]
     assert lines and all("from the peer at 127.0.0.1:" in line for line in lines), lines
     assert all("begins b'GET ': not a p2pkv peer?" in line for line in lines), lines
+
+
+async def test_a_closing_session_is_torn_down_before_its_peer_registers_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The old session of a peer id is torn down (writes drained, registration released)
+    before the new registration starts, also when it was already closing as the new hello
+    came: a reconnect used to register at once, beside the registration a write of the
+    old session was still using. Found by a review (2026-12-04)."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    with trio.fail_after(60):
+        async with open_node(
+            config("a", abort_timeout=3.0, quarantine=10.0),
+            offload=VirtualOffload(),
+            transport=hanging,
+        ) as a:
+            keys = fill(a.store, 2, 4096)
+            first = RawPeer("p", epoch=7)
+            await first.connect(a.address)
+            await first.handshake()
+            old = a._by_peer["p"]
+            req = first.proto.send_lookup(keys)
+            await first.flush()
+            await first.next_event()  # the answer
+            first.proto.send_fetch(req, keys, [0, 1])
+            await first.flush()
+            await trio.sleep(0.5)  # the write is posted and hangs
+            assert hanging.transport.posts == 1
+            first.proto.send_bye("shutdown", "restarting")
+            await first.flush()
+            await trio.sleep(0.1)  # the old session is closing: its write drains
+            assert not old.alive and not old.finished.is_set()
+            adds = hanging.transport.adds
+            second = RawPeer("p", epoch=8)
+            await second.connect(a.address)
+            await second.handshake()
+            assert old.finished.is_set()
+            assert hanging.transport.releases == 1  # the old write was cut first
+            assert hanging.transport.adds == adds + 1
+            assert a._by_peer["p"] is not old
+            await first.aclose()
+            await second.aclose()
