@@ -801,3 +801,89 @@ async def test_a_closing_session_is_torn_down_before_its_peer_registers_again(
             assert a._by_peer["p"] is not old
             await first.aclose()
             await second.aclose()
+
+
+async def _impostor_hello(a: Node, peer_id: str, epoch: int) -> tuple[RawPeer, ByeReceived | None]:
+    """A handshake claiming ``peer_id``: the node's bye, or None if it admitted us."""
+    impostor = RawPeer(peer_id, epoch=epoch)
+    await impostor.connect(a.address)
+    impostor.proto.start()
+    await impostor.flush()
+    while True:
+        ev = await impostor.next_event()
+        if isinstance(ev, ByeReceived):
+            return impostor, ev
+        if isinstance(ev, Ready):
+            return impostor, None
+        assert ev is not None, "closed without a bye"
+        if isinstance(ev, HelloReceived):
+            impostor.proto.registration_succeeded()
+            await impostor.flush()
+
+
+async def test_a_live_peer_whose_lookup_waits_on_the_hosts_pins_is_not_superseded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The probe counts frames the old session's reader decodes; while the reader waits
+    for the host's pins (a pin source, up to its answer_within) it decodes nothing. An
+    impostor's hello then closed the live session once its pong went unread for
+    probe_timeout (2 s < the host's 5 s). Found by a review (2026-12-04)."""
+    from p2pkv.pins import HostPins
+
+    pins = HostPins(64, answer_within=5.0)  # a host that never answers: 5 s per lookup
+    with trio.fail_after(60):
+        async with open_node(
+            config("a"), offload=VirtualOffload(), transport=FaultFactory(), pin_source=pins
+        ) as a:
+            live = RawPeer("p", epoch=7)
+            await live.connect(a.address)
+            await live.handshake()
+            old = a._by_peer["p"]
+            async with trio.open_nursery() as nursery:
+
+                async def keep_reading() -> None:  # answers every ping at once
+                    while await live.next_event() is not None:
+                        pass
+
+                nursery.start_soon(keep_reading)
+                live.proto.send_lookup([b"k" * 32])
+                await live.flush()
+                await trio.sleep(0.1)  # a's reader now waits for the host's answer
+                assert old.host_waits == 1
+                impostor, bye = await _impostor_hello(a, "p", 8)
+                assert bye is not None and bye.code == "duplicate", bye
+                assert old.alive, old.close_reason
+                assert a._by_peer["p"] is old
+                nursery.cancel_scope.cancel()
+            await impostor.aclose()
+            await live.aclose()
+
+
+async def test_a_dead_peer_whose_lookup_waited_on_the_host_is_still_superseded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The other side of the test above: the probe's time runs from the host wait's end,
+    so a peer that restarted behind a dead connection still replaces its old session,
+    ``probe_timeout`` after that end."""
+    from p2pkv.pins import HostPins
+
+    pins = HostPins(64, answer_within=5.0)
+    with trio.fail_after(60):
+        async with open_node(
+            config("a"), offload=VirtualOffload(), transport=FaultFactory(), pin_source=pins
+        ) as a:
+            dead = RawPeer("p", epoch=7)
+            await dead.connect(a.address)
+            await dead.handshake()
+            old = a._by_peer["p"]
+            dead.proto.send_lookup([b"k" * 32])
+            await dead.flush()  # and never reads or answers again
+            await trio.sleep(0.1)
+            start = trio.current_time()
+            restarted, bye = await _impostor_hello(a, "p", 8)
+            assert bye is None  # admitted
+            assert not old.alive and a._by_peer["p"] is not old
+            # The host's wait (4.9 s left), then probe_timeout (2 s).
+            assert trio.current_time() - start == pytest.approx(4.9 + 2.0, abs=0.3)
+            await restarted.aclose()
+            await dead.aclose()

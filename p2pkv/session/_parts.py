@@ -23,12 +23,14 @@ class SessionParts:
         cfg: NodeConfig
         proto: SessionProtocol
         token: object
+        host_waits: int
         close_reason: str | None
         _nursery: trio.Nursery | None
         _wake_lease: trio.Event
 
         def _rearm_lease_timer(self, deadline: float) -> None: ...
         def _wake_waiter(self, p: _Pending) -> None: ...
+        def host_wait_over(self) -> None: ...
         async def _wait_in_lane(self, p: _Pending) -> bool: ...
 
         @property

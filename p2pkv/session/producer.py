@@ -118,11 +118,14 @@ class ProducerSide(SessionParts):
         if pins is not None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             # The host pins, on its own thread: one request, bounded by its answer deadline.
             room = max(cfg.max_pinned_blocks - self.proto.pins_held(), 0)
+            self.host_waits += 1  # a probe meanwhile waits for the wait's end
             try:
                 got = await pins.pin(held.owner, keys[:room])
             except BaseException:
                 self.node.unpin(held.owner)  # whatever the host pinned for nobody
                 raise
+            finally:
+                self.host_wait_over()
             if self._pinned.get(ev.req_id) is not held:  # released meanwhile
                 self.node.unpin(held.owner)
                 got = []

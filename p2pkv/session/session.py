@@ -141,6 +141,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         self.handshaken = trio.Event()  # set once, when the first incarnation is ready
         self.finished = trio.Event()
         self._rx = trio.lowlevel.ParkingLot()  # woken on every complete frame received
+        # Lookups whose pins the reader waits for from the host (a pin source): it decodes
+        # nothing meanwhile, so a probe's time runs from the wait's end (see probe).
+        self.host_waits = 0
         self.close_reason: str | None = None
         self.error: BaseException | None = None
         self.inflight_bytes = 0
@@ -237,11 +240,27 @@ class PeerSession(ProducerSide, ConsumerSide):
         before = self.proto.frames_received
         self.proto.send_ping()
         await self._flush(background=True)
-        with trio.move_on_after(within):
-            while self.alive and self.proto.frames_received == before:
+        deadline = trio.current_time() + within
+        while self.alive and self.proto.frames_received == before:
+            if self.host_waits:
+                # The reader waits for the host's pins (bounded by the pin source): the
+                # answer may be in, undecoded. Without this an impostor could close a
+                # live session whose host took longer than probe_timeout to pin
+                # (review 2026-12-04); the wait's end wakes us (host_wait_over).
                 await self._rx.park()
-            return self.alive
-        return False
+                deadline = trio.current_time() + within
+                continue
+            if trio.current_time() >= deadline:
+                return False
+            with trio.move_on_at(deadline):
+                await self._rx.park()
+        return self.alive
+
+    def host_wait_over(self) -> None:
+        """The reader's wait for the host's pins ended (see :meth:`probe`)."""
+        self.host_waits -= 1
+        if self._rx:
+            self._rx.unpark_all()
 
     def __repr__(self) -> str:
         return f"<PeerSession peer={self.peer_id} ready={self.ready.is_set()}>"
