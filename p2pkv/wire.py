@@ -605,6 +605,10 @@ class FrameDecoder:
     def buffered(self) -> int:
         return len(self._buf)
 
+    def discard(self) -> None:
+        """Drop what is buffered (a session that ends reads no more frames)."""
+        self._buf = bytearray()
+
     def next_message(self) -> Message | None:
         """The next complete message, ``None`` if more bytes are needed."""
         if self._error is not None:

@@ -637,6 +637,11 @@ class SessionProtocol:
 
     # --- input --------------------------------------------------------------------------
 
+    def discard_input(self) -> None:
+        """The session ends: drop the partial frame it was reading (up to a frame's size,
+        held otherwise until the socket is closed, after a final flush and linger)."""
+        self._decoder.discard()
+
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         if self.state in (State.CLOSED, State.ERROR):
             return  # after a bye, further bytes are ignored

@@ -332,6 +332,10 @@ class PeerSession(ProducerSide, ConsumerSide):
             # Not alive from here (ended by a cancel from outside, nothing had closed it):
             # a task woken below must not start a request on it.
             reason = self.close_reason = self.close_reason or "session ended"
+            # A stranger turned away is no longer counted (max_peers of them at most): the
+            # partial frame it sent must not outlive that through the flush and linger
+            # below (review 2026-12-04: 60 MiB held at once against a ~5 MiB bound).
+            self.proto.discard_input()
             if self._lane_handed is not None:
                 self._lane_handed.set()  # the reader will not act on it now: we end
             for p in self._pending.values():
