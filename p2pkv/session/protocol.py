@@ -316,6 +316,7 @@ class SessionProtocol:
         self._decoder = FrameDecoder(min(local.max_frame_size, MAX_HELLO_FRAME))
         self._outbox: list[bytes] = []  # may go on the wire now
         self._outbox_bytes = 0  # their length together
+        self._head_unsent = False  # _outbox[0] is bytes a send began (see unsend)
         self._held: list[Message] = []  # waiting for the peer's hello_ack
         self._hello_sent = False
         self._challenge: bytes | None = None  # the peer's nonce, once known (auth on)
@@ -401,6 +402,7 @@ class SessionProtocol:
         data = b"".join(self._outbox)
         self._outbox.clear()
         self._outbox_bytes = 0
+        self._head_unsent = False
         return data
 
     def unsend(self, data: bytes) -> None:
@@ -410,6 +412,7 @@ class SessionProtocol:
         if data:
             self._outbox.insert(0, data)
             self._outbox_bytes += len(data)
+            self._head_unsent = True
 
     def _queue(self, frame: bytes) -> None:
         self._outbox.append(frame)
@@ -602,6 +605,12 @@ class SessionProtocol:
             self._ack_sent = self._peer_acked = self._ready_emitted = False
             self._peer_last_req_id = 0
             self.state = State.HANDSHAKE
+            # Nothing for the old incarnation goes out before our new hello (answers
+            # queued in the same read used to: review 2026-12-04); bytes a send began
+            # stay, or the stream would break mid-frame.
+            keep = self._outbox[:1] if self._head_unsent else []
+            self._outbox[:] = keep
+            self._outbox_bytes = sum(map(len, keep))
             self._queue(encode(self._hello()))
         elif li.secret is not None and self._started and not self._hello_sent:
             self._send_hello()  # accepting side with a secret: the dialer has proven itself
