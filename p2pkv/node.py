@@ -58,12 +58,13 @@ from .errors import (
 )
 from .pins import PinSource
 from .registrar import Offload, Registrar, RegistrarStatistics, RegistrationJob, to_thread
+from .session.consumer import FRAME_OVERHEAD, KEY_OVERHEAD
 from .session.protocol import LocalInfo
 from .session.session import FetchResult, LookupRound, PeerSession
 from .session.shares import LandingShares
 from .store import BlockStore, StoreStatistics
 from .transport.base import DataTransport, RegionLayout, RemotePeer, TransportStatistics
-from .wire import Hello
+from .wire import MAX_FRAME_SIZE, Hello
 
 T = TypeVar("T")
 log = logging.getLogger("p2pkv.node")
@@ -240,6 +241,16 @@ class Node:
 
     # --- what sessions need -------------------------------------------------------------
 
+    def _advertised_max_keys(self) -> int:
+        """The keys per request our hello lets a peer send: ``max_keys_per_request``, at
+        most what fits one of our frames at the longest key we take. The hello carries
+        no frame size (a field more breaks authenticated handshakes with older peers),
+        so a peer sized its requests by its own frame only, and one with larger frames
+        was cut off for a lookup ours could not hold (review 2026-12-04)."""
+        cfg = self.config
+        room = min(cfg.max_frame_size, MAX_FRAME_SIZE) - FRAME_OVERHEAD
+        return max(min(cfg.max_keys_per_request, room // (cfg.max_key_len + KEY_OVERHEAD)), 1)
+
     def local_info(self, *, dialer: bool = False) -> LocalInfo:
         cfg, layout = self.config, self.store.layout
         return LocalInfo(
@@ -256,7 +267,7 @@ class Node:
             nonce=secrets.token_bytes(16),
             secret=cfg.secret,
             max_open_requests=cfg.max_open_requests,
-            max_keys_per_request=cfg.max_keys_per_request,
+            max_keys_per_request=self._advertised_max_keys(),
             max_key_len=cfg.max_key_len,
             max_frame_size=cfg.max_frame_size,
             max_peer_blocks=cfg.max_peer_blocks,

@@ -559,3 +559,25 @@ def test_a_gpu_region_is_refused_where_only_a_host_view_would_work(
     )
     with pytest.raises(p2pkv.P2PKVError, match="GPU region needs transport='nixl'"):
         make_transport(cfg, store)
+
+
+async def test_a_peer_with_smaller_frames_is_sent_requests_that_fit_them() -> None:
+    """``max_frame_size`` is not in the hello, so a consumer sized its requests by its own
+    frames: a 50,000-key lookup (under ``max_keys_per_request``) from a node with 16 MiB
+    frames closed the session of a producer with 1 MiB ones. The producer now advertises
+    only as many keys per request as fit its frames. Found by a review (2026-12-04)."""
+    with trio.fail_after(30):
+        async with (
+            open_node(config("prod", max_frame_size=1 << 20)) as prod,
+            open_node(config("cons")) as cons,
+            open_node(config("tiny", max_frame_size=4096)) as tiny,
+        ):
+            keys = fill(prod.store, 8, 4096)
+            peer = await cons.connect(prod.address)
+            many = [os.urandom(32) for _ in range(50_000)] + keys
+            hits = await cons.lookup(peer, many)
+            assert hits == [False] * 50_000 + [True] * 8
+            assert cons.is_connected("prod") and cons.statistics().peers == 1
+            # Frames with no room beyond the overhead still take one key per request.
+            own = fill(tiny.store, 3, 4096)
+            assert await cons.lookup(await cons.connect(tiny.address), own) == [True] * 3
