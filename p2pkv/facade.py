@@ -148,6 +148,7 @@ def start_node(
         name=f"p2pkv-engine-{cfg.peer_id}",
         start_timeout=start_timeout,
         on_finished=on_finished,
+        on_forked=board.fail_all_in_forked_child,
         wake_thread=True,  # a submit never gives the GIL away (see EngineThread._post)
     )
     return BlockingNode(engine, board)

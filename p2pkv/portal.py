@@ -33,7 +33,9 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -122,6 +124,8 @@ class EngineThread(Generic[V]):
         )
         self._drain_scheduled = False
         self._on_finished: Callable[[BaseException | None], object] | None = None
+        self._on_forked: Callable[[Callable[[], PortalClosed]], object] | None = None
+        self._forked = False  # this is a child forked from the engine's process
         # Optional waker thread (see _post): a post releases _wake_lock (held while no
         # wake is pending), the waker wakes the loop. Started and joined by _thread_main.
         self._waker: threading.Thread | None = None
@@ -142,6 +146,7 @@ class EngineThread(Generic[V]):
         name: str = "p2pkv-engine",
         start_timeout: float = 10.0,
         on_finished: Callable[[BaseException | None], object] | None = None,
+        on_forked: Callable[[Callable[[], PortalClosed]], object] | None = None,
         wake_thread: bool = False,
     ) -> EngineThread[V]:
         """Start the engine thread; return once ``main`` has called ``ctx.started()``.
@@ -157,12 +162,18 @@ class EngineThread(Generic[V]):
         swept: the place to fail results published outside the portal (a TicketBoard)
         with the engine's real failure, which main itself may only see as ``Cancelled``.
 
+        ``on_forked(make)`` runs in a child forked from this process, on the thread that
+        forked, right after the fork (the engine thread is not copied into the child: its
+        calls and posts fail there at once, see ``_orphaned_by_fork``): the place to
+        finish results published outside the portal, each with an error of ``make()``.
+
         ``wake_thread``: hot-path posts wake the loop through a helper thread instead of
         writing to Trio's wakeup socket themselves (see ``_post``): a post then never gives
         the GIL away, at the price of one more (daemon, idle) thread per engine.
         """
         self: EngineThread[V] = cls(main, name)
         self._on_finished = on_finished
+        self._on_forked = on_forked
         if wake_thread:
             self._waker = threading.Thread(
                 target=self._waker_main, name=f"{name}-waker", daemon=True
@@ -354,10 +365,32 @@ class EngineThread(Generic[V]):
             )
 
     def _closed_error(self, op: str) -> PortalClosed:
+        if self._forked:
+            return PortalClosed(
+                "the engine runs in the process this one was forked from; start a node "
+                "in this process to use p2pkv here",
+                op=op,
+            )
         failure = self._failure
         err = PortalClosed("engine died" if failure else "engine has stopped", op=op)
         err.__cause__ = failure
         return err
+
+    def _orphaned_by_fork(self) -> None:
+        """In a child just forked (``os.register_at_fork``): only the forking thread was
+        copied, so this engine will never run here. Calls and posts used to be queued to
+        a loop that does not exist and waited out their timeouts (tickets for ever);
+        now they fail at once. Locks are new ones: a thread of the parent may have held
+        them at the fork. Nothing is sent or closed: the sockets and the NIXL agent are
+        the parent's."""
+        self._lock = threading.Lock()
+        self._forked = True
+        self._closing = self._finished = True
+        self._token = None
+        self._pending = set()  # nobody here waits on them: the forking thread forked
+        self._posts.clear()
+        if self._on_forked is not None:
+            self._on_forked(functools.partial(self._closed_error, "fork"))
 
     def _request_cancel(self) -> None:
         """Cancel the whole engine, main included (the hard half of close())."""
@@ -569,6 +602,14 @@ def _unwrap(exc: BaseException) -> BaseException:
 _live: weakref.WeakSet[EngineThread[Any]] = weakref.WeakSet()
 _exit_hook_lock = threading.Lock()
 _exit_hook_registered = False
+
+
+def _orphan_all_in_child() -> None:
+    for engine in list(_live):
+        engine._orphaned_by_fork()
+
+
+os.register_at_fork(after_in_child=_orphan_all_in_child)
 
 
 def _close_all_at_exit() -> None:

@@ -101,6 +101,13 @@ class TicketBoard(Generic[T]):
             if self._sealed is None:
                 self._sealed = make
 
+    def fail_all_in_forked_child(self, make: Callable[[], BaseException]) -> None:
+        """:meth:`fail_all` in a process just forked: the lock is a new one (another
+        thread of the parent may have held it at the fork, and no thread here ever lets
+        it go)."""
+        self._lock = threading.Lock()
+        self.fail_all(make)
+
     def pending(self) -> int:
         """How many tickets are still in flight (finished but unread ones do not count)."""
         with self._lock:

@@ -555,3 +555,66 @@ def test_submits_racing_from_many_host_threads_all_finish_exactly_once(
     finished = node.get_finished()
     assert sorted(t for t, _ in finished) == sorted(issued)
     assert all(isinstance(out, PeerUnavailable) for _, out in finished)
+
+
+_FORK_SCRIPT = r"""
+import os, socket, sys, time
+import p2pkv
+
+silent = socket.socket()  # listens, never accepts: a connect to it waits out its timeout
+silent.bind(("127.0.0.1", 0))
+silent.listen(1)
+b = p2pkv.start_node(p2pkv.NodeConfig(peer_id="b"))
+a = p2pkv.start_node(p2pkv.NodeConfig(peer_id="a"))
+peer = a.connect(b.address, timeout=10)
+waiting = a.submit_connect(silent.getsockname(), timeout=30)  # in flight at the fork
+pid = os.fork()
+if pid == 0:
+    out = [f"alive={a.alive}", f"pending={a.pending()}"]
+    try:
+        a.poll(waiting)
+    except p2pkv.PortalClosed as e:
+        out.append("inherited:PortalClosed:" + ("forked" in str(e)) * "forked")
+    t0 = time.monotonic()
+    try:
+        a.lookup(peer, [b"k"], timeout=20)
+    except p2pkv.PortalClosed:
+        out.append(f"lookup:PortalClosed:{time.monotonic() - t0 < 1}")
+    ticket = a.submit_lookup(peer, [b"k"])
+    try:
+        a.poll(ticket)
+    except p2pkv.PortalClosed:
+        out.append("ticket:PortalClosed")
+    a.close()
+    out.append("closed")
+    print(" ".join(out), flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("parent:", a.alive, a.lookup(peer, [b"k"], timeout=10), os.waitstatus_to_exitcode(status))
+a.close()
+b.close()
+"""
+
+
+def test_in_a_forked_child_the_parents_node_fails_at_once_and_every_ticket_finishes() -> None:
+    """vLLM starts workers by fork by default. The engine thread is not copied into a
+    child: calls used to wait out their timeouts and tickets stayed in flight for ever.
+    Now they fail at once with ``PortalClosed`` saying why; the parent's node is
+    untouched. In a subprocess: forking under pytest's own threads is unsafe. Found by a
+    review (2026-12-04)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORK_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == (
+        "alive=False pending=0 inherited:PortalClosed:forked lookup:PortalClosed:True "
+        "ticket:PortalClosed closed"
+    ), done.stdout + done.stderr
+    assert lines[1] == "parent: True [False] 0"
