@@ -259,6 +259,12 @@ class NodeConfig:
             raise ConfigError(
                 f"max_pinned_share ({self.max_pinned_share}) is a share of the store: at most 1"
             )
+        if self.num_blocks > self.max_peer_blocks:
+            raise ConfigError(
+                f"num_blocks ({self.num_blocks}) is over max_peer_blocks "
+                f"({self.max_peer_blocks}): a peer with this config would refuse this "
+                "node's region; raise max_peer_blocks on every node, or use fewer blocks"
+            )
         if self.max_landing_share > 1:
             raise ConfigError(
                 f"max_landing_share ({self.max_landing_share}) is a share of the store: at most 1"

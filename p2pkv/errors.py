@@ -128,6 +128,7 @@ __all__ = [
     "RegistrationFailed",
     "RemoteProtocolError",
     "SessionClosed",
+    "SlotsInUse",
     "StoreFull",
     "TransportError",
 ]

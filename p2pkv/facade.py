@@ -62,6 +62,7 @@ from .node import (
     Peer,
     TransportFactory,
     check_address,
+    check_keys,
     check_peer,
     open_node,
 )
@@ -227,7 +228,7 @@ class BlockingNode:
         return self._engine.call(
             self._node.lookup,
             check_peer(peer),
-            list(keys),
+            check_keys(keys),
             timeout=self._timeout("lookup", timeout),
         )
 
@@ -239,7 +240,7 @@ class BlockingNode:
         return self._engine.call(
             self._node.lookup_round,
             check_peer(peer),
-            list(keys),
+            check_keys(keys),
             timeout=self._timeout("lookup", timeout),
         )
 
@@ -256,7 +257,7 @@ class BlockingNode:
         return self._engine.call(
             self._node.fetch,
             check_peer(peer),
-            list(keys),
+            check_keys(keys),
             rounds,
             timeout=self._timeout("fetch", timeout),
         )
@@ -343,13 +344,15 @@ class BlockingNode:
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> int:
         """Start :meth:`lookup` on the engine; returns a ticket (result: list[bool])."""
-        return self._submit(self._node.lookup, (check_peer(peer), list(keys)), "lookup", timeout)
+        return self._submit(
+            self._node.lookup, (check_peer(peer), check_keys(keys)), "lookup", timeout
+        )
 
     def submit_lookup_round(
         self, peer: Peer | str, keys: Sequence[bytes], *, timeout: float | None = None
     ) -> int:
         """Start :meth:`Node.lookup_round`; returns a ticket (result: LookupRound)."""
-        args = (check_peer(peer), list(keys))
+        args = (check_peer(peer), check_keys(keys))
         return self._submit(self._node.lookup_round, args, "lookup", timeout)
 
     def submit_fetch(
@@ -361,7 +364,7 @@ class BlockingNode:
         timeout: float | None = None,
     ) -> int:
         """Start :meth:`fetch` on the engine; returns a ticket (result: FetchResult)."""
-        args = (check_peer(peer), list(keys), rounds)
+        args = (check_peer(peer), check_keys(keys), rounds)
         return self._submit(self._node.fetch, args, "fetch", timeout)
 
     def submit_fetch_into(
@@ -385,7 +388,7 @@ class BlockingNode:
             within = check_seconds(within, "within")
             if timeout is None:
                 timeout = within + self._node.config.quarantine + _MARGIN
-        args = (check_peer(peer), list(keys), list(slots), rounds)
+        args = (check_peer(peer), check_keys(keys), list(slots), rounds)
         afn = self._node.fetch_into
         if within is not None:
             afn = functools.partial(afn, within=within)

@@ -147,6 +147,15 @@ def check_peer(peer: object) -> str:
     )
 
 
+def check_keys(keys: Iterable[bytes]) -> list[bytes]:
+    """``keys`` as a list. TypeError for one key passed where a sequence of them is
+    expected (an easy slip: ``fetch(peer, key)`` took each byte as a key, and every
+    key "failed" as not bytes)."""
+    if isinstance(keys, bytes | bytearray | memoryview | str):
+        raise TypeError(f"keys must be a sequence of keys, got one {type(keys).__name__}: [key]?")
+    return list(keys)
+
+
 @attrs.frozen
 class NodeStatistics:
     peer_id: str
@@ -595,14 +604,14 @@ class Node:
         :meth:`fetch` of them soon after reuses this round (any fetch may: to keep a round
         for one caller, use :meth:`lookup_round`). Raises ``LocalProtocolError`` for a key
         this node could not send (not bytes, empty, over ``max_key_len``)."""
-        return (await self._session(peer, "lookup").lookup(keys)).hits
+        return (await self._session(peer, "lookup").lookup(check_keys(keys))).hits
 
     async def lookup_round(self, peer: Peer | str, keys: Sequence[bytes]) -> LookupRound:
         """:meth:`lookup`, keeping the round(s) for the caller: the result's ``hits`` are
         pinned at the peer until a :meth:`fetch` that names the handle uses them, a
         :meth:`release` of the handle, or the lease's end. No other fetch or release
         touches them, so one request finishing never unpins another's hits."""
-        return await self._session(peer, "lookup").lookup(keys, held=True)
+        return await self._session(peer, "lookup").lookup(check_keys(keys), held=True)
 
     async def fetch(
         self,
@@ -615,7 +624,7 @@ class Node:
         connected (``PeerUnavailable``) or a key is unhashable (``LocalProtocolError``).
         ``rounds``: handles from :meth:`lookup_round` whose rounds this fetch
         may use (besides anonymous rounds from :meth:`lookup`)."""
-        return await self._session(peer, "fetch").fetch(keys, self._handles(rounds))
+        return await self._session(peer, "fetch").fetch(check_keys(keys), self._handles(rounds))
 
     async def fetch_into(
         self,
@@ -638,7 +647,7 @@ class Node:
         if within is not None:
             within = check_seconds(within, "within")
         session = self._session(peer, "fetch")
-        return await session.fetch_into(keys, slots, self._handles(rounds), within)
+        return await session.fetch_into(check_keys(keys), slots, self._handles(rounds), within)
 
     def is_connected(self, peer_id: str) -> bool:
         """A session with ``peer_id`` is established (safe to read from another thread:

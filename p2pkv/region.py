@@ -39,7 +39,10 @@ _PAGE: Final = mmap.PAGESIZE
 def adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArray[np.uint8]]:
     """(object to keep alive, flat uint8 view of its first nbytes); never copies."""
     if region is None:
-        raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)  # calloc: pages committed lazily
+        try:
+            raw = np.zeros(nbytes + _PAGE, dtype=np.uint8)  # calloc: pages committed lazily
+        except ValueError as exc:  # NumPy's word for a size past what it can address
+            raise MemoryError(f"a region of {nbytes} bytes: {exc}") from None
         offset = -raw.ctypes.data % _PAGE
         flat = raw[offset : offset + nbytes]
         return flat, flat

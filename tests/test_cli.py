@@ -164,7 +164,9 @@ def test_demo_local_in_batches_reports_progress() -> None:
 @pytest.mark.nixl
 @skip_without_nixl
 def test_demo_over_nixl_two_processes_verifies_and_reaps_the_source() -> None:
-    done = p2pkv("demo", *SMALL, timeout=120)
+    # Values that start with "-" reach the source as values (review 2026-12-04: the
+    # source took "-model-x" for a flag and exited 2).
+    done = p2pkv("demo", *SMALL, "--fingerprint=-model-x", "--seed=-3", timeout=120)
     assert done.returncode == 0, done.stderr
     assert re.search(r"verified\s+yes", done.stdout)
     assert "nixl (two processes)" in done.stdout
@@ -430,6 +432,18 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
             "tls_cert must be a path",
         ),
         (["serve", "--config", "{cfg}.json"], '{"peer_id": "a", "tls_ca": 5}', "tls_ca must be"),
+        # Found by a review (2026-12-04): each was a traceback.
+        (["demo", "--seed", str(1 << 64)], None, "must fit in 64 bits"),
+        (["serve", "--fill", "1", "--seed", str(-(1 << 63) - 1)], None, "must fit in 64 bits"),
+        (["serve", "--config", "{cfg}"], f"fill = 1\nseed = {1 << 64}\n", "seed must be an int"),
+        (["serve", "--blocks", str(1 << 62)], None, "over max_peer_blocks"),
+        (
+            ["serve", "--config", "{cfg}"],
+            f"num_blocks = {1 << 62}\nmax_peer_blocks = {1 << 62}\nblock_len = 8\n",
+            "not enough memory",
+        ),
+        (["demo", "--timeout", "nan"], None, "must be > 0"),
+        (["demo", "--timeout", "-5"], None, "must be > 0"),
     ],
 )
 def test_bad_input_is_a_one_line_error_not_a_traceback(

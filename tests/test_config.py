@@ -34,6 +34,8 @@ from .helpers import fill
         ({"transport": "tcp"}, "unknown transport"),
         ({"landing_margin": -1.0}, "landing_margin must be >= 0"),
         ({"max_landing_share": 0.0}, "max_landing_share must be > 0"),
+        # Accepted, then refused by every peer of the same config (review 2026-12-04).
+        ({"num_blocks": 9, "max_peer_blocks": 8}, r"num_blocks \(9\) is over max_peer_blocks"),
         ({"max_landing_share": 1.5}, r"max_landing_share \(1.5\) is a share of the store"),
         ({"switch_interval": 0.0}, "switch_interval must be None or >="),
         ({"heartbeat_interval": 5.0, "idle_timeout": 2.0}, "idle_timeout .* must exceed"),
@@ -105,3 +107,19 @@ async def test_values_at_the_hellos_limits_connect() -> None:
             keys = fill(src.store, 2, src.config.block_len)
             peer = await dst.connect(src.address)
             assert sorted((await dst.fetch(peer, keys)).loaded) == sorted(keys)
+
+
+def test_every_error_class_is_exported_where_users_import_errors_from() -> None:
+    """``SlotsInUse`` was missing from ``p2pkv.errors.__all__`` (review 2026-12-04)."""
+    import p2pkv
+    import p2pkv.errors
+
+    classes = {
+        name
+        for name, value in vars(p2pkv.errors).items()
+        if isinstance(value, type)
+        and issubclass(value, Exception)
+        and value.__module__ == "p2pkv.errors"
+    }
+    assert classes == set(p2pkv.errors.__all__)
+    assert classes <= set(p2pkv.__all__)

@@ -253,6 +253,31 @@ def test_a_peer_given_as_an_address_is_refused_in_the_callers_thread(
     assert dst.pending() == 0 and dst.is_connected("src")
 
 
+def test_one_key_where_a_sequence_of_keys_is_expected_is_a_type_error(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """``fetch(peer, key)`` took each byte of the key as a key: every one "failed" as not
+    bytes, and nothing said why. Now the call itself raises, no ticket taken. Found by a
+    review (2026-12-04)."""
+    dst, src = nodes("dst"), nodes("src")
+    peer = dst.connect(src.address, timeout=BOUND)
+    key = b"k" * 32
+    for call in (
+        lambda k: dst.submit_lookup(peer, k),
+        lambda k: dst.submit_lookup_round(peer, k),
+        lambda k: dst.submit_fetch(peer, k),
+        lambda k: dst.submit_fetch_into(peer, k, [0]),
+        lambda k: dst.lookup(peer, k, timeout=BOUND),
+        lambda k: dst.lookup_round(peer, k, timeout=BOUND),
+        lambda k: dst.fetch(peer, k, timeout=BOUND),
+    ):
+        for one in (key, bytearray(key), memoryview(key), key.hex()):
+            with pytest.raises(TypeError, match=r"a sequence of keys, got one .*\[key\]\?"):
+                call(one)
+    assert dst.pending() == 0
+    assert dst.lookup(peer, (key,), timeout=BOUND) == [False]  # any other sequence will do
+
+
 def test_a_ticket_of_another_node_is_unknown_and_leaves_that_nodes_own_alone(
     nodes: Callable[..., BlockingNode],
 ) -> None:

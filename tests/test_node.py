@@ -581,3 +581,14 @@ async def test_a_peer_with_smaller_frames_is_sent_requests_that_fit_them() -> No
             # Frames with no room beyond the overhead still take one key per request.
             own = fill(tiny.store, 3, 4096)
             assert await cons.lookup(await cons.connect(tiny.address), own) == [True] * 3
+
+
+async def test_the_async_node_refuses_one_key_where_keys_are_expected() -> None:
+    with trio.fail_after(30):
+        async with open_node(config("src")) as src, open_node(config("dst")) as dst:
+            peer = await dst.connect(src.address)
+            for call in (dst.lookup, dst.lookup_round, dst.fetch):
+                with pytest.raises(TypeError, match="a sequence of keys"):
+                    await call(peer, b"k" * 32)
+            with pytest.raises(TypeError, match="a sequence of keys"):
+                await dst.fetch_into(peer, b"k" * 32, [0])

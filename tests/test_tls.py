@@ -442,9 +442,16 @@ def test_serve_and_fetch_take_the_tls_files_from_flags_or_a_config_file(
     cfg, _blocks, _seed = fetch_settings(args, "f")
     assert (cfg.tls_cert, cfg.tls_key, cfg.tls_ca) == tuple(files.values())
     assert cfg.peer_id == "s"  # the one its certificate names
+    # The file is the serving node's: its certificate and key are its identity, so a
+    # fetch takes its own from the flags (it claimed the server's id: review 2026-12-04),
+    # and the file's CA.
     args = build_parser().parse_args(["fetch", "127.0.0.1:1", "--config", str(conf), "--peer-id=f"])
+    with pytest.raises(P2PKVError, match="tls_cert and tls_key are the serving node's own"):
+        fetch_settings(args, "f")
+    own = [f"--tls-cert={files['tls_cert']}", f"--tls-key={files['tls_key']}"]
+    args = build_parser().parse_args(["fetch", "127.0.0.1:1", "--config", str(conf), *own])
     cfg, _blocks, _seed = fetch_settings(args, "f")
-    assert cfg.tls_cert == os.fspath(conf.parent / "c.pem")
+    assert (cfg.tls_cert, cfg.tls_key) == (files["tls_cert"], files["tls_key"])
     assert cfg.tls_ca == os.fspath(conf.parent / "../ca.pem")
 
 

@@ -48,6 +48,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    value = _int(text)
+    if not -(1 << 63) <= value < 1 << 63:  # the demo keys take it as 8 signed bytes
+        raise argparse.ArgumentTypeError(f"must fit in 64 bits (signed), got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -92,7 +109,7 @@ def _add_blocks(p: argparse.ArgumentParser, *, blocks: int, from_config: bool = 
     )
     p.add_argument(
         "--seed",
-        type=int,
+        type=_seed,
         help=f"seed of the demo keys and block contents (default: {file}0)",
         **default(0),
     )
@@ -155,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=120.0,
         help="seconds to wait for the source process to start",
     )
@@ -190,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_p.add_argument(
         "--fill", type=_non_negative_int, help="put this many demo blocks in the store"
     )
-    serve_p.add_argument("--seed", type=int, help="seed of the demo blocks (default 0)")
+    serve_p.add_argument("--seed", type=_seed, help="seed of the demo blocks (default 0)")
     serve_p.add_argument(
         "--exit-on-eof",
         action="store_true",
@@ -218,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="TOML (.toml) or JSON file of NodeConfig fields, as `serve` takes (the serving "
         "node's own will do): secret, hash_seed, fingerprint, block_len and deadlines come "
         "from it, fill and seed are the defaults of --blocks and --seed; its peer_id, "
-        "host, port and num_blocks are the serving node's and are not used",
+        "host, port, num_blocks, tls_cert and tls_key are the serving node's and are not "
+        "used (give this node's own with --tls-cert and --tls-key; its tls_ca is used)",
     )
     fetch.add_argument(
         "--transport",

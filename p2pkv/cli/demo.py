@@ -46,9 +46,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return finish(trio.run(_demo_local, args, progress), "local (one process)")
     argv = [sys.executable, "-m", "p2pkv", "--log-level", args.log_level, "serve"]
     argv += ["--exit-on-eof", "--transport", "nixl", "--peer-id", "demo-source"]
-    argv += ["--host", "127.0.0.1", "--port", "0", "--fingerprint", args.fingerprint]
+    # "--flag=value": a value that starts with "-" (a fingerprint, a negative seed) is
+    # not taken for a flag of its own.
+    argv += ["--host", "127.0.0.1", "--port", "0", f"--fingerprint={args.fingerprint}"]
     argv += ["--blocks", str(args.blocks), "--block-len", str(args.block_len)]
-    argv += ["--fill", str(args.blocks), "--seed", str(args.seed)]
+    argv += ["--fill", str(args.blocks), f"--seed={args.seed}"]
     child = Child(argv, name="source process")
     try:
         hello = child.receive(timeout=args.timeout)

@@ -118,8 +118,8 @@ def _demo_blocks(fill: object, seed: object) -> tuple[int, int]:
     """A config's ``fill`` and ``seed``, checked (P2PKVError naming the bad one)."""
     if type(fill) is not int or fill < 0:
         raise P2PKVError(f"fill must be an int >= 0, got {fill!r}")
-    if type(seed) is not int:
-        raise P2PKVError(f"seed must be an int, got {seed!r}")
+    if type(seed) is not int or not -(1 << 63) <= seed < 1 << 63:
+        raise P2PKVError(f"seed must be an int of 64 bits (signed), got {seed!r}")
     return fill, seed
 
 
@@ -154,10 +154,13 @@ def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
 
 
 # A config file given to ``fetch`` may be the serving node's own: these settings describe
-# that node (who it is, where it listens, how big its store is), not the fetching one.
-_SERVER_ONLY = ("peer_id", "host", "port", "num_blocks")
+# that node (who it is, by id and by certificate, where it listens, how big its store is),
+# not the fetching one.
+_SERVER_ONLY = ("peer_id", "host", "port", "num_blocks", "tls_cert", "tls_key")
 # flag dest -> NodeConfig field; a flag given wins over the file (peer_id: see below)
-_FETCH_FLAGS = {d: f for d, f in _NODE_FLAGS.items() if f not in _SERVER_ONLY}
+_FETCH_FLAGS = {
+    d: f for d, f in _NODE_FLAGS.items() if f not in _SERVER_ONLY or f.startswith("tls_")
+}
 
 
 def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[NodeConfig, int, int]:
@@ -166,11 +169,21 @@ def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[Node
     ``--config`` takes the file ``serve`` takes, the serving node's own included: what
     peers must agree on (``secret``, ``hash_algo``, ``hash_seed``, ``fingerprint``,
     ``block_len``) and the deadlines come from it, and its ``fill`` and ``seed`` are the
-    defaults of ``--blocks`` and ``--seed``. Its ``peer_id``, ``host``, ``port`` and
-    ``num_blocks`` are the serving node's and are not used. Flags win over the file."""
+    defaults of ``--blocks`` and ``--seed``. Its ``peer_id``, ``host``, ``port``,
+    ``num_blocks``, ``tls_cert`` and ``tls_key`` are the serving node's and are not used
+    (with TLS, this node's certificate and key come from the flags; the file's CA
+    stands). Flags win over the file."""
     settings = load_config(Path(args.config)) if args.config else {}
+    identity = [name for name in ("tls_cert", "tls_key") if name in settings]
     for name in _SERVER_ONLY:
         settings.pop(name, None)
+    if identity and (args.tls_cert is None or args.tls_key is None):
+        # A fetch that took them claimed the serving node's own identity, and was refused
+        # as "peer id ... is our own" (review 2026-12-04).
+        raise P2PKVError(
+            f"the config's {' and '.join(identity)} are the serving node's own identity: "
+            "give this node's certificate and key with --tls-cert and --tls-key"
+        )
     fill, seed = _demo_blocks(settings.pop("fill", 1024), settings.pop("seed", 0))
     blocks = args.blocks if args.blocks is not None else (fill or 1024)
     seed = args.seed if args.seed is not None else seed
