@@ -527,3 +527,20 @@ def test_command_options_read_as_users_write_them(capsys: pytest.CaptureFixture[
             parser.parse_args(argv)
         err = capsys.readouterr().err
         assert "must be an integer" in err and "_port" not in err and "_positive" not in err
+
+
+def test_the_sdist_carries_the_license_and_what_its_tests_import(tmp_path: Path) -> None:
+    """The sdist shipped ``tests/test_*.py`` without ``conftest.py`` and the helpers they
+    import, and no LICENSE despite ``license = "Apache-2.0"`` (review 2026-12-04)."""
+    import tarfile
+
+    build = f"from setuptools import build_meta as b; print(b.build_sdist({str(tmp_path)!r}))"
+    done = subprocess.run(
+        [sys.executable, "-c", build], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(tmp_path / done.stdout.split()[-1]) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    wanted = {"LICENSE", "p2pkv/py.typed", "tests/conftest.py", "examples/two_node.py"}
+    wanted |= {f"tests/{p.name}" for p in (ROOT / "tests").glob("*.py")}
+    assert wanted <= names, wanted - names
