@@ -358,12 +358,7 @@ class Node:
                 # starts (review 2026-12-04: a reconnect re-registered at once, while
                 # the old session's write was still in flight).
                 if not old.finished.is_set():
-                    with trio.move_on_after(self.config.close_timeout):
-                        await old.finished.wait()
-                    if not old.finished.is_set():
-                        raise HandshakeRejected(
-                            "the previous session of this peer did not close", peer=pid
-                        )
+                    await self._wait_torn_down(old, pid)
                 break
             old_hello = old.proto.peer
             if old.proto.ready:
@@ -386,15 +381,25 @@ class Node:
                 old._fail(DuplicateSession(reason, peer=pid), reason, "duplicate")
             else:
                 old.close(reason, "superseded")
-            with trio.move_on_after(self.config.close_timeout):
-                await old.finished.wait()
-            if old.alive or not old.finished.is_set():
-                raise HandshakeRejected("the previous session of this peer did not close", peer=pid)
+            await self._wait_torn_down(old, pid)
         if pid not in self._by_peer and len(self._by_peer) >= self.config.max_peers:
             raise HandshakeRejected(
                 f"node is at its cap of {self.config.max_peers} peers", peer=pid
             )
         self._by_peer[pid] = session
+
+    async def _wait_torn_down(self, old: PeerSession, pid: str) -> None:
+        """Wait for ``old``, closing, to be torn down: its writes get ``abort_timeout`` to
+        settle, then its bye and its stream up to a second each. Past that bound (plus
+        ``close_timeout``, its own slack) the newcomer is refused. It used to be
+        ``close_timeout`` alone: a peer whose old session still drained a write was
+        refused when it came back (``tests/test_vllm_adapter.py``, a source that dies
+        mid-request)."""
+        cfg = self.config
+        with trio.move_on_after(cfg.abort_timeout + cfg.close_timeout):
+            await old.finished.wait()
+        if not old.finished.is_set():
+            raise HandshakeRejected("the previous session of this peer did not close", peer=pid)
 
     def session_ready(self, session: PeerSession) -> None:
         self._peers_changed.unpark_all()

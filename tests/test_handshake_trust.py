@@ -924,3 +924,30 @@ async def test_a_stranger_turned_away_lets_go_of_its_partial_frame_at_once(
                 for s in socks:
                     await s.aclose()
     assert held_at_linger and held_at_linger[0] == 0, held_at_linger
+
+
+async def test_a_newcomer_waits_out_the_old_sessions_teardown_bound_then_is_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The old session of the id gets ``abort_timeout + close_timeout`` to be torn down
+    (its writes' settle time, then its bye and stream); one still not done by then (here
+    its registration's release takes 100 s) keeps the newcomer out, refused with the
+    reason, rather than registered beside it."""
+    with trio.fail_after(300):  # virtual: the release ends at 100 s, then the close
+        async with node(
+            "a", delays={"remove_remote_peer": 100.0}, abort_timeout=2.0, close_timeout=3.0
+        ) as a:
+            first = RawPeer("p", epoch=7)
+            await first.connect(a.address)
+            await first.handshake()
+            old = a._by_peer["p"]
+            first.proto.send_bye("shutdown", "restarting")
+            await first.flush()
+            await trio.sleep(0.1)
+            assert not old.alive and not old.finished.is_set()  # releasing its registration
+            start = trio.current_time()
+            second, bye = await _impostor_hello(a, "p", 8)
+            assert bye is not None and "did not close" in bye.reason, bye
+            assert trio.current_time() - start == pytest.approx(5.0, abs=0.3)
+            await first.aclose()
+            await second.aclose()
