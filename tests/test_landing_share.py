@@ -12,7 +12,9 @@ inline through :class:`~tests.helpers.VirtualOffload` (FAKE), as in test_timeout
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+import os
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -184,6 +186,73 @@ async def test_a_fetch_waiting_for_room_goes_on_when_another_fetch_from_the_peer
         assert done["b"] - start == pytest.approx(2.0, abs=0.2)
 
 
+async def test_a_fetch_of_hundreds_of_parts_loads_them_one_after_another(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Parts are a loop: each used to be fetched by a call nested in the previous part's,
+    and a fetch of ~300 parts raised RecursionError (review 2026-12-04). 400 keys that
+    fit the store, a share of one slot: 400 parts."""
+    factory = FaultFactory()
+    async with (
+        node("src", num_blocks=512, factory=factory) as src,
+        node("dst", num_blocks=512, max_landing_share=1 / 512) as dst,
+    ):
+        keys = fill(src.store, 400, 4096)
+        missing = [os.urandom(32) for _ in range(4)]  # parts that find nothing give back
+        wanted = keys[:100] + missing + keys[100:]  # the room they were granted
+        peer = await dst.connect(src.address)
+        result = await dst.fetch(peer, wanted)
+        assert result.loaded == keys and result.failed == dict.fromkeys(missing, "miss")
+        assert factory.transport.posts == 400
+        assert dst.landing_shares.held("src", trio.current_time()) == 0
+
+
+async def test_a_fetch_waiting_for_room_is_not_starved_by_later_fetches_from_the_peer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Fetch A waits for the share, which B's fetches hold one after another, each
+    looked up ahead (the lookup_round-then-fetch pattern). A used to be woken, look its
+    keys up again, and find that B's next fetch, its round already in, had taken the room:
+    it waited again, each time with a fresh deadline, for as long as B went on. The queue
+    is first come, first served: B's next fetch takes nothing while A waits. Found by a
+    review (2026-12-04)."""
+    async with (
+        open_node(
+            config("src", num_blocks=256),
+            offload=VirtualOffload({"_post_run": 1.0}),  # each write: 1 virtual second
+            transport=FaultFactory(),
+        ) as src,
+        node("dst", num_blocks=16, max_landing_share=0.25, fetch_timeout=3.0) as dst,
+    ):
+        keys = fill(src.store, 4 * 21 + 4, 4096)
+        a_keys, b_batches = keys[:4], [keys[4 + 4 * i : 8 + 4 * i] for i in range(21)]
+        peer = await dst.connect(src.address)
+        done: dict[str, Any] = {}
+
+        async def b() -> None:
+            await dst.lookup(peer, b_batches[0])
+            for i in range(20):
+                async with trio.open_nursery() as n:
+                    n.start_soon(dst.lookup, peer, b_batches[i + 1])  # ahead, as a host does
+                    assert not (await dst.fetch(peer, b_batches[i])).failed
+            done["b"] = trio.current_time()
+
+        async def a() -> None:
+            r = await dst.fetch(peer, a_keys)
+            done["a"] = trio.current_time()
+            done["a_failed"] = r.failed
+
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(b)
+            await trio.sleep(0.1)
+            nursery.start_soon(a)
+        # A's turn comes once B's fetch in flight lands: its own write a second later.
+        assert not done["a_failed"], done
+        assert done["a"] - start <= 3.5, done
+        assert done["b"] - start >= 21.0, done  # B went on, one fetch a second, A among them
+
+
 def test_the_ledger_counts_reserved_and_quarantined_until_the_deadline() -> None:
     shares = LandingShares()
     assert shares.take("p", 5, cap=8, now=0.0) == 5
@@ -199,3 +268,60 @@ def test_the_ledger_counts_reserved_and_quarantined_until_the_deadline() -> None
     shares.settle("q", 5)
     assert shares.held("q", now=0.0) == 0
     assert not shares._shares  # nothing kept for peers that hold nothing
+
+
+async def test_the_queue_is_first_come_first_served() -> None:
+    """Room that frees up goes to the oldest waiter: a round that finds others waiting
+    takes nothing, however soon it asks; a waiter that leaves wakes the next."""
+    shares = LandingShares()
+    now = trio.current_time
+    assert shares.take("p", 4, cap=4, now=now()) == 4
+    got: list[tuple[str, int]] = []
+
+    async def waiter(name: str, n: int) -> None:
+        got.append((name, (await shares.wait_for_room("p", n, 4, math.inf)).left))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter, "a", 1)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(waiter, "b", 2)
+            await trio.testing.wait_all_tasks_blocked()
+            shares.settle("p", 4)
+            assert shares.take("p", 4, cap=4, now=now()) == 0  # a and b wait: not now
+        # a took 1 and left; b, woken by that, took 2 of the 3 left.
+        assert got == [("a", 1), ("b", 2)]
+        assert shares.held("p", now()) == 3
+        assert shares.take("p", 4, cap=4, now=now()) == 1  # nobody waits any more
+
+
+async def test_room_granted_for_keys_the_peer_no_longer_has_goes_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A part is granted room before its lookup; keys that miss there (evicted at the
+    source since the first lookup) take none of it, and what is left goes back: kept, it
+    would hold the share for good and every later part would fail after fetch_timeout."""
+    async with (
+        node("src", num_blocks=64) as src,
+        node("dst", num_blocks=64, max_landing_share=1 / 64, fetch_timeout=3.0) as dst,
+    ):
+        keys = fill(src.store, 12, 4096)
+        gone = set(keys[4:8])
+        pin, asked = src.store.pin, dict.fromkeys(keys, 0)
+
+        def pin_then_lose(owner: object, ks: Sequence[bytes]) -> list[int | None]:
+            got = pin(owner, ks)
+            for i, k in enumerate(ks):
+                asked[k] += 1
+                slot = got[i]
+                if k in gone and asked[k] > 1 and slot is not None:  # its part's lookup:
+                    src.store.unpin_keys(owner, [slot])  # as if evicted since the first
+                    got[i] = None
+            return got
+
+        src.store.pin = pin_then_lose  # type: ignore[method-assign,assignment]
+        peer = await dst.connect(src.address)
+        result = await dst.fetch(peer, keys)
+        assert result.loaded == keys[:4] + keys[8:]
+        assert result.failed == dict.fromkeys(keys[4:8], "miss")
+        assert dst.landing_shares.held("src", trio.current_time()) == 0

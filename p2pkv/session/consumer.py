@@ -72,6 +72,7 @@ from .protocol import (
     OutState,
     TransferCompleted,
 )
+from .shares import Grant
 
 if TYPE_CHECKING:
     from .slots import RequestSlots
@@ -263,10 +264,13 @@ class _StoreLanding:
     def owner(self, req: int) -> object:
         return (self.session.token, "dst", req)
 
-    def reserve(self, req: int, keys: list[bytes]) -> list[int]:
-        """Slots for the first keys, as many as the peer's share leaves room for (the
-        rest fail locally); StoreFull if the store has too few."""
-        n = self.shares.take(self.peer, len(keys), self.cap(), trio.current_time())
+    def reserve(self, req: int, keys: list[bytes], grant: Grant | None = None) -> list[int]:
+        """Slots for the first keys, as many as the peer's share leaves room for, or as
+        ``grant`` holds (the rest are not asked for); StoreFull if the store has too few."""
+        if grant is None:
+            n = self.shares.take(self.peer, len(keys), self.cap(), trio.current_time())
+        else:
+            n = grant.use(len(keys))
         if not n:
             return []
         try:
@@ -279,8 +283,11 @@ class _StoreLanding:
         """The slots the peer's writes may hold: its share of the store, at least one."""
         return max(int(self.session.cfg.max_landing_share * self.store.num_blocks), 1)
 
-    async def wait_for_room(self, give_up_at: float) -> bool:
-        return await self.shares.wait_for_room(self.peer, self.cap(), give_up_at)
+    async def wait_for_room(self, n: int, give_up_at: float) -> Grant:
+        return await self.shares.wait_for_room(self.peer, n, self.cap(), give_up_at)
+
+    def return_grant(self, grant: Grant) -> None:
+        self.shares.settle(self.peer, grant.use(grant.left))
 
     def commit(self, req: int, slots: list[int], keys: list[bytes]) -> None:
         # The slots are this request's reservation; the keys passed _sendable's check.
@@ -306,11 +313,14 @@ class _CallerSlots:
         self.dst = dst
         self.settle_at = -math.inf
 
-    def reserve(self, req: int, keys: list[bytes]) -> list[int]:
+    def reserve(self, req: int, keys: list[bytes], grant: Grant | None = None) -> list[int]:
         return [self.dst[k] for k in keys]
 
-    async def wait_for_room(self, give_up_at: float) -> bool:  # pragma: no cover
-        return True  # reserve never falls short: the caller named every slot
+    async def wait_for_room(self, n: int, give_up_at: float) -> Grant:  # pragma: no cover
+        return Grant(n)  # reserve never falls short: the caller named every slot
+
+    def return_grant(self, grant: Grant) -> None:  # pragma: no cover
+        pass
 
     def commit(self, req: int, slots: list[int], keys: list[bytes]) -> None:
         pass
@@ -869,21 +879,31 @@ class ConsumerSide(SessionParts):
         lim: RequestLimits,
         *,
         again: bool = True,
-    ) -> None:
+        grant: Grant | None = None,
+    ) -> bool:
+        """Look ``keys`` up on a round of their own and fetch the hits; False if the
+        lookup or the transfer failed (see :meth:`_fetch_round`). ``grant``: room of the
+        peer's share counted for these keys already (what is left goes back)."""
         try:
-            req, hits = await self._lookup_round(keys, lim)
-        except P2PKVError as exc:
-            outcome.update((k, f"lookup failed: {exc}") for k in keys)
-            return
-        # No checkpoint since the answer: the round is still this fetch's alone.
-        if all(hits):
-            hit_keys = keys
-        else:
-            outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
-            hit_keys = list(compress(keys, hits))
-        # The round's hits, all of them in its order: the peer may be asked for them by
-        # the round alone.
-        await self._fetch_round(req, hit_keys, outcome, landing, lim, whole=True, again=again)
+            try:
+                req, hits = await self._lookup_round(keys, lim)
+            except P2PKVError as exc:
+                outcome.update((k, f"lookup failed: {exc}") for k in keys)
+                return False
+            # No checkpoint since the answer: the round is still this fetch's alone.
+            if all(hits):
+                hit_keys = keys
+            else:
+                outcome.update((k, "miss") for k, h in zip(keys, hits, strict=True) if not h)
+                hit_keys = list(compress(keys, hits))
+            # The round's hits, all of them in its order: the peer may be asked for them by
+            # the round alone.
+            return await self._fetch_round(
+                req, hit_keys, outcome, landing, lim, whole=True, again=again, grant=grant
+            )
+        finally:
+            if grant is not None:
+                landing.return_grant(grant)
 
     async def _fetch_round(
         self,
@@ -895,7 +915,8 @@ class ConsumerSide(SessionParts):
         *,
         whole: bool = False,
         again: bool = True,
-    ) -> None:
+        grant: Grant | None = None,
+    ) -> bool:
         """Fetch ``keys`` (checked against ``lim``) on the round ``req`` this task has
         claimed; an empty ``keys`` closes the round. Its slots come from ``landing``:
         distinct slots of our region, from the store or checked by ``fetch_into``.
@@ -903,39 +924,46 @@ class ConsumerSide(SessionParts):
         ``fetch_hits`` is then sent the slots alone (it holds the hits itself).
         ``again``: keys the producer answers ``lease_expired`` are looked up and fetched
         once more (its lease may be shorter than ours: each node has its own, and the
-        hello does not carry it); nothing was written for them."""
+        hello does not carry it); nothing was written for them. ``grant``: room of the
+        peer's share counted for these keys already (from :meth:`_fetch_in_parts`).
+
+        Keys past the peer's share of our store (``max_landing_share``) are fetched in
+        parts, one after another (:meth:`_fetch_in_parts`). False if a transfer failed
+        (deadline, session lost, the store full): its keys, and those not asked for yet,
+        are decided then."""
         p = self._pending.get(req)
         if p is None or p.error is not None or not self.alive:
             reason = str(p.error) if p is not None and p.error is not None else "session closed"
             outcome.update((k, reason) for k in keys)
-            return
+            return False
         if self.proto.out_state(req) is not OutState.OPEN:  # e.g. the peer restarted
             outcome.update((k, "round closed") for k in keys)
-            return
+            return False
         if not keys:
             self._close_round(req)
             await self._flush()
-            return
+            return True
         try:
-            slots = landing.reserve(req, keys)
+            slots = landing.reserve(req, keys, grant)
         except StoreFull as exc:
             self._close_round(req)
             outcome.update((k, f"store full: {exc}") for k in keys)
             await self._flush()
-            return
+            return False
         rest: list[bytes] = []
         if len(slots) < len(keys):  # past the peer's share of our store (shares.py)
             keys, rest, whole = keys[: len(slots)], keys[len(slots) :], False
             if not keys:
                 self._close_round(req)
                 await self._flush()
-                await self._fetch_when_room(rest, outcome, landing, lim, again=again)
-                return
+                return await self._fetch_in_parts(rest, outcome, landing, lim, again=again)
         if not await self._fetch_reserved(p, keys, slots, outcome, landing, lim, whole, again):
             # The first part failed: the rest, never asked for, fails as it did.
             outcome.update((k, outcome.get(keys[0])) for k in rest)
-        elif rest:  # the first part is in, and its slots count no more: the rest
-            await self._fetch_when_room(rest, outcome, landing, lim, again=again)
+            return False
+        if rest:  # the first part is in, and its slots count no more
+            return await self._fetch_in_parts(rest, outcome, landing, lim, again=again)
+        return True
 
     async def _fetch_reserved(
         self,
@@ -986,7 +1014,7 @@ class ConsumerSide(SessionParts):
             await self._lookup_and_fetch(expired, outcome, landing, lim, again=False)
         return True
 
-    async def _fetch_when_room(
+    async def _fetch_in_parts(
         self,
         keys: list[bytes],
         outcome: _Outcome,
@@ -994,13 +1022,29 @@ class ConsumerSide(SessionParts):
         lim: RequestLimits,
         *,
         again: bool,
-    ) -> None:
-        """Keys a round could not take within the peer's share: once the peer's writes
-        hold less (within ``fetch_timeout``), look them up and fetch them again."""
-        if not await landing.wait_for_room(trio.current_time() + self.cfg.fetch_timeout):
-            outcome.update((k, _OVER_SHARE) for k in keys)
-            return
-        await self._lookup_and_fetch(keys, outcome, landing, lim, again=again)
+    ) -> bool:
+        """Keys a round could not take within the peer's share, fetched part after part:
+        wait in the peer's queue for room (at most ``fetch_timeout`` each time), then look
+        the part it grants up on a round of its own and fetch it. A loop, not a chain of
+        calls: a fetch of many parts used to recurse a level per part (review
+        2026-12-04: RecursionError at ~300 parts). Each part takes at least one key, and a
+        part that fails ends the loop, its reason given to the keys not asked for."""
+        while keys:
+            grant = await landing.wait_for_room(
+                len(keys), trio.current_time() + self.cfg.fetch_timeout
+            )
+            if not grant.left:
+                outcome.update((k, _OVER_SHARE) for k in keys)
+                return False
+            part, keys = keys[: grant.left], keys[grant.left :]
+            if not await self._lookup_and_fetch(
+                part, outcome, landing, lim, again=again, grant=grant
+            ):
+                reasons = [outcome.get(k) for k in part]
+                reason = next((r for r in reasons if r not in (None, "miss")), "part failed")
+                outcome.update((k, reason) for k in keys)
+                return False
+        return True
 
     def _give_up(
         self,
