@@ -442,8 +442,9 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
             f"num_blocks = {1 << 62}\nmax_peer_blocks = {1 << 62}\nblock_len = 8\n",
             "not enough memory",
         ),
-        (["demo", "--timeout", "nan"], None, "must be > 0"),
-        (["demo", "--timeout", "-5"], None, "must be > 0"),
+        (["demo", "--timeout", "nan"], None, "must be a finite number > 0"),
+        (["demo", "--timeout", "-5"], None, "must be a finite number > 0"),
+        (["demo", "--timeout", "inf"], None, "must be a finite number > 0"),
     ],
 )
 def test_bad_input_is_a_one_line_error_not_a_traceback(

@@ -316,7 +316,9 @@ class SessionProtocol:
         self._decoder = FrameDecoder(min(local.max_frame_size, MAX_HELLO_FRAME))
         self._outbox: list[bytes] = []  # may go on the wire now
         self._outbox_bytes = 0  # their length together
-        self._head_unsent = False  # _outbox[0] is bytes a send began (see unsend)
+        self._head_unsent = False  # _outbox[0] is the rest of a frame a send began
+        self._last_batch: list[bytes] = []  # what data_to_send last joined (see unsend)
+        self._last_head_begun = False  # ... and whether its first entry was a begun frame
         self._held: list[Message] = []  # waiting for the peer's hello_ack
         self._hello_sent = False
         self._challenge: bytes | None = None  # the peer's nonce, once known (auth on)
@@ -399,9 +401,11 @@ class SessionProtocol:
 
     def data_to_send(self) -> bytes:
         """Every frame that may go on the wire now, coalesced; clears the outbox."""
-        data = b"".join(self._outbox)
-        self._outbox.clear()
+        batch = self._outbox
+        data = b"".join(batch)
+        self._outbox = []
         self._outbox_bytes = 0
+        self._last_batch, self._last_head_begun = batch, self._head_unsent
         self._head_unsent = False
         return data
 
@@ -409,10 +413,24 @@ class SessionProtocol:
         """Bytes :meth:`data_to_send` returned that did not go out (their send was
         cancelled between two pieces): they go first in the next :meth:`data_to_send`,
         before anything queued since, so the stream stays whole."""
-        if data:
-            self._outbox.insert(0, data)
-            self._outbox_bytes += len(data)
-            self._head_unsent = True
+        if not data:
+            return
+        # ``data`` is the end of the last batch: split it where that batch's frames were,
+        # so that only the frame a send began counts as begun (a restart drops the rest).
+        batch, begun, parts = self._last_batch, True, [data]
+        offset = sum(map(len, batch)) - len(data)  # bytes of the batch that went out
+        pos = 0
+        for i, frame in enumerate(batch):
+            end = pos + len(frame)
+            if end > offset:
+                begun = offset > pos or (i == 0 and self._last_head_begun)
+                parts = [data[: end - offset], *batch[i + 1 :]]
+                break
+            pos = end
+        self._last_batch = []
+        self._outbox[:0] = parts
+        self._outbox_bytes += len(data)
+        self._head_unsent = begun
 
     def _queue(self, frame: bytes) -> None:
         self._outbox.append(frame)
@@ -606,8 +624,8 @@ class SessionProtocol:
             self._peer_last_req_id = 0
             self.state = State.HANDSHAKE
             # Nothing for the old incarnation goes out before our new hello (answers
-            # queued in the same read used to: review 2026-12-04); bytes a send began
-            # stay, or the stream would break mid-frame.
+            # queued in the same read used to: review 2026-12-04); the rest of a frame a
+            # send began stays, or the stream would break mid-frame.
             keep = self._outbox[:1] if self._head_unsent else []
             self._outbox[:] = keep
             self._outbox_bytes = sum(map(len, keep))
