@@ -183,6 +183,23 @@ class VirtualOffload:
             return fn(*args)
 
 
+@asynccontextmanager
+async def virtual_node(
+    peer_id: str,
+    *,
+    delays: dict[str, float] | None = None,
+    factory: FaultFactory | None = None,
+    **kw: Any,
+) -> AsyncIterator[Node]:
+    """A node for the autojump clock: blocking calls inline through the FAKE
+    :class:`VirtualOffload` (``delays`` by call name), its data plane a
+    :class:`FaultFactory`'s (``factory``, to inject faults), ``config(peer_id, **kw)``."""
+    async with open_node(
+        config(peer_id, **kw), offload=VirtualOffload(delays), transport=factory or FaultFactory()
+    ) as n:
+        yield n
+
+
 class RawPeer:
     """A hand-driven peer over real TCP (see the module docstring). Its region is a real
     :class:`LocalTransport` region, so a node in this process can register it."""

@@ -36,7 +36,8 @@ from p2pkv.session.protocol import (
 )
 
 from .helpers import RawPeer, fill, until
-from .test_producer_caps import connected, node
+from .helpers import virtual_node as node
+from .test_producer_caps import connected
 from .test_reply_flush_restart import SendGate
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import attrs
 import pytest
@@ -29,6 +28,7 @@ from p2pkv.session.protocol import (
     Ready,
     SessionProtocol,
 )
+from p2pkv.session.session import PeerSession
 from p2pkv.wire import (
     HEADER,
     MAX_HELLO_FRAME,
@@ -42,18 +42,9 @@ from p2pkv.wire import (
 )
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until_sessions
+from .helpers import virtual_node as node
 
 SECRET = b"fleet secret"
-
-
-@asynccontextmanager
-async def node(
-    peer_id: str, *, delays: dict[str, float] | None = None, **kw: Any
-) -> AsyncIterator[Node]:
-    async with open_node(
-        config(peer_id, **kw), offload=VirtualOffload(delays), transport=FaultFactory()
-    ) as n:
-        yield n
 
 
 async def capture_hello(dialer: Node, nonce: bytes) -> bytes:
@@ -821,6 +812,25 @@ async def _impostor_hello(a: Node, peer_id: str, epoch: int) -> tuple[RawPeer, B
             await impostor.flush()
 
 
+@asynccontextmanager
+async def _peer_of_a_slow_host() -> AsyncIterator[tuple[Node, RawPeer, PeerSession]]:
+    """Node "a", whose host answers pin requests after its 5 s deadline (never in time),
+    with peer "p" connected: the node, the peer, and the peer's session there."""
+    from p2pkv.pins import HostPins
+
+    pins = HostPins(64, answer_within=5.0)
+    async with open_node(
+        config("a"), offload=VirtualOffload(), transport=FaultFactory(), pin_source=pins
+    ) as a:
+        peer = RawPeer("p", epoch=7)
+        await peer.connect(a.address)
+        await peer.handshake()
+        try:
+            yield a, peer, a._by_peer["p"]
+        finally:
+            await peer.aclose()
+
+
 async def test_a_live_peer_whose_lookup_waits_on_the_hosts_pins_is_not_superseded(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -828,35 +838,24 @@ async def test_a_live_peer_whose_lookup_waits_on_the_hosts_pins_is_not_supersede
     for the host's pins (a pin source, up to its answer_within) it decodes nothing. An
     impostor's hello then closed the live session once its pong went unread for
     probe_timeout (2 s < the host's 5 s). Found by a review (2026-12-04)."""
-    from p2pkv.pins import HostPins
-
-    pins = HostPins(64, answer_within=5.0)  # a host that never answers: 5 s per lookup
     with trio.fail_after(60):
-        async with open_node(
-            config("a"), offload=VirtualOffload(), transport=FaultFactory(), pin_source=pins
-        ) as a:
-            live = RawPeer("p", epoch=7)
-            await live.connect(a.address)
-            await live.handshake()
-            old = a._by_peer["p"]
-            async with trio.open_nursery() as nursery:
+        async with _peer_of_a_slow_host() as (a, live, old), trio.open_nursery() as nursery:
 
-                async def keep_reading() -> None:  # answers every ping at once
-                    while await live.next_event() is not None:
-                        pass
+            async def keep_reading() -> None:  # answers every ping at once
+                while await live.next_event() is not None:
+                    pass
 
-                nursery.start_soon(keep_reading)
-                live.proto.send_lookup([b"k" * 32])
-                await live.flush()
-                await trio.sleep(0.1)  # a's reader now waits for the host's answer
-                assert old.host_waits == 1
-                impostor, bye = await _impostor_hello(a, "p", 8)
-                assert bye is not None and bye.code == "duplicate", bye
-                assert old.alive, old.close_reason
-                assert a._by_peer["p"] is old
-                nursery.cancel_scope.cancel()
+            nursery.start_soon(keep_reading)
+            live.proto.send_lookup([b"k" * 32])
+            await live.flush()
+            await trio.sleep(0.1)  # a's reader now waits for the host's answer
+            assert old.host_waits == 1
+            impostor, bye = await _impostor_hello(a, "p", 8)
+            assert bye is not None and bye.code == "duplicate", bye
+            assert old.alive, old.close_reason
+            assert a._by_peer["p"] is old
             await impostor.aclose()
-            await live.aclose()
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_dead_peer_whose_lookup_waited_on_the_host_is_still_superseded(
@@ -865,17 +864,8 @@ async def test_a_dead_peer_whose_lookup_waited_on_the_host_is_still_superseded(
     """The other side of the test above: the probe's time runs from the host wait's end,
     so a peer that restarted behind a dead connection still replaces its old session,
     ``probe_timeout`` after that end."""
-    from p2pkv.pins import HostPins
-
-    pins = HostPins(64, answer_within=5.0)
     with trio.fail_after(60):
-        async with open_node(
-            config("a"), offload=VirtualOffload(), transport=FaultFactory(), pin_source=pins
-        ) as a:
-            dead = RawPeer("p", epoch=7)
-            await dead.connect(a.address)
-            await dead.handshake()
-            old = a._by_peer["p"]
+        async with _peer_of_a_slow_host() as (a, dead, old):
             dead.proto.send_lookup([b"k" * 32])
             await dead.flush()  # and never reads or answers again
             await trio.sleep(0.1)
@@ -886,44 +876,6 @@ async def test_a_dead_peer_whose_lookup_waited_on_the_host_is_still_superseded(
             # The host's wait (4.9 s left), then probe_timeout (2 s).
             assert trio.current_time() - start == pytest.approx(4.9 + 2.0, abs=0.3)
             await restarted.aclose()
-            await dead.aclose()
-
-
-async def test_a_stranger_turned_away_lets_go_of_its_partial_frame_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A stranger turned away no longer counts against ``max_peers``, so the partial
-    hello-sized frame it sent must go with it, not after its session's final flush and
-    linger: one address opening connection after connection made the node hold 28-60 MiB
-    against a bound of ~5 (review 2026-12-04). Recorded as each closing session starts
-    to linger, the point the partial frame used to be held through."""
-    from p2pkv.session.session import PeerSession
-
-    held_at_linger: list[int] = []
-    linger = PeerSession._linger
-
-    async def recording_linger(self: PeerSession) -> None:
-        held_at_linger.append(self.proto._decoder.buffered)
-        await linger(self)
-
-    monkeypatch.setattr(PeerSession, "_linger", recording_linger)
-    almost = HEADER.pack(MAX_HELLO_FRAME) + b"\0" * (MAX_HELLO_FRAME // 2)
-    with trio.fail_after(20):
-        async with node("a", max_peers=2) as a:
-            socks = []
-            try:
-                for _ in range(2):
-                    socks.append(await trio.open_tcp_stream(*a.address))
-                    await socks[-1].send_all(almost)
-                while sum(s.proto._decoder.buffered for s in a._sessions) < 2 * len(almost):
-                    await trio.sleep(0.01)  # both partial frames are in (a real-time wait)
-                socks.append(await trio.open_tcp_stream(*a.address))  # the oldest goes
-                msgs = await byes_until_eof(socks[0])
-                assert [m.code for m in msgs] == ["busy"]
-            finally:
-                for s in socks:
-                    await s.aclose()
-    assert held_at_linger and held_at_linger[0] == 0, held_at_linger
 
 
 async def test_a_newcomer_waits_out_the_old_sessions_teardown_bound_then_is_refused(

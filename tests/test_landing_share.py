@@ -14,30 +14,20 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from p2pkv import Node, open_node
+from p2pkv import open_node
 from p2pkv.session.shares import LandingShares
 
 from .helpers import FaultFactory, VirtualOffload, config, fill
+from .helpers import virtual_node as node
 
 OVER_SHARE = "over the peer's share of our store (max_landing_share)"
-
-
-@asynccontextmanager
-async def node(
-    peer_id: str, *, factory: FaultFactory | None = None, **kw: Any
-) -> AsyncIterator[Node]:
-    async with open_node(
-        config(peer_id, **kw), offload=VirtualOffload(), transport=factory or FaultFactory()
-    ) as n:
-        yield n
 
 
 def hanging() -> FaultFactory:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import tracemalloc
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -36,26 +34,18 @@ from .helpers import (
     FaultFactory,
     FaultTransport,
     RawPeer,
-    VirtualOffload,
     config,
     fill,
     inline_offload,
+)
+from .helpers import (
+    virtual_node as node,
 )
 
 OK = int(Outcome.OK)
 OVER_CAP = int(Outcome.OVER_CAP)
 TRANSFER_FAILED = int(Outcome.TRANSFER_FAILED)
 LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
-
-
-@asynccontextmanager
-async def node(
-    peer_id: str, *, factory: FaultFactory | None = None, **kw: Any
-) -> AsyncIterator[Node]:
-    async with open_node(
-        config(peer_id, **kw), offload=VirtualOffload(), transport=factory or FaultFactory()
-    ) as n:
-        yield n
 
 
 async def connected(n: Node, **info: Any) -> tuple[RawPeer, PeerSession]:

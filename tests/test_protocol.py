@@ -548,43 +548,45 @@ def test_bytes_a_send_began_still_go_out_first_after_a_restart() -> None:
     assert a.data_to_send() == data[5:] + encode(hello_for(a.local))
 
 
-def test_after_a_restart_only_the_begun_frame_goes_before_the_hello() -> None:
-    """A flush joins every queued frame; when the socket takes part of them, the rest
-    went back as one piece, the frames never begun with it, and a restart kept them all
-    ahead of our new hello. Now only the rest of the begun frame stays (found by a
-    review, 2026-12-04), also when a later send wrote none of that rest."""
+def _two_answers_taken_to_send() -> tuple[SessionProtocol, SessionProtocol, bytes]:
+    """a answered two lookups of b's (two frames of one size), and a send took both."""
     pair = ready_pair()
     a, b = pair.a, pair.b
     r1, r2 = b.send_lookup([K3]), b.send_lookup([K3])
     pair.deliver(b)
     a.send_lookup_resp(r1, [True], 0.0, 10.0)
     a.send_lookup_resp(r2, [True], 0.0, 10.0)
-    data = a.data_to_send()
+    return a, b, a.data_to_send()
+
+
+def _restart(a: SessionProtocol, b: SessionProtocol) -> None:
+    """b comes back with a new epoch on the same stream; a reads its hello."""
+    b2 = SessionProtocol(make_info("b", epoch=b.local.epoch + 1))
+    b2.start()
+    events_of(a, b2.data_to_send())
+
+
+def test_after_a_restart_only_the_begun_frame_goes_before_the_hello() -> None:
+    """A flush joins every queued frame; when the socket takes part of them, the rest
+    went back as one piece, the frames never begun with it, and a restart kept them all
+    ahead of our new hello. Now only the rest of the begun frame stays (found by a
+    review, 2026-12-04), also when a later send wrote none of that rest."""
+    a, b, data = _two_answers_taken_to_send()
     first = len(data) // 2  # two frames of one size
     a.unsend(data[5:])  # a send wrote 5 bytes of the first frame
     again = a.data_to_send()
     assert again == data[5:]
     a.unsend(again)  # the next send wrote nothing: the first frame is still begun
-    b2 = SessionProtocol(make_info("b", epoch=b.local.epoch + 1))
-    b2.start()
-    events_of(a, b2.data_to_send())
+    _restart(a, b)
     assert a.data_to_send() == data[5:first] + encode(hello_for(a.local))
 
 
 def test_after_a_restart_frames_a_send_stopped_in_front_of_are_dropped() -> None:
     """The send wrote the first frame whole and stopped at the second: nothing is begun,
     so the second, an answer to the old incarnation, goes no more."""
-    pair = ready_pair()
-    a, b = pair.a, pair.b
-    r1, r2 = b.send_lookup([K3]), b.send_lookup([K3])
-    pair.deliver(b)
-    a.send_lookup_resp(r1, [True], 0.0, 10.0)
-    a.send_lookup_resp(r2, [True], 0.0, 10.0)
-    data = a.data_to_send()
+    a, b, data = _two_answers_taken_to_send()
     a.unsend(data[len(data) // 2 :])
-    b2 = SessionProtocol(make_info("b", epoch=b.local.epoch + 1))
-    b2.start()
-    events_of(a, b2.data_to_send())
+    _restart(a, b)
     assert a.data_to_send() == encode(hello_for(a.local))
 
 

@@ -30,7 +30,8 @@ from p2pkv.session.session import PeerSession
 from p2pkv.wire import HelloAck, Lookup, Outcome, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
-from .test_producer_caps import connected, looked_up, node
+from .helpers import virtual_node as node
+from .test_producer_caps import connected, looked_up
 
 
 class SendGate:

@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import HandshakeRejected, Node, P2PKVTimeout, Peer, open_node
+from p2pkv import HandshakeRejected, Node, P2PKVTimeout, Peer
 from p2pkv.session.protocol import (
     AbortRequested,
     LookupAnswered,
@@ -27,21 +27,8 @@ from p2pkv.session.protocol import (
 from p2pkv.transport.base import TransferHandle, TransferState
 from p2pkv.wire import Bye, FrameDecoder, Outcome, Ping
 
-from .helpers import FaultFactory, FaultTransport, RawPeer, VirtualOffload, config, fill
-
-
-@asynccontextmanager
-async def node(
-    peer_id: str,
-    *,
-    delays: dict[str, float] | None = None,
-    factory: FaultFactory | None = None,
-    **kw: Any,
-) -> AsyncIterator[Node]:
-    async with open_node(
-        config(peer_id, **kw), offload=VirtualOffload(delays), transport=factory or FaultFactory()
-    ) as n:
-        yield n
+from .helpers import FaultFactory, FaultTransport, RawPeer, fill
+from .helpers import virtual_node as node
 
 
 def assert_released_within_quarantine(
