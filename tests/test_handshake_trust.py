@@ -878,6 +878,43 @@ async def test_a_dead_peer_whose_lookup_waited_on_the_host_is_still_superseded(
             await restarted.aclose()
 
 
+async def test_a_stranger_turned_away_lets_go_of_its_partial_frame_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stranger turned away no longer counts against ``max_peers``, so the partial
+    hello-sized frame it sent must go with it, not after its session's final flush and
+    linger: one address opening connection after connection made the node hold 28-60 MiB
+    against a bound of ~5 (review 2026-12-04). Recorded as each closing session starts
+    to linger, the point the partial frame used to be held through."""
+    from p2pkv.session.session import PeerSession
+
+    held_at_linger: list[int] = []
+    linger = PeerSession._linger
+
+    async def recording_linger(self: PeerSession) -> None:
+        held_at_linger.append(self.proto._decoder.buffered)
+        await linger(self)
+
+    monkeypatch.setattr(PeerSession, "_linger", recording_linger)
+    almost = HEADER.pack(MAX_HELLO_FRAME) + b"\0" * (MAX_HELLO_FRAME // 2)
+    with trio.fail_after(20):
+        async with node("a", max_peers=2) as a:
+            socks = []
+            try:
+                for _ in range(2):
+                    socks.append(await trio.open_tcp_stream(*a.address))
+                    await socks[-1].send_all(almost)
+                while sum(s.proto._decoder.buffered for s in a._sessions) < 2 * len(almost):
+                    await trio.sleep(0.01)  # both partial frames are in (a real-time wait)
+                socks.append(await trio.open_tcp_stream(*a.address))  # the oldest goes
+                msgs = await byes_until_eof(socks[0])
+                assert [m.code for m in msgs] == ["busy"]
+            finally:
+                for s in socks:
+                    await s.aclose()
+    assert held_at_linger and held_at_linger[0] == 0, held_at_linger
+
+
 async def test_a_newcomer_waits_out_the_old_sessions_teardown_bound_then_is_refused(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
