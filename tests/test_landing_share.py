@@ -315,3 +315,32 @@ async def test_room_granted_for_keys_the_peer_no_longer_has_goes_back(
         assert result.loaded == keys[:4] + keys[8:]
         assert result.failed == dict.fromkeys(keys[4:8], "miss")
         assert dst.landing_shares.held("src", trio.current_time()) == 0
+
+
+async def test_two_fetches_of_the_same_keys_past_the_share_load_them_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two fetches at once of the same 16 keys, with room for 4 at a time: the second
+    waits for the keys the first brings in (or fetches those the first has not claimed),
+    every key is written once, both report every key loaded, and the share is empty
+    after."""
+    factory = FaultFactory()
+    async with (
+        node("src", num_blocks=64, factory=factory) as src,
+        node("dst", num_blocks=16, max_landing_share=0.25) as dst,
+    ):
+        keys = fill(src.store, 16, 4096)
+        peer = await dst.connect(src.address)
+        results: list[Any] = []
+
+        async def fetch() -> None:
+            results.append(await dst.fetch(peer, keys))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch)
+            nursery.start_soon(fetch)
+        assert [r.loaded for r in results] == [keys, keys]
+        assert all(not r.failed for r in results)
+        assert factory.transport.posts == 4  # four parts of four, each written once
+        assert all(dst.store.get(k) == src.store.get(k) for k in keys)
+        assert dst.landing_shares.held("src", trio.current_time()) == 0
