@@ -156,11 +156,10 @@ def consumer_config(args: argparse.Namespace, peer_id: str) -> NodeConfig:
 # A config file given to ``fetch`` may be the serving node's own: these settings describe
 # that node (who it is, by id and by certificate, where it listens, how big its store is),
 # not the fetching one.
-_SERVER_ONLY = ("peer_id", "host", "port", "num_blocks", "tls_cert", "tls_key")
+_SERVER_PLACE = ("peer_id", "host", "port", "num_blocks")  # no flag of fetch's sets these
+_SERVER_ONLY = (*_SERVER_PLACE, "tls_cert", "tls_key")  # fetch's own TLS files: flags
 # flag dest -> NodeConfig field; a flag given wins over the file (peer_id: see below)
-_FETCH_FLAGS = {
-    d: f for d, f in _NODE_FLAGS.items() if f not in _SERVER_ONLY or f.startswith("tls_")
-}
+_FETCH_FLAGS = {d: f for d, f in _NODE_FLAGS.items() if f not in _SERVER_PLACE}
 
 
 def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[NodeConfig, int, int]:
