@@ -60,6 +60,7 @@ from ..errors import (
     P2PKVTimeout,
     PeerUnavailable,
     SessionClosed,
+    SlotsInUse,
     StoreFull,
 )
 from ..store import region_lent_error
@@ -348,6 +349,7 @@ class ConsumerSide(SessionParts):
         _claims: list[_Claim]
         _claim_index: dict[bytes, _Claim] | None
         _limits_cache: tuple[object, RequestLimits] | None
+        _share_waits: set[trio.CancelScope]
 
     # --- events from the peer -------------------------------------------------------------
 
@@ -945,9 +947,12 @@ class ConsumerSide(SessionParts):
             return True
         try:
             slots = landing.reserve(req, keys, grant)
-        except StoreFull as exc:
+        except (StoreFull, SlotsInUse) as exc:
+            # SlotsInUse: a fetch_into took the region while our lookup was out (review
+            # 2026-12-04: the round was left open, its request slot lost for good).
             self._close_round(req)
-            outcome.update((k, f"store full: {exc}") for k in keys)
+            why = f"store full: {exc}" if isinstance(exc, StoreFull) else f"region lent: {exc}"
+            outcome.update((k, why) for k in keys)
             await self._flush()
             return False
         rest: list[bytes] = []
@@ -1030,9 +1035,22 @@ class ConsumerSide(SessionParts):
         2026-12-04: RecursionError at ~300 parts). Each part takes at least one key, and a
         part that fails ends the loop, its reason given to the keys not asked for."""
         while keys:
-            grant = await landing.wait_for_room(
-                len(keys), trio.current_time() + self.cfg.fetch_timeout
-            )
+            # The session's end cancels the wait (_close_down): nothing else would wake
+            # it before fetch_timeout (review 2026-12-04).
+            grant: Grant | None = None
+            if self.alive:
+                with trio.CancelScope() as waiting:
+                    self._share_waits.add(waiting)
+                    try:
+                        grant = await landing.wait_for_room(
+                            len(keys), trio.current_time() + self.cfg.fetch_timeout
+                        )
+                    finally:
+                        self._share_waits.discard(waiting)
+            if grant is None:  # the session ended before or during the wait
+                reason = f"session closed: {self.close_reason or 'session ended'}"
+                outcome.update((k, reason) for k in keys)
+                return False
             if not grant.left:
                 outcome.update((k, _OVER_SHARE) for k in keys)
                 return False

@@ -166,6 +166,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._lane_handed: trio.Event | None = None
         self._requests = RequestSlots(self.cfg.max_open_requests)  # resized by each hello
         self._pending: dict[int, _Pending] = {}
+        self._share_waits: set[trio.CancelScope] = set()
         self._rounds: dict[int, _Round] = {}
         self._claims: list[_Claim] = []  # our fetches running: the keys each brings in
         self._claim_index: dict[bytes, _Claim] | None = None  # see ConsumerSide._claimed
@@ -343,6 +344,8 @@ class PeerSession(ProducerSide, ConsumerSide):
                     p.error = SessionClosed(reason, peer=self.peer_id)
                 self._wake_waiter(p)
             self._requests.end()  # and those that wait for a request slot
+            for cs in list(self._share_waits):
+                cs.cancel()
             for req in list(self._pinned):
                 self._release_round(req)
             for inc in [*self._retiring, self.incarnation]:

@@ -1,0 +1,281 @@
+"""Two operations at once on the same keys or slots (found by a review of such pairs,
+2026-12-04; the pairs already covered elsewhere are named in docs/design.md).
+
+Each test sets its race up with events (a producer played by hand, or the autojump clock
+with the FAKE data plane of tests/helpers.py), never with sleeps that guess an order.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import trio
+import trio.testing
+
+from p2pkv import FetchResult, SlotsInUse, open_node
+from p2pkv.session.protocol import Event, FetchRequested, LookupRequested, RoundClosed
+
+from .helpers import FaultFactory, RawPeer, config, fill
+from .helpers import virtual_node as node
+
+BLOCK = 4096
+BOUND = 20.0  # seconds: "this did not hang", never an expected duration
+
+
+class Recorder:
+    """A producer played by hand: it records every event and answers nothing by itself;
+    the test answers (``answer_lookup``) when its race needs it."""
+
+    def __init__(self, raw: RawPeer) -> None:
+        self.raw = raw
+        self.events: list[Event] = []
+        self._lot = trio.lowlevel.ParkingLot()
+
+    async def run(self) -> None:
+        while (ev := await self.raw.next_event()) is not None:
+            self.events.append(ev)
+            self._lot.unpark_all()
+
+    async def wait_for(self, kind: type[Any], n: int = 1) -> list[Any]:
+        while len(got := [e for e in self.events if isinstance(e, kind)]) < n:
+            await self._lot.park()
+        return got
+
+    async def answer_lookup(self, ev: LookupRequested, hits: list[bool]) -> None:
+        self.raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
+        await self.raw.flush()
+
+
+async def test_a_fetch_whose_region_a_fetch_into_takes_meanwhile_closes_its_round() -> None:
+    """fetch and fetch_into at once on one node. ``fetch`` checks ``lent_to_caller`` once,
+    before its lookup; a ``fetch_into`` that starts while that lookup is out lends the
+    (still empty) region to its caller. When the lookup's answer comes, the fetch's
+    reservation raises ``SlotsInUse`` (not ``StoreFull``, the only error ``_fetch_round``
+    handles there), and the round it looked up is left open: no empty fetch closes it,
+    so its pins stay at the producer until the lease, and its request slot is never
+    given back (the consumer's rounds of a ``_lookup_and_fetch`` are not among the open
+    rounds the lease timer closes). Enough of those and every lookup to that peer waits
+    for a request slot until its deadline."""
+    raw = RawPeer("p")
+    keys = [os.urandom(32) for _ in range(2)]
+    try:
+        with trio.fail_after(BOUND):
+            async with open_node(config("dst")) as dst, trio.open_nursery() as nursery:
+                await raw.connect(dst.address)
+                await raw.handshake()
+                prod = Recorder(raw)
+                nursery.start_soon(prod.run)
+                session = dst._by_peer[raw.peer_id]
+                limit = session._requests.limit
+                fetched: list[object] = []
+                both_done = trio.Event()
+
+                def done(what: object) -> None:
+                    fetched.append(what)
+                    if len(fetched) == 2:
+                        both_done.set()
+
+                async def fetch() -> None:
+                    try:
+                        done(await dst.fetch(raw.peer_id, keys[:1]))
+                    except SlotsInUse as exc:  # documented for fetch; the leak is the defect
+                        done(exc)
+
+                async def fetch_into() -> None:
+                    done(await dst.fetch_into(raw.peer_id, keys[1:], [3]))
+
+                nursery.start_soon(fetch)
+                (look_a,) = await prod.wait_for(LookupRequested)  # the fetch's lookup is out
+                nursery.start_soon(fetch_into)  # lends the region at once
+                _, look_b = await prod.wait_for(LookupRequested, 2)
+                assert dst.store.lent_to_caller
+                await prod.answer_lookup(look_a, [True])  # the fetch goes on to reserve
+                await prod.answer_lookup(look_b, [False])  # fetch_into: a miss, it ends
+                await both_done.wait()
+                # Whatever the fetch reported, the round it looked up must be closed and
+                # its request slot free again.
+                assert session.proto.open_requests() == [], (
+                    f"round {look_a.req_id} left open; the fetch ended with {fetched[0]!r}"
+                )
+                assert session._requests.free == limit
+                (mine,) = [r for r in fetched if isinstance(r, FetchResult) and keys[0] in r.failed]
+                assert mine.failed[keys[0]].startswith("region lent"), mine.failed
+                closed = await prod.wait_for(RoundClosed, 2)  # fetch_into's miss, and ours
+                assert look_a.req_id in {e.req_id for e in closed}
+                nursery.cancel_scope.cancel()
+    finally:
+        await raw.aclose()
+
+
+async def test_a_fetch_waiting_for_room_fails_at_once_when_its_session_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch from a peer whose share of our store is full waits in the peer's queue
+    (``LandingShares.wait_for_room``). The session ends meanwhile (a disconnect here; a
+    node close or a reconfiguration that drops the peer alike): nothing wakes the waiter,
+    so the fetch sits out its ``fetch_timeout`` (or the peer's quarantine's end) and then
+    reports the keys "over the peer's share" although the real reason is that the
+    session is gone. The request-slot queue was fixed for exactly this
+    (``RequestSlots.end``); the share's queue was not."""
+    hang = FaultFactory(lambda t: setattr(t, "hang", True))
+    async with (
+        node("src", factory=hang, abort_timeout=1.0, quarantine=600.0) as src,
+        node(
+            "dst", num_blocks=8, max_landing_share=0.5, fetch_timeout=300.0, quarantine=600.0
+        ) as dst,
+    ):
+        keys = fill(src.store, 8, BLOCK)
+        peer = await dst.connect(src.address)
+        results: dict[str, FetchResult] = {}
+        b_done = trio.Event()
+
+        async def fetch(name: str, ks: list[bytes]) -> None:
+            results[name] = await dst.fetch(peer, ks)
+            if name == "b":
+                b_done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch, "a", keys[:4])  # holds the whole share; never lands
+            await trio.testing.wait_all_tasks_blocked()
+            assert hang.transport.posts == 1
+            nursery.start_soon(fetch, "b", keys[4:])  # waits for room
+            await trio.testing.wait_all_tasks_blocked()
+            assert "b" not in results
+            closed_at = trio.current_time()
+            await dst.disconnect(peer)
+            with trio.move_on_after(10.0):  # virtual seconds: far past any close
+                await b_done.wait()
+            waited = trio.current_time() - closed_at
+            nursery.cancel_scope.cancel()
+        assert "b" in results, "the fetch waiting for room outlived its session by 10 s+"
+        assert waited < 10.0
+        assert set(results["b"].failed) == set(keys[4:])
+        assert all("over the peer's share" not in why for why in results["b"].failed.values())
+
+
+# ---------------------------------------------------------------- pairs that held
+
+
+async def test_a_key_listed_twice_in_a_lookup_and_a_fetch_loads_once_and_unpins_all() -> None:
+    from .helpers import pair
+
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            (k,) = fill(src.store, 1, BLOCK)
+            peer = await dst.connect(src.address)
+            assert await dst.lookup(peer, [k, k]) == [True, True]
+            assert src.statistics().pinned_slots == 1  # one slot, pinned twice
+            r = await dst.fetch(peer, [k, k])
+            assert r.loaded == [k] and not r.failed
+            assert bytes(dst.store.get(k) or b"") == bytes(src.store.get(k) or b"")
+            st = dst.statistics()
+            assert st.reserved_slots == 0 and st.store.used == 1
+            # A round trip after the fetch: the producer has released the round by then.
+            assert await dst.lookup(peer, [os.urandom(32)]) == [False]
+            assert src.statistics().pinned_slots == 0
+
+
+async def test_one_key_fetched_from_two_peers_at_once_is_loaded_once() -> None:
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("p1")) as p1,
+            open_node(config("p2")) as p2,
+            open_node(config("dst")) as dst,
+        ):
+            k, block = os.urandom(32), os.urandom(BLOCK)
+            p1.store.put(k, block)
+            p2.store.put(k, block)
+            a, b = await dst.connect(p1.address), await dst.connect(p2.address)
+            results: list[FetchResult] = []
+
+            async def fetch(peer: Any) -> None:
+                results.append(await dst.fetch(peer, [k]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, a)
+                nursery.start_soon(fetch, b)
+            assert [r.loaded for r in results] == [[k], [k]]
+            assert bytes(dst.store.get(k) or b"") == block
+            st = dst.statistics()
+            assert st.reserved_slots == 0 and st.quarantined_slots == 0
+            assert st.store.used == 1  # the second landing's slot went back
+
+
+async def test_a_key_put_locally_while_a_fetch_brings_it_in_is_loaded_at_once_and_kept() -> None:
+    from .test_fetch_into import hand_served
+
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=1, hold=trio.Event()) as (dst, producer):
+            (k,) = producer.blocks
+            async with trio.open_nursery() as nursery:
+                got: list[FetchResult] = []
+
+                async def a() -> None:
+                    got.append(await dst.fetch(producer.raw.peer_id, [k]))
+
+                nursery.start_soon(a)
+                await producer.fetched.wait()  # A's write is held at the producer
+                dst.store.put(k, producer.blocks[k])  # the host has the block meanwhile
+                b = await dst.fetch(producer.raw.peer_id, [k])  # no wait for A
+                assert b.loaded == [k] and not got
+                assert producer.hold is not None
+                producer.hold.set()
+            assert got[0].loaded == [k]
+            assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+            st = dst.statistics()
+            assert st.reserved_slots == 0 and st.store.used == 1
+
+
+async def test_a_fetch_cancelled_during_its_lookup_leaves_the_shared_keys_to_the_other() -> None:
+    """Fetch B shares fetch A's keys; A's caller cancels A while A's lookup is out (the
+    await point the existing test does not cover): B looks them up itself and loads."""
+    import numpy as np
+
+    from p2pkv.wire import Outcome
+
+    raw = RawPeer("p")
+    blocks = {os.urandom(32): os.urandom(BLOCK) for _ in range(2)}
+    keys = list(blocks)
+    try:
+        with trio.fail_after(BOUND):
+            async with open_node(config("dst")) as dst, trio.open_nursery() as nursery:
+                await raw.connect(dst.address)
+                await raw.handshake()
+                prod = Recorder(raw)
+                nursery.start_soon(prod.run)
+                a_scope = trio.CancelScope()
+                got: list[FetchResult] = []
+                b_done = trio.Event()
+
+                async def a() -> None:
+                    with a_scope:
+                        await dst.fetch(raw.peer_id, keys)
+
+                async def b() -> None:
+                    got.append(await dst.fetch(raw.peer_id, keys))
+                    b_done.set()
+
+                nursery.start_soon(a)
+                await prod.wait_for(LookupRequested)
+                nursery.start_soon(b)
+                await trio.testing.wait_all_tasks_blocked()  # B waits for A's claim
+                a_scope.cancel()
+                _, look_b = await prod.wait_for(LookupRequested, 2)
+                await prod.answer_lookup(look_b, [True, True])
+                (fetch_b,) = await prod.wait_for(FetchRequested)
+                assert fetch_b.req_id == look_b.req_id
+                region = dst.store.array
+                for kk, s in zip(keys, fetch_b.slots, strict=True):
+                    region[s * BLOCK : (s + 1) * BLOCK] = np.frombuffer(blocks[kk], np.uint8)
+                raw.proto.send_transfer_done(fetch_b.req_id, [int(Outcome.OK)] * 2)
+                await raw.flush()
+                await b_done.wait()
+                assert a_scope.cancelled_caught
+                assert sorted(got[0].loaded) == sorted(keys) and not got[0].failed
+                for kk in keys:
+                    assert bytes(dst.store.get(kk) or b"") == blocks[kk]
+                assert dst.statistics().reserved_slots == 0
+                nursery.cancel_scope.cancel()
+    finally:
+        await raw.aclose()
