@@ -11,6 +11,7 @@ bound. The two-process tests (real processes, SIGKILL, SIGSTOP) are in test_vllm
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -228,12 +229,17 @@ def engines() -> Iterator[Callable[..., Engine]]:
     built: list[Engine] = []
 
     def build(
-        poll_s: float = 0.001, tiers: list[dict[str, Any]] | None = None, **tier_kw: Any
+        poll_s: float = 0.001,
+        tiers: list[dict[str, Any]] | None = None,
+        change: Callable[[OffloadingConfig], OffloadingConfig] | None = None,
+        **tier_kw: Any,
     ) -> Engine:
         """An engine with the p2pkv tier (``tier_kw``), then ``tiers`` (vLLM's own
-        secondary tiers' configurations) beside it."""
+        secondary tiers' configurations) beside it; ``change`` edits vLLM's config."""
         engine_id = f"p2pkvtest{os.getpid()}x{next(_ids)}"
         cfg = offloading_config(tier_config(**tier_kw), engine_id, poll_s)
+        if change is not None:
+            cfg = change(cfg)
         if tiers is not None:
             extra: Any = cfg.extra_config  # a dict at run time
             extra["secondary_tiers"] = [tier_config(**tier_kw), *tiers]
@@ -371,6 +377,36 @@ def test_a_pull_is_byte_exact_and_every_source_pin_is_reported_once(
         stats = dst.tier.get_stats()
     assert stats is not None
     assert stats.data["data"]["vllm:kv_offload_p2pkv_loaded_blocks"][()] == len(keys)
+
+
+def _parallel(**kw: Any) -> Callable[[OffloadingConfig], OffloadingConfig]:
+    return lambda c: dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **kw))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(_parallel(dcp_size=2), id="decode-context-parallel"),
+        pytest.param(_parallel(pcp_size=2), id="prefill-context-parallel"),
+        pytest.param(lambda c: dataclasses.replace(c, kv_cache_layout="HND"), id="kv-layout"),
+        pytest.param(
+            lambda c: dataclasses.replace(c, canonical_layout=True, kv_cache_layout="NHD"),
+            id="canonical-host-layout",
+        ),
+        pytest.param(lambda c: dataclasses.replace(c, replicated_layout=True), id="replicated"),
+    ],
+)
+def test_engines_whose_chunks_mean_different_bytes_never_exchange_them(
+    engines: Callable[..., Engine], change: Callable[[OffloadingConfig], OffloadingConfig]
+) -> None:
+    """Engines alike but for which tokens of a block each worker holds, or how a worker
+    lays them out on the host, have different fingerprints: the source's chunks are not
+    loaded as the consumer's own (review 2026-12-04: they were, every key a HIT)."""
+    src, dst = engines(), engines(change=change)
+    keys = make_keys(4, "layout")
+    src.fill(keys)
+    res, _exact = pull(dst, request(src, "r-layout"), keys)
+    assert res[-1] is LookupResult.MISS, f"blocks crossed a layout difference: {res}"
 
 
 def test_with_a_secret_only_engines_that_hold_it_exchange_blocks(

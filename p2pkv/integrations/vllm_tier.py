@@ -673,7 +673,14 @@ class P2pkvSecondaryTier(SecondaryTierManager):
 
 
 def _fingerprint(spec: OffloadingSpec, chunk_bytes: int) -> str:
-    """What two engines must share for their blocks to be interchangeable."""
+    """What two engines must share for their blocks to be interchangeable: everything that
+    decides what a chunk's bytes mean. Besides the model and the sizes, that is which
+    tokens of a block each worker holds (tensor, pipeline, prefill- and decode-context
+    parallel sizes) and how a worker lays them out on the host (the KV cache layout, the
+    canonical or direct host layout, a single replicated copy). vLLM's own P2P tier
+    keys its files on the same (``FileMapper``). The layout fields came in on 2026-12-04
+    (review: engines differing only in them exchanged blocks and loaded them as their
+    own); engines of an earlier p2pkv have other fingerprints and get only misses."""
     c = spec.config
     groups = ";".join(
         f"{g.group_id}:{g.tokens_per_block}:{','.join(g.layer_names)}" for g in c.groups
@@ -687,6 +694,11 @@ def _fingerprint(spec: OffloadingSpec, chunk_bytes: int) -> str:
         c.parallel.world_size,
         c.parallel.tp_size,
         c.parallel.pp_size,
+        c.parallel.pcp_size,
+        c.parallel.dcp_size,
+        c.kv_cache_layout,
+        c.canonical_layout,
+        c.replicated_layout,
         chunk_bytes,
         c.worker_kv_bytes_per_block,
         groups,
