@@ -21,6 +21,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -329,6 +330,55 @@ def test_a_host_given_as_null_is_the_default_and_a_bad_one_is_refused(
     assert s.max_pinned_share == 0.25
 
 
+def test_a_secret_in_a_file_stays_out_of_vllms_start_up_log(tmp_path: Path) -> None:
+    """vLLM logs its non-default arguments, ``kv_transfer_config`` among them, at start
+    (and a command line is visible to ``ps``): a secret given inline is printed, one given
+    as ``secret_file`` is not (review 2026-12-04: the tier took it inline only)."""
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.common.startup import get_non_default_args, redact_sensitive_args
+
+    path = tmp_path / "p2pkv.secret"
+    path.write_text("fleet-secret-123")
+
+    def logged(tier: dict[str, Any]) -> str:
+        kv = KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "TieringOffloadingSpec",
+                "secondary_tiers": [tier],
+            },
+        )
+        args = get_non_default_args(EngineArgs(model="m", kv_transfer_config=kv))
+        return str(redact_sensitive_args(args))
+
+    assert "fleet-secret-123" in logged({"type": "p2pkv", "secret": "fleet-secret-123"})
+    assert "fleet-secret-123" not in logged({"type": "p2pkv", "secret_file": str(path)})
+    s = vllm_tier.TierSettings.from_kwargs({"port": 5710, "secret_file": str(path)})
+    assert s.secret == b"fleet-secret-123"
+    (tmp_path / "empty").write_text("\n")
+    for bad, match in [
+        ({"secret": "x", "secret_file": str(path)}, "not both"),
+        ({"secret_file": str(tmp_path / "absent")}, "secret_file .*absent"),
+        ({"secret_file": str(tmp_path / "empty")}, "empty"),
+        ({"secret_file": 5}, "secret_file must be a path"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            vllm_tier.TierSettings.from_kwargs({"port": 5710, **bad})
+
+
+def test_a_host_binding_every_interface_names_the_machine_in_the_default_id() -> None:
+    """With ``host: 0.0.0.0`` (usual in containers) every engine of a fleet had the id
+    "0.0.0.0:5710": each refused the others' hellos as its own, every pull missed (review
+    2026-12-04). The machine's hostname stands in for a wildcard host."""
+    for wildcard in ("0.0.0.0", "::"):
+        s = vllm_tier.TierSettings.from_kwargs({"host": wildcard, "port": 5710})
+        assert s.peer_id == f"{socket.gethostname()}:5710"
+    s = vllm_tier.TierSettings.from_kwargs({"host": "10.0.0.7", "port": 5710})
+    assert s.peer_id == "10.0.0.7:5710"
+
+
 def test_a_peer_id_given_as_null_is_absent(engines: Callable[..., Engine]) -> None:
     """JSON's null for peer_id means "not given", as for the secret: it became the
     identity "None", so two engines configured so refused each other's handshake ("peer
@@ -410,10 +460,13 @@ def test_engines_whose_chunks_mean_different_bytes_never_exchange_them(
 
 
 def test_with_a_secret_only_engines_that_hold_it_exchange_blocks(
-    engines: Callable[..., Engine],
+    engines: Callable[..., Engine], tmp_path: Path
 ) -> None:
+    """The secret may come from a file (``secret_file``), one trailing newline dropped:
+    a member reading it so and one given it inline are one fleet."""
+    (tmp_path / "secret").write_text("fleet-secret\n")
     src = engines(secret="fleet-secret", verify_checksums=True)
-    member = engines(secret="fleet-secret", verify_checksums=True)
+    member = engines(secret_file=str(tmp_path / "secret"), verify_checksums=True)
     outsider = engines(secret="another-secret", verify_checksums=True)
     keys = make_keys(6, "secret")
     src.fill(keys)

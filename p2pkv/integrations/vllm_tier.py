@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import secrets
+import socket
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -131,7 +132,9 @@ class TierSettings:
     ``$VLLM_P2P_SIDE_CHANNEL_HOST`` or ``localhost``), ``port`` (default
     ``$VLLM_P2P_SIDE_CHANNEL_PORT`` or 5710; the bound port is ``port`` + the data-parallel
     index; 0 picks a free one) and ``backends`` (ignored: p2pkv's data plane is NIXL/UCX).
-    p2pkv's own: ``peer_id`` (default ``host:port``), ``secret`` (HMAC of the handshake),
+    p2pkv's own: ``peer_id`` (default ``host:port``; where ``host`` binds every interface,
+    this machine's hostname in its place), ``secret_file`` (a file holding the HMAC key of
+    the handshake; or ``secret``, the key itself, which vLLM prints in its start-up log),
     ``tls_cert``/``tls_key``/``tls_ca``, ``verify_checksums``, ``transport`` (``nixl`` or
     ``local`` for in-process tests), the deadlines in seconds ``load_timeout_s`` (30, as
     the built-in), ``lookup_timeout_s`` (5), ``connect_timeout_s`` (10),
@@ -196,15 +199,20 @@ class TierSettings:
         out: dict[str, Any] = {"host": host, "port": port}
         peer_id = kw.pop("peer_id", None)
         if peer_id is None:  # absent, or null in the JSON: the default identity
-            peer_id = f"{host}:{port}" if port else ""
+            peer_id = f"{_identity_host(host)}:{port}" if port else ""
         elif not isinstance(peer_id, str) or not peer_id:
             raise ValueError(f"p2pkv tier: peer_id must be a non-empty string, got {peer_id!r}")
         out["peer_id"] = peer_id
         secret = kw.pop("secret", None)
+        secret_file = kw.pop("secret_file", None)
+        if secret is not None and secret_file is not None:
+            raise ValueError("p2pkv tier: give secret or secret_file, not both")
         if secret is not None:
             if not isinstance(secret, str | bytes) or not secret:
                 raise ValueError("p2pkv tier: secret must be a non-empty string")
             out["secret"] = secret.encode() if isinstance(secret, str) else secret
+        elif secret_file is not None:
+            out["secret"] = _read_secret(secret_file)
         for name in ("tls_cert", "tls_key", "tls_ca"):
             path = kw.pop(name, None)
             if path is None:  # absent, or null in the JSON: no TLS file
@@ -246,6 +254,36 @@ class TierSettings:
         if unknown:
             raise ValueError(f"p2pkv tier: unknown configuration keys {unknown}")
         return cls(**out)
+
+
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})
+
+
+def _identity_host(host: str) -> str:
+    """The host part of the default ``peer_id``: ``host`` itself, unless it binds every
+    interface, which names no machine (every engine of a fleet would be "0.0.0.0:5710",
+    and a peer claiming our own id is refused: review 2026-12-04); then this machine's
+    hostname (a pod's name under Kubernetes)."""
+    return socket.gethostname() if host in _WILDCARD_HOSTS else host
+
+
+def _read_secret(path: object) -> bytes:
+    """The handshake secret from a file (``secret_file``): vLLM logs its
+    ``kv_transfer_config`` at start, and a command line is visible to ``ps``, so a secret
+    given inline is everyone's. One trailing newline is not part of it."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"p2pkv tier: secret_file must be a path, got {path!r}")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(4097)
+    except OSError as exc:
+        raise ValueError(f"p2pkv tier: secret_file {path!r}: {exc.strerror or exc}") from None
+    if len(data) > 4096:
+        raise ValueError(f"p2pkv tier: secret_file {path!r} is over 4 KiB")
+    data = data.removesuffix(b"\n").removesuffix(b"\r")
+    if not data:
+        raise ValueError(f"p2pkv tier: secret_file {path!r} is empty")
+    return data
 
 
 @attrs.define(eq=False)
@@ -325,7 +363,7 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         if region.nbytes < num_chunks * block_len:
             raise ValueError("primary_kv_view is smaller than num_chunks x block_size_bytes")
         cfg = NodeConfig(
-            peer_id=s.peer_id or f"{s.host}:{os.getpid()}-{secrets.token_hex(4)}",
+            peer_id=s.peer_id or f"{_identity_host(s.host)}:{os.getpid()}-{secrets.token_hex(4)}",
             host=s.host,
             port=s.port,
             num_blocks=num_chunks,
