@@ -336,6 +336,16 @@ class BlockingNode:
         rounds); returns a ticket (result: the number of rounds closed)."""
         return self._submit(self._node.release, (check_peer(peer), rounds), "release", timeout)
 
+    def peer_count(self) -> int:
+        """Sessions counted against ``max_peers`` right now, both directions: a snapshot
+        read in place (no hop, never blocks)."""
+        return self._node.peer_count()
+
+    def submit_disconnect(self, peer: Peer | str, *, timeout: float | None = None) -> int:
+        """Start :meth:`disconnect` on the engine; returns a ticket (result: 1 once the
+        session is closed; ``PeerUnavailable`` if there was none)."""
+        return self._submit(_disconnect, (self._node, check_peer(peer)), "disconnect", timeout)
+
     def submit_connect(self, address: tuple[str, int], *, timeout: float | None = None) -> int:
         """Start :meth:`connect` on the engine; returns a ticket (result: Peer)."""
         return self._submit(self._node.connect, (check_address(address),), "connect", timeout)
@@ -436,6 +446,11 @@ class BlockingNode:
     @staticmethod
     def _quick(timeout: float | None) -> float:
         return _QUICK_CALL if timeout is None else check_seconds(timeout, "timeout")
+
+
+async def _disconnect(node: Node, peer: str) -> int:
+    await node.disconnect(peer)
+    return 1
 
 
 async def _serve_ticket(

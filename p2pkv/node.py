@@ -654,6 +654,11 @@ class Node:
         session = self._session(peer, "fetch")
         return await session.fetch_into(check_keys(keys), slots, self._handles(rounds), within)
 
+    def peer_count(self) -> int:
+        """Sessions counted against ``max_peers`` now, both directions (safe to read from
+        another thread: one ``len``)."""
+        return len(self._by_peer)
+
     def is_connected(self, peer_id: str) -> bool:
         """A session with ``peer_id`` is established (safe to read from another thread:
         one dict lookup and two attribute reads, each atomic)."""

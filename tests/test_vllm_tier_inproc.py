@@ -542,6 +542,65 @@ def test_a_source_gone_before_the_load_fails_it_at_once_and_the_request_then_mis
     assert dst.step(ctx, keys) == [LookupResult.MISS]  # no loop: the request misses
 
 
+def finish(eng: Engine, ctx: ReqContext) -> None:
+    with eng.mgr.lock:
+        eng.mgr.on_request_finished(ctx)
+
+
+def test_at_max_peers_the_source_unused_longest_makes_room_for_a_new_one(
+    engines: Callable[..., Engine],
+) -> None:
+    """Sessions to sources were kept for good, each counted against ``max_peers`` at both
+    ends: once an engine had pulled from that many sources, every request naming a new
+    one missed, and the engine refused new consumers too (review 2026-12-04). At the cap,
+    the session to the source no request has named for longest is closed first."""
+    dst = engines(max_peers=2)
+    sources = [engines() for _ in range(3)]
+    for i, src in enumerate(sources):
+        keys = make_keys(3, f"room{i}")
+        src.fill(keys)
+        ctx = request(src, f"r-room{i}")
+        res, exact = pull(dst, ctx, keys)
+        assert res == [LookupResult.HIT] * 3 and exact, f"source {i} locked out: {res}"
+        finish(dst, ctx)
+    core = dst.tier._core
+    assert sorted(core._sources) == sorted(s.tier.address for s in sources[1:])
+    assert dst.tier._node.peer_count() == 2  # the first source's session was closed
+
+
+def test_a_source_no_request_names_is_forgotten_and_its_session_closed(
+    engines: Callable[..., Engine],
+) -> None:
+    """A tier kept a source (and its session) for every address any request ever named,
+    one a client chose included. A source whose dial failed is forgotten once its backoff
+    is over, one with a session after ``idle_source_timeout_s`` unnamed; one a live
+    request names is kept however long."""
+    dst = engines(reconnect_backoff_s=0.05, idle_source_timeout_s=0.2)
+    core = dst.tier._core
+    nowhere = make_keys(1, "nowhere")
+    for port in range(1, 11):  # privileged ports nobody listens on here: refused at once
+        params = {"remote_kv_source": {"remote_host": "127.0.0.1", "remote_port": port}}
+        ctx = ReqContext(req_id=f"r-nowhere-{port}", kv_transfer_params=params)
+        with dst.mgr.lock:
+            dst.mgr.on_new_request(ctx)
+        until(lambda: dst.step(ctx, nowhere) == [LookupResult.MISS], "the failed dial")  # noqa: B023
+        finish(dst, ctx)
+    src, kept = engines(), engines()
+    keys = make_keys(2, "idle")
+    src.fill(keys)
+    kept.fill(keys)
+    ctx = request(src, "r-idle")
+    assert pull(dst, ctx, keys) == ([LookupResult.HIT] * 2, True)
+    finish(dst, ctx)
+    live = request(kept, "r-live")  # not finished: its source stays
+    assert pull(dst, live, keys)[0][-1] is not LookupResult.MISS
+    until(
+        lambda: list(core._sources) == [kept.tier.address], "idle sources forgotten", dst.idle_step
+    )
+    until(lambda: dst.tier._node.peer_count() == 1, "the idle session closed", dst.idle_step)
+    assert dst.tier._node.is_connected(kept.tier.peer_id)
+
+
 def source_params(src: Engine, name: str, **extra: Any) -> ReqContext:
     host, port = src.tier.address
     spec = {"remote_host": host, "remote_port": port, "kv_request_id": name, **extra}

@@ -195,6 +195,7 @@ class _Source:
     connect_deadline: float = 0.0
     retry_at: float = 0.0  # after a failure: no new dial before this (host clock)
     error: str = ""
+    used_at: float = 0.0  # when a request last named it (host clock; see _reap_sources)
 
 
 @attrs.define(eq=False)
@@ -242,6 +243,7 @@ class P2PTier:
         load_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         reconnect_backoff: float = 5.0,
+        idle_source_timeout: float = 300.0,
         owns_node: bool = False,
     ) -> None:
         # Slot loads that ended without the engine's word that their writes settled:
@@ -252,12 +254,17 @@ class P2PTier:
         self.load_timeout = load_timeout
         self.connect_timeout = connect_timeout
         self.reconnect_backoff = reconnect_backoff
+        self.idle_source_timeout = idle_source_timeout
         self.owns_node = owns_node
         self._sources: dict[tuple[str, int], _Source] = {}
         self._requests: dict[str, _Request] = {}
         self._open: dict[str, _Request] = {}  # requests with an open (unsent) batch
         self._batching: _Request | None = None  # the request whose keys are arriving
         self._connecting: dict[int, _Source] = {}
+        # Disconnect tickets of sessions closed to make room under max_peers -> the source
+        # whose dial waits for that (see _connect).
+        self._evicting: dict[int, _Source] = {}
+        self._reap_at = 0.0  # host clock: the next look for sources nobody uses
         self._lookups: dict[int, _Batch] = {}
         self._loads: dict[int, _Load] = {}
         self._orphans: set[int] = set()  # tickets whose outcome nobody needs any more
@@ -368,12 +375,15 @@ class P2PTier:
         now = time.monotonic()
         self._steps += 1
         self._poll_connects(now)
+        self._poll_evictions(now)
         self._flush(now)
         self._batching = None
         self._poll_lookups(now)
         self._poll_loads(now)
         self._release_holds(now)
         self._expire_unsent(now)
+        if now >= self._reap_at:
+            self._reap_sources(now)
         self._poll_orphans()
 
     def idle(self) -> bool:
@@ -391,6 +401,7 @@ class P2PTier:
         return bool(
             self._open
             or self._connecting
+            or self._evicting
             or self._lookups
             or self._loads
             or self._holds
@@ -407,6 +418,8 @@ class P2PTier:
         st = self._requests.pop(request.request_id, None)
         if st is None:
             return
+        if st.source is not None:
+            st.source.used_at = time.monotonic()
         if st.rounds and st.source is not None and st.source.peer is not None:
             self._orphans.add(self.node.submit_release(st.source.peer, st.rounds))
         st.rounds = []
@@ -559,6 +572,7 @@ class P2PTier:
                 src = self._sources.get(spec.address)
                 if src is None:
                     src = self._sources[spec.address] = _Source(spec.address)
+                src.used_at = time.monotonic()
             st = _Request(request.request_id, src, None if spec is None else spec.peer_id)
             self._requests[request.request_id] = st
         return st
@@ -571,9 +585,73 @@ class P2PTier:
         if now < src.retry_at:
             self._source_down(src, src.error, now, backoff=False)
             return
-        src.connect_ticket = self.node.submit_connect(src.address, timeout=self.connect_timeout)
         src.connect_deadline = now + self.connect_timeout
+        if self.node.peer_count() >= self.node.config.max_peers:
+            # At the cap of peers, the dial would be refused: close the session to the
+            # source unused longest, if there is one, and dial once it is gone.
+            victim = self._idle_source(but=src)
+            if victim is not None:
+                log.info("p2p source %s:%d dropped to make room for a new one", *victim.address)
+                src.connect_ticket = self._drop_source(victim)
+                self._evicting[src.connect_ticket] = src
+                return
+        src.connect_ticket = self.node.submit_connect(src.address, timeout=self.connect_timeout)
         self._connecting[src.connect_ticket] = src
+
+    def _poll_evictions(self, now: float) -> None:
+        for ticket, src in list(self._evicting.items()):
+            try:
+                if self.node.poll(ticket) is None:
+                    continue
+            except Exception:  # the session was gone already: room either way
+                pass
+            del self._evicting[ticket]
+            src.connect_ticket = None
+            self._connect(src, now)
+
+    def _sources_in_use(self) -> set[_Source]:
+        """Sources a live request names, or a load or lookup in flight or a dial needs."""
+        used = {st.source for st in self._requests.values() if st.source is not None}
+        used.update(ld.request.source for ld in self._loads.values() if ld.request.source)
+        used.update(b.request.source for b in self._lookups.values() if b.request.source)
+        used.update(self._connecting.values())
+        used.update(self._evicting.values())
+        return used
+
+    def _idle_source(self, *, but: _Source) -> _Source | None:
+        """The source with a session that no request has named for longest, if any."""
+        used = self._sources_in_use()
+        idle = [
+            s
+            for s in self._sources.values()
+            if s.peer is not None and s not in used and s is not but
+        ]
+        return min(idle, key=lambda s: s.used_at, default=None)
+
+    def _reap_sources(self, now: float) -> None:
+        """Forget the sources no request names any more (review 2026-12-04: they were kept
+        for good, one per address any request ever named, and so were their sessions,
+        each counted against ``max_peers`` at both ends until a fleet's engine could
+        reach no new source). One whose dial failed goes once its backoff is over; one
+        with a session once no request has named it for ``idle_source_timeout`` seconds,
+        its session closed."""
+        self._reap_at = now + min(self.idle_source_timeout / 4, 1.0)
+        used = self._sources_in_use()
+        for src in list(self._sources.values()):
+            if src in used:
+                src.used_at = now
+            elif src.peer is None:
+                if now >= src.retry_at:
+                    del self._sources[src.address]
+            elif now - src.used_at >= self.idle_source_timeout:
+                self._orphans.add(self._drop_source(src))
+
+    def _drop_source(self, src: _Source) -> int:
+        """Forget ``src`` and close its session; returns the disconnect's ticket."""
+        del self._sources[src.address]
+        peer, src.peer = src.peer, None
+        assert peer is not None
+        return self.node.submit_disconnect(peer)
 
     def _poll_connects(self, now: float) -> None:
         for ticket, src in list(self._connecting.items()):

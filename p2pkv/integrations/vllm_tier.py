@@ -140,7 +140,10 @@ class TierSettings:
     the built-in), ``lookup_timeout_s`` (5), ``connect_timeout_s`` (10),
     ``quarantine_s`` (5), ``abort_timeout_s`` (2), ``landing_margin_s`` (1),
     ``serve_timeout_s`` (how long a peer's lookup may wait for this engine's answer; 2),
-    ``reconnect_backoff_s`` (5), ``lease_s`` (10), and the caps ``max_peers`` (64),
+    ``reconnect_backoff_s`` (5), ``idle_source_timeout_s`` (300: a source no request has
+    named for that long is forgotten and its session closed, as the built-in tier's
+    ``VLLM_P2P_IDLE_TIMEOUT_S``; at ``max_peers`` the source unused longest makes room for
+    a new one at once), ``lease_s`` (10), and the caps ``max_peers`` (64),
     ``max_pinned_blocks`` (65,536 per peer) and ``max_pinned_share`` (0.9: the share of
     vLLM's CPU tier that all peers' lookups together may hold pinned, so this engine's
     own offloads always find room; 1 lets peers pin all of it).
@@ -163,6 +166,7 @@ class TierSettings:
     landing_margin_s: float = 1.0
     serve_timeout_s: float = 2.0
     reconnect_backoff_s: float = 5.0
+    idle_source_timeout_s: float = 300.0
     lease_s: float = 10.0
     max_peers: int = 64
     max_pinned_blocks: int = 65536
@@ -177,6 +181,7 @@ class TierSettings:
         "landing_margin_s",
         "serve_timeout_s",
         "reconnect_backoff_s",
+        "idle_source_timeout_s",
         "lease_s",
     )
     _IGNORED: ClassVar[frozenset[str]] = frozenset(
@@ -411,6 +416,7 @@ class P2pkvSecondaryTier(SecondaryTierManager):
                 load_timeout=s.load_timeout_s,
                 connect_timeout=s.connect_timeout_s,
                 reconnect_backoff=s.reconnect_backoff_s,
+                idle_source_timeout=s.idle_source_timeout_s,
                 owns_node=True,
             )
         except BaseException:
