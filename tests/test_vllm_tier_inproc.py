@@ -358,14 +358,37 @@ def test_a_secret_in_a_file_stays_out_of_vllms_start_up_log(tmp_path: Path) -> N
     s = vllm_tier.TierSettings.from_kwargs({"port": 5710, "secret_file": str(path)})
     assert s.secret == b"fleet-secret-123"
     (tmp_path / "empty").write_text("\n")
-    for bad, match in [
+    bads: list[tuple[dict[str, Any], str]] = [
         ({"secret": "x", "secret_file": str(path)}, "not both"),
         ({"secret_file": str(tmp_path / "absent")}, "secret_file .*absent"),
         ({"secret_file": str(tmp_path / "empty")}, "empty"),
         ({"secret_file": 5}, "secret_file must be a path"),
-    ]:
+    ]
+    for bad, match in bads:
         with pytest.raises(ValueError, match=match):
             vllm_tier.TierSettings.from_kwargs({"port": 5710, **bad})
+
+
+def test_a_tier_reachable_from_other_machines_without_a_secret_warns(
+    engines: Callable[..., Engine],
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a secret or TLS any host that reaches the port and knows the model may
+    serve this engine KV bytes: said at start, unless only this machine can dial it.
+    (The tests bind loopback only: "reachable from elsewhere" is patched in.)"""
+    loopback = vllm_tier._loopback
+    assert loopback("127.0.0.1") and loopback("localhost") and loopback("::1")
+    assert not loopback("0.0.0.0") and not loopback("10.0.0.7") and not loopback("node-7")
+    (tmp_path / "secret").write_text("s")
+    with caplog.at_level(logging.WARNING, logger="p2pkv"):
+        engines()
+        monkeypatch.setattr(vllm_tier, "_loopback", lambda host: False)
+        engines(secret_file=str(tmp_path / "secret"))
+        assert "unauthenticated" not in caplog.text
+        engines()
+    assert "accepts unauthenticated peers on 127.0.0.1" in caplog.text
 
 
 def test_a_host_binding_every_interface_names_the_machine_in_the_default_id() -> None:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import ipaddress
 import itertools
 import logging
 import math
@@ -272,6 +273,14 @@ def _identity_host(host: str) -> str:
     return socket.gethostname() if host in _WILDCARD_HOSTS else host
 
 
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (no other machine can dial it)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a hostname
+        return False
+
+
 def _read_secret(path: object) -> bytes:
     """The handshake secret from a file (``secret_file``): vLLM logs its
     ``kv_transfer_config`` at start, and a command line is visible to ``ps``, so a secret
@@ -432,6 +441,15 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         self._stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._shut = False
         log.info("p2pkv tier %s listening on %s:%d", cfg.peer_id, *node.address)
+        if s.secret is None and s.tls_cert is None and not _loopback(s.host):
+            # Anyone who can reach the port and guess the fingerprint (model, dtype and
+            # sizes: nothing secret) may answer HIT and write the bytes vLLM then loads.
+            log.warning(
+                "p2pkv tier %s accepts unauthenticated peers on %s: set secret_file (or "
+                "TLS) so that only engines of this fleet can serve it KV blocks",
+                cfg.peer_id,
+                s.host,
+            )
 
     # ---------------------------------------------------------------- identity
 
