@@ -147,28 +147,29 @@ async def test_a_second_fetch_of_keys_in_flight_shares_the_first_ones_transfer()
 async def test_a_fetch_sharing_a_failed_fetch_reports_the_failure_not_a_load(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    written: list[int] = []
-    hanging = counting_writes(written)
-    async with pair(
-        {"abort_timeout": 1.0}, {"fetch_timeout": 4.0}, src_transport=hanging, virtual=True
-    ) as (src, dst):
-        hanging.transport.hang = True
-        keys = fill(src.store, 4, BLOCK)
-        peer = await dst.connect(src.address)
-        results: list[FetchResult] = []
+    with trio.fail_after(100):
+        written: list[int] = []
+        hanging = counting_writes(written)
+        async with pair(
+            {"abort_timeout": 1.0}, {"fetch_timeout": 4.0}, src_transport=hanging, virtual=True
+        ) as (src, dst):
+            hanging.transport.hang = True
+            keys = fill(src.store, 4, BLOCK)
+            peer = await dst.connect(src.address)
+            results: list[FetchResult] = []
 
-        async def fetch(ks: list[bytes]) -> None:
-            results.append(await dst.fetch(peer, ks))
+            async def fetch(ks: list[bytes]) -> None:
+                results.append(await dst.fetch(peer, ks))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fetch, keys)
-            nursery.start_soon(fetch, keys[:2])
-        assert [r.loaded for r in results] == [[], []]
-        assert {k for r in results for k in r.failed} == set(keys)
-        assert {v for r in results for v in r.failed.values()} == {"timeout"}
-        assert all(k not in dst.store for k in keys)
-        assert len(written) == 4  # the shared keys were asked for once
-        assert_settled(dst)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, keys)
+                nursery.start_soon(fetch, keys[:2])
+            assert [r.loaded for r in results] == [[], []]
+            assert {k for r in results for k in r.failed} == set(keys)
+            assert {v for r in results for v in r.failed.values()} == {"timeout"}
+            assert all(k not in dst.store for k in keys)
+            assert len(written) == 4  # the shared keys were asked for once
+            assert_settled(dst)
 
 
 async def test_a_round_claimed_by_another_fetch_is_looked_up_again_for_the_keys_it_skips() -> None:
@@ -515,81 +516,83 @@ async def test_a_late_abort_ack_never_frees_another_fetchs_quarantine(
 ) -> None:
     """Invariant 10: the peer's word never ends a quarantine. Two slots only, so the
     second fetch reuses exactly the slots of the first, then the first's ack comes late."""
-    raw = RawPeer()
-    async with open_node(
-        config(
-            "a",
-            num_blocks=2,
-            fetch_timeout=2.0,
-            quarantine=6.0,
-            max_open_requests=2,
-            max_landing_share=1.0,  # both slots are the one peer's to quarantine
-        ),
-        offload=VirtualOffload(),
-    ) as a:
-        await raw.connect(a.address)
-        await raw.handshake()
-        aborts_in, aborts = trio.open_memory_channel[int](10)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_raw_producer_that_never_writes, raw, aborts_in)
-            keys = [os.urandom(32) for _ in range(2)]
-            r1 = await a.fetch(raw.peer_id, keys)
-            assert set(r1.failed.values()) == {"timeout"}
-            assert a.statistics().quarantined_slots == 2
-            await trio.sleep(6.5)  # the first quarantine ends at its deadline
-            assert a.statistics().quarantined_slots == 0
-            r2 = await a.fetch(raw.peer_id, keys)  # same two slots
-            second_done = trio.current_time()
-            assert set(r2.failed.values()) == {"timeout"}
-            assert a.statistics().quarantined_slots == 2
-            aborted = [await aborts.receive(), await aborts.receive()]
-            for req in aborted:  # both acks, late: the first 10 s late
-                raw.proto.send_abort_ack(req)
-            await raw.flush()
-            # Both acks were taken: each freed its request slot (two rounds now hold them).
-            for _ in range(2):
-                assert await a.lookup(raw.peer_id, [os.urandom(32)]) == [True]
-            assert a.statistics().quarantined_slots == 2
-            assert a.statistics().peers == 1  # the acks were legal: the session lives
-            await trio.sleep(second_done + 6.0 - trio.current_time() - 0.1)
-            assert a.statistics().quarantined_slots == 2
-            await trio.sleep(0.2)
-            assert a.statistics().quarantined_slots == 0
-            nursery.cancel_scope.cancel()
-    await raw.aclose()
+    with trio.fail_after(100):
+        raw = RawPeer()
+        async with open_node(
+            config(
+                "a",
+                num_blocks=2,
+                fetch_timeout=2.0,
+                quarantine=6.0,
+                max_open_requests=2,
+                max_landing_share=1.0,  # both slots are the one peer's to quarantine
+            ),
+            offload=VirtualOffload(),
+        ) as a:
+            await raw.connect(a.address)
+            await raw.handshake()
+            aborts_in, aborts = trio.open_memory_channel[int](10)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_raw_producer_that_never_writes, raw, aborts_in)
+                keys = [os.urandom(32) for _ in range(2)]
+                r1 = await a.fetch(raw.peer_id, keys)
+                assert set(r1.failed.values()) == {"timeout"}
+                assert a.statistics().quarantined_slots == 2
+                await trio.sleep(6.5)  # the first quarantine ends at its deadline
+                assert a.statistics().quarantined_slots == 0
+                r2 = await a.fetch(raw.peer_id, keys)  # same two slots
+                second_done = trio.current_time()
+                assert set(r2.failed.values()) == {"timeout"}
+                assert a.statistics().quarantined_slots == 2
+                aborted = [await aborts.receive(), await aborts.receive()]
+                for req in aborted:  # both acks, late: the first 10 s late
+                    raw.proto.send_abort_ack(req)
+                await raw.flush()
+                # Both acks were taken: each freed its request slot (two rounds now hold them).
+                for _ in range(2):
+                    assert await a.lookup(raw.peer_id, [os.urandom(32)]) == [True]
+                assert a.statistics().quarantined_slots == 2
+                assert a.statistics().peers == 1  # the acks were legal: the session lives
+                await trio.sleep(second_done + 6.0 - trio.current_time() - 0.1)
+                assert a.statistics().quarantined_slots == 2
+                await trio.sleep(0.2)
+                assert a.statistics().quarantined_slots == 0
+                nursery.cancel_scope.cancel()
+        await raw.aclose()
 
 
 async def test_an_abort_ack_ends_the_request_but_not_the_quarantine(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    raw = RawPeer()
-    async with open_node(
-        config("a", fetch_timeout=2.0, quarantine=6.0, max_open_requests=1),
-        offload=VirtualOffload(),
-    ) as a:
-        await raw.connect(a.address)
-        await raw.handshake()
-        log: list[Any] = []
+    with trio.fail_after(100):
+        raw = RawPeer()
+        async with open_node(
+            config("a", fetch_timeout=2.0, quarantine=6.0, max_open_requests=1),
+            offload=VirtualOffload(),
+        ) as a:
+            await raw.connect(a.address)
+            await raw.handshake()
+            log: list[Any] = []
 
-        async def acking_producer() -> None:
-            await _raw_producer_that_never_writes_but_acks(raw, log)
+            async def acking_producer() -> None:
+                await _raw_producer_that_never_writes_but_acks(raw, log)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(acking_producer)
-            r = await a.fetch(raw.peer_id, [os.urandom(32)])
-            gave_up = trio.current_time()
-            assert set(r.failed.values()) == {"timeout"}
-            # The ack frees the only request slot: the next lookup goes out at once.
-            start = trio.current_time()
-            assert await a.lookup(raw.peer_id, [os.urandom(32)]) == [True]
-            assert trio.current_time() - start < 0.5
-            assert a.statistics().quarantined_slots == 1
-            await trio.sleep(gave_up + 6.0 - trio.current_time() - 0.1)
-            assert a.statistics().quarantined_slots == 1
-            await trio.sleep(0.2)
-            assert a.statistics().quarantined_slots == 0
-            nursery.cancel_scope.cancel()
-    await raw.aclose()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(acking_producer)
+                r = await a.fetch(raw.peer_id, [os.urandom(32)])
+                gave_up = trio.current_time()
+                assert set(r.failed.values()) == {"timeout"}
+                # The ack frees the only request slot: the next lookup goes out at once.
+                start = trio.current_time()
+                assert await a.lookup(raw.peer_id, [os.urandom(32)]) == [True]
+                assert trio.current_time() - start < 0.5
+                assert a.statistics().quarantined_slots == 1
+                await trio.sleep(gave_up + 6.0 - trio.current_time() - 0.1)
+                assert a.statistics().quarantined_slots == 1
+                await trio.sleep(0.2)
+                assert a.statistics().quarantined_slots == 0
+                nursery.cancel_scope.cancel()
+        await raw.aclose()
 
 
 async def _raw_producer_that_never_writes_but_acks(raw: RawPeer, log: list[Any]) -> None:
@@ -717,6 +720,47 @@ async def test_a_fetch_after_a_stall_looks_up_again_instead_of_using_an_expired_
             autojump_clock.jump(src.config.lease + 0.5)  # a stall: nothing ran meanwhile
             r = await dst.fetch(peer, keys)
             assert r.failed == {} and sorted(r.loaded) == sorted(keys)
+
+
+async def test_a_fetch_after_a_stall_never_sends_on_the_expired_round(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch after a stall never sends on the round whose deadline passed: it picks
+    only rounds still inside their deadline. The stall test above cannot see this on its
+    own, because the ``lease_expired`` retry hides a fetch sent on the stale round; here
+    the producer records which rounds were fetched."""
+    raw = RawPeer()
+    keys = [os.urandom(32) for _ in range(2)]
+    looked: list[int] = []
+    fetched: list[int] = []
+    with trio.fail_after(100):
+        async with open_node(config("dst"), offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+
+            async def producer() -> None:
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        looked.append(ev.req_id)
+                        raw.proto.send_lookup_resp(
+                            ev.req_id, [True] * len(ev.keys), trio.current_time(), 600.0
+                        )
+                    elif isinstance(ev, FetchRequested):
+                        fetched.append(ev.req_id)
+                        expired = int(Outcome.LEASE_EXPIRED)
+                        raw.proto.send_transfer_done(ev.req_id, [expired] * len(ev.slots))
+                    await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer)
+                assert await dst.lookup(raw.peer_id, keys) == [True, True]
+                (stale,) = looked
+                autojump_clock.jump(dst.config.lease + 0.5)  # a stall: nothing ran meanwhile
+                await dst.fetch(raw.peer_id, keys)
+                nursery.cancel_scope.cancel()
+            assert fetched, "the fetch sent nothing"
+            assert stale not in fetched, f"fetched on the expired round {stale}: {fetched}"
+    await raw.aclose()
 
 
 async def test_a_fetch_from_a_producer_with_a_shorter_lease_looks_the_keys_up_again(
@@ -872,44 +916,45 @@ async def test_a_request_in_flight_when_its_producer_restarts_fails_at_once(
     request waits for its answer: the request fails with SessionClosed at once, not at
     its deadline (nothing of the new incarnation would ever answer it). Removing that
     wake-up survived every test (found by a review on 2026-12-04)."""
-    raw = RawPeer("phoenix")
-    keys = [os.urandom(32) for _ in range(2)]
-    async with open_node(
-        config("dst", lookup_timeout=600.0, fetch_timeout=600.0), offload=VirtualOffload()
-    ) as dst:
-        await raw.connect(dst.address)
-        await raw.handshake()
-        failed: list[BaseException] = []
-        fetched: list[FetchResult] = []
+    with trio.fail_after(1200):  # virtual: past the requests' 600 s deadlines
+        raw = RawPeer("phoenix")
+        keys = [os.urandom(32) for _ in range(2)]
+        async with open_node(
+            config("dst", lookup_timeout=600.0, fetch_timeout=600.0), offload=VirtualOffload()
+        ) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            failed: list[BaseException] = []
+            fetched: list[FetchResult] = []
 
-        async def request() -> None:
-            try:
-                if op == "lookup":
-                    await dst.lookup(raw.peer_id, keys)
-                else:  # a lookup first, then the fetch
-                    fetched.append(await dst.fetch(raw.peer_id, keys))
-            except SessionClosed as exc:
-                failed.append(exc)
+            async def request() -> None:
+                try:
+                    if op == "lookup":
+                        await dst.lookup(raw.peer_id, keys)
+                    else:  # a lookup first, then the fetch
+                        fetched.append(await dst.fetch(raw.peer_id, keys))
+                except SessionClosed as exc:
+                    failed.append(exc)
 
-        with trio.fail_after(30):  # virtual: far short of the request's own deadlines
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(request)
-                ev = await raw.next_event()
-                assert isinstance(ev, LookupRequested)
-                if op == "fetch":
-                    raw.proto.send_lookup_resp(ev.req_id, [True] * 2, trio.current_time(), 60)
-                    await raw.flush()
-                    assert isinstance(await raw.next_event(), FetchRequested)
-                # Restarted: a hello with a new epoch, on the same connection.
-                raw.proto = SessionProtocol(
-                    attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
-                )
-                await raw.handshake()
-        if op == "lookup":
-            assert len(failed) == 1 and "restarted" in str(failed[0])
-        else:  # a fetch reports per key: its keys failed, nothing raised
-            [result] = fetched
-            assert failed == [] and result.loaded == []
-            assert all("restarted" in why for why in result.failed.values()), result.failed
-            assert dst.statistics().quarantined_slots == 2  # its writes may yet land
-        await raw.aclose()
+            with trio.fail_after(30):  # virtual: far short of the request's own deadlines
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(request)
+                    ev = await raw.next_event()
+                    assert isinstance(ev, LookupRequested)
+                    if op == "fetch":
+                        raw.proto.send_lookup_resp(ev.req_id, [True] * 2, trio.current_time(), 60)
+                        await raw.flush()
+                        assert isinstance(await raw.next_event(), FetchRequested)
+                    # Restarted: a hello with a new epoch, on the same connection.
+                    raw.proto = SessionProtocol(
+                        attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+                    )
+                    await raw.handshake()
+            if op == "lookup":
+                assert len(failed) == 1 and "restarted" in str(failed[0])
+            else:  # a fetch reports per key: its keys failed, nothing raised
+                [result] = fetched
+                assert failed == [] and result.loaded == []
+                assert all("restarted" in why for why in result.failed.values()), result.failed
+                assert dst.statistics().quarantined_slots == 2  # its writes may yet land
+            await raw.aclose()

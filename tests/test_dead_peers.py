@@ -40,6 +40,10 @@ from .helpers import virtual_node as node
 from .test_producer_caps import connected
 from .test_reply_flush_restart import SendGate
 
+# Virtual seconds on the autojump clock: "this did not hang", never an expected duration;
+# above every deadline and wait of the tests that use it.
+VIRTUAL_BOUND = 120.0
+
 
 def big_keys(tag: int, n: int = 8192) -> list[bytes]:
     """n keys of 128 bytes (a ~1.1 MiB lookup frame)."""
@@ -58,50 +62,51 @@ async def test_probe_of_a_session_past_the_outbox_cap_answers_within_probe_timeo
     which should answer "silent" within probe_timeout (docs: "Neither the keepalive, the
     lease timer nor a probe ... waits for [a full socket]"), so that the restarted peer's
     handshake completes well within handshake_timeout."""
-    gate = SendGate(monkeypatch)
-    async with node("n", probe_timeout=2.0, handshake_timeout=10.0, idle_timeout=30.0) as n:
-        raw, s = await connected(n)
-        gate.shut(s)  # the peer's host is gone: nothing we send is taken any more
-        failures: list[BaseException] = []
+    with trio.fail_after(VIRTUAL_BOUND):
+        gate = SendGate(monkeypatch)
+        async with node("n", probe_timeout=2.0, handshake_timeout=10.0, idle_timeout=30.0) as n:
+            raw, s = await connected(n)
+            gate.shut(s)  # the peer's host is gone: nothing we send is taken any more
+            failures: list[BaseException] = []
 
-        async def look(tag: int) -> None:
-            try:
-                await n.lookup(raw.peer_id, big_keys(tag))
-            except P2PKVError as exc:
-                failures.append(exc)
+            async def look(tag: int) -> None:
+                try:
+                    await n.lookup(raw.peer_id, big_keys(tag))
+                except P2PKVError as exc:
+                    failures.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            for tag in range(12):
-                nursery.start_soon(look, tag)
-            await trio.sleep(0.1)
-            assert s._send_lock.locked()
-            assert s.proto.bytes_to_send() > session_mod.OUTBOX_CAP
+            async with trio.open_nursery() as nursery:
+                for tag in range(12):
+                    nursery.start_soon(look, tag)
+                await trio.sleep(0.1)
+                assert s._send_lock.locked()
+                assert s.proto.bytes_to_send() > session_mod.OUTBOX_CAP
 
-            # The peer restarted (new epoch) and dials in again.
-            raw2 = RawPeer(raw.peer_id, epoch=raw.proto.local.epoch + 1)
-            await raw2.connect(n.address)
-            t0 = trio.current_time()
-            raw2.proto.start()
-            await raw2.flush()
-            outcome: Any = None
-            with trio.move_on_after(60):
-                while True:
-                    ev = await raw2.next_event()
-                    if ev is None or isinstance(ev, (ByeReceived, Ready)):
-                        outcome = ev
-                        break
-                    if isinstance(ev, HelloReceived) and raw2.proto.registration_succeeded():
+                # The peer restarted (new epoch) and dials in again.
+                raw2 = RawPeer(raw.peer_id, epoch=raw.proto.local.epoch + 1)
+                await raw2.connect(n.address)
+                t0 = trio.current_time()
+                raw2.proto.start()
+                await raw2.flush()
+                outcome: Any = None
+                with trio.move_on_after(60):
+                    while True:
+                        ev = await raw2.next_event()
+                        if ev is None or isinstance(ev, (ByeReceived, Ready)):
+                            outcome = ev
+                            break
+                        if isinstance(ev, HelloReceived) and raw2.proto.registration_succeeded():
+                            await raw2.flush()
+                            outcome = "ready"
+                            break
                         await raw2.flush()
-                        outcome = "ready"
-                        break
-                    await raw2.flush()
-            took = trio.current_time() - t0
-            nursery.cancel_scope.cancel()
-        await raw.aclose()
-        await raw2.aclose()
-    # Expected: probe (2 s) + the old session's close (~1.25 s), then admitted.
-    assert not isinstance(outcome, ByeReceived), (outcome, took)
-    assert took < 10.0, took
+                took = trio.current_time() - t0
+                nursery.cancel_scope.cancel()
+            await raw.aclose()
+            await raw2.aclose()
+        # Expected: probe (2 s) + the old session's close (~1.25 s), then admitted.
+        assert not isinstance(outcome, ByeReceived), (outcome, took)
+        assert took < 10.0, took
 
 
 async def test_lookup_deadlines_are_kept_while_the_outbox_is_past_its_cap(
@@ -111,35 +116,36 @@ async def test_lookup_deadlines_are_kept_while_the_outbox_is_past_its_cap(
     bigger lookups fill the outbox past OUTBOX_CAP. The lease timer wakes the first at its
     deadline (5 s); the second must time out at its own (5.5 s) with P2PKVTimeout, not
     wait until the session dies of the send deadline (idle_timeout)."""
-    gate = SendGate(monkeypatch)
-    async with node("n", lookup_timeout=5.0, idle_timeout=30.0) as n:
-        raw, s = await connected(n)
-        gate.shut(s)
-        t0 = trio.current_time()
-        ended: dict[str, tuple[float, BaseException]] = {}
+    with trio.fail_after(VIRTUAL_BOUND):
+        gate = SendGate(monkeypatch)
+        async with node("n", lookup_timeout=5.0, idle_timeout=30.0) as n:
+            raw, s = await connected(n)
+            gate.shut(s)
+            t0 = trio.current_time()
+            ended: dict[str, tuple[float, BaseException]] = {}
 
-        async def look(name: str, keys: list[bytes]) -> None:
-            try:
-                await n.lookup(raw.peer_id, keys)
-            except P2PKVError as exc:
-                ended[name] = (trio.current_time() - t0, exc)
+            async def look(name: str, keys: list[bytes]) -> None:
+                try:
+                    await n.lookup(raw.peer_id, keys)
+                except P2PKVError as exc:
+                    ended[name] = (trio.current_time() - t0, exc)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(look, "a", [b"a" * 32])
-            await trio.sleep(0.5)
-            nursery.start_soon(look, "d", [b"d" * 32])
-            await trio.sleep(0.5)
-            for tag in range(12):
-                nursery.start_soon(look, f"big{tag}", big_keys(tag))
-            await trio.sleep(0.1)
-            assert s.proto.bytes_to_send() > session_mod.OUTBOX_CAP
-            await trio.sleep(10.0)
-            nursery.cancel_scope.cancel()
-        await raw.aclose()
-    assert "a" in ended and ended["a"][0] == pytest.approx(5.0, abs=0.1), ended.get("a")
-    assert "d" in ended, f"still waiting at 11 s (deadline 5.5 s); {s.close_reason=}"
-    when, exc = ended["d"]
-    assert when == pytest.approx(5.5, abs=0.1) and "timed out" in str(exc), (when, exc)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(look, "a", [b"a" * 32])
+                await trio.sleep(0.5)
+                nursery.start_soon(look, "d", [b"d" * 32])
+                await trio.sleep(0.5)
+                for tag in range(12):
+                    nursery.start_soon(look, f"big{tag}", big_keys(tag))
+                await trio.sleep(0.1)
+                assert s.proto.bytes_to_send() > session_mod.OUTBOX_CAP
+                await trio.sleep(10.0)
+                nursery.cancel_scope.cancel()
+            await raw.aclose()
+        assert "a" in ended and ended["a"][0] == pytest.approx(5.0, abs=0.1), ended.get("a")
+        assert "d" in ended, f"still waiting at 11 s (deadline 5.5 s); {s.close_reason=}"
+        when, exc = ended["d"]
+        assert when == pytest.approx(5.5, abs=0.1) and "timed out" in str(exc), (when, exc)
 
 
 async def test_connect_returns_the_peer_when_our_dial_loses_the_tie_break_here(
@@ -151,38 +157,39 @@ async def test_connect_returns_the_peer_when_our_dial_loses_the_tie_break_here(
     S1 itself. b.connect() must return the peer (docs: "a refused duplicate dial also
     returns the live peer"; test_simultaneous_dials_settle_on_one_session), not raise
     because S1 was closed by b's own decision rather than by a's bye."""
-    async with node("b") as b:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        addr = listeners[0].socket.getsockname()[:2]
-        a2 = RawPeer("a", epoch=99)  # a's own dial, same incarnation (region: a1's)
-        a1 = RawPeer("a", epoch=99)  # a's accepted side of b's dial
-        a2.proto = SessionProtocol(attrs.evolve(a1.proto.local, dialer=True))
-        got: list[Any] = []
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("b") as b:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            addr = listeners[0].socket.getsockname()[:2]
+            a2 = RawPeer("a", epoch=99)  # a's own dial, same incarnation (region: a1's)
+            a1 = RawPeer("a", epoch=99)  # a's accepted side of b's dial
+            a2.proto = SessionProtocol(attrs.evolve(a1.proto.local, dialer=True))
+            got: list[Any] = []
 
-        async def dial() -> None:
-            try:
-                got.append(await b.connect(addr))
-            except P2PKVError as exc:
-                got.append(exc)
+            async def dial() -> None:
+                try:
+                    got.append(await b.connect(addr))
+                except P2PKVError as exc:
+                    got.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(dial)
-            a1.stream = await listeners[0].accept()
-            a1.proto.start()
-            await a1.flush()  # a's hello on S1; a never acks on S1 (still registering b)
-            with trio.fail_after(5):
-                await until(lambda: "a" in b._by_peer)
-            s1 = b._by_peer["a"]
-            assert s1 in b._dialed and not s1.ready.is_set()
-            await a2.connect(b.address)
-            with trio.fail_after(5):
-                await a2.handshake()  # b admits S2 (the one "a" dialed) and it is ready
-        assert b.is_connected("a") and b._by_peer["a"] is not s1
-        await a1.aclose()
-        await a2.aclose()
-        for lst in listeners:
-            await lst.aclose()
-    assert len(got) == 1 and not isinstance(got[0], BaseException), got
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dial)
+                a1.stream = await listeners[0].accept()
+                a1.proto.start()
+                await a1.flush()  # a's hello on S1; a never acks on S1 (still registering b)
+                with trio.fail_after(5):
+                    await until(lambda: "a" in b._by_peer)
+                s1 = b._by_peer["a"]
+                assert s1 in b._dialed and not s1.ready.is_set()
+                await a2.connect(b.address)
+                with trio.fail_after(5):
+                    await a2.handshake()  # b admits S2 (the one "a" dialed) and it is ready
+            assert b.is_connected("a") and b._by_peer["a"] is not s1
+            await a1.aclose()
+            await a2.aclose()
+            for lst in listeners:
+                await lst.aclose()
+        assert len(got) == 1 and not isinstance(got[0], BaseException), got
 
 
 async def test_a_lookup_waiting_for_a_request_slot_learns_at_once_that_the_session_died(
@@ -192,28 +199,29 @@ async def test_a_lookup_waiting_for_a_request_slot_learns_at_once_that_the_sessi
     The peer's connection then dies (it closes). A fails at once with SessionClosed; B,
     whose session is just as dead, should too, not wait out lookup_timeout for a slot of
     a session that no longer exists and then report "no request slot free"."""
-    async with node("n", max_open_requests=1, lookup_timeout=5.0) as n:
-        raw, s = await connected(n)
-        t0 = trio.current_time()
-        ended: dict[str, tuple[float, BaseException]] = {}
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("n", max_open_requests=1, lookup_timeout=5.0) as n:
+            raw, s = await connected(n)
+            t0 = trio.current_time()
+            ended: dict[str, tuple[float, BaseException]] = {}
 
-        async def look(name: str) -> None:
-            try:
-                await n.lookup(raw.peer_id, [name.encode() * 8])
-            except P2PKVError as exc:
-                ended[name] = (trio.current_time() - t0, exc)
+            async def look(name: str) -> None:
+                try:
+                    await n.lookup(raw.peer_id, [name.encode() * 8])
+                except P2PKVError as exc:
+                    ended[name] = (trio.current_time() - t0, exc)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(look, "a")
-            await trio.sleep(0.1)
-            nursery.start_soon(look, "b")
-            await trio.sleep(0.1)
-            assert s._requests.free == 0
-            await raw.aclose()  # the peer is gone
-            await trio.sleep(1.0)
-            snapshot = dict(ended)
-    assert snapshot.get("a") is not None and snapshot["a"][0] < 0.5, snapshot
-    assert snapshot.get("b") is not None, f"b still waiting 1 s after the session died; {ended}"
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(look, "a")
+                await trio.sleep(0.1)
+                nursery.start_soon(look, "b")
+                await trio.sleep(0.1)
+                assert s._requests.free == 0
+                await raw.aclose()  # the peer is gone
+                await trio.sleep(1.0)
+                snapshot = dict(ended)
+        assert snapshot.get("a") is not None and snapshot["a"][0] < 0.5, snapshot
+        assert snapshot.get("b") is not None, f"b still waiting 1 s after the session died; {ended}"
 
 
 async def test_concurrent_connects_to_a_silent_address_share_one_dials_deadline(
@@ -223,36 +231,37 @@ async def test_concurrent_connects_to_a_silent_address_share_one_dials_deadline(
     never says anything (a hung process). Concurrent connects share one dial (docs), so
     each should fail by about handshake_timeout (10 s, plus the close's linger), not
     one after another, the k-th after k handshake timeouts."""
-    async with node("n", handshake_timeout=10.0, connect_timeout=10.0) as n:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        addr = listeners[0].socket.getsockname()[:2]
-        held: list[trio.SocketStream] = []
-        ended: list[tuple[float, str]] = []
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("n", handshake_timeout=10.0, connect_timeout=10.0) as n:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            addr = listeners[0].socket.getsockname()[:2]
+            held: list[trio.SocketStream] = []
+            ended: list[tuple[float, str]] = []
 
-        async def accept_and_hang() -> None:
-            while True:
-                held.append(await listeners[0].accept())
+            async def accept_and_hang() -> None:
+                while True:
+                    held.append(await listeners[0].accept())
 
-        async def dial() -> None:
-            try:
-                await n.connect(addr)
-                ended.append((trio.current_time() - t0, "connected?"))
-            except P2PKVError as exc:
-                ended.append((trio.current_time() - t0, type(exc).__name__))
+            async def dial() -> None:
+                try:
+                    await n.connect(addr)
+                    ended.append((trio.current_time() - t0, "connected?"))
+                except P2PKVError as exc:
+                    ended.append((trio.current_time() - t0, type(exc).__name__))
 
-        t0 = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(accept_and_hang)
-            async with trio.open_nursery() as dials:
-                for _ in range(3):
-                    dials.start_soon(dial)
-            nursery.cancel_scope.cancel()
-        for st in held:
-            await st.aclose()
-        for lst in listeners:
-            await lst.aclose()
-    assert len(ended) == 3
-    assert max(t for t, _ in ended) < 12.0, ended
+            t0 = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(accept_and_hang)
+                async with trio.open_nursery() as dials:
+                    for _ in range(3):
+                        dials.start_soon(dial)
+                nursery.cancel_scope.cancel()
+            for st in held:
+                await st.aclose()
+            for lst in listeners:
+                await lst.aclose()
+        assert len(ended) == 3
+        assert max(t for t, _ in ended) < 12.0, ended
 
 
 async def test_a_connect_its_caller_gave_up_on_leaves_no_session_behind(
@@ -262,30 +271,31 @@ async def test_a_connect_its_caller_gave_up_on_leaves_no_session_behind(
     accepted TCP and says nothing. The half-made session used to stay, with its socket,
     until handshake_timeout, though nobody waited for it any more (found 2026-12-04);
     it is closed with the dial now. A second connect afterwards dials afresh."""
-    async with node("n", handshake_timeout=600.0) as n:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        addr = listeners[0].socket.getsockname()[:2]
-        held: list[trio.SocketStream] = []
+    with trio.fail_after(1200):  # virtual: past its 600 s handshake_timeout
+        async with node("n", handshake_timeout=600.0) as n:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            addr = listeners[0].socket.getsockname()[:2]
+            held: list[trio.SocketStream] = []
 
-        async def accept_and_hang() -> None:
-            while True:
-                held.append(await listeners[0].accept())
+            async def accept_and_hang() -> None:
+                while True:
+                    held.append(await listeners[0].accept())
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(accept_and_hang)
-            for attempt in range(1, 3):
-                with trio.move_on_after(1.0) as cs:
-                    await n.connect(addr)
-                assert cs.cancelled_caught
-                with trio.fail_after(5.0):  # virtual: well short of handshake_timeout
-                    while n.statistics().sessions:
-                        await trio.sleep(0.01)
-                assert len(held) == attempt and not n._dialing
-            nursery.cancel_scope.cancel()
-        for st in held:
-            await st.aclose()
-        for lst in listeners:
-            await lst.aclose()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(accept_and_hang)
+                for attempt in range(1, 3):
+                    with trio.move_on_after(1.0) as cs:
+                        await n.connect(addr)
+                    assert cs.cancelled_caught
+                    with trio.fail_after(5.0):  # virtual: well short of handshake_timeout
+                        while n.statistics().sessions:
+                            await trio.sleep(0.01)
+                    assert len(held) == attempt and not n._dialing
+                nursery.cancel_scope.cancel()
+            for st in held:
+                await st.aclose()
+            for lst in listeners:
+                await lst.aclose()
 
 
 async def test_a_reconnect_storm_leaves_everything_at_baseline(
@@ -293,36 +303,37 @@ async def test_a_reconnect_storm_leaves_everything_at_baseline(
 ) -> None:
     """The same peer id connects, looks up (pins held), and dies (reset, or silence then
     a restart that supersedes it), 40 times; everything returns to baseline."""
-    async with node("n", max_peer_registrations=1000, probe_timeout=0.5) as n:
-        keys = fill(n.store, 4, 4096)
-        await trio.sleep(0.1)
-        fds0 = _fds()
-        prev: RawPeer | None = None
-        for i in range(40):
-            raw = RawPeer("storm", epoch=1000 + i)
-            await raw.connect(n.address)
-            with trio.fail_after(30):
-                await raw.handshake()
-            req = raw.proto.send_lookup(keys)
-            await raw.flush()
-            ev = await raw.next_event()
-            assert isinstance(ev, LookupAnswered) and ev.req_id == req
-            assert ev.hits == [True] * 4
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("n", max_peer_registrations=1000, probe_timeout=0.5) as n:
+            keys = fill(n.store, 4, 4096)
+            await trio.sleep(0.1)
+            fds0 = _fds()
+            prev: RawPeer | None = None
+            for i in range(40):
+                raw = RawPeer("storm", epoch=1000 + i)
+                await raw.connect(n.address)
+                with trio.fail_after(30):
+                    await raw.handshake()
+                req = raw.proto.send_lookup(keys)
+                await raw.flush()
+                ev = await raw.next_event()
+                assert isinstance(ev, LookupAnswered) and ev.req_id == req
+                assert ev.hits == [True] * 4
+                if prev is not None:
+                    await prev.aclose()
+                if i % 2:
+                    await raw.aclose()  # reset / close
+                    prev = None
+                else:
+                    prev = raw  # silent; the next one supersedes it
             if prev is not None:
                 await prev.aclose()
-            if i % 2:
-                await raw.aclose()  # reset / close
-                prev = None
-            else:
-                prev = raw  # silent; the next one supersedes it
-        if prev is not None:
-            await prev.aclose()
-        with trio.fail_after(60):
-            await until(lambda: not n._sessions)
-        st = n.statistics()
-        assert (st.sessions, st.peers, st.pinned_slots, st.reserved_slots) == (0, 0, 0, 0), st
-        assert st.registrations.live == 0 and st.registrations.current == 0, st.registrations
-        assert n._by_peer == {} and n._strangers == {} and n._admitting == {}
-        assert n._dialing == {} and n._dialed == set()
-        assert n.transport.live == set()  # type: ignore[attr-defined]
-        assert _fds() == fds0, (_fds(), fds0)
+            with trio.fail_after(60):
+                await until(lambda: not n._sessions)
+            st = n.statistics()
+            assert (st.sessions, st.peers, st.pinned_slots, st.reserved_slots) == (0, 0, 0, 0), st
+            assert st.registrations.live == 0 and st.registrations.current == 0, st.registrations
+            assert n._by_peer == {} and n._strangers == {} and n._admitting == {}
+            assert n._dialing == {} and n._dialed == set()
+            assert n.transport.live == set()  # type: ignore[attr-defined]
+            assert _fds() == fds0, (_fds(), fds0)

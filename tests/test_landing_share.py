@@ -29,6 +29,10 @@ from .helpers import virtual_node as node
 
 OVER_SHARE = "over the peer's share of our store (max_landing_share)"
 
+# Virtual seconds on the autojump clock: "this did not hang", never an expected duration;
+# above every deadline and wait of the tests that use it.
+VIRTUAL_BOUND = 120.0
+
 
 def hanging() -> FaultFactory:
     return FaultFactory(lambda t: setattr(t, "hang", True))
@@ -37,55 +41,57 @@ def hanging() -> FaultFactory:
 async def test_a_producer_that_never_writes_holds_only_its_share_and_others_still_load(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    bad_transport = hanging()
-    async with (
-        node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=20.0) as bad,
-        node("good") as good,
-        node(
-            "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=20.0
-        ) as dst,
-    ):
-        bad_keys = fill(bad.store, 16, 4096)
-        good_keys = fill(good.store, 8, 4096)
-        bad_peer = await dst.connect(bad.address)
-        good_peer = await dst.connect(good.address)
-        results = {}
+    with trio.fail_after(VIRTUAL_BOUND):
+        bad_transport = hanging()
+        async with (
+            node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=20.0) as bad,
+            node("good") as good,
+            node(
+                "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=20.0
+            ) as dst,
+        ):
+            bad_keys = fill(bad.store, 16, 4096)
+            good_keys = fill(good.store, 8, 4096)
+            bad_peer = await dst.connect(bad.address)
+            good_peer = await dst.connect(good.address)
+            results = {}
 
-        async def from_bad() -> None:
-            results["bad"] = await dst.fetch(bad_peer, bad_keys)
+            async def from_bad() -> None:
+                results["bad"] = await dst.fetch(bad_peer, bad_keys)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(from_bad)
-            await trio.sleep(1.0)  # the bad fetch holds its slots, its write hangs
-            assert dst.statistics().store.reserved == 8  # its share, not all 16
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(from_bad)
+                await trio.sleep(1.0)  # the bad fetch holds its slots, its write hangs
+                assert dst.statistics().store.reserved == 8  # its share, not all 16
+                assert bad_transport.transport.posts == 1
+                # Without the share the bad fetch would hold all 16 slots: StoreFull here.
+                got = await dst.fetch(good_peer, good_keys)
+                assert got.loaded == good_keys and not got.failed
+            bad_result = results["bad"]
+            assert bad_result.loaded == []
+            # The first 8 timed out; the rest were never asked for and fail as they did.
+            assert bad_result.failed == dict.fromkeys(bad_keys, "timeout")
             assert bad_transport.transport.posts == 1
-            # Without the share the bad fetch would hold all 16 slots: StoreFull here.
-            got = await dst.fetch(good_peer, good_keys)
-            assert got.loaded == good_keys and not got.failed
-        bad_result = results["bad"]
-        assert bad_result.loaded == []
-        # The first 8 timed out; the rest were never asked for and fail as they did.
-        assert bad_result.failed == dict.fromkeys(bad_keys, "timeout")
-        assert bad_transport.transport.posts == 1
-        assert dst.statistics().quarantined_slots == 8
+            assert dst.statistics().quarantined_slots == 8
 
 
 async def test_a_fetch_larger_than_the_share_loads_in_parts(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    factory = FaultFactory()
-    async with (
-        node("src", num_blocks=64, factory=factory) as src,
-        node("dst", num_blocks=16, max_landing_share=0.25) as dst,
-    ):
-        keys = fill(src.store, 16, 4096)
-        peer = await dst.connect(src.address)
-        result = await dst.fetch(peer, keys)
-        assert result.loaded == keys and not result.failed
-        assert all(dst.store.get(k) == src.store.get(k) for k in keys)
-        assert factory.transport.posts == 4  # four parts of four slots, one after another
-        assert dst.statistics().store.reserved == 0
-        assert src.statistics().pinned_slots == 0
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with (
+            node("src", num_blocks=64, factory=factory) as src,
+            node("dst", num_blocks=16, max_landing_share=0.25) as dst,
+        ):
+            keys = fill(src.store, 16, 4096)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == keys and not result.failed
+            assert all(dst.store.get(k) == src.store.get(k) for k in keys)
+            assert factory.transport.posts == 4  # four parts of four slots, one after another
+            assert dst.statistics().store.reserved == 0
+            assert src.statistics().pinned_slots == 0
 
 
 async def test_after_a_give_up_the_peers_quarantined_slots_keep_its_next_fetch_out(
@@ -94,56 +100,60 @@ async def test_after_a_give_up_the_peers_quarantined_slots_keep_its_next_fetch_o
     """Quarantined slots count against the share until the quarantine ends, across a
     reconnect: the next fetch from that peer waits for room, and gives up after
     ``fetch_timeout`` with nothing written (its lookup was answered; no fetch was sent)."""
-    bad_transport = hanging()
-    async with (
-        node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=30.0) as bad,
-        node(
-            "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=30.0
-        ) as dst,
-    ):
-        keys = fill(bad.store, 12, 4096)
-        peer = await dst.connect(bad.address)
-        first = await dst.fetch(peer, keys[:8])
-        assert first.failed == dict.fromkeys(keys[:8], "timeout")
-        assert dst.statistics().quarantined_slots == 8
-        await dst.disconnect(peer)
-        peer = await dst.connect(bad.address)  # a new session: the same peer id's share
-        start = trio.current_time()
-        second = await dst.fetch(peer, keys[8:])
-        assert trio.current_time() - start == pytest.approx(4.0, abs=0.5)
-        assert second.failed == dict.fromkeys(keys[8:], OVER_SHARE)
-        assert bad_transport.transport.posts == 1  # nothing more was written
-        assert dst.statistics().store.reserved == 0
+    with trio.fail_after(VIRTUAL_BOUND):
+        bad_transport = hanging()
+        async with (
+            node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=30.0) as bad,
+            node(
+                "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=30.0
+            ) as dst,
+        ):
+            keys = fill(bad.store, 12, 4096)
+            peer = await dst.connect(bad.address)
+            first = await dst.fetch(peer, keys[:8])
+            assert first.failed == dict.fromkeys(keys[:8], "timeout")
+            assert dst.statistics().quarantined_slots == 8
+            await dst.disconnect(peer)
+            peer = await dst.connect(bad.address)  # a new session: the same peer id's share
+            start = trio.current_time()
+            second = await dst.fetch(peer, keys[8:])
+            assert trio.current_time() - start == pytest.approx(4.0, abs=0.5)
+            assert second.failed == dict.fromkeys(keys[8:], OVER_SHARE)
+            assert bad_transport.transport.posts == 1  # nothing more was written
+            assert dst.statistics().store.reserved == 0
 
 
 async def test_a_fetch_waiting_for_room_goes_on_when_the_quarantine_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """The wait ends at the peer's quarantine's end (no other wake-up comes)."""
-    factory = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with (
-        node("src", factory=factory, abort_timeout=1.0, quarantine=6.0) as src,
-        node("dst", num_blocks=8, max_landing_share=0.5, fetch_timeout=3.0, quarantine=6.0) as dst,
-    ):
-        keys = fill(src.store, 8, 4096)
-        peer = await dst.connect(src.address)
-        first = await dst.fetch(peer, keys[:4])
-        gave_up = trio.current_time()
-        assert set(first.failed.values()) == {"timeout"}
-        factory.transport.hang = False  # the producer recovers
-        second_at: list[float] = []
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory(lambda t: setattr(t, "hang", True))
+        async with (
+            node("src", factory=factory, abort_timeout=1.0, quarantine=6.0) as src,
+            node(
+                "dst", num_blocks=8, max_landing_share=0.5, fetch_timeout=3.0, quarantine=6.0
+            ) as dst,
+        ):
+            keys = fill(src.store, 8, 4096)
+            peer = await dst.connect(src.address)
+            first = await dst.fetch(peer, keys[:4])
+            gave_up = trio.current_time()
+            assert set(first.failed.values()) == {"timeout"}
+            factory.transport.hang = False  # the producer recovers
+            second_at: list[float] = []
 
-        async def second_fetch() -> None:
-            result = await dst.fetch(peer, keys[4:])
-            second_at.append(trio.current_time())
-            assert result.loaded == keys[4:]
+            async def second_fetch() -> None:
+                result = await dst.fetch(peer, keys[4:])
+                second_at.append(trio.current_time())
+                assert result.loaded == keys[4:]
 
-        # Started 2 s before the quarantine's end, within its 3 s fetch_timeout: room comes
-        # at that end, and nothing but the end's own timer can tell the waiter.
-        await trio.sleep(gave_up + 6.0 - trio.current_time() - 2.0)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(second_fetch)
-        assert second_at and second_at[0] == pytest.approx(gave_up + 6.0, abs=0.5)
+            # Started 2 s before the quarantine's end, within its 3 s fetch_timeout: room comes
+            # at that end, and nothing but the end's own timer can tell the waiter.
+            await trio.sleep(gave_up + 6.0 - trio.current_time() - 2.0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(second_fetch)
+            assert second_at and second_at[0] == pytest.approx(gave_up + 6.0, abs=0.5)
 
 
 async def test_a_fetch_waiting_for_room_goes_on_when_another_fetch_from_the_peer_lands(
@@ -151,29 +161,30 @@ async def test_a_fetch_waiting_for_room_goes_on_when_another_fetch_from_the_peer
 ) -> None:
     """Two fetches from one peer at once, each the size of its share: the second waits
     and is woken when the first's slots are committed, long before its own deadline."""
-    async with (
-        open_node(
-            config("src"), offload=VirtualOffload({"_post_run": 1.0}), transport=FaultFactory()
-        ) as src,
-        node("dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=20.0) as dst,
-    ):
-        keys = fill(src.store, 16, 4096)
-        peer = await dst.connect(src.address)
-        done: dict[str, float] = {}
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with (
+            open_node(
+                config("src"), offload=VirtualOffload({"_post_run": 1.0}), transport=FaultFactory()
+            ) as src,
+            node("dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=20.0) as dst,
+        ):
+            keys = fill(src.store, 16, 4096)
+            peer = await dst.connect(src.address)
+            done: dict[str, float] = {}
 
-        async def fetch(name: str, ks: list[bytes]) -> None:
-            result = await dst.fetch(peer, ks)
-            assert result.loaded == ks and not result.failed
-            done[name] = trio.current_time()
+            async def fetch(name: str, ks: list[bytes]) -> None:
+                result = await dst.fetch(peer, ks)
+                assert result.loaded == ks and not result.failed
+                done[name] = trio.current_time()
 
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fetch, "a", keys[:8])
-            await trio.sleep(0.1)
-            nursery.start_soon(fetch, "b", keys[8:])
-        # Each write takes a virtual second: b's starts when a's slots count no more.
-        assert done["a"] - start == pytest.approx(1.0, abs=0.2)
-        assert done["b"] - start == pytest.approx(2.0, abs=0.2)
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, "a", keys[:8])
+                await trio.sleep(0.1)
+                nursery.start_soon(fetch, "b", keys[8:])
+            # Each write takes a virtual second: b's starts when a's slots count no more.
+            assert done["a"] - start == pytest.approx(1.0, abs=0.2)
+            assert done["b"] - start == pytest.approx(2.0, abs=0.2)
 
 
 async def test_a_fetch_of_hundreds_of_parts_loads_them_one_after_another(
@@ -182,19 +193,20 @@ async def test_a_fetch_of_hundreds_of_parts_loads_them_one_after_another(
     """Parts are a loop: each used to be fetched by a call nested in the previous part's,
     and a fetch of ~300 parts raised RecursionError (review 2026-12-04). 400 keys that
     fit the store, a share of one slot: 400 parts."""
-    factory = FaultFactory()
-    async with (
-        node("src", num_blocks=512, factory=factory) as src,
-        node("dst", num_blocks=512, max_landing_share=1 / 512) as dst,
-    ):
-        keys = fill(src.store, 400, 4096)
-        missing = [os.urandom(32) for _ in range(4)]  # parts that find nothing give back
-        wanted = keys[:100] + missing + keys[100:]  # the room they were granted
-        peer = await dst.connect(src.address)
-        result = await dst.fetch(peer, wanted)
-        assert result.loaded == keys and result.failed == dict.fromkeys(missing, "miss")
-        assert factory.transport.posts == 400
-        assert dst.landing_shares.held("src", trio.current_time()) == 0
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with (
+            node("src", num_blocks=512, factory=factory) as src,
+            node("dst", num_blocks=512, max_landing_share=1 / 512) as dst,
+        ):
+            keys = fill(src.store, 400, 4096)
+            missing = [os.urandom(32) for _ in range(4)]  # parts that find nothing give back
+            wanted = keys[:100] + missing + keys[100:]  # the room they were granted
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, wanted)
+            assert result.loaded == keys and result.failed == dict.fromkeys(missing, "miss")
+            assert factory.transport.posts == 400
+            assert dst.landing_shares.held("src", trio.current_time()) == 0
 
 
 async def test_a_fetch_waiting_for_room_is_not_starved_by_later_fetches_from_the_peer(
@@ -206,41 +218,42 @@ async def test_a_fetch_waiting_for_room_is_not_starved_by_later_fetches_from_the
     it waited again, each time with a fresh deadline, for as long as B went on. The queue
     is first come, first served: B's next fetch takes nothing while A waits. Found by a
     review (2026-12-04)."""
-    async with (
-        open_node(
-            config("src", num_blocks=256),
-            offload=VirtualOffload({"_post_run": 1.0}),  # each write: 1 virtual second
-            transport=FaultFactory(),
-        ) as src,
-        node("dst", num_blocks=16, max_landing_share=0.25, fetch_timeout=3.0) as dst,
-    ):
-        keys = fill(src.store, 4 * 21 + 4, 4096)
-        a_keys, b_batches = keys[:4], [keys[4 + 4 * i : 8 + 4 * i] for i in range(21)]
-        peer = await dst.connect(src.address)
-        done: dict[str, Any] = {}
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with (
+            open_node(
+                config("src", num_blocks=256),
+                offload=VirtualOffload({"_post_run": 1.0}),  # each write: 1 virtual second
+                transport=FaultFactory(),
+            ) as src,
+            node("dst", num_blocks=16, max_landing_share=0.25, fetch_timeout=3.0) as dst,
+        ):
+            keys = fill(src.store, 4 * 21 + 4, 4096)
+            a_keys, b_batches = keys[:4], [keys[4 + 4 * i : 8 + 4 * i] for i in range(21)]
+            peer = await dst.connect(src.address)
+            done: dict[str, Any] = {}
 
-        async def b() -> None:
-            await dst.lookup(peer, b_batches[0])
-            for i in range(20):
-                async with trio.open_nursery() as n:
-                    n.start_soon(dst.lookup, peer, b_batches[i + 1])  # ahead, as a host does
-                    assert not (await dst.fetch(peer, b_batches[i])).failed
-            done["b"] = trio.current_time()
+            async def b() -> None:
+                await dst.lookup(peer, b_batches[0])
+                for i in range(20):
+                    async with trio.open_nursery() as n:
+                        n.start_soon(dst.lookup, peer, b_batches[i + 1])  # ahead, as a host does
+                        assert not (await dst.fetch(peer, b_batches[i])).failed
+                done["b"] = trio.current_time()
 
-        async def a() -> None:
-            r = await dst.fetch(peer, a_keys)
-            done["a"] = trio.current_time()
-            done["a_failed"] = r.failed
+            async def a() -> None:
+                r = await dst.fetch(peer, a_keys)
+                done["a"] = trio.current_time()
+                done["a_failed"] = r.failed
 
-        start = trio.current_time()
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(b)
-            await trio.sleep(0.1)
-            nursery.start_soon(a)
-        # A's turn comes once B's fetch in flight lands: its own write a second later.
-        assert not done["a_failed"], done
-        assert done["a"] - start <= 3.5, done
-        assert done["b"] - start >= 21.0, done  # B went on, one fetch a second, A among them
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(b)
+                await trio.sleep(0.1)
+                nursery.start_soon(a)
+            # A's turn comes once B's fetch in flight lands: its own write a second later.
+            assert not done["a_failed"], done
+            assert done["a"] - start <= 3.5, done
+            assert done["b"] - start >= 21.0, done  # B went on, one fetch a second, A among them
 
 
 def test_the_ledger_counts_reserved_and_quarantined_until_the_deadline() -> None:
@@ -291,30 +304,31 @@ async def test_room_granted_for_keys_the_peer_no_longer_has_goes_back(
     """A part is granted room before its lookup; keys that miss there (evicted at the
     source since the first lookup) take none of it, and what is left goes back: kept, it
     would hold the share for good and every later part would fail after fetch_timeout."""
-    async with (
-        node("src", num_blocks=64) as src,
-        node("dst", num_blocks=64, max_landing_share=1 / 64, fetch_timeout=3.0) as dst,
-    ):
-        keys = fill(src.store, 12, 4096)
-        gone = set(keys[4:8])
-        pin, asked = src.store.pin, dict.fromkeys(keys, 0)
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with (
+            node("src", num_blocks=64) as src,
+            node("dst", num_blocks=64, max_landing_share=1 / 64, fetch_timeout=3.0) as dst,
+        ):
+            keys = fill(src.store, 12, 4096)
+            gone = set(keys[4:8])
+            pin, asked = src.store.pin, dict.fromkeys(keys, 0)
 
-        def pin_then_lose(owner: object, ks: Sequence[bytes]) -> list[int | None]:
-            got = pin(owner, ks)
-            for i, k in enumerate(ks):
-                asked[k] += 1
-                slot = got[i]
-                if k in gone and asked[k] > 1 and slot is not None:  # its part's lookup:
-                    src.store.unpin_keys(owner, [slot])  # as if evicted since the first
-                    got[i] = None
-            return got
+            def pin_then_lose(owner: object, ks: Sequence[bytes]) -> list[int | None]:
+                got = pin(owner, ks)
+                for i, k in enumerate(ks):
+                    asked[k] += 1
+                    slot = got[i]
+                    if k in gone and asked[k] > 1 and slot is not None:  # its part's lookup:
+                        src.store.unpin_keys(owner, [slot])  # as if evicted since the first
+                        got[i] = None
+                return got
 
-        src.store.pin = pin_then_lose  # type: ignore[method-assign,assignment]
-        peer = await dst.connect(src.address)
-        result = await dst.fetch(peer, keys)
-        assert result.loaded == keys[:4] + keys[8:]
-        assert result.failed == dict.fromkeys(keys[4:8], "miss")
-        assert dst.landing_shares.held("src", trio.current_time()) == 0
+            src.store.pin = pin_then_lose  # type: ignore[method-assign,assignment]
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == keys[:4] + keys[8:]
+            assert result.failed == dict.fromkeys(keys[4:8], "miss")
+            assert dst.landing_shares.held("src", trio.current_time()) == 0
 
 
 async def test_two_fetches_of_the_same_keys_past_the_share_load_them_once(
@@ -324,23 +338,24 @@ async def test_two_fetches_of_the_same_keys_past_the_share_load_them_once(
     waits for the keys the first brings in (or fetches those the first has not claimed),
     every key is written once, both report every key loaded, and the share is empty
     after."""
-    factory = FaultFactory()
-    async with (
-        node("src", num_blocks=64, factory=factory) as src,
-        node("dst", num_blocks=16, max_landing_share=0.25) as dst,
-    ):
-        keys = fill(src.store, 16, 4096)
-        peer = await dst.connect(src.address)
-        results: list[Any] = []
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with (
+            node("src", num_blocks=64, factory=factory) as src,
+            node("dst", num_blocks=16, max_landing_share=0.25) as dst,
+        ):
+            keys = fill(src.store, 16, 4096)
+            peer = await dst.connect(src.address)
+            results: list[Any] = []
 
-        async def fetch() -> None:
-            results.append(await dst.fetch(peer, keys))
+            async def fetch() -> None:
+                results.append(await dst.fetch(peer, keys))
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fetch)
-            nursery.start_soon(fetch)
-        assert [r.loaded for r in results] == [keys, keys]
-        assert all(not r.failed for r in results)
-        assert factory.transport.posts == 4  # four parts of four, each written once
-        assert all(dst.store.get(k) == src.store.get(k) for k in keys)
-        assert dst.landing_shares.held("src", trio.current_time()) == 0
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                nursery.start_soon(fetch)
+            assert [r.loaded for r in results] == [keys, keys]
+            assert all(not r.failed for r in results)
+            assert factory.transport.posts == 4  # four parts of four, each written once
+            assert all(dst.store.get(k) == src.store.get(k) for k in keys)
+            assert dst.landing_shares.held("src", trio.current_time()) == 0

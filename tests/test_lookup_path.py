@@ -54,30 +54,33 @@ async def test_a_lease_still_ends_on_time_when_the_timer_was_armed_for_an_earlie
 ) -> None:
     """The timer keeps the wake-up of a round that ended before it ran; a lease added after
     that (no wake-up of its own) must still end at its own deadline, not later, not never."""
-    async with open_node(
-        config("src", block_len=BL, lease=4.0), offload=VirtualOffload(), transport=FaultFactory()
-    ) as src:
-        keys = fill(src.store, 2, BL)
-        raw = RawPeer()
-        await raw.connect(src.address)
-        await raw.handshake()
-        first = raw.proto.send_lookup(keys[:1])
-        await raw.flush()
-        assert isinstance(await raw.next_event(), LookupAnswered)
-        raw.proto.send_fetch(first, [], [])  # closes the round: its pins go at once
-        await raw.flush()
-        await trio.sleep(1.0)
-        assert src.statistics().pinned_slots == 0
-        raw.proto.send_lookup(keys[1:])  # at t=1: its lease ends at t=5
-        await raw.flush()
-        ev = await raw.next_event()
-        assert isinstance(ev, LookupAnswered) and ev.hits == [True]
-        assert src.statistics().pinned_slots == 1
-        await trio.sleep(3.5)  # t=4.5: past the first round's deadline, before this one's
-        assert src.statistics().pinned_slots == 1
-        await trio.sleep(1.0)  # t=5.5
-        assert src.statistics().pinned_slots == 0
-        await raw.aclose()
+    with trio.fail_after(30):
+        async with open_node(
+            config("src", block_len=BL, lease=4.0),
+            offload=VirtualOffload(),
+            transport=FaultFactory(),
+        ) as src:
+            keys = fill(src.store, 2, BL)
+            raw = RawPeer()
+            await raw.connect(src.address)
+            await raw.handshake()
+            first = raw.proto.send_lookup(keys[:1])
+            await raw.flush()
+            assert isinstance(await raw.next_event(), LookupAnswered)
+            raw.proto.send_fetch(first, [], [])  # closes the round: its pins go at once
+            await raw.flush()
+            await trio.sleep(1.0)
+            assert src.statistics().pinned_slots == 0
+            raw.proto.send_lookup(keys[1:])  # at t=1: its lease ends at t=5
+            await raw.flush()
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.hits == [True]
+            assert src.statistics().pinned_slots == 1
+            await trio.sleep(3.5)  # t=4.5: past the first round's deadline, before this one's
+            assert src.statistics().pinned_slots == 1
+            await trio.sleep(1.0)  # t=5.5
+            assert src.statistics().pinned_slots == 0
+            await raw.aclose()
 
 
 async def test_an_empty_flush_is_no_checkpoint_and_a_cancelled_one_loses_nothing() -> None:

@@ -297,6 +297,22 @@ async def test_a_live_peer_id_cannot_be_taken_over_by_a_newcomer() -> None:
             assert a.statistics().peers == 1
 
 
+async def test_a_node_admits_at_most_max_peers_peers() -> None:
+    """A node admits at most ``max_peers`` peers: with one admitted, the next is refused
+    at the cap, not let in one over it (the stranger-cap tests use the same setting but
+    never held admitted peers to it)."""
+    with trio.fail_after(20):
+        async with (
+            open_node(config("a", max_peers=1)) as a,
+            open_node(config("b")) as b,
+            open_node(config("c")) as c,
+        ):
+            await b.connect(a.address)
+            with pytest.raises(HandshakeRejected, match="cap of 1 peers"):
+                await c.connect(a.address)
+            assert [p.peer_id for p in a.peers()] == ["b"]
+
+
 async def test_connect_to_a_connected_peer_returns_the_live_session() -> None:
     """Issue 7 item 6: a second connect() (same address, another name for it, or
     concurrent) returns the peer; the live session and a fetch in flight are untouched.

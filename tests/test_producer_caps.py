@@ -47,6 +47,10 @@ OVER_CAP = int(Outcome.OVER_CAP)
 TRANSFER_FAILED = int(Outcome.TRANSFER_FAILED)
 LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
 
+# Virtual seconds on the autojump clock: "this did not hang", never an expected duration;
+# above every deadline and wait of the tests that use it.
+VIRTUAL_BOUND = 120.0
+
 
 async def connected(n: Node, **info: Any) -> tuple[RawPeer, PeerSession]:
     raw = RawPeer(**info)
@@ -69,52 +73,54 @@ async def looked_up(raw: RawPeer, keys: list[bytes]) -> tuple[int, list[bool]]:
 async def test_abort_ack_waits_until_an_unsettled_write_can_no_longer_land(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
-    async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
-        keys = fill(src.store, 4, 4096)
-        raw, _ = await connected(src)
-        req, hits = await looked_up(raw, keys)
-        assert hits == [True] * 4
-        raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
-        await raw.flush()
-        await trio.sleep(1.0)  # virtual: the node runs until every task is blocked
-        assert hanging.transport.posts == 1  # the write is in flight
-        raw.proto.send_abort(req)
-        await raw.flush()
-        aborted_at = trio.current_time()
-        # abort_timeout (1 s) for the handle to settle, then the quarantine (20 s).
-        with trio.move_on_after(20.5):
-            early = await raw.next_event()
-            pytest.fail(f"{early!r} while the released write could still land")
-        assert src.statistics().pinned_slots == 4  # the sources are still held
-        ack = await raw.next_event()
-        assert isinstance(ack, AbortAcknowledged) and ack.req_id == req
-        assert trio.current_time() - aborted_at == pytest.approx(21.0, abs=0.25)
-        assert src.statistics().pinned_slots == 0
-        assert hanging.transport.releases == 1
-        await raw.aclose()
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
+        async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
+            keys = fill(src.store, 4, 4096)
+            raw, _ = await connected(src)
+            req, hits = await looked_up(raw, keys)
+            assert hits == [True] * 4
+            raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
+            await raw.flush()
+            await trio.sleep(1.0)  # virtual: the node runs until every task is blocked
+            assert hanging.transport.posts == 1  # the write is in flight
+            raw.proto.send_abort(req)
+            await raw.flush()
+            aborted_at = trio.current_time()
+            # abort_timeout (1 s) for the handle to settle, then the quarantine (20 s).
+            with trio.move_on_after(20.5):
+                early = await raw.next_event()
+                pytest.fail(f"{early!r} while the released write could still land")
+            assert src.statistics().pinned_slots == 4  # the sources are still held
+            ack = await raw.next_event()
+            assert isinstance(ack, AbortAcknowledged) and ack.req_id == req
+            assert trio.current_time() - aborted_at == pytest.approx(21.0, abs=0.25)
+            assert src.statistics().pinned_slots == 0
+            assert hanging.transport.releases == 1
+            await raw.aclose()
 
 
 async def test_source_pins_of_an_unsettled_write_outlive_the_session(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
-        keys = fill(src.store, 2, 4096)
-        raw, _ = await connected(src)
-        req, _ = await looked_up(raw, keys)
-        raw.proto.send_fetch(req, keys, [0, 1])
-        await raw.flush()
-        await trio.sleep(1.0)
-        raw.proto.send_abort(req)
-        await raw.flush()
-        await trio.sleep(5.0)
-        await raw.aclose()  # the consumer goes away while the round is held
-        await trio.sleep(10.0)
-        assert src.statistics().sessions == 0
-        assert src.statistics().pinned_slots == 2
-        await trio.sleep(6.5)  # 1 + 20 s after the abort
-        assert src.statistics().pinned_slots == 0
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+        async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
+            keys = fill(src.store, 2, 4096)
+            raw, _ = await connected(src)
+            req, _ = await looked_up(raw, keys)
+            raw.proto.send_fetch(req, keys, [0, 1])
+            await raw.flush()
+            await trio.sleep(1.0)
+            raw.proto.send_abort(req)
+            await raw.flush()
+            await trio.sleep(5.0)
+            await raw.aclose()  # the consumer goes away while the round is held
+            await trio.sleep(10.0)
+            assert src.statistics().sessions == 0
+            assert src.statistics().pinned_slots == 2
+            await trio.sleep(6.5)  # 1 + 20 s after the abort
+            assert src.statistics().pinned_slots == 0
 
 
 async def test_a_quarantined_rounds_pins_outlast_an_abort_and_a_hosts_release(
@@ -124,28 +130,29 @@ async def test_a_quarantined_rounds_pins_outlast_an_abort_and_a_hosts_release(
     ``abort_timeout`` and its round held for the ``quarantine``: the data plane may still
     read its sources. Neither the consumer's abort arriving then nor another
     ``release_unused_pins`` may unpin them early; the quarantine's end does."""
-    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
-        keys = fill(src.store, 3, 4096)
-        raw, session = await connected(src)
-        req, _ = await looked_up(raw, keys)
-        raw.proto.send_fetch(req, keys, [0, 1, 2])
-        await raw.flush()
-        await trio.sleep(0.5)  # virtual: the write hangs
-        assert await src.release_unused_pins(cut_writes=True) == 0  # cut, not released
-        await trio.sleep(2.0)  # past abort_timeout: the round is quarantined
-        cut_at = trio.current_time() - 2.0
-        assert session._pinned[req].quarantined and req not in session._writes
-        raw.proto.send_abort(req)
-        await raw.flush()
-        await trio.sleep(1.0)
-        assert await src.release_unused_pins() == 0
-        assert src.statistics().pinned_slots == 3  # still: the quarantine runs
-        ev = await raw.next_event()  # the round's answer comes at the quarantine's end
-        assert isinstance(ev, AbortAcknowledged | TransferCompleted) and ev.req_id == req
-        assert trio.current_time() >= cut_at + 20.0
-        assert src.statistics().pinned_slots == 0
-        await raw.aclose()
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+        async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
+            keys = fill(src.store, 3, 4096)
+            raw, session = await connected(src)
+            req, _ = await looked_up(raw, keys)
+            raw.proto.send_fetch(req, keys, [0, 1, 2])
+            await raw.flush()
+            await trio.sleep(0.5)  # virtual: the write hangs
+            assert await src.release_unused_pins(cut_writes=True) == 0  # cut, not released
+            await trio.sleep(2.0)  # past abort_timeout: the round is quarantined
+            cut_at = trio.current_time() - 2.0
+            assert session._pinned[req].quarantined and req not in session._writes
+            raw.proto.send_abort(req)
+            await raw.flush()
+            await trio.sleep(1.0)
+            assert await src.release_unused_pins() == 0
+            assert src.statistics().pinned_slots == 3  # still: the quarantine runs
+            ev = await raw.next_event()  # the round's answer comes at the quarantine's end
+            assert isinstance(ev, AbortAcknowledged | TransferCompleted) and ev.req_id == req
+            assert trio.current_time() >= cut_at + 20.0
+            assert src.statistics().pinned_slots == 0
+            await raw.aclose()
 
 
 # --- item 7: per-peer caps, and expired rounds keep nothing -------------------------------
@@ -173,97 +180,99 @@ def check_holds_nothing(session: PeerSession, n: Node) -> None:
 async def test_a_peer_that_never_fetches_is_held_to_its_caps_and_expired_rounds_are_dropped(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    caps = {"keys": 6000, "pins": 300, "rounds": 8}
-    async with node(
-        "src",
-        lease=5.0,
-        max_open_requests=caps["rounds"],
-        max_keys_per_request=8192,
-        max_keys_held_per_peer=caps["keys"],
-        max_pinned_blocks=caps["pins"],
-    ) as src:
-        present = fill(src.store, 64, 4096)
-        raw, session = await connected(src)
-        warm, _ = await looked_up(raw, present[:1])  # codec and handler paths warmed up
-        raw.proto.send_fetch(warm, [], [])
-        await raw.flush()
-        await trio.sleep(0.5)
-        gc.collect()
-        tracemalloc.start()
-        try:
-            baseline = tracemalloc.get_traced_memory()[0]
-            reqs: list[int] = []
-            for _wave in range(3):  # 24 rounds in all: three times the cap on open rounds
-                pinned = 0
-                for _ in range(caps["rounds"]):
-                    keys = present + [os.urandom(32) for _ in range(4096 - len(present))]
-                    req, hits = await looked_up(raw, keys)
-                    reqs.append(req)
-                    pinned += sum(hits)
-                    check_holding(session, src, **caps)
-                del keys, hits
-                assert pinned == caps["pins"]  # the pin cap was reached, never passed
-                await trio.sleep(5.5)  # every lease runs out
-                check_holds_nothing(session, src)
-            gc.collect()
-            grown = tracemalloc.get_traced_memory()[0] - baseline
-        finally:
-            tracemalloc.stop()
-        # One wave's key lists alone are 8 x 4,096 keys of 32 bytes (over 2 MiB with their
-        # objects); the expired rounds must have given all of them back.
-        assert grown < 512 << 10, f"{grown} bytes still held after every lease ran out"
-        # A lookup over the keys cap is answered all misses, nothing pinned; still alive.
-        big = present + [os.urandom(32) for _ in range(8000 - len(present))]
-        req, hits = await looked_up(raw, big)
-        assert not any(hits)
-        assert session.proto.pins_held() == 0 and session.alive
-        # A fetch for an expired round gets LEASE_EXPIRED, whether its tombstone is kept
-        # (the latest round) or was dropped (the first): never a protocol error.
-        for old in (reqs[0], reqs[-1]):
-            raw.proto.send_fetch(old, present[:2], [0, 1])
+    with trio.fail_after(VIRTUAL_BOUND):
+        caps = {"keys": 6000, "pins": 300, "rounds": 8}
+        async with node(
+            "src",
+            lease=5.0,
+            max_open_requests=caps["rounds"],
+            max_keys_per_request=8192,
+            max_keys_held_per_peer=caps["keys"],
+            max_pinned_blocks=caps["pins"],
+        ) as src:
+            present = fill(src.store, 64, 4096)
+            raw, session = await connected(src)
+            warm, _ = await looked_up(raw, present[:1])  # codec and handler paths warmed up
+            raw.proto.send_fetch(warm, [], [])
             await raw.flush()
-            done = await raw.next_event()
-            assert isinstance(done, TransferCompleted) and done.req_id == old
-            assert done.outcomes == [LEASE_EXPIRED] * 2
-        assert not raw.array.any() and session.alive
-        await raw.aclose()
+            await trio.sleep(0.5)
+            gc.collect()
+            tracemalloc.start()
+            try:
+                baseline = tracemalloc.get_traced_memory()[0]
+                reqs: list[int] = []
+                for _wave in range(3):  # 24 rounds in all: three times the cap on open rounds
+                    pinned = 0
+                    for _ in range(caps["rounds"]):
+                        keys = present + [os.urandom(32) for _ in range(4096 - len(present))]
+                        req, hits = await looked_up(raw, keys)
+                        reqs.append(req)
+                        pinned += sum(hits)
+                        check_holding(session, src, **caps)
+                    del keys, hits
+                    assert pinned == caps["pins"]  # the pin cap was reached, never passed
+                    await trio.sleep(5.5)  # every lease runs out
+                    check_holds_nothing(session, src)
+                gc.collect()
+                grown = tracemalloc.get_traced_memory()[0] - baseline
+            finally:
+                tracemalloc.stop()
+            # One wave's key lists alone are 8 x 4,096 keys of 32 bytes (over 2 MiB with their
+            # objects); the expired rounds must have given all of them back.
+            assert grown < 512 << 10, f"{grown} bytes still held after every lease ran out"
+            # A lookup over the keys cap is answered all misses, nothing pinned; still alive.
+            big = present + [os.urandom(32) for _ in range(8000 - len(present))]
+            req, hits = await looked_up(raw, big)
+            assert not any(hits)
+            assert session.proto.pins_held() == 0 and session.alive
+            # A fetch for an expired round gets LEASE_EXPIRED, whether its tombstone is kept
+            # (the latest round) or was dropped (the first): never a protocol error.
+            for old in (reqs[0], reqs[-1]):
+                raw.proto.send_fetch(old, present[:2], [0, 1])
+                await raw.flush()
+                done = await raw.next_event()
+                assert isinstance(done, TransferCompleted) and done.req_id == old
+                assert done.outcomes == [LEASE_EXPIRED] * 2
+            assert not raw.array.any() and session.alive
+            await raw.aclose()
 
 
 @pytest.mark.parametrize("by_hits", [False, True], ids=["fetch", "fetch_hits"])
 async def test_over_the_keys_cap_a_lookup_gets_misses_and_a_fetch_over_cap(
     autojump_clock: trio.testing.MockClock, by_hits: bool
 ) -> None:
-    hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # fetches stay in flight
-    async with node("src", factory=hanging, max_keys_held_per_peer=200) as src:
-        present = fill(src.store, 64, 4096)
-        raw, session = await connected(src)
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # fetches stay in flight
+        async with node("src", factory=hanging, max_keys_held_per_peer=200) as src:
+            present = fill(src.store, 64, 4096)
+            raw, session = await connected(src)
 
-        def fetch(req: int) -> None:  # the round's hits, by their keys or by the round
-            if by_hits:
-                raw.proto.send_fetch_hits(req, list(range(64)))
-            else:
-                raw.proto.send_fetch(req, present, list(range(64)))
+            def fetch(req: int) -> None:  # the round's hits, by their keys or by the round
+                if by_hits:
+                    raw.proto.send_fetch_hits(req, list(range(64)))
+                else:
+                    raw.proto.send_fetch(req, present, list(range(64)))
 
-        a, hits = await looked_up(raw, present)
-        assert all(hits)  # held: 64 pins
-        fetch(a)
-        await raw.flush()
-        await trio.sleep(0.5)
-        assert session.proto.keys_held() == 128  # the pins and the fetch in flight
-        b, hits = await looked_up(raw, present)
-        assert all(hits)  # 128 + 64 answering keys <= 200
-        fetch(b)  # 192 + 64 > 200
-        await raw.flush()
-        done = await raw.next_event()
-        assert isinstance(done, TransferCompleted) and done.req_id == b
-        assert done.outcomes == [OVER_CAP] * 64
-        c, hits = await looked_up(raw, present + [os.urandom(32) for _ in range(36)])
-        assert not any(hits)  # 128 + 100 > 200: every key a miss, nothing pinned
-        assert session.proto.pins_held() == 64 and session.proto.keys_held() == 128
-        assert hanging.transport.posts == 1 and session.alive
-        raw.proto.send_fetch(c, [], [])
-        await raw.flush()
-        await raw.aclose()
+            a, hits = await looked_up(raw, present)
+            assert all(hits)  # held: 64 pins
+            fetch(a)
+            await raw.flush()
+            await trio.sleep(0.5)
+            assert session.proto.keys_held() == 128  # the pins and the fetch in flight
+            b, hits = await looked_up(raw, present)
+            assert all(hits)  # 128 + 64 answering keys <= 200
+            fetch(b)  # 192 + 64 > 200
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.req_id == b
+            assert done.outcomes == [OVER_CAP] * 64
+            c, hits = await looked_up(raw, present + [os.urandom(32) for _ in range(36)])
+            assert not any(hits)  # 128 + 100 > 200: every key a miss, nothing pinned
+            assert session.proto.pins_held() == 64 and session.proto.keys_held() == 128
+            assert hanging.transport.posts == 1 and session.alive
+            raw.proto.send_fetch(c, [], [])
+            await raw.flush()
+            await raw.aclose()
 
 
 async def test_bytes_in_flight_are_capped_within_a_fetch_and_across_fetches(
@@ -273,32 +282,33 @@ async def test_bytes_in_flight_are_capped_within_a_fetch_and_across_fetches(
     flight to this peer past the cap is answered OVER_CAP and never posted. The cap is
     per peer, over all its fetches: a second fetch while the first one's writes are in
     flight gets only what is left, and what a finished fetch held is free again."""
-    factory = FaultFactory()
-    async with node("src", factory=factory, max_inflight_bytes=3 * 4096) as src:
-        keys = fill(src.store, 6, 4096)
-        raw, session = await connected(src)
-        req, hits = await looked_up(raw, keys[:5])
-        assert all(hits)
-        raw.proto.send_fetch(req, keys[:5], [0, 1, 2, 3, 4])
-        await raw.flush()
-        done = await raw.next_event()
-        assert isinstance(done, TransferCompleted) and done.req_id == req
-        assert done.outcomes == [OK] * 3 + [OVER_CAP] * 2  # in the fetch's order
-        assert raw.array[3 * 4096 :].any() == False  # noqa: E712 - nothing over the cap
-        assert session.inflight_bytes == 0  # given back once the writes settled
-        factory.transport.hang = True  # from here on, writes stay in flight
-        first, _ = await looked_up(raw, keys[:2])
-        raw.proto.send_fetch(first, keys[:2], [10, 11])
-        await raw.flush()
-        await trio.sleep(0.5)  # virtual: the first fetch's two writes are posted
-        assert session.inflight_bytes == 2 * 4096
-        second, _ = await looked_up(raw, keys[2:4])
-        raw.proto.send_fetch(second, keys[2:4], [12, 13])
-        await raw.flush()
-        await trio.sleep(0.5)
-        assert session.inflight_bytes == 3 * 4096  # one more fitted, one did not
-        assert factory.transport.posts == 3  # the 5-key fetch, then one post per fetch
-        await raw.aclose()
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with node("src", factory=factory, max_inflight_bytes=3 * 4096) as src:
+            keys = fill(src.store, 6, 4096)
+            raw, session = await connected(src)
+            req, hits = await looked_up(raw, keys[:5])
+            assert all(hits)
+            raw.proto.send_fetch(req, keys[:5], [0, 1, 2, 3, 4])
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.req_id == req
+            assert done.outcomes == [OK] * 3 + [OVER_CAP] * 2  # in the fetch's order
+            assert raw.array[3 * 4096 :].any() == False  # noqa: E712 - nothing over the cap
+            assert session.inflight_bytes == 0  # given back once the writes settled
+            factory.transport.hang = True  # from here on, writes stay in flight
+            first, _ = await looked_up(raw, keys[:2])
+            raw.proto.send_fetch(first, keys[:2], [10, 11])
+            await raw.flush()
+            await trio.sleep(0.5)  # virtual: the first fetch's two writes are posted
+            assert session.inflight_bytes == 2 * 4096
+            second, _ = await looked_up(raw, keys[2:4])
+            raw.proto.send_fetch(second, keys[2:4], [12, 13])
+            await raw.flush()
+            await trio.sleep(0.5)
+            assert session.inflight_bytes == 3 * 4096  # one more fitted, one did not
+            assert factory.transport.posts == 3  # the 5-key fetch, then one post per fetch
+            await raw.aclose()
 
 
 async def test_a_write_the_data_plane_reports_failed_is_never_reported_loaded(
@@ -307,25 +317,27 @@ async def test_a_write_the_data_plane_reports_failed_is_never_reported_loaded(
     """A posted write that completes with ERR (bytes may even have landed) is answered
     TRANSFER_FAILED for every key of it: only a write reported DONE makes a key OK."""
 
-    class ErringWrites(FaultTransport):
-        """FAKE data plane: writes land, but every one is reported ERR."""
+    with trio.fail_after(VIRTUAL_BOUND):
 
-        def poll(self, handle: TransferHandle) -> TransferState:
-            state = super().poll(handle)
-            return TransferState.ERR if state is TransferState.DONE else state
+        class ErringWrites(FaultTransport):
+            """FAKE data plane: writes land, but every one is reported ERR."""
 
-    async with node("src", factory=FaultFactory(kind=ErringWrites)) as src:
-        keys = fill(src.store, 4, 4096)
-        raw, session = await connected(src)
-        req, hits = await looked_up(raw, keys)
-        assert all(hits)
-        raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
-        await raw.flush()
-        done = await raw.next_event()
-        assert isinstance(done, TransferCompleted) and done.req_id == req
-        assert done.outcomes == [TRANSFER_FAILED] * 4
-        assert session.alive and src.statistics().pinned_slots == 0
-        await raw.aclose()
+            def poll(self, handle: TransferHandle) -> TransferState:
+                state = super().poll(handle)
+                return TransferState.ERR if state is TransferState.DONE else state
+
+        async with node("src", factory=FaultFactory(kind=ErringWrites)) as src:
+            keys = fill(src.store, 4, 4096)
+            raw, session = await connected(src)
+            req, hits = await looked_up(raw, keys)
+            assert all(hits)
+            raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.req_id == req
+            assert done.outcomes == [TRANSFER_FAILED] * 4
+            assert session.alive and src.statistics().pinned_slots == 0
+            await raw.aclose()
 
 
 # --- item 12: fairness between peers ------------------------------------------------------

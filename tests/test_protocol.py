@@ -399,6 +399,19 @@ def test_a_hello_recorded_on_another_connection_is_rejected() -> None:
     ]
 
 
+def test_a_hello_carrying_our_own_nonce_is_rejected_even_with_a_valid_proof() -> None:
+    """A hello whose nonce is our own is rejected as not fresh, even under a valid proof:
+    a peer echoing our nonce back must not be taken in."""
+    a = SessionProtocol(make_info("a", secret=SECRET))
+    a.start()
+    a.data_to_send()
+    b_info = make_info("b", secret=SECRET, dialer=True, nonce=a.local.nonce)
+    hb = hello_for(b_info, to=a.local.nonce)  # a valid proof, over our own nonce
+    with pytest.raises(HandshakeRejected, match="nonce is not fresh"):
+        events_of(a, encode(hb))
+    assert a.peer is None
+
+
 def test_the_accepting_side_reveals_its_hello_only_to_a_proven_dialer() -> None:
     a = SessionProtocol(make_info("a", secret=SECRET))
     a.start()
@@ -418,6 +431,17 @@ def test_a_dialer_with_a_secret_waits_for_the_challenge() -> None:
     (hello,) = decode_frames(b.data_to_send())
     assert isinstance(hello, Hello)
     assert hello.auth == hello_proof(SECRET, attrs.evolve(hello, auth=None), nonce, dialer=True)
+
+
+@pytest.mark.parametrize("which", ["ours", "short"])
+def test_a_challenge_whose_nonce_is_not_fresh_is_a_protocol_error(which: str) -> None:
+    """A challenge carrying our own nonce or one shorter than ``MIN_NONCE`` is the peer's
+    protocol error: a dialer must never prove itself over a nonce it did not get fresh."""
+    b = SessionProtocol(make_info("b", secret=SECRET, dialer=True))
+    b.start()
+    nonce = b.local.nonce if which == "ours" else b"x"
+    with pytest.raises(RemoteProtocolError, match="challenge nonce is not fresh"):
+        events_of(b, encode(Challenge(nonce=nonce)))
 
 
 @pytest.mark.parametrize(
@@ -941,6 +965,23 @@ def test_tombstones_are_bounded_and_a_dropped_one_still_answers_lease_expired() 
     assert b.tombstones() == cap - 2
     # A fetch for a round that never was is still the peer's protocol error.
     assert_protocol_error(b, encode(Fetch(req_id=99, keys=[K1], slots=[1])), "no open lookup")
+
+
+def test_a_fetch_on_the_highest_dropped_tombstone_is_answered_lease_expired() -> None:
+    """A fetch on the newest dropped tombstone is still answered ``lease_expired``, not
+    taken as a protocol error: the boundary of the dropped range is inclusive, so a slow
+    consumer is never cut off."""
+    cap = 3
+    pair = ready_pair(make_info("a"), make_info("b", max_open_requests=cap))
+    a, b = pair.a, pair.b
+    reqs = [pair.lookup([K1], [True], now=0.0, lease=1.0) for _ in range(cap)]
+    assert b.expire(1.0) == reqs
+    more = [pair.lookup([K1], [True], now=1.0, lease=1.0) for _ in range(cap)]
+    assert b.expire(2.0) == more  # every one of reqs is dropped; reqs[-1] the highest
+    a.send_fetch(reqs[-1], [K1], [0])
+    assert pair.deliver(a) == []
+    lease_expired = int(Outcome.LEASE_EXPIRED)
+    assert pair.deliver(b) == [TransferCompleted(reqs[-1], [lease_expired], None)]
 
 
 def test_keys_held_counts_answering_keys_then_pins_then_the_fetch() -> None:

@@ -276,3 +276,29 @@ async def test_a_registration_superseded_while_it_runs_is_released_and_the_new_o
             nursery.cancel_scope.cancel()
     y.transport.close()
     src.transport.close()
+
+
+async def test_a_published_registration_superseded_without_a_retire_is_released() -> None:
+    """A published registration superseded by a new generation of the same agent name,
+    with no retire of the old one, is released: the old remote peer does not leak in the
+    transport."""
+    src, x = RawPeer("src"), RawPeer("x")
+    t = FaultTransport(
+        agent_name="src", region=src.array, layout=RegionLayout(src.array.ctypes.data, 64, 4096)
+    )
+    layout = RegionLayout(x.array.ctypes.data, 64, 4096)
+    reg = Registrar(t)
+    with trio.fail_after(10), contextlib.closing(t), contextlib.closing(x.transport):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reg.run)
+            first = reg.submit("x", x.transport.metadata(), layout)
+            await first.wait()
+            second = reg.submit("x", x.transport.metadata(), layout)  # no retire of first
+            newest = await second.wait()
+            await reg.drain()
+            assert reg.current("x") is newest
+            assert (t.adds, t.removes, len(t.live)) == (2, 1, 1)
+            await reg.release(reg.retire(second))
+            assert not t.live
+            nursery.cancel_scope.cancel()
+    src.transport.close()

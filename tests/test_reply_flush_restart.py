@@ -123,63 +123,66 @@ async def connected_small(n: Node, rcvbuf: int, **info: Any) -> tuple[RawPeer, P
 async def test_reply_stuck_in_send_while_peer_restarts_and_reuses_the_request_id(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gate = SendGate(monkeypatch)
-    async with node("src") as src:
-        keys_a = fill(src.store, 4, 4096)
-        keys_b = fill(src.store, 4, 4096)
-        raw, s = await connected(src)
-        req, hits = await looked_up(raw, keys_a)
-        assert req == 1 and hits == [True] * 4
-        old = s._pinned[req]
+    with trio.fail_after(60):
+        gate = SendGate(monkeypatch)
+        async with node("src") as src:
+            keys_a = fill(src.store, 4, 4096)
+            keys_b = fill(src.store, 4, 4096)
+            raw, s = await connected(src)
+            req, hits = await looked_up(raw, keys_a)
+            assert req == 1 and hits == [True] * 4
+            old = s._pinned[req]
 
-        # The fetch is written and settles; its transfer_done is queued. The socket takes
-        # none of it: the write task leaves it to a drain task (which waits for the socket,
-        # holding the send lock) and ends, releasing the round's pins at once: the copy is
-        # over, and the reply's place in our outbox or the kernel changes nothing for them.
-        gate.shut(s)
-        raw.proto.send_fetch(req, keys_a, [0, 1, 2, 3])
-        await raw.flush()
-        await trio.sleep(1.0)
-        assert s.proto.in_state(req) is None  # the reply took the round out of `_in`
-        assert s._write_done == {} and s._writes == {}
-        assert s._pinned.get(req) is None and src.store.pinned_slots == 0
-        assert src.store.unpin(old.owner) == 0
-        assert s._send_lock.locked()
+            # The fetch is written and settles; its transfer_done is queued. The socket takes
+            # none of it: the write task leaves it to a drain task (which waits for the socket,
+            # holding the send lock) and ends, releasing the round's pins at once: the copy is
+            # over, and the reply's place in our outbox or the kernel changes nothing for them.
+            gate.shut(s)
+            raw.proto.send_fetch(req, keys_a, [0, 1, 2, 3])
+            await raw.flush()
+            await trio.sleep(1.0)
+            assert s.proto.in_state(req) is None  # the reply took the round out of `_in`
+            assert s._write_done == {} and s._writes == {}
+            assert s._pinned.get(req) is None and src.store.pinned_slots == 0
+            assert src.store.unpin(old.owner) == 0
+            assert s._send_lock.locked()
 
-        # The peer restarts on this connection (new epoch) without reading anything.
-        raw.proto = SessionProtocol(attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1))
-        raw.proto.start()
-        await raw.flush()
-        await trio.sleep(1.0)
-        # The new incarnation is registered and our ack is queued; nobody waits behind the
-        # stuck send (the registration's flush and the reader's left their frames to it).
-        assert s.proto._ack_sent
-        assert s._send_lock.statistics().tasks_waiting == 0
-        assert s.proto.has_data_to_send()
+            # The peer restarts on this connection (new epoch) without reading anything.
+            raw.proto = SessionProtocol(
+                attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+            )
+            raw.proto.start()
+            await raw.flush()
+            await trio.sleep(1.0)
+            # The new incarnation is registered and our ack is queued; nobody waits behind the
+            # stuck send (the registration's flush and the reader's left their frames to it).
+            assert s.proto._ack_sent
+            assert s._send_lock.statistics().tasks_waiting == 0
+            assert s.proto.has_data_to_send()
 
-        # The new incarnation's ack (by hand: this peer reads nothing, so its protocol has
-        # not seen our new hello; a request before the ack would be a protocol error),
-        # then its first lookup, with the old round's request id.
-        ack = HelloAck(peer_id=raw.proto.local.peer_id, epoch=s.proto.local.epoch)
-        await raw.send_raw(encode(ack) + encode(Lookup(req_id=req, keys=keys_b)))
-        await trio.sleep(1.0)
-        # The reader went on reading: the lookup pinned keys_b under the same id.
-        new = s._pinned.get(req)
-        assert new is not None and new is not old
-        assert src.store.pinned_slots == 4
+            # The new incarnation's ack (by hand: this peer reads nothing, so its protocol has
+            # not seen our new hello; a request before the ack would be a protocol error),
+            # then its first lookup, with the old round's request id.
+            ack = HelloAck(peer_id=raw.proto.local.peer_id, epoch=s.proto.local.epoch)
+            await raw.send_raw(encode(ack) + encode(Lookup(req_id=req, keys=keys_b)))
+            await trio.sleep(1.0)
+            # The reader went on reading: the lookup pinned keys_b under the same id.
+            new = s._pinned.get(req)
+            assert new is not None and new is not old
+            assert src.store.pinned_slots == 4
 
-        gate.open.set()
-        await trio.sleep(5.0)
-        # The drain task sent everything in order (the old reply, our hello and ack, the
-        # new answer); the new round keeps its pins.
-        assert s._pinned.get(req) is new
-        assert src.store.pinned_slots == 4
-        assert not s.proto.has_data_to_send() and not s._send_lock.locked()
-        await raw.aclose()
-        with trio.fail_after(30):
-            while src.statistics().sessions:
-                await trio.sleep(0.1)
-        assert src.store.pinned_slots == 0
+            gate.open.set()
+            await trio.sleep(5.0)
+            # The drain task sent everything in order (the old reply, our hello and ack, the
+            # new answer); the new round keeps its pins.
+            assert s._pinned.get(req) is new
+            assert src.store.pinned_slots == 4
+            assert not s.proto.has_data_to_send() and not s._send_lock.locked()
+            await raw.aclose()
+            with trio.fail_after(30):
+                while src.statistics().sessions:
+                    await trio.sleep(0.1)
+            assert src.store.pinned_slots == 0
 
 
 async def test_a_reply_stuck_in_a_full_socket_does_not_hold_the_node_close(
@@ -188,26 +191,27 @@ async def test_a_reply_stuck_in_a_full_socket_does_not_hold_the_node_close(
     """A peer that keeps the connection but never reads again (small socket buffers, a
     transfer_done too big for them): the write task's reply is stuck in its send. The
     node's close must still end the session and release the round's pins."""
-    async with big_reply_node(close_timeout=2.0) as (src, keys):
-        raw, s = await connected(src, num_blocks=N, block_len=64)
-        await fetch_with_a_big_reply(raw, s, keys)
-        await trio.sleep(1.0)
-        # The write task ended, its pins released; a drain task holds the stuck reply.
-        assert s._send_lock.locked() and s._write_done == {}
-        assert src.store.pinned_slots == 0
-        closed = trio.Event()
+    with trio.fail_after(1200):  # virtual: well past the 600 s it waits with the reply stuck
+        async with big_reply_node(close_timeout=2.0) as (src, keys):
+            raw, s = await connected(src, num_blocks=N, block_len=64)
+            await fetch_with_a_big_reply(raw, s, keys)
+            await trio.sleep(1.0)
+            # The write task ended, its pins released; a drain task holds the stuck reply.
+            assert s._send_lock.locked() and s._write_done == {}
+            assert src.store.pinned_slots == 0
+            closed = trio.Event()
 
-        async def close() -> None:
-            await src.aclose()
-            closed.set()
+            async def close() -> None:
+                await src.aclose()
+                closed.set()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(close)
-            await trio.sleep(600.0)
-            state = (closed.is_set(), src.store.pinned_slots)
-            await raw.aclose()  # in any case: the send then fails and everything ends
-        # A node's close ends each session within close_timeout (2 s) a stage.
-        assert state == (True, 0)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(close)
+                await trio.sleep(600.0)
+                state = (closed.is_set(), src.store.pinned_slots)
+                await raw.aclose()  # in any case: the send then fails and everything ends
+            # A node's close ends each session within close_timeout (2 s) a stage.
+            assert state == (True, 0)
 
 
 @pytest.mark.parametrize("pinging", [False, True], ids=["silent", "pinging"])
@@ -220,45 +224,46 @@ async def test_a_peer_that_stops_reading_is_dropped_alone_after_idle_timeout(
     Silent or still pinging us, such a peer must lose its session once our send has made
     no headway for ``idle_timeout``, with its pins released, while another peer is served
     throughout."""
-    async with big_reply_node(idle_timeout=30.0, heartbeat_interval=5.0) as (src, keys):
-        raw, s = await connected(src, num_blocks=N, block_len=64)
-        other, _ = await connected(src, num_blocks=16, block_len=64)
-        req = await fetch_with_a_big_reply(raw, s, keys)
-        await trio.sleep(1.0)
-        assert s._send_lock.locked() and s._write_done == {}  # the reply is stuck
-        assert req not in s._pinned and src.store.pinned_slots == 0  # the copy is over
-        stuck_at = trio.current_time() - 1.0
+    with trio.fail_after(120):
+        async with big_reply_node(idle_timeout=30.0, heartbeat_interval=5.0) as (src, keys):
+            raw, s = await connected(src, num_blocks=N, block_len=64)
+            other, _ = await connected(src, num_blocks=16, block_len=64)
+            req = await fetch_with_a_big_reply(raw, s, keys)
+            await trio.sleep(1.0)
+            assert s._send_lock.locked() and s._write_done == {}  # the reply is stuck
+            assert req not in s._pinned and src.store.pinned_slots == 0  # the copy is over
+            stuck_at = trio.current_time() - 1.0
 
-        async def ping_forever() -> None:
-            while True:
-                raw.proto.send_ping()
-                await raw.flush()
-                await trio.sleep(1.0)
+            async def ping_forever() -> None:
+                while True:
+                    raw.proto.send_ping()
+                    await raw.flush()
+                    await trio.sleep(1.0)
 
-        async with trio.open_nursery() as nursery:
-            if pinging:
-                nursery.start_soon(ping_forever)
-            # The other peer is served while the stuck one waits out its timeout.
-            for _ in range(5):
-                _, other_hits = await looked_up(other, keys)
-                assert other_hits == [True] * 4
-                await trio.sleep(5.0)
-            with trio.fail_after(60):
-                await s.finished.wait()
-            dropped_after = trio.current_time() - stuck_at
-            nursery.cancel_scope.cancel()
-        # No headway for idle_timeout from the stuck send's start (within the second
-        # after the fetch went out), then the close, which sends nothing more. A silent
-        # peer may meet the idle deadline first (nothing heard since its fetch): the
-        # keepalive no longer waits behind the stuck send either.
-        assert 29.0 <= dropped_after <= 32.0, dropped_after
-        reasons = {"peer stopped reading"} | ({"idle timeout"} if not pinging else set())
-        assert s.close_reason in reasons, s.close_reason
-        assert s._pinned == {}  # (the other peer's rounds may pin the same keys)
-        _, other_hits = await looked_up(other, keys)
-        assert other_hits == [True] * 4
-        await raw.aclose()
-        await other.aclose()
+            async with trio.open_nursery() as nursery:
+                if pinging:
+                    nursery.start_soon(ping_forever)
+                # The other peer is served while the stuck one waits out its timeout.
+                for _ in range(5):
+                    _, other_hits = await looked_up(other, keys)
+                    assert other_hits == [True] * 4
+                    await trio.sleep(5.0)
+                with trio.fail_after(60):
+                    await s.finished.wait()
+                dropped_after = trio.current_time() - stuck_at
+                nursery.cancel_scope.cancel()
+            # No headway for idle_timeout from the stuck send's start (within the second
+            # after the fetch went out), then the close, which sends nothing more. A silent
+            # peer may meet the idle deadline first (nothing heard since its fetch): the
+            # keepalive no longer waits behind the stuck send either.
+            assert 29.0 <= dropped_after <= 32.0, dropped_after
+            reasons = {"peer stopped reading"} | ({"idle timeout"} if not pinging else set())
+            assert s.close_reason in reasons, s.close_reason
+            assert s._pinned == {}  # (the other peer's rounds may pin the same keys)
+            _, other_hits = await looked_up(other, keys)
+            assert other_hits == [True] * 4
+            await raw.aclose()
+            await other.aclose()
 
 
 async def test_a_slow_reader_that_makes_headway_keeps_its_session(
@@ -267,32 +272,33 @@ async def test_a_slow_reader_that_makes_headway_keeps_its_session(
     """The send deadline is for headway, not for the whole reply: a peer that reads a
     little of a big transfer_done every 10 s (a third of ``idle_timeout``) for far longer
     than ``idle_timeout`` in all keeps its session and gets the whole reply."""
-    async with big_reply_node(idle_timeout=30.0, heartbeat_interval=5.0) as (src, keys):
-        # Small from before the connection, so the node's reply stays mostly in its own
-        # send path, paced by our reads.
-        raw, s = await connected_small(src, 16384, num_blocks=N, block_len=64)
-        req = await fetch_with_a_big_reply(raw, s, keys, shrink_peer=False)
-        assert raw.stream is not None
-        start = trio.current_time()
-        done: TransferCompleted | None = None
-        got = 0
-        with trio.fail_after(3600):
-            while done is None:
-                await trio.sleep(10.0)
-                raw.proto.send_ping()  # as the side that dialed does: the node hears from us
-                await raw.flush()
-                data = await raw.stream.receive_some(16384)
-                got += len(data)
-                assert data, s.close_reason
-                raw.proto.receive_data(data)
-                while (ev := raw.proto.next_event()) is not None:
-                    if isinstance(ev, TransferCompleted):
-                        done = ev
-        assert trio.current_time() - start > 2 * 30.0  # far longer than the timeout
-        assert got > 100_000  # the reply, whole (its checksums make it ~130 KB)
-        assert done.req_id == req and done.outcomes[:4] == [int(Outcome.OK)] * 4
-        assert s.alive and s.close_reason is None
-        await raw.aclose()
+    with trio.fail_after(7200):  # virtual: past the 3600 s bound of its read loop
+        async with big_reply_node(idle_timeout=30.0, heartbeat_interval=5.0) as (src, keys):
+            # Small from before the connection, so the node's reply stays mostly in its own
+            # send path, paced by our reads.
+            raw, s = await connected_small(src, 16384, num_blocks=N, block_len=64)
+            req = await fetch_with_a_big_reply(raw, s, keys, shrink_peer=False)
+            assert raw.stream is not None
+            start = trio.current_time()
+            done: TransferCompleted | None = None
+            got = 0
+            with trio.fail_after(3600):
+                while done is None:
+                    await trio.sleep(10.0)
+                    raw.proto.send_ping()  # as the side that dialed does: the node hears from us
+                    await raw.flush()
+                    data = await raw.stream.receive_some(16384)
+                    got += len(data)
+                    assert data, s.close_reason
+                    raw.proto.receive_data(data)
+                    while (ev := raw.proto.next_event()) is not None:
+                        if isinstance(ev, TransferCompleted):
+                            done = ev
+            assert trio.current_time() - start > 2 * 30.0  # far longer than the timeout
+            assert got > 100_000  # the reply, whole (its checksums make it ~130 KB)
+            assert done.req_id == req and done.outcomes[:4] == [int(Outcome.OK)] * 4
+            assert s.alive and s.close_reason is None
+            await raw.aclose()
 
 
 async def test_the_reader_goes_on_reading_while_its_own_send_is_stuck(
@@ -410,27 +416,28 @@ async def test_a_restart_while_the_registration_flush_is_stuck_loses_nothing(
     """The registration task's flush (our hello_ack) is stuck in a full socket when the
     peer restarts again: ending the old incarnation cancels that flush between two pieces,
     which must neither break the stream nor end the session (found by a review)."""
-    gate = SendGate(monkeypatch)
-    offload = VirtualOffload({"add_remote_peer": 2.0})
-    async with open_node(config("src"), offload=offload, transport=FaultFactory()) as src:
-        raw, s = await connected(src)
-        local = raw.proto.local
-        raw.proto = SessionProtocol(attrs.evolve(local, epoch=local.epoch + 1))
-        raw.proto.start()
-        await raw.flush()
-        await trio.sleep(0.5)
-        gate.shut(s)  # the registration (2 s) ends behind a shut gate
-        await trio.sleep(3.0)
-        assert s._send_lock.locked() and s.alive
-        raw.proto = SessionProtocol(attrs.evolve(local, epoch=local.epoch + 2))
-        raw.proto.start()
-        await raw.flush()
-        await trio.sleep(0.5)
-        assert s.alive and not s._send_broken and s.close_reason is None
-        gate.open.set()
-        await trio.sleep(5.0)
-        assert s.alive and not s._send_broken and not s.proto.has_data_to_send()
-        await raw.aclose()
+    with trio.fail_after(60):
+        gate = SendGate(monkeypatch)
+        offload = VirtualOffload({"add_remote_peer": 2.0})
+        async with open_node(config("src"), offload=offload, transport=FaultFactory()) as src:
+            raw, s = await connected(src)
+            local = raw.proto.local
+            raw.proto = SessionProtocol(attrs.evolve(local, epoch=local.epoch + 1))
+            raw.proto.start()
+            await raw.flush()
+            await trio.sleep(0.5)
+            gate.shut(s)  # the registration (2 s) ends behind a shut gate
+            await trio.sleep(3.0)
+            assert s._send_lock.locked() and s.alive
+            raw.proto = SessionProtocol(attrs.evolve(local, epoch=local.epoch + 2))
+            raw.proto.start()
+            await raw.flush()
+            await trio.sleep(0.5)
+            assert s.alive and not s._send_broken and s.close_reason is None
+            gate.open.set()
+            await trio.sleep(5.0)
+            assert s.alive and not s._send_broken and not s.proto.has_data_to_send()
+            await raw.aclose()
 
 
 async def test_the_reader_that_meets_a_full_socket_itself_goes_on_reading() -> None:

@@ -170,3 +170,31 @@ def test_host_copy_split_over_three_lanes_is_byte_exact_and_fails_as_a_whole(
         dst.release()
     assert not staging.loopback_agent_exists()
     assert not any(t.name.startswith("p2pkv-staging") for t in threading.enumerate())
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_staging_refuses_out_of_range_slots_overlapping_and_released_regions() -> None:
+    """Staging refuses a copy to or from a slot one past the region's last block, a region
+    that starts below a staged one and reaches into it, and a copy into a released
+    region."""
+    a = np.zeros(4 * BLOCK, np.uint8)
+    buf = np.zeros(8 * BLOCK, np.uint8)
+    src = staging.attach_region(a, BLOCK)
+    upper = staging.attach_region(buf[4 * BLOCK :], BLOCK)
+    try:
+        agent = src.agent
+        with pytest.raises(TransportError, match="destination slot out of range"):
+            agent.copy(src, [0], upper, [4])
+        with pytest.raises(TransportError, match="source slot out of range"):
+            agent.copy(src, [4], upper, [0])
+        with pytest.raises(TransportError, match="overlaps"):
+            staging.attach_region(buf[: 6 * BLOCK], BLOCK)  # starts below, reaches into it
+        gone = staging.attach_region(buf[: 2 * BLOCK], BLOCK)
+        gone.release()
+        with pytest.raises(TransportError, match="region was released"):
+            agent.copy(src, [0], gone, [0])
+    finally:
+        upper.release()
+        src.release()
+    assert not staging.loopback_agent_exists()

@@ -462,6 +462,35 @@ def test_unquarantine_frees_at_once_and_ignores_late_confirmations() -> None:
     assert store.statistics().free == 1 and store.reserve("c", 1) == [slot]
 
 
+def _requarantined(first: float, second: float) -> BlockStore:
+    """One slot quarantined until ``first``, confirmed quiescent (its heap entry stays
+    behind, stale), reused and quarantined again until ``second``."""
+    store = BlockStore(1, L)
+    (slot,) = store.reserve("a", 1)
+    store.quarantine("a", [slot], until=first)
+    store.unquarantine([slot])
+    assert store.reserve("b", 1) == [slot]
+    store.quarantine("b", [slot], until=second)
+    return store
+
+
+def test_a_stale_deadline_never_ends_a_later_quarantine_of_the_same_slot() -> None:
+    """A stale deadline left in the heap never ends a later quarantine of the same slot:
+    the slot, quarantined again until 20, stays quarantined at the stale 10."""
+    store = _requarantined(10.0, 20.0)
+    assert store.release_quarantined(10.0) == 0  # the stale deadline frees nothing
+    assert store.statistics().quarantined == 1
+    assert store.release_quarantined(20.0) == 1
+    assert store.statistics().free == 1
+
+
+def test_the_next_quarantine_deadline_skips_a_stale_entry() -> None:
+    """The next quarantine deadline is the live quarantine's, never that of a stale heap
+    entry left behind by an earlier quarantine of the same slot."""
+    store = _requarantined(10.0, 20.0)
+    assert store.next_quarantine_deadline() == 20.0
+
+
 def test_release_owner_drops_pins_and_frees_its_reservations() -> None:
     store = filled(4, keys=2)
     store.pin("s", [b"k0", b"k1", b"k1"])

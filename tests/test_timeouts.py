@@ -30,6 +30,10 @@ from p2pkv.wire import Bye, FrameDecoder, Outcome, Ping
 from .helpers import FaultFactory, FaultTransport, RawPeer, fill
 from .helpers import virtual_node as node
 
+# Virtual seconds on the autojump clock: "this did not hang", never an expected duration;
+# above every deadline and wait of the tests that use it.
+VIRTUAL_BOUND = 300.0
+
 
 def assert_released_within_quarantine(
     released_at: list[float], gave_up: float, src: Node, dst: Node
@@ -66,38 +70,40 @@ async def raw_server(raw: RawPeer, n: Node) -> AsyncIterator[Peer]:
 async def test_connect_times_out_when_the_peer_never_says_hello(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("a", handshake_timeout=7.0) as a:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        port = listeners[0].socket.getsockname()[1]
-        async with trio.open_nursery() as nursery:
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("a", handshake_timeout=7.0) as a:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            port = listeners[0].socket.getsockname()[1]
+            async with trio.open_nursery() as nursery:
 
-            async def mute() -> None:
-                async with await listeners[0].accept():
-                    await trio.sleep_forever()
+                async def mute() -> None:
+                    async with await listeners[0].accept():
+                        await trio.sleep_forever()
 
-            nursery.start_soon(mute)
-            start = trio.current_time()
-            with pytest.raises(P2PKVTimeout, match="handshake"):
-                await a.connect(("127.0.0.1", port))
-            assert trio.current_time() - start == pytest.approx(7.0, abs=0.5)
-            nursery.cancel_scope.cancel()
-        await listeners[0].aclose()
+                nursery.start_soon(mute)
+                start = trio.current_time()
+                with pytest.raises(P2PKVTimeout, match="handshake"):
+                    await a.connect(("127.0.0.1", port))
+                assert trio.current_time() - start == pytest.approx(7.0, abs=0.5)
+                nursery.cancel_scope.cancel()
+            await listeners[0].aclose()
 
 
 async def test_a_silent_client_is_dropped_after_the_handshake_deadline(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("a", handshake_timeout=5.0) as a:
-        raw = RawPeer()
-        await raw.connect(a.address)
-        start = trio.current_time()
-        bye = await raw.expect_close()
-        assert bye is not None and bye.code == "timeout"
-        assert trio.current_time() - start == pytest.approx(5.0, abs=0.5)
-        await raw.aclose()
-        with trio.fail_after(5):
-            while a.statistics().sessions:
-                await trio.sleep(0.01)
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("a", handshake_timeout=5.0) as a:
+            raw = RawPeer()
+            await raw.connect(a.address)
+            start = trio.current_time()
+            bye = await raw.expect_close()
+            assert bye is not None and bye.code == "timeout"
+            assert trio.current_time() - start == pytest.approx(5.0, abs=0.5)
+            await raw.aclose()
+            with trio.fail_after(5):
+                while a.statistics().sessions:
+                    await trio.sleep(0.01)
 
 
 async def lookup_times_out_and_aborts(a: Node, peer: Peer, raw: RawPeer, seconds: float) -> None:
@@ -116,11 +122,12 @@ async def lookup_times_out_and_aborts(a: Node, peer: Peer, raw: RawPeer, seconds
 async def test_lookup_deadline_raises_and_aborts_the_round(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("a", lookup_timeout=3.0) as a:
-        raw = RawPeer()
-        async with raw_server(raw, a) as peer:
-            await lookup_times_out_and_aborts(a, peer, raw, 3.0)
-        await raw.aclose()
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("a", lookup_timeout=3.0) as a:
+            raw = RawPeer()
+            async with raw_server(raw, a) as peer:
+                await lookup_times_out_and_aborts(a, peer, raw, 3.0)
+            await raw.aclose()
 
 
 async def test_a_lookup_times_out_at_its_own_deadline_while_the_timer_waits_for_a_lease(
@@ -128,91 +135,94 @@ async def test_a_lookup_times_out_at_its_own_deadline_while_the_timer_waits_for_
 ) -> None:
     """Waits end on the lease timer: a round held for a long lease arms it far ahead, and a
     later lookup's earlier deadline must still end that lookup's wait on time."""
-    async with node("a", lookup_timeout=3.0, lease=200.0) as a:
-        raw = RawPeer()
-        async with raw_server(raw, a) as peer:
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("a", lookup_timeout=3.0, lease=200.0) as a:
+            raw = RawPeer()
+            async with raw_server(raw, a) as peer:
 
-            async def answer_the_first_lookup_only() -> None:
-                ev = await raw.next_event()
-                assert isinstance(ev, LookupRequested)
-                raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 200.0)
-                await raw.flush()
+                async def answer_the_first_lookup_only() -> None:
+                    ev = await raw.next_event()
+                    assert isinstance(ev, LookupRequested)
+                    raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 200.0)
+                    await raw.flush()
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(answer_the_first_lookup_only)
-                held = await a.lookup_round(peer, [b"h" * 32])
-            assert held.hits == [True]
-            await trio.sleep(1.0)  # the timer now sleeps until the held round's end
-            await lookup_times_out_and_aborts(a, peer, raw, 3.0)
-        await raw.aclose()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(answer_the_first_lookup_only)
+                    held = await a.lookup_round(peer, [b"h" * 32])
+                assert held.hits == [True]
+                await trio.sleep(1.0)  # the timer now sleeps until the held round's end
+                await lookup_times_out_and_aborts(a, peer, raw, 3.0)
+            await raw.aclose()
 
 
 async def test_fetch_deadline_fails_keys_and_an_unsettled_write_quarantines_both_sides(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with (
-        node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src,
-        node("dst", fetch_timeout=4.0, quarantine=20.0) as dst,
-    ):
-        keys = fill(src.store, 4, 4096)
-        peer = await dst.connect(src.address)
-        start = trio.current_time()
-        result = await dst.fetch(peer, keys)
-        gave_up = trio.current_time()
-        assert gave_up - start == pytest.approx(4.0, abs=0.5)
-        assert result.loaded == [] and set(result.failed.values()) == {"timeout"}
-        assert dst.statistics().quarantined_slots == 4
-        # The producer's write never settles: after abort_timeout it is released, and the
-        # round is held for the quarantine (source pins kept, no abort_ack yet). Even the
-        # ack that follows frees no consumer slot (invariant 10: never on the peer's word):
-        # they stay quarantined until `quarantine` after the consumer gave up.
-        await trio.sleep(2.0)
-        assert dst.statistics().quarantined_slots == 4
-        assert src.statistics().pinned_slots == 4
-        await trio.sleep(gave_up + 20.0 - trio.current_time() - 0.1)
-        assert dst.statistics().quarantined_slots == 4
-        await trio.sleep(0.2)
-        assert dst.statistics().quarantined_slots == 0
-        await trio.sleep(2.0)
-        assert src.statistics().pinned_slots == 0
-        assert dst.statistics().quarantined_slots == 0
-        assert hanging.transport.releases == 1
-        assert all(k not in dst.store for k in keys)
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+        async with (
+            node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src,
+            node("dst", fetch_timeout=4.0, quarantine=20.0) as dst,
+        ):
+            keys = fill(src.store, 4, 4096)
+            peer = await dst.connect(src.address)
+            start = trio.current_time()
+            result = await dst.fetch(peer, keys)
+            gave_up = trio.current_time()
+            assert gave_up - start == pytest.approx(4.0, abs=0.5)
+            assert result.loaded == [] and set(result.failed.values()) == {"timeout"}
+            assert dst.statistics().quarantined_slots == 4
+            # The producer's write never settles: after abort_timeout it is released, and the
+            # round is held for the quarantine (source pins kept, no abort_ack yet). Even the
+            # ack that follows frees no consumer slot (invariant 10: never on the peer's word):
+            # they stay quarantined until `quarantine` after the consumer gave up.
+            await trio.sleep(2.0)
+            assert dst.statistics().quarantined_slots == 4
+            assert src.statistics().pinned_slots == 4
+            await trio.sleep(gave_up + 20.0 - trio.current_time() - 0.1)
+            assert dst.statistics().quarantined_slots == 4
+            await trio.sleep(0.2)
+            assert dst.statistics().quarantined_slots == 0
+            await trio.sleep(2.0)
+            assert src.statistics().pinned_slots == 0
+            assert dst.statistics().quarantined_slots == 0
+            assert hanging.transport.releases == 1
+            assert all(k not in dst.store for k in keys)
 
 
 async def test_quarantine_expires_when_the_producer_never_acks(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("a", fetch_timeout=2.0, quarantine=6.0) as a:
-        raw = RawPeer()
-        async with raw_server(raw, a) as peer:
-            keys = [b"x" * 32, b"y" * 32]
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("a", fetch_timeout=2.0, quarantine=6.0) as a:
+            raw = RawPeer()
+            async with raw_server(raw, a) as peer:
+                keys = [b"x" * 32, b"y" * 32]
 
-            async def producer() -> None:  # answers the lookup, then goes quiet
-                while True:
-                    ev = await raw.next_event()
-                    if isinstance(ev, LookupRequested):
-                        raw.proto.send_lookup_resp(
-                            ev.req_id, [True, True], trio.current_time(), 100.0
-                        )
-                        await raw.flush()
-                    if ev is None:
-                        return
+                async def producer() -> None:  # answers the lookup, then goes quiet
+                    while True:
+                        ev = await raw.next_event()
+                        if isinstance(ev, LookupRequested):
+                            raw.proto.send_lookup_resp(
+                                ev.req_id, [True, True], trio.current_time(), 100.0
+                            )
+                            await raw.flush()
+                        if ev is None:
+                            return
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(producer)
-                result = await a.fetch(peer, keys)
-                assert set(result.failed.values()) == {"timeout"}
-                assert a.statistics().quarantined_slots == 2
-                free = a.statistics().store.free
-                await trio.sleep(5.0)
-                assert a.statistics().quarantined_slots == 2
-                await trio.sleep(1.5)
-                assert a.statistics().quarantined_slots == 0
-                assert a.statistics().store.free == free + 2
-                nursery.cancel_scope.cancel()
-        await raw.aclose()
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(producer)
+                    result = await a.fetch(peer, keys)
+                    assert set(result.failed.values()) == {"timeout"}
+                    assert a.statistics().quarantined_slots == 2
+                    free = a.statistics().store.free
+                    await trio.sleep(5.0)
+                    assert a.statistics().quarantined_slots == 2
+                    await trio.sleep(1.5)
+                    assert a.statistics().quarantined_slots == 0
+                    assert a.statistics().store.free == free + 2
+                    nursery.cancel_scope.cancel()
+            await raw.aclose()
 
 
 async def frames_until_closed(raw: RawPeer) -> list[tuple[float, object]]:
@@ -230,40 +240,42 @@ async def frames_until_closed(raw: RawPeer) -> list[tuple[float, object]]:
 
 
 async def test_idle_peer_gets_pings_then_is_dropped(autojump_clock: trio.testing.MockClock) -> None:
-    async with node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a:
-        raw = RawPeer()
-        await raw.connect(a.address)
-        await raw.handshake()
-        frames = await frames_until_closed(raw)
-        pings = [t for t, msg in frames if isinstance(msg, Ping)]
-        assert len(pings) >= 2, frames
-        # It did not dial, so it leaves pinging to the dialer for two intervals; then it
-        # probes once per interval.
-        assert pings[0] == pytest.approx(4.0, abs=0.5)
-        assert pings[1] - pings[0] == pytest.approx(2.0, abs=0.5)
-        last_t, last = frames[-1]
-        assert isinstance(last, Bye) and last.code == "timeout", frames
-        assert last_t == pytest.approx(9.0, abs=1.0)
-        assert all(t < last_t for t in pings)
-        with trio.fail_after(5):
-            while a.statistics().sessions:
-                await trio.sleep(0.01)
-        await raw.aclose()
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a:
+            raw = RawPeer()
+            await raw.connect(a.address)
+            await raw.handshake()
+            frames = await frames_until_closed(raw)
+            pings = [t for t, msg in frames if isinstance(msg, Ping)]
+            assert len(pings) >= 2, frames
+            # It did not dial, so it leaves pinging to the dialer for two intervals; then it
+            # probes once per interval.
+            assert pings[0] == pytest.approx(4.0, abs=0.5)
+            assert pings[1] - pings[0] == pytest.approx(2.0, abs=0.5)
+            last_t, last = frames[-1]
+            assert isinstance(last, Bye) and last.code == "timeout", frames
+            assert last_t == pytest.approx(9.0, abs=1.0)
+            assert all(t < last_t for t in pings)
+            with trio.fail_after(5):
+                while a.statistics().sessions:
+                    await trio.sleep(0.01)
+            await raw.aclose()
 
 
 async def test_a_dialer_pings_a_silent_peer_each_interval_then_drops_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a:
-        raw = RawPeer()
-        async with raw_server(raw, a):
-            frames = await frames_until_closed(raw)
-        pings = [t for t, msg in frames if isinstance(msg, Ping)]
-        assert pings[:4] == pytest.approx([2.0, 4.0, 6.0, 8.0], abs=0.5), frames
-        last_t, last = frames[-1]
-        assert isinstance(last, Bye) and last.code == "timeout", frames
-        assert last_t == pytest.approx(9.0, abs=1.0)
-        await raw.aclose()
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a:
+            raw = RawPeer()
+            async with raw_server(raw, a):
+                frames = await frames_until_closed(raw)
+            pings = [t for t, msg in frames if isinstance(msg, Ping)]
+            assert pings[:4] == pytest.approx([2.0, 4.0, 6.0, 8.0], abs=0.5), frames
+            last_t, last = frames[-1]
+            assert isinstance(last, Bye) and last.code == "timeout", frames
+            assert last_t == pytest.approx(9.0, abs=1.0)
+            await raw.aclose()
 
 
 async def test_an_idle_pair_exchanges_one_ping_and_one_pong_per_interval(
@@ -271,116 +283,122 @@ async def test_an_idle_pair_exchanges_one_ping_and_one_pong_per_interval(
 ) -> None:
     """Only the dialer pings a live peer: the acceptor hears it every interval and never
     needs to, so an idle session costs half the frames and wake-ups of both pinging."""
-    sent: dict[str, int] = {}
-    send_ping = SessionProtocol.send_ping
+    with trio.fail_after(VIRTUAL_BOUND):
+        sent: dict[str, int] = {}
+        send_ping = SessionProtocol.send_ping
 
-    def counted(self: SessionProtocol) -> int:
-        sent[self.local.peer_id] = sent.get(self.local.peer_id, 0) + 1
-        return send_ping(self)
+        def counted(self: SessionProtocol) -> int:
+            sent[self.local.peer_id] = sent.get(self.local.peer_id, 0) + 1
+            return send_ping(self)
 
-    monkeypatch.setattr(SessionProtocol, "send_ping", counted)
-    async with (
-        node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a,
-        node("b", heartbeat_interval=2.0, idle_timeout=9.0) as b,
-    ):
-        await b.connect(a.address)  # b dials
-        await trio.sleep(40.0)
-        assert a.statistics().peers == 1 and b.statistics().peers == 1
-        assert sent.get("a", 0) == 0
-        assert 18 <= sent["b"] <= 21  # one per 2 s interval
+        monkeypatch.setattr(SessionProtocol, "send_ping", counted)
+        async with (
+            node("a", heartbeat_interval=2.0, idle_timeout=9.0) as a,
+            node("b", heartbeat_interval=2.0, idle_timeout=9.0) as b,
+        ):
+            await b.connect(a.address)  # b dials
+            await trio.sleep(40.0)
+            assert a.statistics().peers == 1 and b.statistics().peers == 1
+            assert sent.get("a", 0) == 0
+            assert 18 <= sent["b"] <= 21  # one per 2 s interval
 
 
 async def test_heartbeats_keep_a_quiet_session_alive(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with (
-        node("a", heartbeat_interval=2.0, idle_timeout=5.0) as a,
-        node("b", heartbeat_interval=2.0, idle_timeout=5.0) as b,
-    ):
-        peer = await b.connect(a.address)
-        await trio.sleep(60.0)
-        assert a.statistics().peers == 1 and b.statistics().peers == 1
-        keys = fill(a.store, 2, 4096)
-        assert len((await b.fetch(peer, keys)).loaded) == 2
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with (
+            node("a", heartbeat_interval=2.0, idle_timeout=5.0) as a,
+            node("b", heartbeat_interval=2.0, idle_timeout=5.0) as b,
+        ):
+            peer = await b.connect(a.address)
+            await trio.sleep(60.0)
+            assert a.statistics().peers == 1 and b.statistics().peers == 1
+            keys = fill(a.store, 2, 4096)
+            assert len((await b.fetch(peer, keys)).loaded) == 2
 
 
 async def test_producer_lease_expiry_releases_pins_and_fails_a_late_fetch(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("src", lease=4.0) as src:
-        keys = fill(src.store, 3, 4096)
-        raw = RawPeer()
-        await raw.connect(src.address)
-        await raw.handshake()
-        req = raw.proto.send_lookup(keys)
-        await raw.flush()
-        ev = await raw.next_event()
-        assert isinstance(ev, LookupAnswered) and ev.hits == [True] * 3
-        assert src.statistics().pinned_slots == 3
-        await trio.sleep(4.5)
-        assert src.statistics().pinned_slots == 0
-        raw.proto.send_fetch(req, keys, [0, 1, 2])
-        await raw.flush()
-        done = await raw.next_event()
-        assert isinstance(done, TransferCompleted)
-        assert done.outcomes == [Outcome.LEASE_EXPIRED] * 3
-        assert not raw.array.any()  # nothing was written
-        await raw.aclose()
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("src", lease=4.0) as src:
+            keys = fill(src.store, 3, 4096)
+            raw = RawPeer()
+            await raw.connect(src.address)
+            await raw.handshake()
+            req = raw.proto.send_lookup(keys)
+            await raw.flush()
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.hits == [True] * 3
+            assert src.statistics().pinned_slots == 3
+            await trio.sleep(4.5)
+            assert src.statistics().pinned_slots == 0
+            raw.proto.send_fetch(req, keys, [0, 1, 2])
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted)
+            assert done.outcomes == [Outcome.LEASE_EXPIRED] * 3
+            assert not raw.array.any()  # nothing was written
+            await raw.aclose()
 
 
 async def test_consumer_closes_rounds_nobody_fetched(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("src", lease=10.0) as src, node("dst", lease=10.0) as dst:
-        keys = fill(src.store, 2, 4096)
-        peer = await dst.connect(src.address)
-        await dst.lookup(peer, keys)
-        assert src.statistics().pinned_slots == 2
-        await trio.sleep(9.5)  # the consumer closes the round before the lease runs out
-        assert src.statistics().pinned_slots == 0
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("src", lease=10.0) as src, node("dst", lease=10.0) as dst:
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            await dst.lookup(peer, keys)
+            assert src.statistics().pinned_slots == 2
+            await trio.sleep(9.5)  # the consumer closes the round before the lease runs out
+            assert src.statistics().pinned_slots == 0
 
 
 async def test_registration_deadline_rejects_and_the_late_registration_is_released(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    factory = FaultFactory()
-    async with (
-        node(
-            "src",
-            factory=factory,
-            delays={"add_remote_peer": 60.0},
-            registration_timeout=20.0,
-            handshake_timeout=100.0,
-        ) as src,
-        node("dst", handshake_timeout=100.0) as dst,
-    ):
-        with pytest.raises(HandshakeRejected, match="registration"):
-            await dst.connect(src.address)
-        await trio.sleep(60.0)
-        st = src.statistics().registrations
-        assert st.released_stale == 1 and st.live == 0
-        assert factory.transport.adds == factory.transport.removes == 1
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with (
+            node(
+                "src",
+                factory=factory,
+                delays={"add_remote_peer": 60.0},
+                registration_timeout=20.0,
+                handshake_timeout=100.0,
+            ) as src,
+            node("dst", handshake_timeout=100.0) as dst,
+        ):
+            with pytest.raises(HandshakeRejected, match="registration"):
+                await dst.connect(src.address)
+            await trio.sleep(60.0)
+            st = src.statistics().registrations
+            assert st.released_stale == 1 and st.live == 0
+            assert factory.transport.adds == factory.transport.removes == 1
 
 
 async def test_abort_of_a_pinned_round_is_acked_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with node("src") as src:
-        keys = fill(src.store, 2, 4096)
-        raw = RawPeer()
-        await raw.connect(src.address)
-        await raw.handshake()
-        req = raw.proto.send_lookup(keys)
-        await raw.flush()
-        assert isinstance(await raw.next_event(), LookupAnswered)
-        raw.proto.send_abort(req)
-        await raw.flush()
-        from p2pkv.session.protocol import AbortAcknowledged
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("src") as src:
+            keys = fill(src.store, 2, 4096)
+            raw = RawPeer()
+            await raw.connect(src.address)
+            await raw.handshake()
+            req = raw.proto.send_lookup(keys)
+            await raw.flush()
+            assert isinstance(await raw.next_event(), LookupAnswered)
+            raw.proto.send_abort(req)
+            await raw.flush()
+            from p2pkv.session.protocol import AbortAcknowledged
 
-        ack = await raw.next_event()
-        assert isinstance(ack, AbortAcknowledged) and ack.req_id == req
-        assert src.statistics().pinned_slots == 0
-        await raw.aclose()
+            ack = await raw.next_event()
+            assert isinstance(ack, AbortAcknowledged) and ack.req_id == req
+            assert src.statistics().pinned_slots == 0
+            await raw.aclose()
 
 
 # ---------------------------------------------------------------- writes let go in time
@@ -407,29 +425,30 @@ async def test_a_fetch_of_several_unsettled_chunks_is_released_within_the_consum
     handle of the round within abort_timeout of the abort: one deadline for all of them
     (a wait of abort_timeout per handle in turn kept the k-th hanging chunk in flight
     k x abort_timeout, past the consumer's quarantine from k = 3)."""
-    released_at: list[float] = []
+    with trio.fail_after(VIRTUAL_BOUND):
+        released_at: list[float] = []
 
-    def hang(t: FaultTransport) -> None:
-        t.hang = True
-        record_inflight_releases(t, released_at)
+        def hang(t: FaultTransport) -> None:
+            t.hang = True
+            record_inflight_releases(t, released_at)
 
-    hanging = FaultFactory(hang)
-    kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
-    async with (
-        node("src", factory=hanging, transfer_chunk_bytes=4096, **kw) as src,
-        node("dst", fetch_timeout=4.0, **kw) as dst,
-    ):
-        keys = fill(src.store, 4, 4096)  # 4 chunks: 4 handles, all left PROC
-        peer = await dst.connect(src.address)
-        result = await dst.fetch(peer, keys)
-        gave_up = trio.current_time()
-        assert set(result.failed.values()) == {"timeout"}
-        assert hanging.transport.posts == 4
-        # Until the producer has let go of every write (and the hold after it).
-        with trio.fail_after(60):
-            while len(released_at) < 4 or src.statistics().pinned_slots:
-                await trio.sleep(0.5)
-        assert_released_within_quarantine(released_at, gave_up, src, dst)
+        hanging = FaultFactory(hang)
+        kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
+        async with (
+            node("src", factory=hanging, transfer_chunk_bytes=4096, **kw) as src,
+            node("dst", fetch_timeout=4.0, **kw) as dst,
+        ):
+            keys = fill(src.store, 4, 4096)  # 4 chunks: 4 handles, all left PROC
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            gave_up = trio.current_time()
+            assert set(result.failed.values()) == {"timeout"}
+            assert hanging.transport.posts == 4
+            # Until the producer has let go of every write (and the hold after it).
+            with trio.fail_after(60):
+                while len(released_at) < 4 or src.statistics().pinned_slots:
+                    await trio.sleep(0.5)
+            assert_released_within_quarantine(released_at, gave_up, src, dst)
 
 
 class _ClosingReleasesHandles(FaultTransport):
@@ -461,40 +480,41 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
     ``transfer_done`` at once, and the consumer freed the slots while the released write
     could still land): either reply means no write of this round can land any more, so
     the round is held for the quarantine, as _settle does for a write it released."""
-    released_at: list[float] = []
+    with trio.fail_after(VIRTUAL_BOUND):
+        released_at: list[float] = []
 
-    def first_hangs(t: FaultTransport) -> None:
-        if not factory.built:
-            t.hang = True
-            record_inflight_releases(t, released_at)
+        def first_hangs(t: FaultTransport) -> None:
+            if not factory.built:
+                t.hang = True
+                record_inflight_releases(t, released_at)
 
-    factory = FaultFactory(first_hangs, kind=_ClosingReleasesHandles)
-    kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
-    async with (
-        node("src", factory=factory, fetch_timeout=4.0, **kw) as src,
-        node("dst", fetch_timeout=60.0, **kw) as dst,  # its own, longer deadline
-    ):
-        keys = fill(src.store, 2, 4096)
-        peer = await dst.connect(src.address)
-        got: list[Any] = []
-        async with trio.open_nursery() as nursery:
+        factory = FaultFactory(first_hangs, kind=_ClosingReleasesHandles)
+        kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
+        async with (
+            node("src", factory=factory, fetch_timeout=4.0, **kw) as src,
+            node("dst", fetch_timeout=60.0, **kw) as dst,  # its own, longer deadline
+        ):
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            got: list[Any] = []
+            async with trio.open_nursery() as nursery:
 
-            async def fetch() -> None:
-                got.append(await dst.fetch(peer, keys))
-                got.append(trio.current_time())
+                async def fetch() -> None:
+                    got.append(await dst.fetch(peer, keys))
+                    got.append(trio.current_time())
 
-            nursery.start_soon(fetch)
-            await trio.testing.wait_all_tasks_blocked()
-            assert factory.built[0].posts == 1  # the write is in flight (PROC)
-            assert await src.reconfigure(["dst"]) == []
-        result, answered = got
-        assert released_at, "the retired transport's close released the in-flight write"
-        assert result.loaded == [] and set(result.failed) == set(keys)
-        assert answered >= released_at[0] + src.config.landing_margin, (
-            f"transfer_done came at t={answered:.2f}, {answered - released_at[0]:.2f} s "
-            f"after the write was released in flight (landing_margin "
-            f"{src.config.landing_margin} s): the consumer freed slots it may still get"
-        )
+                nursery.start_soon(fetch)
+                await trio.testing.wait_all_tasks_blocked()
+                assert factory.built[0].posts == 1  # the write is in flight (PROC)
+                assert await src.reconfigure(["dst"]) == []
+            result, answered = got
+            assert released_at, "the retired transport's close released the in-flight write"
+            assert result.loaded == [] and set(result.failed) == set(keys)
+            assert answered >= released_at[0] + src.config.landing_margin, (
+                f"transfer_done came at t={answered:.2f}, {answered - released_at[0]:.2f} s "
+                f"after the write was released in flight (landing_margin "
+                f"{src.config.landing_margin} s): the consumer freed slots it may still get"
+            )
 
 
 # ---------------------------------------------------------------- reconfiguration
@@ -508,35 +528,36 @@ async def test_a_registration_queued_behind_a_reconfiguration_goes_to_the_new_tr
     free, on the new transport. (Read before the wait, the transport was the one being
     retired: the registration failed when that one closed first, or was published there
     and every write to the peer failed.)"""
-    factory = FaultFactory()
-    factory.__name__ = "make_transport"  # type: ignore[attr-defined]  # VirtualOffload's key
-    async with (
-        node("hub", factory=factory, delays={"make_transport": 5.0}) as hub,
-        node("late") as late,
-    ):
-        keys = fill(hub.store, 2, 4096)
-        errors: list[BaseException] = []
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(hub.reconfigure, ["late"])
-            await trio.testing.wait_all_tasks_blocked()
-            assert len(factory.built) == 1  # building the new transport (5 s, virtual)
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        factory.__name__ = "make_transport"  # type: ignore[attr-defined]  # VirtualOffload's key
+        async with (
+            node("hub", factory=factory, delays={"make_transport": 5.0}) as hub,
+            node("late") as late,
+        ):
+            keys = fill(hub.store, 2, 4096)
+            errors: list[BaseException] = []
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hub.reconfigure, ["late"])
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(factory.built) == 1  # building the new transport (5 s, virtual)
 
-            async def connect() -> None:
-                try:
-                    await late.connect(hub.address)
-                except Exception as exc:
-                    errors.append(exc)
+                async def connect() -> None:
+                    try:
+                        await late.connect(hub.address)
+                    except Exception as exc:
+                        errors.append(exc)
 
-            nursery.start_soon(connect)
-        with trio.fail_after(5):
-            while hub._retired_transports:
-                await trio.sleep(0.01)
-        assert errors == [], f"connect failed: {errors}"
-        result = await late.fetch("hub", keys)
-        assert sorted(result.loaded) == sorted(keys), (
-            f"fetch failed {result.failed}; registrations of 'late' per transport "
-            f"(old, new): {[t.adds for t in factory.built]}"
-        )
+                nursery.start_soon(connect)
+            with trio.fail_after(5):
+                while hub._retired_transports:
+                    await trio.sleep(0.01)
+            assert errors == [], f"connect failed: {errors}"
+            result = await late.fetch("hub", keys)
+            assert sorted(result.loaded) == sorted(keys), (
+                f"fetch failed {result.failed}; registrations of 'late' per transport "
+                f"(old, new): {[t.adds for t in factory.built]}"
+            )
 
 
 async def test_reconfigure_while_a_peer_restarts_on_its_connection(
@@ -641,19 +662,20 @@ async def test_a_reconfiguration_cancelled_midway_completes_and_leaves_nothing_b
     transport may have lost its registration on the old one (NIXL: one agent per
     process). The survivors are served, and once the node has closed no transport is
     left open (with the registrations it holds)."""
-    factory = FaultFactory()
-    async with (
-        node("hub", factory=factory, delays={"add_remote_peer": 5.0}) as hub,
-        node("p1") as p1,
-        node("p2") as p2,
-    ):
-        keys = fill(hub.store, 2, 4096)
-        await p1.connect(hub.address)
-        await p2.connect(hub.address)
-        with trio.move_on_after(3.0):  # inside the first re-registration's 5 s
-            await hub.reconfigure(["p1", "p2"])
-        assert len(factory.built) == 2 and hub.transport is factory.built[1]
-        for p in (p1, p2):
-            result = await p.fetch("hub", keys)
-            assert sorted(result.loaded) == sorted(keys)
-    assert all(t._closed for t in factory.built)  # closing releases its registrations
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with (
+            node("hub", factory=factory, delays={"add_remote_peer": 5.0}) as hub,
+            node("p1") as p1,
+            node("p2") as p2,
+        ):
+            keys = fill(hub.store, 2, 4096)
+            await p1.connect(hub.address)
+            await p2.connect(hub.address)
+            with trio.move_on_after(3.0):  # inside the first re-registration's 5 s
+                await hub.reconfigure(["p1", "p2"])
+            assert len(factory.built) == 2 and hub.transport is factory.built[1]
+            for p in (p1, p2):
+                result = await p.fetch("hub", keys)
+                assert sorted(result.loaded) == sorted(keys)
+        assert all(t._closed for t in factory.built)  # closing releases its registrations
