@@ -341,10 +341,17 @@ class BlockingNode:
         read in place (no hop, never blocks)."""
         return self._node.peer_count()
 
-    def submit_disconnect(self, peer: Peer | str, *, timeout: float | None = None) -> int:
-        """Start :meth:`disconnect` on the engine; returns a ticket (result: 1 once the
-        session is closed; ``PeerUnavailable`` if there was none)."""
-        return self._submit(_disconnect, (self._node, check_peer(peer)), "disconnect", timeout)
+    def session_activity(self, peer: Peer | str) -> tuple[int, int] | None:
+        """:meth:`Node.session_activity`: read in place (no hop, never blocks)."""
+        return self._node.session_activity(check_peer(peer))
+
+    def submit_disconnect_idle(
+        self, peer: Peer | str, activity: tuple[int, int], *, timeout: float | None = None
+    ) -> int:
+        """Start :meth:`Node.disconnect_idle` on the engine; returns a ticket (result: 1
+        if the session was closed or gone, 0 if it was in use)."""
+        args = (self._node, check_peer(peer), activity)
+        return self._submit(_disconnect_idle, args, "disconnect", timeout)
 
     def submit_connect(self, address: tuple[str, int], *, timeout: float | None = None) -> int:
         """Start :meth:`connect` on the engine; returns a ticket (result: Peer)."""
@@ -448,9 +455,8 @@ class BlockingNode:
         return _QUICK_CALL if timeout is None else check_seconds(timeout, "timeout")
 
 
-async def _disconnect(node: Node, peer: str) -> int:
-    await node.disconnect(peer)
-    return 1
+async def _disconnect_idle(node: Node, peer: str, activity: tuple[int, int]) -> int:
+    return int(await node.disconnect_idle(peer, activity))
 
 
 async def _serve_ticket(

@@ -654,6 +654,29 @@ class Node:
         session = self._session(peer, "fetch")
         return await session.fetch_into(check_keys(keys), slots, self._handles(rounds), within)
 
+    def session_activity(self, peer_id: str) -> tuple[int, int] | None:
+        """What the session with ``peer_id`` has been used for so far, both ways (see
+        :meth:`disconnect_idle`); None if there is no live session. Safe to read from
+        another thread: a dict lookup and attribute reads, each atomic."""
+        session = self._by_peer.get(peer_id)
+        if session is None or not session.alive:
+            return None
+        return session.proto.activity
+
+    async def disconnect_idle(self, peer_id: str, activity: tuple[int, int]) -> bool:
+        """Close the session with ``peer_id`` only if it is idle both ways: no request
+        open, ours or the peer's, and none made since :meth:`session_activity` read
+        ``activity``. True if it was closed (or there was none), False if it was in use:
+        a peer that fetches from us over the session we no longer need keeps it."""
+        session = self._by_peer.get(peer_id)
+        if session is None:
+            return True
+        proto = session.proto
+        if proto.activity != activity or not proto.idle or session._pinned or session._writes:
+            return False
+        await session.aclose("idle")
+        return True
+
     def peer_count(self) -> int:
         """Sessions counted against ``max_peers`` now, both directions (safe to read from
         another thread: one ``len``)."""

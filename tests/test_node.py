@@ -13,7 +13,7 @@ import trio.testing
 import p2pkv
 from p2pkv import HandshakeRejected, PeerUnavailable, open_node
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair, until
 
 
 async def test_fetched_bytes_equal_source_and_misses_never_load() -> None:
@@ -311,6 +311,40 @@ async def test_a_node_admits_at_most_max_peers_peers() -> None:
             with pytest.raises(HandshakeRejected, match="cap of 1 peers"):
                 await c.connect(a.address)
             assert [p.peer_id for p in a.peers()] == ["b"]
+
+
+async def test_disconnect_idle_closes_only_a_session_unused_both_ways_since_it_looked() -> None:
+    """``disconnect_idle`` closes the session only if no request is open either way and
+    none was made since ``session_activity`` was read: the peer's own lookups keep it."""
+    with trio.fail_after(20):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            before = src.session_activity("dst")
+            assert before is not None
+            proto = src._by_peer["dst"].proto
+            await dst.lookup(peer, [os.urandom(32)])  # a miss: its round ends at once
+            await until(lambda: proto.idle)  # the round's close is in
+            assert not await src.disconnect_idle("dst", before)  # used since it looked
+            held = await dst.lookup_round(peer, keys)  # dst's round, open at src
+            now = src.session_activity("dst")
+            assert now is not None and now != before
+            assert not await src.disconnect_idle("dst", now)  # the peer's round is open
+            await dst.release(peer, held)
+            await until(lambda: proto.idle)  # the release is in
+            idle = src.session_activity("dst")
+            assert idle == now
+            theirs = fill(dst.store, 1, 4096)
+            mine = await src.lookup_round("dst", theirs)  # src's own round, open at dst
+            assert mine.hits == [True]
+            assert not await src.disconnect_idle("dst", src.session_activity("dst") or idle)
+            await src.release("dst", mine)
+            idle = src.session_activity("dst")
+            assert idle is not None
+            assert src.is_connected("dst")
+            assert await src.disconnect_idle("dst", idle)
+            assert src.session_activity("dst") is None
+            assert await src.disconnect_idle("dst", idle)  # gone: nothing to close
 
 
 async def test_connect_to_a_connected_peer_returns_the_live_session() -> None:

@@ -624,6 +624,33 @@ def test_a_source_no_request_names_is_forgotten_and_its_session_closed(
     assert dst.tier._node.is_connected(kept.tier.peer_id)
 
 
+def test_a_source_that_pulls_from_us_keeps_the_session_we_no_longer_need(
+    engines: Callable[..., Engine],
+) -> None:
+    """One session serves both ways. A tier forgets a source no request of its own names,
+    but closes the session only if it is idle both ways: the source, pulling from us over
+    it meanwhile, keeps it, and none of its pulls fails."""
+    a, b = engines(idle_source_timeout_s=0.1), engines()
+    keys = make_keys(2, "ab")
+    b.fill(keys)
+    ctx = request(b, "r-ab")
+    assert pull(a, ctx, keys) == ([LookupResult.HIT] * 2, True)
+    finish(a, ctx)
+    ours = a.tier._node
+    end = time.monotonic() + 0.6  # six of a's idle timeouts, b pulling all along
+    i = 0
+    while time.monotonic() < end:
+        more = make_keys(1, f"ba{i}")
+        a.fill(more)
+        back = request(a, f"r-ba{i}")
+        assert pull(b, back, more) == ([LookupResult.HIT], True)
+        finish(b, back)
+        a.idle_step()
+        assert ours.is_connected(b.tier.peer_id), f"closed under b's pull {i}"
+        i += 1
+    assert ours.peer_count() == 1
+
+
 def source_params(src: Engine, name: str, **extra: Any) -> ReqContext:
     host, port = src.tier.address
     spec = {"remote_host": host, "remote_port": port, "kv_request_id": name, **extra}

@@ -195,7 +195,8 @@ class _Source:
     connect_deadline: float = 0.0
     retry_at: float = 0.0  # after a failure: no new dial before this (host clock)
     error: str = ""
-    used_at: float = 0.0  # when a request last named it (host clock; see _reap_sources)
+    used_at: float = 0.0  # when it was last seen in use (host clock; see _reap_sources)
+    activity: tuple[int, int] | None = None  # its session's, when last looked at
 
 
 @attrs.define(eq=False)
@@ -643,15 +644,20 @@ class P2PTier:
             elif src.peer is None:
                 if now >= src.retry_at:
                     del self._sources[src.address]
+            elif (activity := self.node.session_activity(src.peer)) != src.activity:
+                src.activity, src.used_at = activity, now  # used since (by either side)
             elif now - src.used_at >= self.idle_source_timeout:
                 self._orphans.add(self._drop_source(src))
 
     def _drop_source(self, src: _Source) -> int:
-        """Forget ``src`` and close its session; returns the disconnect's ticket."""
+        """Forget ``src`` and close its session if it is idle both ways (the source may
+        be fetching from us over it: then it stays, and a later request that names the
+        source finds it again); returns the ticket of that."""
         del self._sources[src.address]
         peer, src.peer = src.peer, None
         assert peer is not None
-        return self.node.submit_disconnect(peer)
+        activity = self.node.session_activity(peer) or (0, 0)
+        return self.node.submit_disconnect_idle(peer, activity)
 
     def _poll_connects(self, now: float) -> None:
         for ticket, src in list(self._connecting.items()):

@@ -370,6 +370,17 @@ class SessionProtocol:
         """Producer rounds that still hold state (and maybe pins)."""
         return list(self._in)
 
+    @property
+    def activity(self) -> tuple[int, int]:
+        """Requests so far, ours and the peer's (each id is used once): a session whose
+        activity has not moved and that has none open has not been used meanwhile."""
+        return self._next_req_id, self._peer_last_req_id
+
+    @property
+    def idle(self) -> bool:
+        """No request open, ours or the peer's (a round held for a quarantine counts)."""
+        return not self._out and not self._in
+
     def open_requests(self) -> list[int]:
         """Consumer requests without a terminal outcome yet."""
         return list(self._out)
