@@ -1,5 +1,6 @@
-"""Two operations at once on the same keys or slots (found by a review of such pairs,
-2026-12-04; the pairs already covered elsewhere are named in docs/design.md).
+"""Two operations at once on the same keys or slots: the pairs a review of such pairs
+(2026-12-04) found untested. Others live with their subject (test_consumer_races.py,
+test_landing_share.py, test_fetch_into.py, test_slots.py).
 
 Each test sets its race up with events (a producer played by hand, or the autojump clock
 with the FAKE data plane of tests/helpers.py), never with sleeps that guess an order.
@@ -10,14 +11,17 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import trio
 import trio.testing
 
 from p2pkv import FetchResult, SlotsInUse, open_node
 from p2pkv.session.protocol import Event, FetchRequested, LookupRequested, RoundClosed
+from p2pkv.wire import Outcome
 
-from .helpers import FaultFactory, RawPeer, config, fill
+from .helpers import FaultFactory, RawPeer, config, fill, pair
 from .helpers import virtual_node as node
+from .test_fetch_into import hand_served
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
@@ -158,8 +162,6 @@ async def test_a_fetch_waiting_for_room_fails_at_once_when_its_session_ends(
 
 
 async def test_a_key_listed_twice_in_a_lookup_and_a_fetch_loads_once_and_unpins_all() -> None:
-    from .helpers import pair
-
     with trio.fail_after(BOUND):
         async with pair() as (src, dst):
             (k,) = fill(src.store, 1, BLOCK)
@@ -203,8 +205,6 @@ async def test_one_key_fetched_from_two_peers_at_once_is_loaded_once() -> None:
 
 
 async def test_a_key_put_locally_while_a_fetch_brings_it_in_is_loaded_at_once_and_kept() -> None:
-    from .test_fetch_into import hand_served
-
     with trio.fail_after(BOUND):
         async with hand_served(n_blocks=1, hold=trio.Event()) as (dst, producer):
             (k,) = producer.blocks
@@ -230,10 +230,6 @@ async def test_a_key_put_locally_while_a_fetch_brings_it_in_is_loaded_at_once_an
 async def test_a_fetch_cancelled_during_its_lookup_leaves_the_shared_keys_to_the_other() -> None:
     """Fetch B shares fetch A's keys; A's caller cancels A while A's lookup is out (the
     await point the existing test does not cover): B looks them up itself and loads."""
-    import numpy as np
-
-    from p2pkv.wire import Outcome
-
     raw = RawPeer("p")
     blocks = {os.urandom(32): os.urandom(BLOCK) for _ in range(2)}
     keys = list(blocks)
