@@ -35,9 +35,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import ipaddress
+import itertools
 import logging
 import math
 import secrets
+import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -55,6 +57,7 @@ from .errors import (
     P2PKVTimeout,
     PeerUnavailable,
     SessionClosed,
+    TransportError,
 )
 from .pins import PinSource
 from .registrar import Offload, Registrar, RegistrarStatistics, RegistrationJob, to_thread
@@ -953,7 +956,12 @@ async def open_node(
     transport; a Trio-native offload on the autojump clock).
     """
     store = BlockStore(config.num_blocks, config.block_len, region)
-    dp = (transport or make_transport)(config, store)
+    span = _claim_region(store)
+    try:
+        dp = (transport or make_transport)(config, store)
+    except BaseException:
+        _release_region(span)
+        raise
     node = Node(config, store, dp, offload or to_thread, transport or make_transport)
     node.pin_source = pin_source
     try:
@@ -966,8 +974,46 @@ async def open_node(
     except BaseExceptionGroup as group:
         raise _unwrap(group) from None
     finally:
-        if not node._closed.is_set():  # the node failed to start, or its tasks crashed
-            await node._final_cleanup()
+        try:
+            if not node._closed.is_set():  # the node failed to start, or its tasks crashed
+                await node._final_cleanup()
+        finally:
+            _release_region(span)
+
+
+# The memory of every live node's store in this process: (start, end, device) per node.
+# Two stores over the same bytes would each hand out every slot, one's blocks overwriting
+# the other's (review 2026-12-04: NIXL refused it only for nodes of different peer ids,
+# the in-process transport never). Device regions are CUDA addresses (one address space
+# with host memory under UVA; the device is kept for clarity of the message).
+_regions_lock = threading.Lock()
+_live_regions: dict[int, tuple[int, int, str]] = {}
+
+
+def _claim_region(store: BlockStore) -> int:
+    start = store.base_addr
+    end = start + store.num_blocks * store.block_len
+    where = "GPU" if store.device_region else "host"
+    with _regions_lock:
+        for s, e, w in _live_regions.values():
+            if start < e and s < end:
+                raise TransportError(
+                    f"the {where} region [{start:#x}, {end:#x}) overlaps the {w} region "
+                    f"[{s:#x}, {e:#x}) of another live node in this process: both stores "
+                    "would hand out the same bytes",
+                    op="open_node",
+                )
+        key = next(_region_ids)
+        _live_regions[key] = (start, end, where)
+    return key
+
+
+def _release_region(key: int) -> None:
+    with _regions_lock:
+        _live_regions.pop(key, None)
+
+
+_region_ids = itertools.count()
 
 
 def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:

@@ -29,6 +29,8 @@ __all__ = [
     "adopt_device_region",
     "adopt_region",
     "block_source",
+    "device_bytes",
+    "host_bytes",
     "is_device_region",
     "region_memory",
 ]
@@ -46,6 +48,16 @@ def adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArra
         offset = -raw.ctypes.data % _PAGE
         flat = raw[offset : offset + nbytes]
         return flat, flat
+    flat = host_bytes(region)
+    if flat.nbytes < nbytes:
+        raise ValueError(f"region is {flat.nbytes} bytes, need {nbytes}")
+    return region, flat[:nbytes]
+
+
+def host_bytes(region: object) -> npt.NDArray[np.uint8]:
+    """All of host memory ``region`` as a flat, writable uint8 view (never a copy). The
+    view holds the buffer's export while it lives: an mmap cannot be closed under it, a
+    bytearray not resized, a torch CPU tensor's storage not resized."""
     if is_device_region(region):
         raise ValueError("a CUDA tensor is a device region: use adopt_device_region")
     if _is_torch_tensor(region):
@@ -66,9 +78,7 @@ def adopt_region(region: object | None, nbytes: int) -> tuple[object, npt.NDArra
         flat = np.frombuffer(mv.cast("B"), dtype=np.uint8)
     if not flat.flags.writeable:
         raise ValueError("region must be writable")
-    if flat.nbytes < nbytes:
-        raise ValueError(f"region is {flat.nbytes} bytes, need {nbytes}")
-    return region, flat[:nbytes]
+    return flat
 
 
 def is_device_region(region: object) -> bool:
@@ -90,16 +100,34 @@ def adopt_device_region(region: object, nbytes: int) -> tuple[object, Any]:
     ``region`` must be a contiguous torch CUDA tensor of at least ``nbytes`` bytes."""
     if not is_device_region(region):
         raise ValueError(f"not a CUDA tensor: {type(region).__name__}")
-    tensor: Any = region
-    torch = sys.modules["torch"]
-    if not tensor.is_contiguous():
-        raise ValueError("tensor must be contiguous")
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
+    flat = device_bytes(region)
     if flat.numel() < nbytes:
         raise ValueError(f"region is {flat.numel()} bytes, need {nbytes}")
     return region, flat[:nbytes]
+
+
+def device_bytes(region: object) -> Any:
+    """All of CUDA tensor ``region`` as a flat uint8 CUDA tensor (never a copy)."""
+    if not is_device_region(region):
+        raise ValueError(f"not a CUDA tensor: {type(region).__name__}")
+    tensor: Any = region
+    if not tensor.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    return _as_uint8(tensor.detach().reshape(-1))
+
+
+def _as_uint8(flat: Any) -> Any:
+    """A flat tensor's memory as uint8, in place; ValueError where torch cannot view it so
+    (a conjugate or negative view: its bytes are not what it reads as)."""
+    torch = sys.modules["torch"]
+    if flat.is_conj() or flat.is_neg():
+        raise ValueError("tensor is a conjugate or negative view: its bytes differ from its values")
+    if flat.dtype == torch.uint8:
+        return flat
+    try:
+        return flat.view(torch.uint8)
+    except RuntimeError as exc:
+        raise ValueError(f"cannot view tensor as bytes: {exc}") from exc
 
 
 def _is_torch_tensor(obj: object) -> bool:
@@ -112,14 +140,11 @@ def _is_torch_tensor(obj: object) -> bool:
 
 def _torch_bytes(tensor: Any, *, writable: bool) -> npt.NDArray[np.uint8]:
     """A flat uint8 NumPy view of a contiguous CPU tensor's memory (no copy)."""
-    torch = sys.modules["torch"]
     if tensor.device.type != "cpu":
         raise ValueError(f"tensor must be on the CPU, not {tensor.device}")
     if not tensor.is_contiguous():
         raise ValueError("tensor must be contiguous")
-    flat = tensor.detach().reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
+    flat = _as_uint8(tensor.detach().reshape(-1))
     try:
         array: npt.NDArray[np.uint8] = flat.numpy()
     except (RuntimeError, TypeError) as exc:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -63,7 +64,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import TransportError
-from .region import region_memory
+from .region import device_bytes, host_bytes, is_device_region, region_memory
 from .transport._nixl_agent import block_descs, load_nixl, nixl_cause, resolve_parallelism
 
 __all__ = [
@@ -133,6 +134,9 @@ class LoopbackRegion:
     mem_type: str
     device: int
     region: object  # kept alive while registered (notes, hazard 6)
+    # Its bytes, viewed in place: holds the buffer's export while registered, so the owner
+    # cannot close an mmap, resize a bytearray or a CPU tensor's storage under the lanes.
+    view: object = None
     lanes: list[_LaneRegistration] = attrs.Factory(list)  # one per lane, in lane order
     refs: int = 0
 
@@ -145,16 +149,17 @@ class LoopbackRegion:
         self.agent.detach(self)
 
 
-def _span(region: object) -> tuple[int, int]:
-    if hasattr(region, "data_ptr"):
-        tensor: Any = region
-        if not tensor.is_contiguous():
-            raise TransportError("a staged region must be contiguous", op="stage")
-        return int(tensor.data_ptr()), int(tensor.numel() * tensor.element_size())
-    array = region if isinstance(region, np.ndarray) else np.asarray(region)
-    if not array.flags.c_contiguous:
-        raise TransportError("a staged region must be contiguous", op="stage")
-    return int(array.ctypes.data), int(array.nbytes)
+def _span(region: object) -> tuple[int, int, object]:
+    """(base address, bytes, the view that holds them) of memory to stage, as the store
+    takes a region (:mod:`p2pkv.region`): viewed in place, never copied; ValueError for
+    memory that is read-only, strided or holds Python objects, TypeError for a non-buffer.
+    ``np.asarray`` used to copy a ``bytes`` object or a list, and the lanes registered the
+    copy, freed at once (review 2026-12-04: writes into freed memory, segfaults)."""
+    if is_device_region(region):
+        tensor: Any = device_bytes(region)
+        return int(tensor.data_ptr()), int(tensor.numel()), tensor
+    flat = host_bytes(region)
+    return int(flat.ctypes.data), int(flat.nbytes), flat
 
 
 class _Lane:
@@ -239,7 +244,7 @@ class LoopbackAgent:
     def attach(self, region: object, block_len: int) -> LoopbackRegion:
         """Register ``region`` (cut into ``block_len`` slots) once per lane; count a
         reference."""
-        base, nbytes = _span(region)
+        base, nbytes, view = _span(region)
         if block_len <= 0 or nbytes < block_len:
             raise TransportError(f"region of {nbytes} bytes has no {block_len}-byte block")
         num_blocks = nbytes // block_len
@@ -257,7 +262,7 @@ class LoopbackAgent:
                 if base < b + n and b < base + key[1]:
                     raise TransportError("region overlaps a staged region", op="stage")
             mem_type, device = region_memory(region)
-            reg = LoopbackRegion(self, base, num_blocks, block_len, mem_type, device, region)
+            reg = LoopbackRegion(self, base, num_blocks, block_len, mem_type, device, region, view)
             try:
                 for lane in self.lanes:
                     reg.lanes.append(lane.register(base, key[1], reg))
@@ -289,7 +294,7 @@ class LoopbackAgent:
         for lane, lr in zip(self.lanes, reg.lanes, strict=False):
             lane.unregister(lr)
         reg.lanes = []
-        reg.region = None
+        reg.region = reg.view = None
 
     def copy(
         self,
@@ -302,19 +307,24 @@ class LoopbackAgent:
     ) -> None:
         """Copy block ``src_slots[i]`` of ``src`` into block ``dst_slots[i]`` of ``dst``;
         returns once every byte has landed. Blocking: not on the Trio thread."""
-        if src.agent is not self or dst.agent is not self:
-            raise TransportError("region is not attached to this agent", op="stage")
         if src.block_len != dst.block_len:
             raise TransportError("source and destination block_len differ", op="stage")
-        if src.refs <= 0 or dst.refs <= 0:
-            raise TransportError("region was released", op="stage")
         s = _checked(src_slots, src.num_blocks, "source")
         d = _checked(dst_slots, dst.num_blocks, "destination")
         if len(s) != len(d):
             raise TransportError(f"{len(s)} source and {len(d)} destination slots", op="stage")
-        if not len(s):
-            return
+        if len(np.unique(d)) != len(d):
+            # Which source would land there is up to the lanes' timing.
+            raise TransportError("a destination slot is named twice", op="stage")
         with self.lock:
+            # Under the lock: a release that came between a check outside it and here
+            # left the region without lanes (review 2026-12-04: an IndexError).
+            if src.agent is not self or dst.agent is not self:
+                raise TransportError("region is not attached to this agent", op="stage")
+            if src.refs <= 0 or dst.refs <= 0:
+                raise TransportError("region was released", op="stage")
+            if not len(s):
+                return
             deadline = time.monotonic() + timeout
             lanes = len(self.lanes) if src.block_len <= MAX_SPLIT_BLOCK_LEN else 1
             parts = lane_parts(len(s), lanes)
@@ -362,7 +372,17 @@ def run_parts(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor | Non
 
 
 def _checked(slots: Sequence[int], num_blocks: int, side: str) -> Slots:
-    array = np.asarray(slots, dtype=np.int64).reshape(-1)
+    """``slots`` as int32, refused unless a flat sequence of integers in range (a float
+    was truncated, a string parsed, a nested list flattened: review 2026-12-04)."""
+    if type(slots) is list or type(slots) is tuple:
+        try:
+            array = np.frombuffer(struct.pack(f"{len(slots)}q", *slots), dtype=np.int64)
+        except (struct.error, TypeError):
+            raise TransportError(f"{side} slots must be integers", op="stage") from None
+    else:
+        array = np.asarray(slots)
+        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+            raise TransportError(f"{side} slots must be a flat sequence of integers", op="stage")
     if array.size and (int(array.min()) < 0 or int(array.max()) >= num_blocks):
         raise TransportError(f"{side} slot out of range 0..{num_blocks - 1}", op="stage")
     return array.astype(np.int32)

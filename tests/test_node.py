@@ -6,6 +6,7 @@ import os
 import random
 from typing import Any, Literal
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -345,6 +346,42 @@ async def test_disconnect_idle_closes_only_a_session_unused_both_ways_since_it_l
             assert await src.disconnect_idle("dst", idle)
             assert src.session_activity("dst") is None
             assert await src.disconnect_idle("dst", idle)  # gone: nothing to close
+
+
+@pytest.mark.parametrize(
+    ("transport", "same_id", "offset_blocks"),
+    [
+        pytest.param("nixl", True, 0, marks=pytest.mark.nixl, id="nixl-same-id"),
+        pytest.param("nixl", False, 4, marks=pytest.mark.nixl, id="nixl-overlapping"),
+        pytest.param("local", False, 0, id="local-same-memory"),
+        pytest.param("local", True, 4, id="local-overlapping"),
+    ],
+)
+async def test_a_second_live_node_over_a_live_nodes_memory_is_refused(
+    transport: str, same_id: bool, offset_blocks: int
+) -> None:
+    """Two live nodes over the same bytes would each hand out every slot, one's put
+    landing in the other's blocks. NIXL refused it only for different peer ids, the
+    in-process transport never (review 2026-12-04); the memory is free again once the
+    first node has closed."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu13")
+    buf = np.zeros(16 * 4096, np.uint8)
+
+    def cfg(peer_id: str) -> p2pkv.NodeConfig:
+        return config(peer_id, num_blocks=8, block_len=4096, transport=transport)
+
+    with trio.fail_after(30):
+        async with open_node(cfg("a"), region=buf) as a:
+            a.store.put(b"k", b"\x01" * 4096)
+            with pytest.raises(p2pkv.TransportError, match="overlaps"):
+                async with open_node(
+                    cfg("a" if same_id else "b"), region=buf[offset_blocks * 4096 :]
+                ) as b:
+                    b.store.put(b"other", b"\x02" * 4096)
+            assert bytes(a.store.get(b"k") or b"") == b"\x01" * 4096
+        async with open_node(cfg("b"), region=buf) as b:  # a has closed: free again
+            b.store.put(b"k", b"\x03" * 4096)
 
 
 async def test_connect_to_a_connected_peer_returns_the_live_session() -> None:

@@ -8,6 +8,9 @@ checked here exhaustively; one test runs a real split copy over host memory thro
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -21,6 +24,7 @@ from p2pkv.errors import TransportError
 from p2pkv.staging import lane_parts, run_parts
 
 from .helpers import failing_lane, record_lane_parts
+from .node_proc import child_pythonpath
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
 BLOCK = 4096
@@ -198,3 +202,169 @@ def test_staging_refuses_out_of_range_slots_overlapping_and_released_regions() -
         upper.release()
         src.release()
     assert not staging.loopback_agent_exists()
+
+
+# What the child does with each kind of memory (run in a child: the defects it guards
+# against wrote into freed memory and crashed the interpreter). It attaches a source, then
+# ``case``'s region; prints REFUSED if staging refused the region, PROTECTED if the owner
+# could not free or move its memory while staged, else what a copy into it did.
+_ADOPT_CHILD = r"""
+import mmap, sys, tempfile
+import numpy as np
+from p2pkv import staging
+from p2pkv.errors import TransportError
+B = 4096
+case = sys.argv[1]
+src = staging.attach_region(np.full(4 * B, 7, np.uint8), B)
+if case == "bytes":
+    region = bytes(4 * B)
+elif case == "list":
+    region = [0] * (4 * B // 8)
+elif case == "readonly-numpy":
+    region = np.frombuffer(bytes(4 * B), np.uint8)
+elif case == "object-numpy":
+    region = np.empty(4 * B // 8, dtype=object)
+elif case == "readonly-mmap":
+    f = tempfile.TemporaryFile(); f.write(bytes(4 * B)); f.flush()
+    region = mmap.mmap(f.fileno(), 4 * B, access=mmap.ACCESS_READ)
+elif case == "mmap-closed":
+    region = mmap.mmap(-1, 4 * B)
+elif case == "bytearray-resized":
+    region = bytearray(4 * B)
+else:
+    import torch
+    region = torch.zeros(4 * B, dtype=torch.uint8)
+try:
+    dst = staging.attach_region(region, B)
+except (ValueError, TypeError) as exc:
+    print("REFUSED", repr(exc), flush=True)
+    sys.exit(0)
+try:  # the owner frees or moves the memory while it is staged
+    if case == "mmap-closed":
+        region.close()
+    elif case == "bytearray-resized":
+        region.extend(bytes(1 << 22))
+    elif case == "torch-resized":
+        region.resize_(1 << 24)
+except (BufferError, RuntimeError) as exc:
+    print("PROTECTED", repr(exc), flush=True)
+    dst.release()
+    src.release()
+    sys.exit(0)
+src.agent.copy(src, [0, 1], dst, [0, 1])
+print("copied into it", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "bytes",  # read-only; np.asarray copied it and the lanes registered the freed copy
+        "list",  # not a buffer: copied likewise
+        "readonly-numpy",  # a read-only view of a bytes object, written through
+        "object-numpy",  # PyObject pointers, overwritten by the copy (a crash)
+        "readonly-mmap",  # PROT_READ pages
+        "mmap-closed",  # vLLM's CPU tier is an mmap; unmapped while staged
+        "bytearray-resized",  # reallocated while staged
+        "torch-resized",  # tensor.resize_ reallocates while staged
+    ],
+)
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_staging_takes_memory_as_the_store_does_refused_or_held(case: str) -> None:
+    """Staging views memory in place as the store does: what the store refuses
+    (read-only, not a buffer, Python objects) is refused, and memory it holds cannot be
+    closed or reallocated under the lanes (review 2026-12-04: it registered whatever
+    ``np.asarray`` returned, a freed copy included, and held nothing)."""
+    if case == "torch-resized":
+        pytest.importorskip("torch")
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
+    result = subprocess.run(
+        [sys.executable, "-c", _ADOPT_CHILD, case],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    verdicts = [ln.split(" ")[0] for ln in result.stdout.splitlines() if ln]
+    expected = "PROTECTED" if case.endswith(("closed", "resized")) else "REFUSED"
+    assert result.returncode == 0 and verdicts == [expected], (
+        f"{case}: exit code {result.returncode}, stdout {result.stdout!r}, "
+        f"stderr {result.stderr[-2000:]!r}"
+    )
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_a_copy_racing_the_release_of_its_region_raises_region_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A release between a copy's checks of its arguments and its taking the lanes' lock
+    gives the documented TransportError (it was an IndexError: the region's lanes were
+    gone). The copy is held at its slot check until the release is done."""
+    src = staging.attach_region(np.ones(4 * BLOCK, np.uint8), BLOCK)
+    dst = staging.attach_region(np.zeros(4 * BLOCK, np.uint8), BLOCK)
+    agent = src.agent
+    checking = threading.Event()
+    released = threading.Event()
+    checked = staging._checked
+
+    def held_check(slots: Any, num_blocks: int, side: str) -> Any:
+        if side == "destination":
+            checking.set()
+            assert released.wait(10)
+        return checked(slots, num_blocks, side)
+
+    monkeypatch.setattr(staging, "_checked", held_check)
+    outcome: list[BaseException | None] = []
+
+    def copy() -> None:
+        try:
+            agent.copy(src, [0], dst, [0])
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=copy)
+    try:
+        thread.start()
+        assert checking.wait(10)
+        dst.release()
+        released.set()
+        thread.join(10)
+    finally:
+        released.set()
+        src.release()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], TransportError), repr(outcome[0])
+    assert "released" in str(outcome[0])
+    assert not staging.loopback_agent_exists()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+@pytest.mark.parametrize(
+    ("src_slots", "dst_slots", "match"),
+    [
+        ([1.7], [0], "source slots must be integers"),  # was truncated to slot 1
+        ([1], ["2"], "destination slots must be integers"),  # was parsed
+        ([[0, 1]], [2, 3], "source slots must be integers"),  # was flattened
+        (np.array([0.5]), [1], "flat sequence of integers"),
+        ([0, 1, 2], [3, 3, 3], "named twice"),  # which source lands was up to the lanes
+    ],
+    ids=["float", "str", "nested", "float-array", "repeated-destination"],
+)
+def test_staging_refuses_slot_lists_the_data_plane_refuses(
+    src_slots: Any, dst_slots: Any, match: str
+) -> None:
+    a = np.repeat(np.arange(1, 5, dtype=np.uint8), BLOCK)
+    b = np.zeros(4 * BLOCK, np.uint8)
+    src = staging.attach_region(a, BLOCK)
+    dst = staging.attach_region(b, BLOCK)
+    try:
+        with pytest.raises(TransportError, match=match):
+            src.agent.copy(src, src_slots, dst, dst_slots)
+        assert not b.any(), "a refused copy wrote"
+    finally:
+        dst.release()
+        src.release()

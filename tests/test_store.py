@@ -568,6 +568,12 @@ def test_torch_region_must_be_contiguous_and_on_the_cpu() -> None:
         BlockStore(2, L, torch.zeros(L, dtype=torch.uint8))  # too small
     with pytest.raises(ValueError):
         BlockStore(2, L, torch.zeros(2 * L, dtype=torch.uint8, device="meta"))
+    # A conjugate or negative view reads as other values than its bytes: refused with the
+    # same ValueError (it was torch's RuntimeError, from a view outside the checks).
+    with pytest.raises(ValueError, match="conjugate or negative"):
+        BlockStore(2, L, torch.zeros(2 * L // 8, dtype=torch.complex64).conj())
+    with pytest.raises(ValueError, match="conjugate or negative"):
+        BlockStore(2, L, torch._neg_view(torch.zeros(2 * L // 4, dtype=torch.float32)))
 
 
 @pytest.mark.parametrize(
