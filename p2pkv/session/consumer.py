@@ -76,6 +76,7 @@ from .protocol import (
 from .shares import Grant
 
 if TYPE_CHECKING:
+    from ..config import NodeConfig
     from .slots import RequestSlots
 
 log = logging.getLogger("p2pkv.session")
@@ -87,6 +88,9 @@ FRAME_OVERHEAD = 4096
 
 _OK = int(Outcome.OK)
 _LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
+# Outcomes of keys whose write the producer tried (or whose bytes did not match): their
+# slots are quarantined, not freed, on a failure (rare).
+_WRITE_TRIED = frozenset({_OK, int(Outcome.TRANSFER_FAILED), int(Outcome.ABORTED)})
 # Why a key failed that a fetch in store mode did not ask the peer for: the slots its
 # writes hold (reserved, or quarantined after we gave up on a fetch) stayed at
 # max_landing_share of our store for fetch_timeout (p2pkv/session/shares.py).
@@ -161,6 +165,8 @@ class _Pending:
     error: BaseException | None = None
     slots: list[int] = attrs.field(factory=list)  # reserved destination slots
     aborted: bool = False
+    # Once aborted: when the peer's abort_ack is overdue (see ConsumerSide._abort).
+    ack_by: float = math.inf
     # While a task waits: when the lease timer ends its wait (``event`` set, with neither
     # ``result`` nor ``error``). Otherwise infinite.
     deadline: float = math.inf
@@ -464,21 +470,25 @@ class ConsumerSide(SessionParts):
         keys = list(keys)
         lim = self._check_keys(keys, "lookup")
         chunks = request_chunks(keys, max_keys=lim.max_keys, max_bytes=lim.max_bytes)
+        # One deadline for the whole lookup, however many rounds it takes (each round had
+        # a lookup_timeout of its own: a peer advertising one key per request and answering
+        # each just in time held a caller for rounds x lookup_timeout; review 2026-12-04).
+        end = trio.current_time() + self.cfg.lookup_timeout
         # Every round of a lookup stays open until all are answered, so a lookup of several
         # takes all their request slots at once: two could otherwise each hold part of
         # what the other waits for, or one all it has and wait for itself.
         unsent = len(chunks) if len(chunks) > 1 else 0
         if unsent:
-            await self._take_request_slots(unsent)
+            await self._take_request_slots(unsent, end)
         answered: list[_Round] = []
         hits: list[bool] = []
         try:
             for chunk in chunks:
                 if unsent:  # the slot is the round's from here on
                     unsent -= 1
-                    req, chunk_hits = await self._lookup_round(chunk, lim, has_slot=True)
+                    req, chunk_hits = await self._lookup_round(chunk, lim, end, has_slot=True)
                 else:
-                    req, chunk_hits = await self._lookup_round(chunk, lim)
+                    req, chunk_hits = await self._lookup_round(chunk, lim, end)
                 hits += chunk_hits
                 found = chunk if all(chunk_hits) else list(compress(chunk, chunk_hits))
                 lease_end = trio.current_time() + self.cfg.lease * 0.9
@@ -504,11 +514,12 @@ class ConsumerSide(SessionParts):
         return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in answered))
 
     async def _lookup_round(
-        self, keys: list[bytes], lim: RequestLimits, *, has_slot: bool = False
+        self, keys: list[bytes], lim: RequestLimits, end: float, *, has_slot: bool = False
     ) -> tuple[int, list[bool]]:
-        """One lookup request (keys already checked against ``lim`` and within it). The
-        round is the caller's: it is not among the open rounds until the caller puts it
-        there. ``has_slot``: the caller took its request slot (which is now this call's)."""
+        """One lookup request (keys already checked against ``lim`` and within it), answered
+        by ``end`` (Trio's clock) or given up. The round is the caller's: it is not among
+        the open rounds until the caller puts it there. ``has_slot``: the caller took its
+        request slot (which is now this call's)."""
         try:
             self._check_usable("lookup")
         except BaseException:
@@ -519,7 +530,7 @@ class ConsumerSide(SessionParts):
         # slot free, takes no checkpoint (and nothing can have changed since the check).
         waited = False
         if not has_slot and not self._requests.take_nowait():
-            await self._take_request_slots(1)
+            await self._take_request_slots(1, end)
             waited = True
         try:
             if waited:
@@ -531,7 +542,7 @@ class ConsumerSide(SessionParts):
         p = self._pending[req] = _Pending(req)
         try:
             await self._flush()
-            await self._wait_for_answer(p, self.cfg.lookup_timeout)
+            await self._wait_for_answer(p, end - trio.current_time())
         except BaseException:
             self._abort(p)
             raise
@@ -557,8 +568,8 @@ class ConsumerSide(SessionParts):
         finally:
             p.deadline = math.inf
 
-    async def _take_request_slots(self, n: int) -> None:
-        """``n`` request slots together, within the lookup's deadline. A lookup that
+    async def _take_request_slots(self, n: int, end: float) -> None:
+        """``n`` request slots together, by the lookup's deadline ``end``. A lookup that
         needs more than may ever be open at this peer is refused at once."""
         if n > self._requests.limit:
             raise LocalProtocolError(
@@ -568,7 +579,7 @@ class ConsumerSide(SessionParts):
                 op="lookup",
             )
         try:
-            with trio.fail_after(self.cfg.lookup_timeout):
+            with trio.fail_at(end):
                 await self._requests.take(n)
         except trio.TooSlowError:
             raise P2PKVTimeout(
@@ -585,6 +596,11 @@ class ConsumerSide(SessionParts):
         p.aborted = True
         if self.alive:
             self.proto.send_abort(p.req_id)
+            # Its request slot comes back only with the ack: a peer that never sends it
+            # would hold the slot for the session's life (review 2026-12-04), so the lease
+            # timer ends the session past a bound an honest peer keeps (abort_ack_bound).
+            p.ack_by = trio.current_time() + abort_ack_bound(self.cfg)
+            self._rearm_lease_timer(p.ack_by)
             self._flush_soon()
 
     def _flush_soon(self) -> None:
@@ -888,7 +904,8 @@ class ConsumerSide(SessionParts):
         peer's share counted for these keys already (what is left goes back)."""
         try:
             try:
-                req, hits = await self._lookup_round(keys, lim)
+                end = trio.current_time() + self.cfg.lookup_timeout
+                req, hits = await self._lookup_round(keys, lim, end)
             except P2PKVError as exc:
                 outcome.update((k, f"lookup failed: {exc}") for k in keys)
                 return False
@@ -1087,8 +1104,13 @@ class ConsumerSide(SessionParts):
         done: TransferCompleted,
         outcome: _Outcome,
     ) -> None:
-        """``transfer_done`` is in, so every write has settled: commit the good keys,
-        free the other slots. If cancelled while checking, every slot is freed."""
+        """``transfer_done`` is in, so, on the producer's word, every write has settled:
+        commit the good keys. The slots of keys whose write was tried and failed, or whose
+        bytes did not match their checksum, are quarantined, not freed (invariants 2 and
+        10: a buggy producer's late write must not land in a block reused meanwhile;
+        review 2026-12-04); those of keys no write was tried for (not pinned, lease
+        expired, over a cap) are freed. If cancelled while checking, every slot is
+        quarantined."""
         store, bl, req = self.node.store, self.cfg.block_len, p.req_id
         outcomes = done.outcomes
         if not self.cfg.verify_checksums and outcomes.count(_OK) == len(keys):
@@ -1117,11 +1139,13 @@ class ConsumerSide(SessionParts):
                     good = {i for i, c in zip(ok, local, strict=True) if c == done.checksums[i]}
                     reason_bad = "checksum mismatch"
         except BaseException:
-            landing.release(req, p.slots)
+            # Whether their bytes are the producer's is not known: not freed on its word.
+            landing.quarantine(req, p.slots, trio.current_time() + self.cfg.quarantine)
             p.slots = []
             outcome.update((k, "cancelled") for k in keys)
             raise
         release: list[int] = []
+        suspect: list[int] = []  # a write was tried (or its bytes did not match)
         commit_slots: list[int] = []
         commit_keys: list[bytes] = []
         for i, (key, slot) in enumerate(zip(keys, p.slots, strict=True)):
@@ -1129,13 +1153,23 @@ class ConsumerSide(SessionParts):
                 commit_slots.append(slot)
                 commit_keys.append(key)
             else:
-                release.append(slot)
                 o = done.outcomes[i]
+                (suspect if o in _WRITE_TRIED else release).append(slot)
                 outcome[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
         landing.commit(req, commit_slots, commit_keys)
         outcome.land(commit_keys)
         landing.release(req, release)
+        if suspect:  # invariants 2 and 10: never reused on the producer's word alone
+            landing.quarantine(req, suspect, trio.current_time() + self.cfg.quarantine)
         p.slots = []
+
+
+def abort_ack_bound(cfg: NodeConfig) -> float:
+    """How long after our abort the peer's abort_ack may come. An honest producer sends
+    it once the round's writes have settled (``abort_timeout``) or, if they did not, once
+    it has held the round for its quarantine: twice our own of each (the hello does not
+    carry the peer's), and a close's worth of slack for the round trip."""
+    return 2 * (cfg.abort_timeout + cfg.quarantine) + cfg.close_timeout
 
 
 def _result(keys: list[bytes], outcome: _Outcome) -> FetchResult:

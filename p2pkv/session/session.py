@@ -900,13 +900,19 @@ class PeerSession(ProducerSide, ConsumerSide):
                 self._release_round(req)
             for req in [r.req_id for r in self._rounds.values() if r.deadline <= now]:
                 self._close_round(req)
+            overdue = False
             for p in self._pending.values():
                 if p.deadline <= now:
                     p.deadline = math.inf
                     self._wake_waiter(p)
+                overdue = overdue or p.ack_by <= now
+            if overdue:
+                self.close("peer never acknowledged an abort", "timeout")
+                return
             await self._flush(background=True)
             deadlines = [r.deadline for r in self._rounds.values()]
             deadlines += [p.deadline for p in self._pending.values() if p.deadline < math.inf]
+            deadlines += [p.ack_by for p in self._pending.values() if p.ack_by < math.inf]
             d = self.proto.next_deadline()
             if d is not None:
                 deadlines.append(d)

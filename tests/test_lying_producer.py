@@ -1,0 +1,189 @@
+"""A buggy or lying producer against an honest consumer (found by a review, 2026-12-04).
+
+The producer is played by hand (:class:`~tests.helpers.RawPeer`) and sends exactly what
+each test scripts. Each test failed on the code before its fix: what the consumer took on
+the producer's word alone, a resource it never got back, a deadline that did not hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import P2PKVTimeout, StoreFull, open_node
+from p2pkv.session.consumer import abort_ack_bound
+from p2pkv.session.protocol import FetchRequested, LookupRequested
+from p2pkv.wire import Outcome
+
+from .helpers import RawPeer, VirtualOffload, config
+
+BLOCK = 4096
+BOUND = 20.0
+
+
+async def _next_event(raw: RawPeer) -> Any:
+    """:meth:`RawPeer.next_event`, but what the protocol queued by itself (pongs) goes out
+    before each wait for bytes, so the consumer's keepalive finds the peer alive."""
+    assert raw.stream is not None
+    while True:
+        ev = raw.proto.next_event()
+        if ev is not None:
+            return ev
+        await raw.flush()
+        data = await raw.stream.receive_some(65536)
+        if not data:
+            return None
+        raw.proto.receive_data(data)
+
+
+async def _serve_lookups_and(raw: RawPeer, on_fetch: Any) -> None:
+    """Answer every lookup all hits; hand every fetch to ``on_fetch(ev)``."""
+    while (ev := await _next_event(raw)) is not None:
+        if isinstance(ev, LookupRequested):
+            raw.proto.send_lookup_resp(ev.req_id, [True] * len(ev.keys), trio.current_time(), 60)
+        elif isinstance(ev, FetchRequested) and ev.slots:
+            await on_fetch(ev)
+        await raw.flush()
+
+
+async def test_a_lookup_split_into_rounds_ends_within_lookup_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup split into rounds (the producer takes one key per request) ends within one
+    lookup_timeout, however the producer paces its answers. Each round had a
+    lookup_timeout of its own: answering each just in time held a 4-key lookup ~4 x as
+    long (and the facade's default timeout, lookup_timeout + 1 s, then failed it)."""
+    with trio.fail_after(600):
+        raw = RawPeer(max_keys_per_request=1)
+        try:
+            async with open_node(
+                config("dst", lookup_timeout=5.0), offload=VirtualOffload()
+            ) as dst:
+                await raw.connect(dst.address)
+                await raw.handshake()
+
+                async def slow_answers() -> None:
+                    while (ev := await raw.next_event()) is not None:
+                        if isinstance(ev, LookupRequested):
+                            await trio.sleep(4.5)  # within the consumer's 5 s
+                            raw.proto.send_lookup_resp(
+                                ev.req_id, [True] * len(ev.keys), trio.current_time(), 60
+                            )
+                        await raw.flush()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(slow_answers)
+                    keys = [os.urandom(32) for _ in range(4)]
+                    start = trio.current_time()
+                    with pytest.raises(P2PKVTimeout):
+                        await dst.lookup(raw.peer_id, keys)
+                    took = trio.current_time() - start
+                    nursery.cancel_scope.cancel()
+                assert took <= 5.0 + 0.5, f"a lookup with lookup_timeout 5 s took {took:.1f} s"
+        finally:
+            await raw.aclose()
+
+
+async def test_a_producer_that_never_acks_an_abort_does_not_hold_request_slots_for_ever(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The producer answers lookups but never writes and never answers an abort. A fetch
+    we give up on holds its request slot until the abort_ack; with no deadline on the
+    ack (the peer's pongs keep the session up), max_open_requests such fetches made
+    every later request to the peer fail for the session's whole life. An honest
+    producer acks within abort_timeout + quarantine, so past ``abort_ack_bound`` (twice
+    that and a little) the consumer ends the session, and not before."""
+    with trio.fail_after(2000):
+        raw = RawPeer()
+        cfg = config(
+            "dst", fetch_timeout=2.0, lookup_timeout=1.0, quarantine=5.0, max_open_requests=2
+        )
+        try:
+            async with open_node(cfg, offload=VirtualOffload()) as dst:
+                await raw.connect(dst.address)
+                await raw.handshake()
+
+                async def never_write_never_ack(ev: FetchRequested) -> None:
+                    pass  # the abort that follows is read and ignored
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_serve_lookups_and, raw, never_write_never_ack)
+                    first_abort = trio.current_time() + cfg.fetch_timeout
+                    for _ in range(2):
+                        r = await dst.fetch(raw.peer_id, [os.urandom(32)])
+                        assert set(r.failed.values()) == {"timeout"}
+                    overdue = first_abort + abort_ack_bound(dst.config)
+                    await trio.sleep_until(overdue - 1.0)  # an honest peer's time to ack
+                    assert dst.is_connected(raw.peer_id)
+                    await trio.sleep_until(overdue + 1.0)
+                    assert not dst.is_connected(raw.peer_id), (
+                        "request slots held for good by unacked aborts"
+                    )
+                    nursery.cancel_scope.cancel()
+        finally:
+            await raw.aclose()
+
+
+@pytest.mark.parametrize("lie", ["checksum_mismatch", "transfer_failed"])
+async def test_a_slot_whose_transfer_failed_is_not_reused_on_the_producers_word(lie: str) -> None:
+    """DESIGN invariants 2 and 10: a slot whose transfer failed stays quarantined until
+    our own data plane (or a deadline) says it is quiescent, never on the peer's word
+    alone. The producer sends transfer_done before its write has landed: with a
+    checksum that the landed bytes do not match (verify on), or with TRANSFER_FAILED
+    (verify off). The slot is quarantined, so the host's next block never takes it (it
+    was freed at once, and the late write landed on the host's block)."""
+    with trio.fail_after(BOUND):
+        raw = RawPeer()
+        verify = lie == "checksum_mismatch"
+        cfg = config("dst", num_blocks=1, max_landing_share=1.0, verify_checksums=verify)
+        try:
+            async with open_node(cfg) as dst:
+                await raw.connect(dst.address)
+                await raw.handshake()
+                b, b_bytes = os.urandom(32), os.urandom(BLOCK)
+                write_now = trio.Event()
+                written = trio.Event()
+
+                async def reply_then_write(ev: FetchRequested) -> None:
+                    [slot] = ev.slots
+                    if verify:
+                        crc = zlib.crc32(b_bytes)
+                        raw.proto.send_transfer_done(ev.req_id, [int(Outcome.OK)], [crc])
+                    else:
+                        raw.proto.send_transfer_done(ev.req_id, [int(Outcome.TRANSFER_FAILED)])
+                    await raw.flush()
+
+                    async def late_write() -> None:  # the write the reply did not wait for
+                        await write_now.wait()
+                        region = dst.store.array
+                        region[slot * BLOCK : (slot + 1) * BLOCK] = np.frombuffer(b_bytes, np.uint8)
+                        written.set()
+
+                    nursery.start_soon(late_write)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_serve_lookups_and, raw, reply_then_write)
+                    r = await dst.fetch(raw.peer_id, [b])
+                    assert r.loaded == [] and b in r.failed
+                    # Freed at once, the only slot takes the host's next block (quarantined,
+                    # the store has no room for it: StoreFull).
+                    c, c_bytes = os.urandom(32), os.urandom(BLOCK)
+                    put_at: int | None = None
+                    with contextlib.suppress(StoreFull):
+                        put_at = dst.store.put(c, c_bytes)
+                    write_now.set()
+                    await written.wait()
+                    nursery.cancel_scope.cancel()
+                assert put_at is None or bytes(dst.store.get(c) or b"") == c_bytes, (
+                    "the host's block was overwritten by a write into a slot freed on the "
+                    "producer's word"
+                )
+        finally:
+            await raw.aclose()
