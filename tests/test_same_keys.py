@@ -9,6 +9,8 @@ with the FAKE data plane of tests/helpers.py), never with sleeps that guess an o
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -16,6 +18,7 @@ import trio
 import trio.testing
 
 from p2pkv import FetchResult, SlotsInUse, open_node
+from p2pkv.node import Node
 from p2pkv.session.protocol import Event, FetchRequested, LookupRequested, RoundClosed
 from p2pkv.wire import Outcome
 
@@ -51,65 +54,70 @@ class Recorder:
         await self.raw.flush()
 
 
+@asynccontextmanager
+async def recorded() -> AsyncIterator[tuple[Node, RawPeer, Recorder, trio.Nursery]]:
+    """A consumer node ``dst`` and a :class:`Recorder` producer connected to it; the
+    nursery is the test's to start its callers in."""
+    raw = RawPeer("p")
+    try:
+        async with open_node(config("dst")) as dst, trio.open_nursery() as nursery:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            prod = Recorder(raw)
+            nursery.start_soon(prod.run)
+            yield dst, raw, prod, nursery
+            nursery.cancel_scope.cancel()
+    finally:
+        await raw.aclose()
+
+
 async def test_a_fetch_whose_region_a_fetch_into_takes_meanwhile_closes_its_round() -> None:
     """fetch and fetch_into at once on one node. ``fetch`` checks ``lent_to_caller`` once,
     before its lookup; a ``fetch_into`` that starts while that lookup is out lends the
-    (still empty) region to its caller. When the lookup's answer comes, the fetch's
-    reservation raises ``SlotsInUse`` (not ``StoreFull``, the only error ``_fetch_round``
-    handles there), and the round it looked up is left open: no empty fetch closes it,
-    so its pins stay at the producer until the lease, and its request slot is never
-    given back (the consumer's rounds of a ``_lookup_and_fetch`` are not among the open
-    rounds the lease timer closes). Enough of those and every lookup to that peer waits
-    for a request slot until its deadline."""
-    raw = RawPeer("p")
+    (still empty) region to its caller. When the lookup's answer comes, the fetch's keys
+    fail "region lent" and the round it looked up is closed, its request slot given back.
+    (Its reservation's ``SlotsInUse`` used to escape the round, left open for good: enough
+    of those and every lookup to that peer waited out its deadline for a slot.)"""
     keys = [os.urandom(32) for _ in range(2)]
-    try:
-        with trio.fail_after(BOUND):
-            async with open_node(config("dst")) as dst, trio.open_nursery() as nursery:
-                await raw.connect(dst.address)
-                await raw.handshake()
-                prod = Recorder(raw)
-                nursery.start_soon(prod.run)
-                session = dst._by_peer[raw.peer_id]
-                limit = session._requests.limit
-                fetched: list[object] = []
-                both_done = trio.Event()
+    with trio.fail_after(BOUND):
+        async with recorded() as (dst, raw, prod, nursery):
+            session = dst._by_peer[raw.peer_id]
+            limit = session._requests.limit
+            fetched: list[object] = []
+            both_done = trio.Event()
 
-                def done(what: object) -> None:
-                    fetched.append(what)
-                    if len(fetched) == 2:
-                        both_done.set()
+            def done(what: object) -> None:
+                fetched.append(what)
+                if len(fetched) == 2:
+                    both_done.set()
 
-                async def fetch() -> None:
-                    try:
-                        done(await dst.fetch(raw.peer_id, keys[:1]))
-                    except SlotsInUse as exc:  # documented for fetch; the leak is the defect
-                        done(exc)
+            async def fetch() -> None:
+                try:
+                    done(await dst.fetch(raw.peer_id, keys[:1]))
+                except SlotsInUse as exc:  # documented for fetch; the leak is the defect
+                    done(exc)
 
-                async def fetch_into() -> None:
-                    done(await dst.fetch_into(raw.peer_id, keys[1:], [3]))
+            async def fetch_into() -> None:
+                done(await dst.fetch_into(raw.peer_id, keys[1:], [3]))
 
-                nursery.start_soon(fetch)
-                (look_a,) = await prod.wait_for(LookupRequested)  # the fetch's lookup is out
-                nursery.start_soon(fetch_into)  # lends the region at once
-                _, look_b = await prod.wait_for(LookupRequested, 2)
-                assert dst.store.lent_to_caller
-                await prod.answer_lookup(look_a, [True])  # the fetch goes on to reserve
-                await prod.answer_lookup(look_b, [False])  # fetch_into: a miss, it ends
-                await both_done.wait()
-                # Whatever the fetch reported, the round it looked up must be closed and
-                # its request slot free again.
-                assert session.proto.open_requests() == [], (
-                    f"round {look_a.req_id} left open; the fetch ended with {fetched[0]!r}"
-                )
-                assert session._requests.free == limit
-                (mine,) = [r for r in fetched if isinstance(r, FetchResult) and keys[0] in r.failed]
-                assert mine.failed[keys[0]].startswith("region lent"), mine.failed
-                closed = await prod.wait_for(RoundClosed, 2)  # fetch_into's miss, and ours
-                assert look_a.req_id in {e.req_id for e in closed}
-                nursery.cancel_scope.cancel()
-    finally:
-        await raw.aclose()
+            nursery.start_soon(fetch)
+            (look_a,) = await prod.wait_for(LookupRequested)  # the fetch's lookup is out
+            nursery.start_soon(fetch_into)  # lends the region at once
+            _, look_b = await prod.wait_for(LookupRequested, 2)
+            assert dst.store.lent_to_caller
+            await prod.answer_lookup(look_a, [True])  # the fetch goes on to reserve
+            await prod.answer_lookup(look_b, [False])  # fetch_into: a miss, it ends
+            await both_done.wait()
+            # Whatever the fetch reported, the round it looked up must be closed and
+            # its request slot free again.
+            assert session.proto.open_requests() == [], (
+                f"round {look_a.req_id} left open; the fetch ended with {fetched[0]!r}"
+            )
+            assert session._requests.free == limit
+            (mine,) = [r for r in fetched if isinstance(r, FetchResult) and keys[0] in r.failed]
+            assert mine.failed[keys[0]].startswith("region lent"), mine.failed
+            closed = await prod.wait_for(RoundClosed, 2)  # fetch_into's miss, and ours
+            assert look_a.req_id in {e.req_id for e in closed}
 
 
 async def test_a_fetch_waiting_for_room_fails_at_once_when_its_session_ends(
@@ -117,11 +125,9 @@ async def test_a_fetch_waiting_for_room_fails_at_once_when_its_session_ends(
 ) -> None:
     """A fetch from a peer whose share of our store is full waits in the peer's queue
     (``LandingShares.wait_for_room``). The session ends meanwhile (a disconnect here; a
-    node close or a reconfiguration that drops the peer alike): nothing wakes the waiter,
-    so the fetch sits out its ``fetch_timeout`` (or the peer's quarantine's end) and then
-    reports the keys "over the peer's share" although the real reason is that the
-    session is gone. The request-slot queue was fixed for exactly this
-    (``RequestSlots.end``); the share's queue was not."""
+    node close or a reconfiguration that drops the peer alike): the wait ends at once and
+    the keys fail "session closed", as the waits for request slots do. (Nothing woke it:
+    it sat out ``fetch_timeout`` and then blamed the peer's share.)"""
     hang = FaultFactory(lambda t: setattr(t, "hang", True))
     async with (
         node("src", factory=hang, abort_timeout=1.0, quarantine=600.0) as src,
@@ -230,48 +236,39 @@ async def test_a_key_put_locally_while_a_fetch_brings_it_in_is_loaded_at_once_an
 async def test_a_fetch_cancelled_during_its_lookup_leaves_the_shared_keys_to_the_other() -> None:
     """Fetch B shares fetch A's keys; A's caller cancels A while A's lookup is out (the
     await point the existing test does not cover): B looks them up itself and loads."""
-    raw = RawPeer("p")
     blocks = {os.urandom(32): os.urandom(BLOCK) for _ in range(2)}
     keys = list(blocks)
-    try:
-        with trio.fail_after(BOUND):
-            async with open_node(config("dst")) as dst, trio.open_nursery() as nursery:
-                await raw.connect(dst.address)
-                await raw.handshake()
-                prod = Recorder(raw)
-                nursery.start_soon(prod.run)
-                a_scope = trio.CancelScope()
-                got: list[FetchResult] = []
-                b_done = trio.Event()
+    with trio.fail_after(BOUND):
+        async with recorded() as (dst, raw, prod, nursery):
+            a_scope = trio.CancelScope()
+            got: list[FetchResult] = []
+            b_done = trio.Event()
 
-                async def a() -> None:
-                    with a_scope:
-                        await dst.fetch(raw.peer_id, keys)
+            async def a() -> None:
+                with a_scope:
+                    await dst.fetch(raw.peer_id, keys)
 
-                async def b() -> None:
-                    got.append(await dst.fetch(raw.peer_id, keys))
-                    b_done.set()
+            async def b() -> None:
+                got.append(await dst.fetch(raw.peer_id, keys))
+                b_done.set()
 
-                nursery.start_soon(a)
-                await prod.wait_for(LookupRequested)
-                nursery.start_soon(b)
-                await trio.testing.wait_all_tasks_blocked()  # B waits for A's claim
-                a_scope.cancel()
-                _, look_b = await prod.wait_for(LookupRequested, 2)
-                await prod.answer_lookup(look_b, [True, True])
-                (fetch_b,) = await prod.wait_for(FetchRequested)
-                assert fetch_b.req_id == look_b.req_id
-                region = dst.store.array
-                for kk, s in zip(keys, fetch_b.slots, strict=True):
-                    region[s * BLOCK : (s + 1) * BLOCK] = np.frombuffer(blocks[kk], np.uint8)
-                raw.proto.send_transfer_done(fetch_b.req_id, [int(Outcome.OK)] * 2)
-                await raw.flush()
-                await b_done.wait()
-                assert a_scope.cancelled_caught
-                assert sorted(got[0].loaded) == sorted(keys) and not got[0].failed
-                for kk in keys:
-                    assert bytes(dst.store.get(kk) or b"") == blocks[kk]
-                assert dst.statistics().reserved_slots == 0
-                nursery.cancel_scope.cancel()
-    finally:
-        await raw.aclose()
+            nursery.start_soon(a)
+            await prod.wait_for(LookupRequested)
+            nursery.start_soon(b)
+            await trio.testing.wait_all_tasks_blocked()  # B waits for A's claim
+            a_scope.cancel()
+            _, look_b = await prod.wait_for(LookupRequested, 2)
+            await prod.answer_lookup(look_b, [True, True])
+            (fetch_b,) = await prod.wait_for(FetchRequested)
+            assert fetch_b.req_id == look_b.req_id
+            region = dst.store.array
+            for kk, s in zip(keys, fetch_b.slots, strict=True):
+                region[s * BLOCK : (s + 1) * BLOCK] = np.frombuffer(blocks[kk], np.uint8)
+            raw.proto.send_transfer_done(fetch_b.req_id, [int(Outcome.OK)] * 2)
+            await raw.flush()
+            await b_done.wait()
+            assert a_scope.cancelled_caught
+            assert sorted(got[0].loaded) == sorted(keys) and not got[0].failed
+            for kk in keys:
+                assert bytes(dst.store.get(kk) or b"") == blocks[kk]
+            assert dst.statistics().reserved_slots == 0
