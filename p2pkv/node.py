@@ -38,6 +38,7 @@ import ipaddress
 import itertools
 import logging
 import math
+import os
 import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
@@ -675,7 +676,8 @@ class Node:
         if session is None:
             return True
         proto = session.proto
-        if proto.activity != activity or not proto.idle or session._pinned or session._writes:
+        busy = session._pinned or session._writes or session._claims  # claims: our fetches
+        if proto.activity != activity or not proto.idle or busy:
             return False
         await session.aclose("idle")
         return True
@@ -1014,6 +1016,17 @@ def _release_region(key: int) -> None:
 
 
 _region_ids = itertools.count()
+
+
+def _forget_regions_in_child() -> None:
+    """A forked child has no live node (their engines are the parent's): none of the
+    parent's claims holds there, and the lock may have been held at the fork."""
+    global _regions_lock
+    _regions_lock = threading.Lock()
+    _live_regions.clear()
+
+
+os.register_at_fork(after_in_child=_forget_regions_in_child)
 
 
 def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:

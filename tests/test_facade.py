@@ -584,13 +584,16 @@ def test_submits_racing_from_many_host_threads_all_finish_exactly_once(
 
 _FORK_SCRIPT = r"""
 import os, socket, sys, time
+import numpy as np
 import p2pkv
 
 silent = socket.socket()  # listens, never accepts: a connect to it waits out its timeout
 silent.bind(("127.0.0.1", 0))
 silent.listen(1)
-b = p2pkv.start_node(p2pkv.NodeConfig(peer_id="b"))
-a = p2pkv.start_node(p2pkv.NodeConfig(peer_id="a"))
+SMALL = {"num_blocks": 64, "block_len": 4096}
+b = p2pkv.start_node(p2pkv.NodeConfig(peer_id="b", **SMALL))
+region = np.zeros(64 * 4096, np.uint8)  # private memory: the child gets its own copy
+a = p2pkv.start_node(p2pkv.NodeConfig(peer_id="a", **SMALL), region=region)
 peer = a.connect(b.address, timeout=10)
 waiting = a.submit_connect(silent.getsockname(), timeout=30)  # in flight at the fork
 pid = os.fork()
@@ -612,6 +615,11 @@ if pid == 0:
         out.append("ticket:PortalClosed")
     a.close()
     out.append("closed")
+    # A child that wants p2pkv starts its own node, over memory of its own: the parent's
+    # claim on the region does not hold here (review 2026-12-04: it was refused).
+    c = p2pkv.start_node(p2pkv.NodeConfig(peer_id="c", **SMALL), region=region)
+    c.close()
+    out.append("own-node")
     print(" ".join(out), flush=True)
     os._exit(0)
 _, status = os.waitpid(pid, 0)
@@ -640,6 +648,6 @@ def test_in_a_forked_child_the_parents_node_fails_at_once_and_every_ticket_finis
     lines = done.stdout.splitlines()
     assert lines[0] == (
         "alive=False pending=0 inherited:PortalClosed:forked lookup:PortalClosed:True "
-        "ticket:PortalClosed closed"
+        "ticket:PortalClosed closed own-node"
     ), done.stdout + done.stderr
     assert lines[1] == "parent: True [False] 0"

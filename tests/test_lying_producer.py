@@ -17,12 +17,12 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import P2PKVTimeout, StoreFull, open_node
+from p2pkv import P2PKVTimeout, SessionClosed, StoreFull, open_node
 from p2pkv.session.consumer import abort_ack_bound
 from p2pkv.session.protocol import FetchRequested, LookupRequested
 from p2pkv.wire import Outcome
 
-from .helpers import RawPeer, VirtualOffload, config
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair
 
 BLOCK = 4096
 BOUND = 20.0
@@ -97,13 +97,14 @@ async def test_a_producer_that_never_acks_an_abort_does_not_hold_request_slots_f
     """The producer answers lookups but never writes and never answers an abort. A fetch
     we give up on holds its request slot until the abort_ack; with no deadline on the
     ack (the peer's pongs keep the session up), max_open_requests such fetches made
-    every later request to the peer fail for the session's whole life. An honest
-    producer acks within abort_timeout + quarantine, so past ``abort_ack_bound`` (twice
-    that and a little) the consumer ends the session, and not before."""
+    every later request to the peer wait out its deadline and fail, for the session's
+    whole life. An honest producer acks within abort_timeout + quarantine, so once an
+    ack is past ``abort_ack_bound`` (twice that and a little), a request waiting for a
+    slot ends the session at that moment, not at the request's own deadline."""
     with trio.fail_after(2000):
         raw = RawPeer()
         cfg = config(
-            "dst", fetch_timeout=2.0, lookup_timeout=1.0, quarantine=5.0, max_open_requests=2
+            "dst", fetch_timeout=2.0, lookup_timeout=3.0, quarantine=5.0, max_open_requests=2
         )
         try:
             async with open_node(cfg, offload=VirtualOffload()) as dst:
@@ -122,27 +123,89 @@ async def test_a_producer_that_never_acks_an_abort_does_not_hold_request_slots_f
                     overdue = first_abort + abort_ack_bound(dst.config)
                     await trio.sleep_until(overdue - 1.0)  # an honest peer's time to ack
                     assert dst.is_connected(raw.peer_id)
-                    await trio.sleep_until(overdue + 1.0)
-                    assert not dst.is_connected(raw.peer_id), (
-                        "request slots held for good by unacked aborts"
-                    )
+                    with pytest.raises(SessionClosed, match="never acknowledged"):
+                        await dst.lookup(raw.peer_id, [os.urandom(32)])  # waits for a slot
+                    assert trio.current_time() == pytest.approx(overdue)
+                    assert not dst.is_connected(raw.peer_id)
                     nursery.cancel_scope.cancel()
         finally:
             await raw.aclose()
 
 
-@pytest.mark.parametrize("lie", ["checksum_mismatch", "transfer_failed"])
-async def test_a_slot_whose_transfer_failed_is_not_reused_on_the_producers_word(lie: str) -> None:
-    """DESIGN invariants 2 and 10: a slot whose transfer failed stays quarantined until
-    our own data plane (or a deadline) says it is quiescent, never on the peer's word
-    alone. The producer sends transfer_done before its write has landed: with a
-    checksum that the landed bytes do not match (verify on), or with TRANSFER_FAILED
-    (verify off). The slot is quarantined, so the host's next block never takes it (it
-    was freed at once, and the late write landed on the host's block)."""
+async def test_a_request_needing_a_slot_that_overdue_aborts_hold_ends_the_session_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Overdue acks cost nothing while request slots are left (the session stays); a
+    request that finds none free because aborts the peer never acknowledged hold them
+    ends the session at once instead of waiting out its deadline for a slot."""
+    with trio.fail_after(2000):
+        raw = RawPeer()
+        cfg = config(
+            "dst", fetch_timeout=2.0, lookup_timeout=1.0, quarantine=5.0, max_open_requests=3
+        )
+        try:
+            async with open_node(cfg, offload=VirtualOffload()) as dst:
+                await raw.connect(dst.address)
+                await raw.handshake()
+
+                async def never_write_never_ack(ev: FetchRequested) -> None:
+                    pass
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_serve_lookups_and, raw, never_write_never_ack)
+                    for _ in range(2):
+                        r = await dst.fetch(raw.peer_id, [os.urandom(32)])
+                        assert set(r.failed.values()) == {"timeout"}
+                    await trio.sleep(abort_ack_bound(dst.config) + 1.0)
+                    assert dst.is_connected(raw.peer_id)  # one slot is left
+                    held = await dst.lookup_round(raw.peer_id, [os.urandom(32)])
+                    assert held.hits == [True]  # its round holds the last slot
+                    start = trio.current_time()
+                    with pytest.raises(SessionClosed, match="never acknowledged"):
+                        await dst.lookup(raw.peer_id, [os.urandom(32)])
+                    assert trio.current_time() == start
+                    assert not dst.is_connected(raw.peer_id)
+                    nursery.cancel_scope.cancel()
+        finally:
+            await raw.aclose()
+
+
+async def test_an_honest_producer_with_a_longer_quarantine_keeps_the_session(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An honest producer acks an abort of an unsettled write after its own abort_timeout
+    and quarantine, which the hello does not tell us: one whose quarantine is over twice
+    ours acks past ``abort_ack_bound``. With request slots left, the session stays (a
+    review found it closed, failing everything else in flight on it)."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    with trio.fail_after(300):
+        async with pair(
+            {"abort_timeout": 2.0, "quarantine": 30.0},
+            {"fetch_timeout": 4.0, "abort_timeout": 2.0, "quarantine": 5.0},
+            src_transport=hanging,
+            virtual=True,
+        ) as (src, dst):
+            keys = fill(src.store, 2, BLOCK)
+            peer = await dst.connect(src.address)
+            r = await dst.fetch(peer, keys)
+            assert r.loaded == [] and set(r.failed.values()) == {"timeout"}
+            assert abort_ack_bound(dst.config) < 2.0 + 30.0  # the ack comes after the bound
+            await trio.sleep(2.0 + 30.0 + 2.0)
+            assert dst.is_connected(peer.peer_id)
+            assert dst.statistics().store.quarantined == 0  # ours ended long ago
+            assert await dst.lookup(peer, keys) == [True, True]  # and the session works
+
+
+async def test_a_slot_whose_bytes_fail_their_checksum_is_quarantined() -> None:
+    """A producer says OK with the right checksum before its write has landed: the bytes
+    fail the checksum, so its word that the write settled is in doubt too, and the slot
+    is quarantined, never freed on that word (invariants 2 and 10). The host's next
+    block cannot take it; it was freed at once, and the late write landed on the host's
+    block. (A producer that says TRANSFER_FAILED before its write settles is believed,
+    as one that says OK is with checksums off: docs/design.md.)"""
     with trio.fail_after(BOUND):
         raw = RawPeer()
-        verify = lie == "checksum_mismatch"
-        cfg = config("dst", num_blocks=1, max_landing_share=1.0, verify_checksums=verify)
+        cfg = config("dst", num_blocks=1, max_landing_share=1.0, verify_checksums=True)
         try:
             async with open_node(cfg) as dst:
                 await raw.connect(dst.address)
@@ -153,11 +216,8 @@ async def test_a_slot_whose_transfer_failed_is_not_reused_on_the_producers_word(
 
                 async def reply_then_write(ev: FetchRequested) -> None:
                     [slot] = ev.slots
-                    if verify:
-                        crc = zlib.crc32(b_bytes)
-                        raw.proto.send_transfer_done(ev.req_id, [int(Outcome.OK)], [crc])
-                    else:
-                        raw.proto.send_transfer_done(ev.req_id, [int(Outcome.TRANSFER_FAILED)])
+                    crc = zlib.crc32(b_bytes)
+                    raw.proto.send_transfer_done(ev.req_id, [int(Outcome.OK)], [crc])
                     await raw.flush()
 
                     async def late_write() -> None:  # the write the reply did not wait for

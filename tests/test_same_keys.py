@@ -164,6 +164,38 @@ async def test_a_fetch_waiting_for_room_fails_at_once_when_its_session_ends(
         assert all("over the peer's share" not in why for why in results["b"].failed.values())
 
 
+async def test_disconnect_idle_leaves_a_session_a_fetch_waits_on_for_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch waiting for room in the peer's landing share has no request open, yet the
+    session is in use: ``disconnect_idle`` leaves it (the vLLM tier closes sources' idle
+    sessions through it)."""
+    hang = FaultFactory(lambda t: setattr(t, "hang", True))
+    async with (
+        node("src", factory=hang, abort_timeout=1.0, quarantine=3.0) as src,
+        node(
+            "dst", num_blocks=8, max_landing_share=0.5, fetch_timeout=10.0, quarantine=60.0
+        ) as dst,
+    ):
+        keys = fill(src.store, 8, BLOCK)
+        peer = await dst.connect(src.address)
+        first = await dst.fetch(peer, keys[:4])  # gives up: its 4 slots stay quarantined
+        assert set(first.failed.values()) == {"timeout"}
+        session = dst._by_peer["src"]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(dst.fetch, peer, keys[4:])  # waits for room in the share
+            await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(30):
+                while not session.proto.idle:  # the abort's ack (src: 1 s + 3 s)
+                    await trio.sleep(0.5)
+            assert session._claims  # the second fetch waits, with no request open
+            activity = dst.session_activity("src")
+            assert activity is not None
+            assert not await dst.disconnect_idle("src", activity)
+            assert dst.is_connected("src")
+            nursery.cancel_scope.cancel()
+
+
 # ---------------------------------------------------------------- pairs that held
 
 

@@ -578,7 +578,7 @@ class P2PTier:
             self._requests[request.request_id] = st
         return st
 
-    def _connect(self, src: _Source, now: float) -> None:
+    def _connect(self, src: _Source, now: float, *, make_room: bool = True) -> None:
         """Make sure a connection to ``src`` is up or on its way; if the source is down
         (backing off), fail every request waiting for it."""
         if src.peer is not None or src.connect_ticket is not None:
@@ -587,7 +587,7 @@ class P2PTier:
             self._source_down(src, src.error, now, backoff=False)
             return
         src.connect_deadline = now + self.connect_timeout
-        if self.node.peer_count() >= self.node.config.max_peers:
+        if make_room and self.node.peer_count() >= self.node.config.max_peers:
             # At the cap of peers, the dial would be refused: close the session to the
             # source unused longest, if there is one, and dial once it is gone.
             victim = self._idle_source(but=src)
@@ -608,7 +608,9 @@ class P2PTier:
                 pass
             del self._evicting[ticket]
             src.connect_ticket = None
-            self._connect(src, now)
+            # Dial now, closed or not: a session its peer still used stays (room or not),
+            # and closing the next idle one and the next would only churn.
+            self._connect(src, now, make_room=False)
 
     def _sources_in_use(self) -> set[_Source]:
         """Sources a live request names, or a load or lookup in flight or a dial needs."""

@@ -87,10 +87,10 @@ KEY_OVERHEAD = 16
 FRAME_OVERHEAD = 4096
 
 _OK = int(Outcome.OK)
+#: Why a session ends when a request must wait for a slot while aborts the peer has not
+#: acknowledged within :func:`abort_ack_bound` hold slots.
+ACKS_OVERDUE = "request slots held by aborts the peer never acknowledged"
 _LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
-# Outcomes of keys whose write the producer tried (or whose bytes did not match): their
-# slots are quarantined, not freed, on a failure (rare).
-_WRITE_TRIED = frozenset({_OK, int(Outcome.TRANSFER_FAILED), int(Outcome.ABORTED)})
 # Why a key failed that a fetch in store mode did not ask the peer for: the slots its
 # writes hold (reserved, or quarantined after we gave up on a fetch) stayed at
 # max_landing_share of our store for fetch_timeout (p2pkv/session/shares.py).
@@ -571,6 +571,9 @@ class ConsumerSide(SessionParts):
     async def _take_request_slots(self, n: int, end: float) -> None:
         """``n`` request slots together, by the lookup's deadline ``end``. A lookup that
         needs more than may ever be open at this peer is refused at once."""
+        if (self._requests.free < n or self._requests.waiting) and self._acks_overdue():
+            self.close(ACKS_OVERDUE, "timeout")
+            raise SessionClosed(ACKS_OVERDUE, peer=self.peer_id, op="lookup")
         if n > self._requests.limit:
             raise LocalProtocolError(
                 f"a lookup of {n} requests (split by the key limits) is more than the "
@@ -588,6 +591,10 @@ class ConsumerSide(SessionParts):
                 op="lookup",
             ) from None
 
+    def _acks_overdue(self) -> bool:
+        now = trio.current_time()
+        return any(p.ack_by <= now for p in self._pending.values())
+
     def _abort(self, p: _Pending) -> None:
         """Give up on a request; it ends with the peer's abort_ack."""
         self._rounds.pop(p.req_id, None)
@@ -597,8 +604,11 @@ class ConsumerSide(SessionParts):
         if self.alive:
             self.proto.send_abort(p.req_id)
             # Its request slot comes back only with the ack: a peer that never sends it
-            # would hold the slot for the session's life (review 2026-12-04), so the lease
-            # timer ends the session past a bound an honest peer keeps (abort_ack_bound).
+            # held the slot for the session's life (review 2026-12-04). Past a bound an
+            # honest peer keeps (abort_ack_bound), an overdue ack ends the session once a
+            # request has to wait for a slot (the lease timer, _take_request_slots): a
+            # peer whose quarantine is longer than the bound assumes costs nothing until
+            # then.
             p.ack_by = trio.current_time() + abort_ack_bound(self.cfg)
             self._rearm_lease_timer(p.ack_by)
             self._flush_soon()
@@ -1105,12 +1115,11 @@ class ConsumerSide(SessionParts):
         outcome: _Outcome,
     ) -> None:
         """``transfer_done`` is in, so, on the producer's word, every write has settled:
-        commit the good keys. The slots of keys whose write was tried and failed, or whose
-        bytes did not match their checksum, are quarantined, not freed (invariants 2 and
-        10: a buggy producer's late write must not land in a block reused meanwhile;
-        review 2026-12-04); those of keys no write was tried for (not pinned, lease
-        expired, over a cap) are freed. If cancelled while checking, every slot is
-        quarantined."""
+        commit the good keys, free the slots of those it reports failed. A key it reports
+        OK whose bytes fail their checksum (or come without one, with ours on) shows its
+        word in doubt: that slot is quarantined, not freed, so a late write cannot land in
+        a block reused meanwhile (review 2026-12-04). If cancelled while checking, every
+        slot is quarantined."""
         store, bl, req = self.node.store, self.cfg.block_len, p.req_id
         outcomes = done.outcomes
         if not self.cfg.verify_checksums and outcomes.count(_OK) == len(keys):
@@ -1145,7 +1154,7 @@ class ConsumerSide(SessionParts):
             outcome.update((k, "cancelled") for k in keys)
             raise
         release: list[int] = []
-        suspect: list[int] = []  # a write was tried (or its bytes did not match)
+        suspect: list[int] = []  # the producer said OK, the bytes say otherwise
         commit_slots: list[int] = []
         commit_keys: list[bytes] = []
         for i, (key, slot) in enumerate(zip(keys, p.slots, strict=True)):
@@ -1154,12 +1163,12 @@ class ConsumerSide(SessionParts):
                 commit_keys.append(key)
             else:
                 o = done.outcomes[i]
-                (suspect if o in _WRITE_TRIED else release).append(slot)
+                (suspect if o == _OK else release).append(slot)
                 outcome[key] = reason_bad if o == Outcome.OK else Outcome(o).name.lower()
         landing.commit(req, commit_slots, commit_keys)
         outcome.land(commit_keys)
         landing.release(req, release)
-        if suspect:  # invariants 2 and 10: never reused on the producer's word alone
+        if suspect:  # its word that the write settled is in doubt too (invariant 10)
             landing.quarantine(req, suspect, trio.current_time() + self.cfg.quarantine)
         p.slots = []
 

@@ -58,6 +58,7 @@ from ..errors import (
 from ..transport.base import RegionLayout, RemotePeer
 from ..wire import AbortAck, Bye, Hello, LookupResp, Pong, TransferDone
 from .consumer import (
+    ACKS_OVERDUE,
     ConsumerSide,
     FetchResult,
     LookupRound,
@@ -906,13 +907,13 @@ class PeerSession(ProducerSide, ConsumerSide):
                     p.deadline = math.inf
                     self._wake_waiter(p)
                 overdue = overdue or p.ack_by <= now
-            if overdue:
-                self.close("peer never acknowledged an abort", "timeout")
+            if overdue and self._requests.waiting:
+                self.close(ACKS_OVERDUE, "timeout")  # see ConsumerSide._abort
                 return
             await self._flush(background=True)
             deadlines = [r.deadline for r in self._rounds.values()]
             deadlines += [p.deadline for p in self._pending.values() if p.deadline < math.inf]
-            deadlines += [p.ack_by for p in self._pending.values() if p.ack_by < math.inf]
+            deadlines += [p.ack_by for p in self._pending.values() if now < p.ack_by < math.inf]
             d = self.proto.next_deadline()
             if d is not None:
                 deadlines.append(d)

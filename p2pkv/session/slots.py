@@ -35,6 +35,11 @@ class RequestSlots:
     def free(self) -> int:
         return max(self._limit - self._used, 0)
 
+    @property
+    def waiting(self) -> bool:
+        """Someone waits for slots."""
+        return bool(self._waiters)
+
     def set_limit(self, limit: int) -> None:
         """A new limit; slots taken stay taken (over a lowered limit, until given back)."""
         self._limit = limit
