@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import P2PKVTimeout, SessionClosed, StoreFull, open_node
+from p2pkv import Node, P2PKVTimeout, SessionClosed, StoreFull, open_node
 from p2pkv.session.consumer import abort_ack_bound
 from p2pkv.session.protocol import FetchRequested, LookupRequested
 from p2pkv.wire import Outcome
@@ -51,6 +53,28 @@ async def _serve_lookups_and(raw: RawPeer, on_fetch: Any) -> None:
         elif isinstance(ev, FetchRequested) and ev.slots:
             await on_fetch(ev)
         await raw.flush()
+
+
+@asynccontextmanager
+async def never_acking(**cfg_kw: Any) -> AsyncIterator[tuple[Node, str]]:
+    """A consumer node (fetch_timeout 2 s, quarantine 5 s and ``cfg_kw``) and the id of a
+    producer that answers every lookup all hits, never writes and never acks an abort."""
+    raw = RawPeer()
+    cfg = config("dst", fetch_timeout=2.0, quarantine=5.0, **cfg_kw)
+    try:
+        async with open_node(cfg, offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+
+            async def never_write_never_ack(ev: FetchRequested) -> None:
+                pass  # the abort that follows is read and ignored
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_serve_lookups_and, raw, never_write_never_ack)
+                yield dst, raw.peer_id
+                nursery.cancel_scope.cancel()
+    finally:
+        await raw.aclose()
 
 
 async def test_a_lookup_split_into_rounds_ends_within_lookup_timeout(
@@ -102,34 +126,18 @@ async def test_a_producer_that_never_acks_an_abort_does_not_hold_request_slots_f
     ack is past ``abort_ack_bound`` (twice that and a little), a request waiting for a
     slot ends the session at that moment, not at the request's own deadline."""
     with trio.fail_after(2000):
-        raw = RawPeer()
-        cfg = config(
-            "dst", fetch_timeout=2.0, lookup_timeout=3.0, quarantine=5.0, max_open_requests=2
-        )
-        try:
-            async with open_node(cfg, offload=VirtualOffload()) as dst:
-                await raw.connect(dst.address)
-                await raw.handshake()
-
-                async def never_write_never_ack(ev: FetchRequested) -> None:
-                    pass  # the abort that follows is read and ignored
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_serve_lookups_and, raw, never_write_never_ack)
-                    first_abort = trio.current_time() + cfg.fetch_timeout
-                    for _ in range(2):
-                        r = await dst.fetch(raw.peer_id, [os.urandom(32)])
-                        assert set(r.failed.values()) == {"timeout"}
-                    overdue = first_abort + abort_ack_bound(dst.config)
-                    await trio.sleep_until(overdue - 1.0)  # an honest peer's time to ack
-                    assert dst.is_connected(raw.peer_id)
-                    with pytest.raises(SessionClosed, match="never acknowledged"):
-                        await dst.lookup(raw.peer_id, [os.urandom(32)])  # waits for a slot
-                    assert trio.current_time() == pytest.approx(overdue)
-                    assert not dst.is_connected(raw.peer_id)
-                    nursery.cancel_scope.cancel()
-        finally:
-            await raw.aclose()
+        async with never_acking(lookup_timeout=3.0, max_open_requests=2) as (dst, peer):
+            first_abort = trio.current_time() + dst.config.fetch_timeout
+            for _ in range(2):
+                r = await dst.fetch(peer, [os.urandom(32)])
+                assert set(r.failed.values()) == {"timeout"}
+            overdue = first_abort + abort_ack_bound(dst.config)
+            await trio.sleep_until(overdue - 1.0)  # an honest peer's time to ack
+            assert dst.is_connected(peer)
+            with pytest.raises(SessionClosed, match="never acknowledged"):
+                await dst.lookup(peer, [os.urandom(32)])  # waits for a slot
+            assert trio.current_time() == pytest.approx(overdue)
+            assert not dst.is_connected(peer)
 
 
 async def test_a_request_needing_a_slot_that_overdue_aborts_hold_ends_the_session_at_once(
@@ -139,35 +147,19 @@ async def test_a_request_needing_a_slot_that_overdue_aborts_hold_ends_the_sessio
     request that finds none free because aborts the peer never acknowledged hold them
     ends the session at once instead of waiting out its deadline for a slot."""
     with trio.fail_after(2000):
-        raw = RawPeer()
-        cfg = config(
-            "dst", fetch_timeout=2.0, lookup_timeout=1.0, quarantine=5.0, max_open_requests=3
-        )
-        try:
-            async with open_node(cfg, offload=VirtualOffload()) as dst:
-                await raw.connect(dst.address)
-                await raw.handshake()
-
-                async def never_write_never_ack(ev: FetchRequested) -> None:
-                    pass
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_serve_lookups_and, raw, never_write_never_ack)
-                    for _ in range(2):
-                        r = await dst.fetch(raw.peer_id, [os.urandom(32)])
-                        assert set(r.failed.values()) == {"timeout"}
-                    await trio.sleep(abort_ack_bound(dst.config) + 1.0)
-                    assert dst.is_connected(raw.peer_id)  # one slot is left
-                    held = await dst.lookup_round(raw.peer_id, [os.urandom(32)])
-                    assert held.hits == [True]  # its round holds the last slot
-                    start = trio.current_time()
-                    with pytest.raises(SessionClosed, match="never acknowledged"):
-                        await dst.lookup(raw.peer_id, [os.urandom(32)])
-                    assert trio.current_time() == start
-                    assert not dst.is_connected(raw.peer_id)
-                    nursery.cancel_scope.cancel()
-        finally:
-            await raw.aclose()
+        async with never_acking(lookup_timeout=1.0, max_open_requests=3) as (dst, peer):
+            for _ in range(2):
+                r = await dst.fetch(peer, [os.urandom(32)])
+                assert set(r.failed.values()) == {"timeout"}
+            await trio.sleep(abort_ack_bound(dst.config) + 1.0)
+            assert dst.is_connected(peer)  # one slot is left
+            held = await dst.lookup_round(peer, [os.urandom(32)])
+            assert held.hits == [True]  # its round holds the last slot
+            start = trio.current_time()
+            with pytest.raises(SessionClosed, match="never acknowledged"):
+                await dst.lookup(peer, [os.urandom(32)])
+            assert trio.current_time() == start
+            assert not dst.is_connected(peer)
 
 
 async def test_an_honest_producer_with_a_longer_quarantine_keeps_the_session(
