@@ -675,9 +675,7 @@ class Node:
         session = self._by_peer.get(peer_id)
         if session is None:
             return True
-        proto = session.proto
-        busy = session._pinned or session._writes or session._claims  # claims: our fetches
-        if proto.activity != activity or not proto.idle or busy:
+        if not session.unused_since(activity):
             return False
         await session.aclose("idle")
         return True
@@ -990,6 +988,7 @@ async def open_node(
 # with host memory under UVA; the device is kept for clarity of the message).
 _regions_lock = threading.Lock()
 _live_regions: dict[int, tuple[int, int, str]] = {}
+_region_ids = itertools.count()
 
 
 def _claim_region(store: BlockStore) -> int:
@@ -1013,9 +1012,6 @@ def _claim_region(store: BlockStore) -> int:
 def _release_region(key: int) -> None:
     with _regions_lock:
         _live_regions.pop(key, None)
-
-
-_region_ids = itertools.count()
 
 
 def _forget_regions_in_child() -> None:

@@ -649,16 +649,17 @@ class P2PTier:
             elif (activity := self.node.session_activity(src.peer)) != src.activity:
                 src.activity, src.used_at = activity, now  # used since (by either side)
             elif now - src.used_at >= self.idle_source_timeout:
-                self._orphans.add(self._drop_source(src))
+                self._orphans.add(self._drop_source(src, activity))
 
-    def _drop_source(self, src: _Source) -> int:
+    def _drop_source(self, src: _Source, activity: tuple[int, int] | None = None) -> int:
         """Forget ``src`` and close its session if it is idle both ways (the source may
         be fetching from us over it: then it stays, and a later request that names the
         source finds it again); returns the ticket of that."""
         del self._sources[src.address]
         peer, src.peer = src.peer, None
         assert peer is not None
-        activity = self.node.session_activity(peer) or (0, 0)
+        if activity is None:  # not read yet (making room at the cap)
+            activity = self.node.session_activity(peer) or (0, 0)
         return self.node.submit_disconnect_idle(peer, activity)
 
     def _poll_connects(self, now: float) -> None:

@@ -258,6 +258,14 @@ class PeerSession(ProducerSide, ConsumerSide):
                 await self._rx.park()
         return self.alive
 
+    def unused_since(self, activity: tuple[int, int]) -> bool:
+        """No request made since ``proto.activity`` read ``activity``, none open either
+        way, no round pinned or written, no fetch of ours running (one waiting for landing
+        room has no request open)."""
+        proto = self.proto
+        busy = self._pinned or self._writes or self._claims
+        return proto.activity == activity and proto.idle and not busy
+
     def host_wait_over(self) -> None:
         """The reader's wait for the host's pins ended (see :meth:`probe`)."""
         self.host_waits -= 1
