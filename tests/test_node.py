@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import threading
 from typing import Any, Literal
 
 import numpy as np
@@ -12,7 +14,7 @@ import trio
 import trio.testing
 
 import p2pkv
-from p2pkv import HandshakeRejected, PeerUnavailable, open_node
+from p2pkv import BlockStore, HandshakeRejected, PeerUnavailable, open_node
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair, until
 
@@ -389,6 +391,50 @@ async def test_a_second_live_node_over_a_live_nodes_memory_is_refused(
             assert bytes(a.store.get(b"k") or b"") == b"\x01" * 4096
         async with open_node(cfg("b"), region=buf) as b:  # a has closed: free again
             b.store.put(b"k", b"\x03" * 4096)
+
+
+def test_two_threads_claiming_one_region_at_once_get_one_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two nodes opened at once from two threads over the same bytes: one claim wins. The
+    check and the claim are one step: a claims table whose scan waits for the other
+    thread to scan too (at most a second: it must not, under the lock) lets both through
+    when the scan and the insert are not done under one lock."""
+    import p2pkv.node as node_mod
+
+    scanning = threading.Barrier(2)
+
+    class MeetingTable(dict[int, tuple[int, int, str]]):
+        def values(self) -> Any:
+            seen = list(super().values())  # what this scan sees
+            with contextlib.suppress(threading.BrokenBarrierError):
+                scanning.wait(timeout=1.0)
+            return seen
+
+    monkeypatch.setattr(node_mod, "_live_regions", MeetingTable())
+    buf = np.zeros(8 * 4096, np.uint8)
+    stores = [
+        BlockStore(num_blocks=8, block_len=4096, region=buf),
+        BlockStore(num_blocks=4, block_len=4096, region=buf[4 * 4096 :]),
+    ]
+    claimed: list[int] = []
+    refused: list[BaseException] = []
+
+    def claim(store: BlockStore) -> None:
+        try:
+            claimed.append(node_mod._claim_region(store))
+        except p2pkv.TransportError as exc:
+            refused.append(exc)
+
+    threads = [threading.Thread(target=claim, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10.0)
+    assert len(claimed) == 1 and len(refused) == 1, (claimed, refused)
+    assert "overlaps" in str(refused[0])
+    node_mod._release_region(claimed[0])
+    assert not node_mod._live_regions
 
 
 async def test_connect_to_a_connected_peer_returns_the_live_session() -> None:

@@ -591,6 +591,70 @@ def test_at_max_peers_the_source_unused_longest_makes_room_for_a_new_one(
     assert dst.tier._node.peer_count() == 2  # the first source's session was closed
 
 
+def test_requests_naming_the_new_source_and_the_evicted_one_in_one_step_all_settle(
+    engines: Callable[..., Engine],
+) -> None:
+    """At the cap, in one step: two requests name a new source (one dial, one eviction
+    for both) and a third names the very source being evicted for it. The two load
+    byte-exact; the third settles too, exact if it hits (its source's session may be
+    closing under it: then it misses), and no job is lost or the cap passed."""
+    dst = engines(max_peers=2)
+    old, kept, new = engines(), engines(), engines()
+    for i, src in enumerate((old, kept)):  # ``old`` is the source unused longest
+        keys = make_keys(2, f"evict{i}")
+        src.fill(keys)
+        ctx = request(src, f"r-evict{i}")
+        assert pull(dst, ctx, keys) == ([LookupResult.HIT] * 2, True)
+        finish(dst, ctx)
+    fresh, again = make_keys(3, "fresh"), make_keys(3, "again")
+    new.fill(fresh)
+    old.fill(again)
+    wanted = {
+        "a": (request(new, "r-a"), fresh),
+        "b": (request(new, "r-b"), fresh),
+        "c": (request(old, "r-c"), again),
+    }
+    with dst.mgr.lock:
+        for ctx, _ in wanted.values():
+            dst.mgr.on_new_request(ctx)
+    res: dict[str, list[LookupResult]] = {}
+
+    def all_settled() -> bool:
+        with dst.mgr.lock:  # every request in ONE step
+            for name, (ctx, keys) in wanted.items():
+                res[name] = []
+                for key in keys:
+                    r = dst.mgr.lookup(key, ctx)
+                    res[name].append(r)
+                    if r is LookupResult.MISS:
+                        break
+            dst.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+        return all(
+            v[-1] is LookupResult.MISS or (len(v) == 3 and set(v) == {LookupResult.HIT})
+            for v in res.values()
+        )
+
+    until(all_settled, "every request to settle")
+    assert res["a"] == res["b"] == [LookupResult.HIT] * 3, res
+    for ctx, keys in wanted.values():
+        if res[ctx.req_id[-1]][-1] is LookupResult.MISS:
+            finish(dst, ctx)
+            continue
+        with dst.mgr.lock:
+            spec = dst.mgr.prepare_load(keys, ctx)
+            view = dst.view()
+            assert all(
+                np.array_equal(view[c], expected(k))
+                for k, c in zip(keys, chunk_ids(spec), strict=True)
+            ), ctx.req_id
+            del view
+            dst.mgr.complete_load(keys, ctx)
+        finish(dst, ctx)
+    until(lambda: dst.jobs() == 0 and new.jobs() == 0 and old.jobs() == 0, "every job reported")
+    assert dst.tier._node.peer_count() <= 2
+    assert new.tier.address in dst.tier._core._sources
+
+
 def test_a_source_no_request_names_is_forgotten_and_its_session_closed(
     engines: Callable[..., Engine],
 ) -> None:
