@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -66,6 +65,7 @@ import numpy.typing as npt
 from .errors import TransportError
 from .region import device_bytes, host_bytes, is_device_region, region_memory
 from .transport._nixl_agent import block_descs, load_nixl, nixl_cause, resolve_parallelism
+from .transport._runs import slot_indices
 
 __all__ = [
     "LoopbackAgent",
@@ -372,20 +372,9 @@ def run_parts(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor | Non
 
 
 def _checked(slots: Sequence[int], num_blocks: int, side: str) -> Slots:
-    """``slots`` as int32, refused unless a flat sequence of integers in range (a float
-    was truncated, a string parsed, a nested list flattened: review 2026-12-04)."""
-    if type(slots) is list or type(slots) is tuple:
-        try:
-            array = np.frombuffer(struct.pack(f"{len(slots)}q", *slots), dtype=np.int64)
-        except (struct.error, TypeError):
-            raise TransportError(f"{side} slots must be integers", op="stage") from None
-    else:
-        array = np.asarray(slots)
-        if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
-            raise TransportError(f"{side} slots must be a flat sequence of integers", op="stage")
-    if array.size and (int(array.min()) < 0 or int(array.max()) >= num_blocks):
-        raise TransportError(f"{side} slot out of range 0..{num_blocks - 1}", op="stage")
-    return array.astype(np.int32)
+    """``slots`` as int32, checked as every data plane checks them (review 2026-12-04:
+    a float was truncated, a string parsed, a nested list flattened)."""
+    return slot_indices(slots, num_blocks, side, "stage").astype(np.int32)
 
 
 _serial = itertools.count()  # agent names stay unique when lanes are re-created

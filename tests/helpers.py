@@ -513,3 +513,33 @@ def failing_lane(agent: Any, index: int) -> Iterator[None]:
         yield
     finally:
         lane.agent = real
+
+
+# Slot lists every data plane's post_write refuses, for regions of 32 blocks on both sides:
+# (local, remote, the error's words). A float was truncated to a slot, a 2-D array
+# flattened, a uint64 beyond int64 wrapped (``p2pkv.transport._runs.slot_indices``).
+BAD_SLOTS: list[Any] = [
+    pytest.param([0, 1.0], [0, 1], "local slots must be integers", id="float-in-list"),
+    pytest.param([0, 1], [0, "1"], "remote slots must be integers", id="str-in-list"),
+    pytest.param([0, 32], [0, 1], "local slot out of range", id="past-the-end"),
+    pytest.param([0, 1], [-1, 1], "remote slot out of range", id="negative"),
+    pytest.param((0, 1), (2**63, 1), "remote slots must be integers", id="past-int64"),
+    pytest.param(
+        np.array([0.0, 1.7]),
+        [0, 1],
+        "local slots must be a flat sequence of integers",
+        id="float-array",
+    ),
+    pytest.param(
+        [0, 1],
+        np.array([[0], [1]]),
+        "remote slots must be a flat sequence of integers",
+        id="2d-array",
+    ),
+    pytest.param(
+        [0, 1],
+        np.array([0, 2**64 - 1], dtype=np.uint64),
+        "remote slot out of range",
+        id="uint64-that-would-wrap",
+    ),
+]

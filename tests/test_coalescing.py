@@ -20,6 +20,8 @@ from p2pkv.transport._runs import contiguous_runs, run_order, split_runs
 from p2pkv.transport.base import RegionLayout, TransferState
 from p2pkv.transport.local import LocalTransport
 
+from .helpers import BAD_SLOTS
+
 Slots = np.ndarray[Any, np.dtype[np.int64]]
 
 
@@ -181,3 +183,30 @@ def test_local_transport_refuses_a_run_leaving_the_region_and_writes_nothing(
         src.post_write(peer, local, remote)
     assert not np.asarray(dst_array).any()
     assert src.statistics().live_handles == 0
+
+
+@pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
+def test_the_local_transport_refuses_what_nixl_refuses_and_writes_nothing(
+    local: Any, remote: Any, match: str
+) -> None:
+    """The in-process transport converted slot lists with ``np.asarray(..., int64)``: a
+    float array was truncated to slots and a 2-D one flattened (2026-12-05). It now
+    checks them as NIXL's does, before any byte moves."""
+    src_array = np.arange(32 * BLOCK, dtype=np.uint64).astype(np.uint8)
+    dst_array = np.zeros(32 * BLOCK, dtype=np.uint8)
+    layout = RegionLayout(0, 32, BLOCK)
+    src = LocalTransport(agent_name="bad-src", region=src_array, layout=layout)
+    dst = LocalTransport(agent_name="bad-dst", region=dst_array, layout=layout)
+    try:
+        peer = src.add_remote_peer("bad-dst", dst.metadata(), dst.layout)
+        with pytest.raises(TransportError, match=match) as info:
+            src.post_write(peer, local, remote)
+        assert (info.value.op, info.value.peer) == ("post_write", "bad-dst")
+        assert not dst_array.any()
+        handle = src.post_write(peer, [3], [5])  # and it still writes
+        assert src.poll(handle) is TransferState.DONE
+        src.release(handle)
+        assert (dst_array.reshape(32, BLOCK)[5] == src_array.reshape(32, BLOCK)[3]).all()
+    finally:
+        src.close()
+        dst.close()

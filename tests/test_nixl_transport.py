@@ -34,6 +34,7 @@ from p2pkv.transport import _nixl_agent
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.nixl import NixlTransport  # imports no NIXL: that happens in create()
 
+from .helpers import BAD_SLOTS
 from .node_proc import UCX_TCP, child_pythonpath
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
@@ -904,16 +905,7 @@ def test_missing_nixl_is_a_clear_transport_error(monkeypatch: pytest.MonkeyPatch
         _nixl_agent.load_nixl()
 
 
-@pytest.mark.parametrize(
-    ("local", "remote", "match"),
-    [
-        ([0, 1.0], [0, 1], "local slots must be integers"),
-        ([0, 1], [0, "1"], "remote slots must be integers"),
-        ([0, 32], [0, 1], "local slot out of range"),
-        ([0, 1], [-1, 1], "remote slot out of range"),
-        ((0, 1), (2**63, 1), "remote slots must be integers"),
-    ],
-)
+@pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
 def test_a_post_of_slots_that_are_not_ints_in_range_is_refused_and_posts_nothing(
     make: MakeTransport, local: Any, remote: Any, match: str
 ) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from ..errors import RegistrationFailed, TransportError
-from ._runs import contiguous_runs, run_order
+from ._runs import contiguous_runs, run_order, slot_indices
 from .base import (
     DataTransport,
     RegionLayout,
@@ -151,15 +151,11 @@ class LocalTransport(DataTransport):
         if len(local_slots) != len(remote_slots):
             raise TransportError("slot lists differ in length", peer=peer.agent_name)
         bl = self._layout.block_len
-        src_idx = np.asarray(local_slots, dtype=np.int64)
-        dst_idx = np.asarray(remote_slots, dtype=np.int64)
-        if src_idx.size and (
-            src_idx.min() < 0
-            or src_idx.max() >= self._layout.num_blocks
-            or dst_idx.min() < 0
-            or dst_idx.max() >= peer.layout.num_blocks
-        ):
-            raise TransportError("slot outside the region", peer=peer.agent_name)
+        try:
+            src_idx = slot_indices(local_slots, self._layout.num_blocks, "local", "post_write")
+            dst_idx = slot_indices(remote_slots, peer.layout.num_blocks, "remote", "post_write")
+        except TransportError as exc:
+            raise TransportError(exc.message, op="post_write", peer=peer.agent_name) from None
         dst: np.ndarray = peer.native
         src_starts, dst_starts, lengths = contiguous_runs(src_idx, dst_idx)
         if bl >= _SLICE_MIN_BYTES or src_idx.size * bl >= _SLICE_MIN_BYTES * lengths.size:
