@@ -222,6 +222,10 @@ class Node:
         # other task that wants the data plane gets in at the next chunk.
         self.data_wanted = 0
         self.cpu_limiter = trio.CapacityLimiter(1)
+        # Per peer id: pins held by quarantines of rounds that left their session (it
+        # ended, or the peer restarted). They count against the peer's max_pinned_blocks
+        # until each quarantine ends (session/producer.py, ``_pins_counted``).
+        self.orphan_pins: collections.Counter[str] = collections.Counter()
         self.address: tuple[str, int] = (config.host, config.port)
         self._nursery: trio.Nursery | None = None
         self._tls: tls.TLSContexts | None = None  # loaded when the node starts

@@ -33,6 +33,7 @@ import trio.lowlevel
 from p2pkv import FetchResult, Node, NodeConfig, open_node, staging
 from p2pkv.errors import RegistrationFailed, TransportError
 from p2pkv.session.protocol import ByeReceived, Event, LocalInfo, SessionProtocol
+from p2pkv.session.session import PeerSession
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.local import LocalTransport
@@ -513,6 +514,38 @@ def failing_lane(agent: Any, index: int) -> Iterator[None]:
         yield
     finally:
         lane.agent = real
+
+
+class SendGate:
+    """FAKE full send buffer for one session: while shut, the kernel takes nothing the
+    session sends (``_send_now`` takes nothing, and waiting for the socket to be writable
+    waits for the gate), so every flush parks in ``_send_rest``, holding the send lock, under
+    its real deadline. A real socket's buffers make no such promise: loopback may take a
+    whole reply into a peer's receive queue, whatever buffer sizes the test sets."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.session: PeerSession | None = None
+        self.open = trio.Event()
+        self.open.set()
+        real_send_now = PeerSession._send_now
+        real_wait_writable = trio.lowlevel.wait_writable
+        gate = self
+
+        def send_now(s: PeerSession, data: bytes) -> int:
+            if s is gate.session and not gate.open.is_set():
+                return 0
+            return real_send_now(s, data)
+
+        async def wait_writable(sock: Any) -> None:
+            if gate.session is not None and sock is gate.session._raw:
+                await gate.open.wait()
+            await real_wait_writable(sock)
+
+        monkeypatch.setattr(PeerSession, "_send_now", send_now)
+        monkeypatch.setattr(trio.lowlevel, "wait_writable", wait_writable)
+
+    def shut(self, session: PeerSession) -> None:
+        self.session, self.open = session, trio.Event()
 
 
 # Slot lists every data plane's post_write refuses, for regions of 32 blocks on both sides:

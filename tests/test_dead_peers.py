@@ -35,10 +35,9 @@ from p2pkv.session.protocol import (
     SessionProtocol,
 )
 
-from .helpers import RawPeer, fill, until
+from .helpers import RawPeer, SendGate, fill, until
 from .helpers import virtual_node as node
 from .test_producer_caps import connected
-from .test_reply_flush_restart import SendGate
 
 # Virtual seconds on the autojump clock: "this did not hang", never an expected duration;
 # above every deadline and wait of the tests that use it.

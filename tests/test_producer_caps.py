@@ -10,13 +10,16 @@ from __future__ import annotations
 import gc
 import os
 import tracemalloc
-from typing import Any
+from typing import Any, cast
 
+import attrs
 import pytest
 import trio
 import trio.testing
 
+import p2pkv.session.session as session_module
 from p2pkv import Node, StoreFull, open_node
+from p2pkv.session.producer import checksums
 from p2pkv.session.protocol import (
     AbortAcknowledged,
     LookupAnswered,
@@ -27,13 +30,15 @@ from p2pkv.session.protocol import (
 from p2pkv.session.session import PeerSession
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import TransferHandle, TransferState
-from p2pkv.wire import Outcome, Ping, encode
+from p2pkv.wire import Fetch, Lookup, LookupResp, Outcome, Ping, TransferDone, encode
 
 from .helpers import (
     BOUND,
     FaultFactory,
     FaultTransport,
     RawPeer,
+    SendGate,
+    VirtualOffload,
     config,
     fill,
     inline_offload,
@@ -121,6 +126,213 @@ async def test_source_pins_of_an_unsettled_write_outlive_the_session(
             assert src.statistics().pinned_slots == 2
             await trio.sleep(6.5)  # 1 + 20 s after the abort
             assert src.statistics().pinned_slots == 0
+
+
+CAP = 4  # max_pinned_blocks of the tests below that use it
+
+
+async def hang_a_write(raw: RawPeer, keys: list[bytes]) -> None:
+    """Pin ``keys`` (all hits) and fetch them over a data plane whose writes hang."""
+    req, hits = await looked_up(raw, keys)
+    assert hits == [True] * len(keys)
+    raw.proto.send_fetch(req, keys, list(range(len(keys))))
+    await raw.flush()
+    await trio.sleep(0.5)  # virtual: the write is posted, and hangs
+
+
+async def test_pins_in_quarantine_count_against_the_peers_cap_after_its_session_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A write that did not settle keeps its round's pins for the quarantine after its
+    session is gone. They were off the peer's count from then: a peer that reconnected
+    under its id got a whole ``max_pinned_blocks`` more each time (three sessions in a
+    row held 3 x the cap; review 2026-12-05). They count until the quarantine ends, for
+    that peer id alone."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
+        async with node(
+            "src", factory=hanging, abort_timeout=1.0, quarantine=20.0, max_pinned_blocks=CAP
+        ) as src:
+            keys = fill(src.store, 3 * CAP, 4096)
+            raw, _ = await connected(src, peer_id="greedy")
+            await hang_a_write(raw, keys[:CAP])
+            await raw.aclose()  # the write is cut: its round waits out the quarantine
+            await trio.sleep(2.0)  # past abort_timeout: the session is gone
+            assert src.statistics().sessions == 0
+            raw, _ = await connected(src, peer_id="greedy")
+            _, hits = await looked_up(raw, keys[CAP : 2 * CAP])
+            assert hits == [False] * CAP  # its cap is taken by the quarantine
+            assert src.orphan_pins == {"greedy": CAP}
+            other, _ = await connected(src, peer_id="other")
+            _, hits = await looked_up(other, keys[2 * CAP :])
+            assert hits == [True] * CAP  # another peer's cap is its own
+            assert src.statistics().pinned_slots == 2 * CAP
+            await trio.sleep(20.0)  # the quarantine is over: the pins and the count go
+            assert src.orphan_pins == {}
+            _, hits = await looked_up(raw, keys[CAP : 2 * CAP])
+            assert hits == [True] * CAP
+            await raw.aclose()
+            await other.aclose()
+
+
+async def test_a_restarted_peer_does_not_get_a_fresh_cap_beside_its_old_quarantine(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The same over one connection: a restart (a new epoch) drops the old incarnation's
+    rounds from the protocol's count while their pins wait out the quarantine."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+        async with node(
+            "src", factory=hanging, abort_timeout=1.0, quarantine=20.0, max_pinned_blocks=CAP
+        ) as src:
+            keys = fill(src.store, 2 * CAP, 4096)
+            raw, session = await connected(src, peer_id="greedy")
+            await hang_a_write(raw, keys[:CAP])
+            raw.proto = SessionProtocol(
+                attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+            )
+            await raw.handshake()  # the old round is cut and quarantined
+            await trio.sleep(2.0)
+            assert session.alive and session._pinned == {}
+            _, hits = await looked_up(raw, keys[CAP:])
+            assert hits == [False] * CAP
+            assert src.statistics().pinned_slots == CAP
+            await trio.sleep(20.0)
+            _, hits = await looked_up(raw, keys[CAP:])
+            assert hits == [True] * CAP and src.orphan_pins == {}
+            await raw.aclose()
+
+
+async def test_a_written_rounds_pins_go_as_its_reply_is_queued_behind_a_full_outbox(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write task released its round's pins only after a flush that, past
+    ``OUTBOX_CAP`` queued, waited for the socket, while the queued reply had taken the
+    round off the peer's count: a peer that reads nothing held those pins uncounted, and
+    the lookups it sent behind pinned a whole cap more (review 2026-12-05). The write task
+    now never waits for the socket. ``OUTBOX_CAP`` is 1 KiB here to keep the test short;
+    with the real 4 MiB the same steps end the same way."""
+    cap_bytes = 1024
+    monkeypatch.setattr(session_module, "OUTBOX_CAP", cap_bytes)
+    with trio.fail_after(VIRTUAL_BOUND):
+        gate = SendGate(monkeypatch)
+        async with node("src", max_pinned_blocks=CAP) as src:
+            keys = fill(src.store, 2 * CAP, 4096)
+            raw, s = await connected(src)
+            req, hits = await looked_up(raw, keys[:CAP])
+            assert hits == [True] * CAP
+            gate.shut(s)  # the peer reads nothing from here on
+            await raw.send_raw(encode(Lookup(req_id=2, keys=[b"m"])))
+            await trio.sleep(1.0)  # its answer waits in a drain task, holding the send lock
+            assert s._send_lock.locked() and not s.proto.has_data_to_send()
+            # A lookup whose answer leaves the outbox just under the cap, behind the
+            # fetch: with the write task's reply the outbox is over it.
+            reply = len(encode(TransferDone(req_id=req, outcomes=[0] * CAP)))
+            n = max(
+                n
+                for n in range(1, 2048)
+                if len(encode(LookupResp(req_id=3, hits=[False] * n))) <= cap_bytes
+            )
+            assert len(encode(LookupResp(req_id=3, hits=[False] * n))) + reply > cap_bytes
+            fetch = Fetch(req_id=req, keys=keys[:CAP], slots=list(range(CAP)))
+            await raw.send_raw(encode(fetch) + encode(Lookup(req_id=3, keys=[b"m"] * n)))
+            await trio.sleep(1.0)
+            assert s.proto.in_state(req) is None  # the reply is queued: the copy is over
+            assert s.proto.pins_held() == 0 and src.store.pinned_slots == 0
+            await raw.send_raw(encode(Lookup(req_id=4, keys=keys[CAP:])))
+            await trio.sleep(1.0)
+            assert s.proto.pins_held() == CAP == src.store.pinned_slots
+            gate.open.set()
+            await raw.aclose()
+
+
+class TimedChecksums(VirtualOffload):
+    """FAKE offload for the autojump clock (inline): a checksum pass costs virtual time
+    in proportion to its blocks, as a real one does (zlib.crc32 at ~3.4 GB/s here)."""
+
+    def __init__(self, per_block: float) -> None:
+        super().__init__()
+        self.per_block = per_block
+
+    async def __call__(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter) -> Any:
+        async with limiter:
+            with trio.CancelScope(shield=True):  # like a real worker thread
+                if fn is checksums:
+                    await trio.sleep(self.per_block * len(args[2]))
+                else:
+                    await trio.lowlevel.checkpoint()
+            return fn(*args)
+
+
+async def test_a_big_fetchs_checksums_hold_another_peers_reply_a_slice_at_most(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With ``verify_checksums``, a fetch's checksums were summed in one worker call,
+    holding the node's one ``cpu_limiter`` throughout: a peer's 4,096-block fetch kept
+    another peer's 1-block fetch from its reply for the whole pass (~2.5 s for 8 GiB at
+    the default caps; review 2026-12-05). They are summed a slice at a time now
+    (``max_keys_per_turn`` blocks here), the limiter handed over between slices."""
+    per_block, big = 0.001, 4096
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with open_node(
+            config("src", num_blocks=big + 1, verify_checksums=True),
+            offload=TimedChecksums(per_block),
+            transport=FaultFactory(),
+        ) as src:
+            keys = fill(src.store, big + 1, 4096)
+            hog, _ = await connected(src, num_blocks=big)
+            good, _ = await connected(src)
+            req, hits = await looked_up(hog, keys[:big])
+            assert all(hits)
+            small, _ = await looked_up(good, keys[big:])
+            hog.proto.send_fetch(req, keys[:big], list(range(big)))
+            await hog.flush()
+            await trio.sleep(0.1)  # virtual: the hog's blocks are written, its sum begun
+            good.proto.send_fetch(small, keys[big:], [0])
+            await good.flush()
+            asked = trio.current_time()
+            done = await good.next_event()
+            assert isinstance(done, TransferCompleted) and done.outcomes == [OK]
+            waited = trio.current_time() - asked
+            per_turn = src.config.max_keys_per_turn
+            assert waited <= per_turn * per_block + 0.1, f"waited {waited:.2f} s"
+            done = await hog.next_event()  # and the hog's sums are all there, in order
+            assert isinstance(done, TransferCompleted) and done.outcomes == [OK] * big
+            slots = [src.store.slot_of(k) for k in keys[:big]]
+            assert None not in slots
+            want = checksums(src.store.array.data, 4096, cast("list[int]", slots))
+            assert done.checksums == want
+            await hog.aclose()
+            await good.aclose()
+
+
+class CountedChecksums(VirtualOffload):
+    """FAKE offload (inline): records the blocks of each checksum call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+
+    async def __call__(self, fn: Any, *args: Any, limiter: trio.CapacityLimiter) -> Any:
+        if fn is checksums:
+            self.calls.append(len(args[2]))
+        return await super().__call__(fn, *args, limiter=limiter)
+
+
+async def test_both_ends_sum_a_fetch_in_slices(autojump_clock: trio.testing.MockClock) -> None:
+    """The producer's sums and the consumer's landing check each hand the ``cpu_limiter``
+    over between slices of ``max_keys_per_turn`` blocks, and every key still lands."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        counts = {"src": CountedChecksums(), "dst": CountedChecksums()}
+        cfg = {"verify_checksums": True, "max_keys_per_turn": 4}
+        async with (
+            open_node(config("src", **cfg), offload=counts["src"]) as src,
+            open_node(config("dst", **cfg), offload=counts["dst"]) as dst,
+        ):
+            keys = fill(src.store, 10, 4096)
+            result = await dst.fetch(await dst.connect(src.address), keys)
+            assert sorted(result.loaded) == sorted(keys) and not result.failed
+            assert counts["src"].calls == counts["dst"].calls == [4, 4, 2]
 
 
 async def test_a_quarantined_rounds_pins_outlast_an_abort_and_a_hosts_release(

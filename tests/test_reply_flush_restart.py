@@ -29,42 +29,9 @@ from p2pkv.session.protocol import (
 from p2pkv.session.session import PeerSession
 from p2pkv.wire import HelloAck, Lookup, Outcome, encode
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .helpers import FaultFactory, RawPeer, SendGate, VirtualOffload, config, fill
 from .helpers import virtual_node as node
 from .test_producer_caps import connected, looked_up
-
-
-class SendGate:
-    """FAKE full send buffer for one session: while shut, the kernel takes nothing the
-    session sends (``_send_now`` takes nothing, and waiting for the socket to be writable
-    waits for the gate), so every flush parks in ``_send_rest``, holding the send lock, under
-    its real deadline. A real socket's buffers make no such promise: loopback may take a
-    whole reply into a peer's receive queue, whatever buffer sizes the test sets."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.session: PeerSession | None = None
-        self.open = trio.Event()
-        self.open.set()
-        real_send_now = PeerSession._send_now
-        real_wait_writable = trio.lowlevel.wait_writable
-        gate = self
-
-        def send_now(s: PeerSession, data: bytes) -> int:
-            if s is gate.session and not gate.open.is_set():
-                return 0
-            return real_send_now(s, data)
-
-        async def wait_writable(sock: Any) -> None:
-            if gate.session is not None and sock is gate.session._raw:
-                await gate.open.wait()
-            await real_wait_writable(sock)
-
-        monkeypatch.setattr(PeerSession, "_send_now", send_now)
-        monkeypatch.setattr(trio.lowlevel, "wait_writable", wait_writable)
-
-    def shut(self, session: PeerSession) -> None:
-        self.session, self.open = session, trio.Event()
-
 
 N = 65536  # keys of a fetch whose transfer_done (with checksums, ~130 KB) fills small buffers
 

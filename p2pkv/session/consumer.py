@@ -66,7 +66,7 @@ from ..errors import (
 from ..store import region_lent_error
 from ..wire import MAX_FRAME_SIZE, MAX_KEY_LEN, MAX_KEYS, Outcome, keys_ok
 from ._parts import SessionParts
-from .producer import checksums
+from .producer import summed
 from .protocol import (
     AbortAcknowledged,
     LookupAnswered,
@@ -1120,7 +1120,7 @@ class ConsumerSide(SessionParts):
         word in doubt: that slot is quarantined, not freed, so a late write cannot land in
         a block reused meanwhile (review 2026-12-04). If cancelled while checking, every
         slot is quarantined."""
-        store, bl, req = self.node.store, self.cfg.block_len, p.req_id
+        req = p.req_id
         outcomes = done.outcomes
         if not self.cfg.verify_checksums and outcomes.count(_OK) == len(keys):
             # The usual case: every key landed. No per-key work but the store's.
@@ -1138,13 +1138,7 @@ class ConsumerSide(SessionParts):
                     # Its verify_checksums is off (both sides need it), or it lies.
                     reason_bad = "producer sent no checksums (verify_checksums is off there?)"
                 else:
-                    local = await self.node.offload(
-                        checksums,
-                        store.array.data,
-                        bl,
-                        [p.slots[i] for i in ok],
-                        limiter=self.node.cpu_limiter,
-                    )
+                    local = await summed(self.node, [p.slots[i] for i in ok])
                     good = {i for i, c in zip(ok, local, strict=True) if c == done.checksums[i]}
                     reason_bad = "checksum mismatch"
         except BaseException:
