@@ -89,6 +89,7 @@ TicketOutcome: TypeAlias = TicketResult | BaseException
 # (P2PKVTimeout with the peer and op) normally wins over the caller's generic one.
 _MARGIN = 1.0
 _QUICK_CALL = 10.0  # statistics, peers: no network, only a hop
+_SEAL_WAIT = 0.1  # close(): the most it waits for the ticket board's lock (see close)
 
 
 def start_node(
@@ -309,7 +310,9 @@ class BlockingNode:
             self._engine.close(self._timeout("close", timeout))
         finally:
             # Normally sealed already (by main or on_finished); this covers a wedged engine.
-            self._board.fail_all(_not_finished)
+            # Bounded: a signal handler's close() may have interrupted this thread inside
+            # a board call, holding its lock (the engine seals it once that call is over).
+            self._board.fail_all(_not_finished, within=_SEAL_WAIT)
 
     def __enter__(self) -> BlockingNode:
         return self

@@ -234,11 +234,23 @@ class EngineThread(Generic[V]):
         """
         self._refuse_reentry("close")
         deadline = time.monotonic() + timeout
-        with self._lock:
+        # Bounded, unlike every other taker of this lock (each holds it for a few dict
+        # operations): a close() from a signal handler may have interrupted this very
+        # thread inside a call that holds it, and would wait for ever (review 2026-12-05).
+        if not self._lock.acquire(timeout=_wait_bound(timeout)):
+            raise P2PKVTimeout(
+                "close() could not take the engine's lock: is it called from a signal "
+                "handler that interrupted a p2pkv call on this thread? Close it after "
+                "the handler returns",
+                op="close",
+            )
+        try:
             first = not self._closing
             self._closing = True
             pending = list(self._pending)
             token = self._token
+        finally:
+            self._lock.release()
         for fut in pending:
             _settle_exc(fut, PortalClosed("engine closed while the call was pending", op="call"))
         if first and token is not None:

@@ -91,15 +91,25 @@ class TicketBoard(Generic[T]):
             self._finished.clear()
         return done
 
-    def fail_all(self, make: Callable[[], BaseException]) -> None:
+    def fail_all(self, make: Callable[[], BaseException], *, within: float | None = None) -> bool:
         """Finish every in-flight ticket with an exception of ``make()`` (a fresh one
-        each) and seal the board (engine stopping). The first seal's ``make`` stands."""
-        with self._lock:
+        each) and seal the board (engine stopping). The first seal's ``make`` stands.
+
+        ``within``: wait at most that long for the lock, and give up (False) past it. For
+        a host thread's ``close()``, which may run in a signal handler that interrupted
+        this very thread inside a board call, holding the lock (review 2026-12-05: it
+        waited for ever); the engine seals the board itself as it stops."""
+        if not self._lock.acquire(timeout=-1 if within is None else within):
+            return False
+        try:
             for ticket in self._in_flight:
                 self._finished[ticket] = make()
             self._in_flight.clear()
             if self._sealed is None:
                 self._sealed = make
+        finally:
+            self._lock.release()
+        return True
 
     def fail_all_in_forked_child(self, make: Callable[[], BaseException]) -> None:
         """:meth:`fail_all` in a process just forked: the lock is a new one (another

@@ -651,3 +651,63 @@ def test_in_a_forked_child_the_parents_node_fails_at_once_and_every_ticket_finis
         "ticket:PortalClosed closed own-node"
     ), done.stdout + done.stderr
     assert lines[1] == "parent: True [False] 0"
+
+
+# A host's graceful shutdown calls close() from its SIGTERM handler. Python runs a handler
+# in the main thread between two bytecodes, possibly inside a p2pkv call that holds a lock
+# (the ticket board's, the engine's). The signal is raised from a profile hook at the moment
+# the call makes a C call under that lock, so the moment is certain. A hang prints where it
+# hangs and exits 1 (faulthandler).
+_SIGNAL_SCRIPT = r"""
+import faulthandler, signal, sys, time, p2pkv
+faulthandler.dump_traceback_later(20, exit=True)
+node = p2pkv.start_node(p2pkv.NodeConfig(peer_id="a", num_blocks=64, block_len=4096))
+took = []
+def on_term(signum, frame):
+    t = time.monotonic()
+    try:
+        node.close(timeout=1)
+        outcome = "closed"
+    except p2pkv.P2PKVError as exc:
+        outcome = type(exc).__name__
+    took.append((outcome, time.monotonic() - t))
+signal.signal(signal.SIGTERM, on_term)
+WHERE = sys.argv[1]
+def deliver(frame, event, arg):
+    if event == "c_call" and frame.f_code.co_name == WHERE and not took:
+        sys.setprofile(None)
+        signal.raise_signal(signal.SIGTERM)
+sys.setprofile(deliver)
+if WHERE == "drain_finished":
+    node.get_finished()  # the board's lock held while the handler runs
+else:
+    try:
+        node.statistics(timeout=5)  # the engine's lock held (EngineThread.call)
+    except p2pkv.P2PKVError:
+        pass
+sys.setprofile(None)
+outcome, seconds = took[0]
+node.close(timeout=10)  # the handler's close may have timed out: this one ends it
+print(outcome, seconds < 5, node.alive, flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["drain_finished", "call"])
+def test_close_from_a_signal_handler_inside_a_p2pkv_call_keeps_its_bound(where: str) -> None:
+    """``close(timeout=1)`` from a SIGTERM handler that interrupted the same thread inside
+    a call holding the ticket board's or the engine's lock waited on that lock for ever
+    (review 2026-12-05). It now keeps its bound: it closes, or raises ``P2PKVTimeout``
+    within it, and a close after the handler returns ends the node."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_SCRIPT, where],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    outcome, bounded, alive = done.stdout.split()
+    assert outcome in ("closed", "P2PKVTimeout") and bounded == "True", done.stdout
+    assert alive == "False"
