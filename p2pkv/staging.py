@@ -64,7 +64,14 @@ import numpy.typing as npt
 
 from .errors import TransportError
 from .region import device_bytes, host_bytes, is_device_region, region_memory
-from .transport._nixl_agent import block_descs, load_nixl, nixl_cause, resolve_parallelism
+from .transport._nixl_agent import (
+    block_descs,
+    keep_in_child,
+    load_nixl,
+    nixl_cause,
+    refuse_if_forked,
+    resolve_parallelism,
+)
 from .transport._runs import slot_indices
 
 __all__ = [
@@ -225,6 +232,7 @@ class LoopbackAgent:
 
     def __init__(self, lanes: int | None = None) -> None:
         count = resolve_lanes(lanes)
+        refuse_if_forked("stage")
         api = load_nixl().api
         self.lock = threading.RLock()
         self.regions: dict[tuple[int, int], LoopbackRegion] = {}
@@ -380,6 +388,18 @@ def _checked(slots: Sequence[int], num_blocks: int, side: str) -> Slots:
 _serial = itertools.count()  # agent names stay unique when lanes are re-created
 _agent_lock = threading.Lock()  # taken before LoopbackAgent.lock
 _agent: LoopbackAgent | None = None
+
+
+def _abandon_in_child() -> None:
+    """A forked child never tears down the parent's lanes (see ``_nixl_agent.FORKED``)."""
+    global _agent, _agent_lock
+    _agent_lock = threading.Lock()  # another thread of the parent may have held it
+    if _agent is not None:
+        keep_in_child(_agent)
+        _agent = None
+
+
+os.register_at_fork(after_in_child=_abandon_in_child)
 
 
 def loopback_agent_exists() -> bool:

@@ -711,3 +711,63 @@ def test_close_from_a_signal_handler_inside_a_p2pkv_call_keeps_its_bound(where: 
     outcome, bounded, alive = done.stdout.split()
     assert outcome in ("closed", "P2PKVTimeout") and bounded == "True", done.stdout
     assert alive == "False"
+
+
+# No faulthandler timer here: a child forked beside its watchdog thread hangs at exit.
+_NIXL_FORK_SCRIPT = r"""
+import os, sys, time, p2pkv
+def cfg(pid):
+    return p2pkv.NodeConfig(peer_id=pid, num_blocks=64, block_len=4096, transport="nixl")
+a = p2pkv.start_node(cfg("a"))
+b = p2pkv.start_node(cfg("b"))
+keys = [os.urandom(32) for _ in range(4)]
+for k in keys:
+    a.store.put(k, os.urandom(4096))
+peer = b.connect(a.address, timeout=20)
+assert sorted(b.fetch(peer, keys, timeout=10).loaded) == sorted(keys)
+pid = os.fork()
+if pid == 0:
+    if sys.argv[1] == "own-node":
+        t = time.monotonic()
+        try:
+            p2pkv.start_node(cfg("c")).close()
+            print("STARTED", flush=True)
+        except p2pkv.P2PKVError as exc:
+            print("REFUSED", "spawn" in str(exc), time.monotonic() - t < 5, flush=True)
+    sys.exit(0)  # a normal exit: finalizers and atexit run
+_, status = os.waitpid(pid, 0)
+print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+assert sorted(b.fetch(peer, keys, timeout=10).loaded) == sorted(keys)  # the parent's nodes
+print("PARENT ok", flush=True)
+b.close()
+a.close()
+"""
+
+
+@pytest.mark.nixl
+@pytest.mark.parametrize("child", ["exits", "own-node"])
+def test_a_child_forked_beside_a_live_nixl_node_exits_cleanly_or_is_told_to_spawn(
+    child: str,
+) -> None:
+    """A child forked while the parent's NIXL node lived died of SIGSEGV at a normal
+    exit: the transport's finalizer destroyed its copy of the parent's agent. A node
+    of its own started, connected, and never completed a transfer (UCX is not
+    fork-safe). The child now abandons the inherited agents without touching them and
+    refuses a NIXL node of its own at once, naming spawn (review 2026-12-05)."""
+    pytest.importorskip("nixl_cu13")
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _NIXL_FORK_SCRIPT, child],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    want = ["CHILD 0", "PARENT ok"]
+    if child == "own-node":
+        want.insert(0, "REFUSED True True")
+    assert lines == want, done.stdout + done.stderr[-3000:]

@@ -54,6 +54,7 @@ loaded replaces that agent's entry, so a check after the call would come too lat
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import logging
@@ -269,6 +270,47 @@ class _Registry:
 
 
 _registry = _Registry()
+
+# Forks (2026-12-05). A child forked while one of its parent's NIXL agents lived has a copy
+# of that agent's memory but none of its threads, and UCX is not fork-safe: destroying the
+# copy (the transport's finalizer at the child's exit) crashed the child with SIGSEGV, and
+# a new agent in the child connected and then never completed a transfer. So the child
+# abandons every inherited agent (never destroyed: kept referenced for good) and refuses
+# to create NIXL agents of its own, saying why. A child of a parent with no live agent (none
+# yet, or all closed) is not affected.
+_forked_live = False
+# Bound in the parent: a child must not import or dlopen anything (another thread of the
+# parent may have held the loader's lock at the fork).
+_py_incref = ctypes.pythonapi.Py_IncRef
+
+FORKED = (
+    "this process was forked while its parent had a live NIXL agent, and UCX is not "
+    "fork-safe: start worker processes with the 'spawn' (or 'forkserver') method, or "
+    "start the parent's nodes after the fork"
+)
+
+
+def keep_in_child(obj: object) -> None:
+    """In a child just forked: never let ``obj`` (a copy of a parent's NIXL object) be
+    destroyed, not even at interpreter exit, and refuse new NIXL agents here."""
+    global _forked_live
+    _forked_live = True
+    _py_incref(ctypes.py_object(obj))
+
+
+def refuse_if_forked(op: str, name: str | None = None) -> None:
+    if _forked_live:
+        raise TransportError(FORKED, peer=name, op=op)
+
+
+def _abandon_in_child() -> None:
+    _registry.lock = threading.Lock()  # another thread of the parent may have held it
+    for shared in _registry.agents.values():
+        keep_in_child(shared)
+    _registry.agents.clear()
+
+
+os.register_at_fork(after_in_child=_abandon_in_child)
 
 
 @attrs.define(eq=False)
@@ -542,6 +584,7 @@ def acquire_agent(
 
     ``copy_threads`` applies when the agent is created; a later acquire shares it as it is.
     """
+    refuse_if_forked("create", name)
     key = (layout.base_addr, layout.nbytes)
     with _registry.lock:
         shared = _registry.agents.get(key)

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 import threading
 import time
@@ -76,6 +77,7 @@ from ._nixl_agent import (
     SharedAgent,
     acquire_agent,
     block_descs,
+    keep_in_child,
     load_nixl,
     metadata_agent_name,
     nixl_cause,
@@ -316,6 +318,15 @@ def _shutdown(st: _State) -> None:
         _log.exception("closing NIXL transport %s failed", st.agent_name)
 
 
+def _abandon_in_child() -> None:
+    """A forked child never closes the parent's transports: their agents are copies whose
+    threads are not here (see ``_nixl_agent.FORKED``)."""
+    for transport in list(_transports):
+        transport._finalizer.detach()
+        keep_in_child(transport._state)
+    _transports.clear()
+
+
 class NixlTransport(DataTransport):
     """Moves blocks over NIXL. Create with :meth:`create`; see the module docstring."""
 
@@ -324,6 +335,7 @@ class NixlTransport(DataTransport):
     def __init__(self, state: _State) -> None:
         self._state = state
         self._finalizer = weakref.finalize(self, _shutdown, state)
+        _transports.add(self)
 
     @classmethod
     def create(
@@ -676,3 +688,7 @@ class NixlTransport(DataTransport):
         Idempotent. Waits for calls still using the agent in other threads.
         """
         self._finalizer()
+
+
+_transports: weakref.WeakSet[NixlTransport] = weakref.WeakSet()
+os.register_at_fork(after_in_child=_abandon_in_child)
