@@ -13,6 +13,10 @@ import attrs
 from ._switch import MIN_INTERVAL
 from .errors import ConfigError
 
+# The smallest max_frame_size: room for any hello (its fields within their limits, ~1.5 KB
+# at most, plus NIXL's metadata: ~300 B and 44 B a registered region).
+MIN_FRAME_SIZE = 4096
+
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 2  # 1.1: max_open_requests in the hello; 1.2: fetch_hits
 
@@ -246,6 +250,18 @@ class NodeConfig:
         ):
             if len(getattr(self, name)) > limit:
                 raise ConfigError(f"{name} must be at most {limit} {unit} (the hello's limit)")
+        if self.secret is not None and not self.secret:
+            # An empty key turns the HMAC handshake on and proves nothing: any peer holds
+            # it. A host that read its secret from an unset variable believed itself
+            # authenticated (review 2026-12-05; the vLLM tier refused it already).
+            raise ConfigError("secret must be non-empty bytes (None turns authentication off)")
+        if self.max_frame_size < MIN_FRAME_SIZE:
+            # Past it no hello fits, and every connection either way failed after the node
+            # had started and listened (review 2026-12-05).
+            raise ConfigError(
+                f"max_frame_size must be at least {MIN_FRAME_SIZE} bytes: a hello must fit "
+                f"(a few hundred bytes plus NIXL's metadata), got {self.max_frame_size}"
+            )
         if self.transport not in ("local", "nixl"):
             raise ConfigError(f"unknown transport {self.transport!r} (use 'local' or 'nixl')")
         if self.max_key_len > 1024:

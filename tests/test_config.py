@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from p2pkv import ConfigError, NodeConfig, P2PKVError, open_node
+from p2pkv.config import MIN_FRAME_SIZE
 
 from .helpers import fill
 
@@ -46,6 +47,9 @@ from .helpers import fill
         ({"fingerprint": "f" * 1025}, "fingerprint must be at most 1024 characters"),
         ({"hash_algo": "h" * 65}, "hash_algo must be at most 64 characters"),
         ({"hash_seed": b"s" * 257}, "hash_seed must be at most 256 bytes"),
+        ({"max_frame_size": 4095}, "max_frame_size must be at least 4096 bytes"),
+        # HMAC with an empty key: on, and proving nothing (review 2026-12-05).
+        ({"secret": b""}, "secret must be non-empty bytes"),
         # A converter runs before the validators: it names the field itself.
         ({"tls_cert": 5, "tls_key": "k", "tls_ca": "c"}, "tls_cert must be a path"),
         ({"tls_cert": "c", "tls_key": b"/k", "tls_ca": "c"}, "tls_key must be a path"),
@@ -94,15 +98,27 @@ async def test_numbers_of_any_kind_that_mean_the_same_are_plain_python_numbers()
             assert sorted((await b.fetch(peer, keys)).loaded) == sorted(keys)
 
 
-async def test_values_at_the_hellos_limits_connect() -> None:
+@pytest.mark.parametrize("transport", ["local", pytest.param("nixl", marks=pytest.mark.nixl)])
+async def test_values_at_the_hellos_limits_connect(transport: str) -> None:
     """The longest fingerprint, hash_algo and hash_seed the config takes are what the
-    hello carries: two such nodes connect and exchange blocks."""
-    longest = NodeConfig(peer_id="src", fingerprint="f" * 1024, hash_algo="h" * 64)
+    hello carries: two such nodes connect and exchange blocks, with the smallest frame
+    limit the config takes (a NIXL hello carries the agent's metadata too)."""
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu13")
+    longest = NodeConfig(
+        peer_id="s" * 128,
+        fingerprint="f" * 1024,
+        hash_algo="h" * 64,
+        transport=transport,
+        max_frame_size=MIN_FRAME_SIZE,
+        num_blocks=64,
+        block_len=4096,
+    )
     longest = attrs.evolve(longest, hash_seed=b"s" * 256)
     with trio.fail_after(20):
         async with (
             open_node(longest) as src,
-            open_node(attrs.evolve(longest, peer_id="dst")) as dst,
+            open_node(attrs.evolve(longest, peer_id="d" * 128)) as dst,
         ):
             keys = fill(src.store, 2, src.config.block_len)
             peer = await dst.connect(src.address)
