@@ -85,6 +85,21 @@ def test_help_exits_zero_for_every_command(command: list[str]) -> None:
     assert done.stdout.startswith("usage: p2pkv")
 
 
+def test_version_names_the_one_the_package_and_its_metadata_carry() -> None:
+    """``p2pkv --version`` was an argparse error (review 2026-12-05). The version is
+    written once (``p2pkv.__version__``; pyproject reads it)."""
+    import p2pkv as package
+
+    done = p2pkv("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"p2pkv {package.__version__}"
+    try:
+        installed = importlib.metadata.version("p2pkv")
+    except importlib.metadata.PackageNotFoundError:
+        return  # run from a checkout by path
+    assert installed == package.__version__
+
+
 def test_console_script_is_installed() -> None:
     try:
         importlib.metadata.distribution("p2pkv")
@@ -544,4 +559,17 @@ def test_the_sdist_carries_the_license_and_what_its_tests_import(tmp_path: Path)
         names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
     wanted = {"LICENSE", "p2pkv/py.typed", "tests/conftest.py", "examples/two_node.py"}
     wanted |= {f"tests/{p.name}" for p in (ROOT / "tests").glob("*.py")}
+    # Two test modules import bench scripts at module level: without bench/ the sdist's
+    # tests did not even collect (review 2026-12-05).
+    wanted |= {f"bench/{p.name}" for p in (ROOT / "bench").glob("*.py")}
     assert wanted <= names, wanted - names
+    with tarfile.open(tmp_path / done.stdout.split()[-1]) as sdist:
+        sdist.extractall(tmp_path / "x", filter="data")
+    (top,) = (tmp_path / "x").iterdir()
+    collect = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "tests"],
+        capture_output=True, text=True, timeout=300, cwd=top,
+        env={**os.environ, "PYTHONPATH": str(top)},
+    )  # fmt: skip
+    assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-2000:]

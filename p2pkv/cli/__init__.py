@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .. import __version__
 from ..errors import P2PKVError
 from .blocks import demo_block, demo_keys, fill_store, verify_blocks
 from .child import Child, ChildFailed, emit, receive_commands
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="p2pkv", description="Share KV-cache blocks between inference workers over NIXL."
     )
     _add_log_level(parser, default="WARNING")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = sub.add_parser(
