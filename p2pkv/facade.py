@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -313,6 +314,25 @@ class BlockingNode:
             # Bounded: a signal handler's close() may have interrupted this thread inside
             # a board call, holding its lock (the engine seals it once that call is over).
             self._board.fail_all(_not_finished, within=_SEAL_WAIT)
+
+    def __del__(self) -> None:
+        # Like an unclosed socket or event loop (review 2026-12-05): a node nobody can
+        # close any more warns (an error in a test suite with filterwarnings = error) and
+        # its engine is asked to stop, without waiting. It kept its threads, its port and
+        # its hold on the switch interval until the interpreter's exit, silently.
+        engine = self.__dict__.get("_engine")
+        try:
+            stopping = engine is not None and engine.close_soon()
+        except Exception:  # at interpreter exit modules may be half torn down
+            return
+        if stopping:  # an error raised here is the interpreter's "unraisable" report
+            warnings.warn(
+                f"unclosed p2pkv node {self._node.config.peer_id!r}: call close(), or use "
+                "the node as a context manager",
+                ResourceWarning,
+                source=self,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> BlockingNode:
         return self

@@ -263,6 +263,19 @@ class EngineThread(Generic[V]):
         if self._thread.is_alive():
             raise P2PKVTimeout(f"engine thread did not stop within {timeout} s", op="close")
 
+    def close_soon(self) -> bool:
+        """Ask a running engine to stop, and return at once (no lock, no join): for a
+        finaliser, which may run on any thread, the engine's included, at any point of
+        its work. True if the engine was running and has been asked to stop."""
+        token = self._token
+        if token is None or self._closing or self._finished or self._forked:
+            return False
+        try:
+            token.run_sync_soon(self._begin_close)
+        except trio.RunFinishedError:
+            return False
+        return True
+
     def __enter__(self) -> EngineThread[V]:
         return self
 
@@ -285,6 +298,15 @@ class EngineThread(Generic[V]):
         ``PortalClosed``; nothing of Trio's own (``Cancelled``) ever comes out.
         """
         self._refuse_reentry("call")
+        if trio.lowlevel.in_trio_run():
+            # It would block that whole loop, and wait out its deadline if the work needs
+            # the loop (a peer that is an open_node in it; review 2026-12-05), as
+            # trio.from_thread.run refuses to.
+            raise P2PKVError(
+                "a blocking call from inside a Trio run would block that loop: use "
+                "open_node in Trio code, or trio.to_thread.run_sync(...) for this call",
+                op="call",
+            )
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._lock:
             if self._closing or self._finished:

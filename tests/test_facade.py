@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 import pytest
+import trio
 
 from p2pkv import (
     BlockingNode,
@@ -28,8 +29,10 @@ from p2pkv import (
     NodeConfig,
     P2PKVError,
     P2PKVTimeout,
+    Peer,
     PeerUnavailable,
     PortalClosed,
+    open_node,
     start_node,
 )
 from p2pkv.store import BlockStore
@@ -537,6 +540,34 @@ def test_close_is_idempotent_and_leaves_no_thread_or_pin(
     assert leftover_threads(before) == []
 
 
+def test_a_node_nobody_can_close_any_more_warns_and_its_engine_stops() -> None:
+    """A ``BlockingNode`` dropped without ``close()`` kept its engine and waker threads,
+    its port and its hold on the switch interval until the interpreter's exit, silently
+    (review 2026-12-05). Like an unclosed socket it warns now (``ResourceWarning``: an
+    error under ``filterwarnings = error``), and its engine stops."""
+    import gc
+    import warnings
+
+    before = set(threading.enumerate())
+    node = start_node(config("dropped"))
+    port = node.address[1]
+    engine = node._engine
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del node
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == [
+        "unclosed p2pkv node 'dropped': call close(), or use the node as a context manager"
+    ]
+    engine._thread.join(BOUND)
+    assert not engine.alive and engine.failure is None
+    for t in leftover_threads(before):
+        t.join(BOUND)
+    assert leftover_threads(before) == []
+    with socket.socket() as s:  # the port is free again
+        s.bind(("127.0.0.1", port))
+
+
 def test_calls_from_the_engine_thread_raise_instead_of_deadlocking(
     nodes: Callable[..., BlockingNode],
 ) -> None:
@@ -554,6 +585,28 @@ def test_calls_from_the_engine_thread_raise_instead_of_deadlocking(
     errors = node._engine.call(reenter, timeout=BOUND)
     assert len(errors) == 2 and all("re-entrant" in e for e in errors)
     assert node.alive
+
+
+def test_a_blocking_call_from_inside_a_trio_run_is_refused_at_once(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A blocking call from a Trio task blocks that loop; one whose work needs the loop
+    (the peer is an ``open_node`` in it) waited out its whole deadline and raised a
+    generic ``P2PKVTimeout`` (review 2026-12-05). It is refused at once, as
+    ``trio.from_thread.run`` refuses the same mistake; from a worker thread of that run
+    it works. No clock: the refusal has no deadline to run on."""
+    b = nodes("b")
+    got: list[object] = []
+
+    async def main() -> None:
+        async with open_node(config("a")) as a:
+            with pytest.raises(P2PKVError, match="inside a Trio run"):
+                b.connect(a.address, timeout=BOUND)
+            assert b.submit_connect(a.address) is not None  # the hot path never blocks
+            got.append(await trio.to_thread.run_sync(lambda: b.connect(a.address, timeout=BOUND)))
+
+    trio.run(main)
+    assert isinstance(got[0], Peer) and got[0].peer_id == "a"
 
 
 def test_submits_racing_from_many_host_threads_all_finish_exactly_once(
