@@ -511,7 +511,12 @@ class Node:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._tls = tls.load_contexts(self.config)
-                listeners = await trio.open_tcp_listeners(self.config.port, host=self.config.host)
+                host, port = self.config.host, self.config.port
+                try:
+                    listeners = await trio.open_tcp_listeners(port, host=host)
+                except OSError as exc:  # naming what it tried (a bad host was not named)
+                    why = exc.strerror or str(exc)
+                    raise OSError(exc.errno, f"cannot listen on {host}:{port}: {why}") from exc
                 sockname = listeners[0].socket.getsockname()
                 self.address = (str(sockname[0]), int(sockname[1]))
                 await nursery.start(trio.serve_listeners, self._accept, listeners)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -99,7 +99,7 @@ async def test_numbers_of_any_kind_that_mean_the_same_are_plain_python_numbers()
 
 
 @pytest.mark.parametrize("transport", ["local", pytest.param("nixl", marks=pytest.mark.nixl)])
-async def test_values_at_the_hellos_limits_connect(transport: str) -> None:
+async def test_values_at_the_hellos_limits_connect(transport: Literal["local", "nixl"]) -> None:
     """The longest fingerprint, hash_algo and hash_seed the config takes are what the
     hello carries: two such nodes connect and exchange blocks, with the smallest frame
     limit the config takes (a NIXL hello carries the agent's metadata too)."""

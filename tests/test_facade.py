@@ -453,6 +453,15 @@ def test_a_port_in_use_says_so_once_in_the_error_itself(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
 
 
+def test_a_host_that_cannot_be_listened_on_is_named_in_the_error() -> None:
+    """ "engine could not start: [Errno -2] Name or service not known" named no host
+    (review 2026-12-05). Here an address of no interface of this machine (TEST-NET-1:
+    numeric, so no name lookup leaves the machine)."""
+    bad = attrs.evolve(config("a"), host="192.0.2.1")
+    with pytest.raises(PortalClosed, match=r"cannot listen on 192\.0\.2\.1:0: "):
+        start_node(bad, start_timeout=BOUND)
+
+
 def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(
     nodes: Callable[..., BlockingNode],
 ) -> None:

@@ -7,6 +7,7 @@ one machine fed hand-crafted frames by a misbehaving peer. No sockets, no Trio, 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -333,10 +334,12 @@ def test_mismatched_configs_reject_on_both_sides_and_the_bye_carries_the_reason(
     pair = ConnectionPair(make_info("a"), make_info("b", block_len=8192))
     pair.a.start()
     pair.b.start()
-    with pytest.raises(HandshakeRejected, match="block length 8192 != 4096"):
+    # Each side named: the reason reaches both ends.
+    reason = "block length 8192 (of 'b') != 4096 (of 'a')"
+    with pytest.raises(HandshakeRejected, match=re.escape(reason)):
         pair.deliver(pair.b)
     bye = sent(pair.a)[-1]
-    assert bye == Bye(code="handshake", reason="block length 8192 != 4096")
+    assert bye == Bye(code="handshake", reason=reason)
 
 
 def test_the_same_secret_on_both_sides_authenticates() -> None:

@@ -572,10 +572,13 @@ class SessionProtocol:
             # A peer's data-plane identity is its peer id: it can never name, register or
             # replace another peer's agent.
             return f"agent name {h.agent_name!r} is not the peer id {h.peer_id!r}"
+        # Each side named by its peer id: the reason reaches both ends (review 2026-12-05:
+        # "config fingerprint 'm2' != ''" said not whose was whose).
+        them, us = f"(of {h.peer_id!r})", f"(of {li.peer_id!r})"
         if h.block_len != li.block_len:
-            return f"block length {h.block_len} != {li.block_len}"
+            return f"block length {h.block_len} {them} != {li.block_len} {us}"
         if h.fingerprint != li.fingerprint:
-            return f"config fingerprint {h.fingerprint!r} != {li.fingerprint!r}"
+            return f"config fingerprint {h.fingerprint!r} {them} != {li.fingerprint!r} {us}"
         if h.hash_algo != li.hash_algo or h.hash_seed != li.hash_seed:
             return "hash algorithm or seed differs"
         if h.num_blocks == 0 or h.num_blocks > li.max_peer_blocks:
