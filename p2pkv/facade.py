@@ -154,7 +154,9 @@ def start_node(
         on_forked=board.fail_all_in_forked_child,
         wake_thread=True,  # a submit never gives the GIL away (see EngineThread._post)
     )
-    return BlockingNode(engine, board)
+    node = BlockingNode(engine, board)
+    node._owns_engine = True  # the one facade whose loss stops the engine (see __del__)
+    return node
 
 
 class BlockingNode:
@@ -167,6 +169,7 @@ class BlockingNode:
 
     def __init__(self, engine: EngineThread[Node], board: TicketBoard[TicketResult]) -> None:
         # Private: use start_node().
+        self._owns_engine = False
         self._engine = engine
         self._board = board
         self._node: Node = engine.value
@@ -321,6 +324,8 @@ class BlockingNode:
         # its engine is asked to stop, without waiting. It kept its threads, its port and
         # its hold on the switch interval until the interpreter's exit, silently.
         engine = self.__dict__.get("_engine")
+        if not self.__dict__.get("_owns_engine"):  # a second view of another's engine
+            return
         try:
             stopping = engine is not None and engine.close_soon()
         except Exception:  # at interpreter exit modules may be half torn down

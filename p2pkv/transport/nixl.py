@@ -322,8 +322,8 @@ def _abandon_in_child() -> None:
     """A forked child never closes the parent's transports: their agents are copies whose
     threads are not here (see ``_nixl_agent.FORKED``)."""
     for transport in list(_transports):
-        transport._finalizer.detach()
-        keep_in_child(transport._state)
+        if transport._finalizer.detach() is not None:  # still open in the parent
+            keep_in_child(transport._state)
     _transports.clear()
 
 
