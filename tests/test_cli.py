@@ -566,10 +566,11 @@ def test_the_sdist_carries_the_license_and_what_its_tests_import(tmp_path: Path)
     with tarfile.open(tmp_path / done.stdout.split()[-1]) as sdist:
         sdist.extractall(tmp_path / "x", filter="data")
     (top,) = (tmp_path / "x").iterdir()
+    path = os.pathsep.join([str(top), os.environ.get("PYTHONPATH", "")])  # pytest may be there
     collect = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
          "tests"],
         capture_output=True, text=True, timeout=300, cwd=top,
-        env={**os.environ, "PYTHONPATH": str(top)},
+        env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
     assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-2000:]
