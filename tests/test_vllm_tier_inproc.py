@@ -213,16 +213,40 @@ def pull(dst: Engine, ctx: ReqContext, keys: list[OffloadKey]) -> tuple[list[Loo
     until(settled, "the request to settle")
     exact = False
     if all(r is LookupResult.HIT for r in res) and len(res) == len(keys):
-        with dst.mgr.lock:
-            spec = dst.mgr.prepare_load(keys, ctx)
-            view = dst.view()
-            exact = all(
-                np.array_equal(view[c], expected(k))
-                for k, c in zip(keys, chunk_ids(spec), strict=True)
-            )
-            del view
-            dst.mgr.complete_load(keys, ctx)
+        exact = load_exact(dst, ctx, keys)
     return res, exact
+
+
+def load_exact(dst: Engine, ctx: ReqContext, keys: list[OffloadKey]) -> bool:
+    """Load ``keys`` (all hits) for ``ctx``: whether every chunk holds its key's bytes."""
+    with dst.mgr.lock:
+        spec = dst.mgr.prepare_load(keys, ctx)
+        view = dst.view()
+        exact = all(
+            np.array_equal(view[c], expected(k)) for k, c in zip(keys, chunk_ids(spec), strict=True)
+        )
+        del view
+        dst.mgr.complete_load(keys, ctx)
+    return exact
+
+
+Wanted = dict[str, tuple[ReqContext, list[OffloadKey]]]
+
+
+def step_together(dst: Engine, wanted: Wanted) -> dict[str, list[LookupResult]]:
+    """ONE scheduler step for several requests: each one's lookups in prefix order, up to
+    its first MISS, then the step's end."""
+    res: dict[str, list[LookupResult]] = {}
+    with dst.mgr.lock:
+        for name, (ctx, keys) in wanted.items():
+            res[name] = []
+            for key in keys:
+                r = dst.mgr.lookup(key, ctx)
+                res[name].append(r)
+                if r is LookupResult.MISS:
+                    break
+        dst.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+    return res
 
 
 @pytest.fixture
@@ -505,35 +529,18 @@ def test_two_requests_sharing_a_prefix_in_one_step_both_load_it(
     src, dst = engines(), engines()
     shared, own_a, own_b = make_keys(8, "shared"), make_keys(4, "a"), make_keys(4, "b")
     src.fill(shared + own_a + own_b)
-    a, b = request(src, "ra"), request(src, "rb")
+    wanted = {"a": (request(src, "ra"), shared + own_a), "b": (request(src, "rb"), shared + own_b)}
     with dst.mgr.lock:
-        dst.mgr.on_new_request(a)
-        dst.mgr.on_new_request(b)
-    done: dict[str, list[LookupResult]] = {}
+        for ctx, _ in wanted.values():
+            dst.mgr.on_new_request(ctx)
 
-    def both_steps() -> bool:
-        with dst.mgr.lock:  # both requests in ONE step
-            for name, ctx, keys in (("a", a, shared + own_a), ("b", b, shared + own_b)):
-                done[name] = []
-                for key in keys:
-                    r = dst.mgr.lookup(key, ctx)
-                    done[name].append(r)
-                    if r is LookupResult.MISS:
-                        break
-            dst.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+    def both_hit() -> bool:
+        done = step_together(dst, wanted)  # both requests in ONE step
         return all(len(v) == 12 and set(v) == {LookupResult.HIT} for v in done.values())
 
-    until(both_steps, "both requests to hit")
-    for ctx, keys in ((a, shared + own_a), (b, shared + own_b)):
-        with dst.mgr.lock:
-            spec = dst.mgr.prepare_load(keys, ctx)
-            view = dst.view()
-            assert all(
-                np.array_equal(view[c], expected(k))
-                for k, c in zip(keys, chunk_ids(spec), strict=True)
-            )
-            del view
-            dst.mgr.complete_load(keys, ctx)
+    until(both_hit, "both requests to hit")
+    for ctx, keys in wanted.values():
+        assert load_exact(dst, ctx, keys), ctx.req_id
     until(lambda: src.jobs() == 0 and dst.jobs() == 0, "every job to be reported")
 
 
@@ -620,15 +627,7 @@ def test_requests_naming_the_new_source_and_the_evicted_one_in_one_step_all_sett
     res: dict[str, list[LookupResult]] = {}
 
     def all_settled() -> bool:
-        with dst.mgr.lock:  # every request in ONE step
-            for name, (ctx, keys) in wanted.items():
-                res[name] = []
-                for key in keys:
-                    r = dst.mgr.lookup(key, ctx)
-                    res[name].append(r)
-                    if r is LookupResult.MISS:
-                        break
-            dst.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+        res.update(step_together(dst, wanted))  # every request in ONE step
         return all(
             v[-1] is LookupResult.MISS or (len(v) == 3 and set(v) == {LookupResult.HIT})
             for v in res.values()
@@ -636,19 +635,9 @@ def test_requests_naming_the_new_source_and_the_evicted_one_in_one_step_all_sett
 
     until(all_settled, "every request to settle")
     assert res["a"] == res["b"] == [LookupResult.HIT] * 3, res
-    for ctx, keys in wanted.values():
-        if res[ctx.req_id[-1]][-1] is LookupResult.MISS:
-            finish(dst, ctx)
-            continue
-        with dst.mgr.lock:
-            spec = dst.mgr.prepare_load(keys, ctx)
-            view = dst.view()
-            assert all(
-                np.array_equal(view[c], expected(k))
-                for k, c in zip(keys, chunk_ids(spec), strict=True)
-            ), ctx.req_id
-            del view
-            dst.mgr.complete_load(keys, ctx)
+    for name, (ctx, keys) in wanted.items():
+        if res[name][-1] is not LookupResult.MISS:
+            assert load_exact(dst, ctx, keys), name
         finish(dst, ctx)
     until(lambda: dst.jobs() == 0 and new.jobs() == 0 and old.jobs() == 0, "every job reported")
     assert dst.tier._node.peer_count() <= 2
