@@ -23,7 +23,6 @@ from p2pkv.session.protocol import Event, FetchRequested, LookupRequested, Round
 from p2pkv.wire import Outcome
 
 from .helpers import FaultFactory, RawPeer, config, fill, pair
-from .helpers import virtual_node as node
 from .test_fetch_into import hand_served
 
 BLOCK = 4096
@@ -129,12 +128,12 @@ async def test_a_fetch_waiting_for_room_fails_at_once_when_its_session_ends(
     the keys fail "session closed", as the waits for request slots do. (Nothing woke it:
     it sat out ``fetch_timeout`` and then blamed the peer's share.)"""
     hang = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with (
-        node("src", factory=hang, abort_timeout=1.0, quarantine=600.0) as src,
-        node(
-            "dst", num_blocks=8, max_landing_share=0.5, fetch_timeout=300.0, quarantine=600.0
-        ) as dst,
-    ):
+    async with pair(
+        {"abort_timeout": 1.0, "quarantine": 600.0},
+        {"num_blocks": 8, "max_landing_share": 0.5, "fetch_timeout": 300.0, "quarantine": 600.0},
+        src_transport=hang,
+        virtual=True,
+    ) as (src, dst):
         keys = fill(src.store, 8, BLOCK)
         peer = await dst.connect(src.address)
         results: dict[str, FetchResult] = {}
@@ -171,12 +170,12 @@ async def test_disconnect_idle_leaves_a_session_a_fetch_waits_on_for_room(
     session is in use: ``disconnect_idle`` leaves it (the vLLM tier closes sources' idle
     sessions through it)."""
     hang = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with (
-        node("src", factory=hang, abort_timeout=1.0, quarantine=3.0) as src,
-        node(
-            "dst", num_blocks=8, max_landing_share=0.5, fetch_timeout=10.0, quarantine=60.0
-        ) as dst,
-    ):
+    async with pair(
+        {"abort_timeout": 1.0, "quarantine": 3.0},
+        {"num_blocks": 8, "max_landing_share": 0.5, "fetch_timeout": 10.0, "quarantine": 60.0},
+        src_transport=hang,
+        virtual=True,
+    ) as (src, dst):
         keys = fill(src.store, 8, BLOCK)
         peer = await dst.connect(src.address)
         first = await dst.fetch(peer, keys[:4])  # gives up: its 4 slots stay quarantined

@@ -80,8 +80,6 @@ async def summed(node: Node, slots: Sequence[int]) -> list[int]:
     cfg, view = node.config, node.store.array.data
     bl = cfg.block_len
     per = max(1, min(cfg.max_keys_per_turn, cfg.transfer_chunk_bytes // bl))
-    if len(slots) <= per:
-        return await node.offload(checksums, view, bl, slots, limiter=node.cpu_limiter)
     sums: list[int] = []
     for i in range(0, len(slots), per):
         part = slots[i : i + per]
