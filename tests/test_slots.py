@@ -59,3 +59,27 @@ async def test_a_lowered_limit_holds_new_takers_until_enough_is_given_back() -> 
     assert slots.free == 0 and not slots.take_nowait(1)
     slots.give_back(2)
     assert slots.free == 1 and slots.take_nowait(1)
+
+
+async def test_a_waiter_cancelled_as_its_slots_are_handed_over_gives_them_back() -> None:
+    # Cancelled while parked, then handed the slots before it runs again: it must give
+    # them back, or every such race leaks a request slot of the session for good.
+    slots = RequestSlots(1)
+    assert slots.take_nowait(1)
+    scope = trio.CancelScope()
+    got: list[int] = []
+
+    async def take() -> None:
+        with scope:
+            await slots.take(1)
+            got.append(1)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()  # the waiter is woken with Cancelled, still in the queue...
+            slots.give_back(1)  # ...and handed the slot before it runs
+    assert got == [] and slots.free == 1 and not slots.waiting
+    assert slots.take_nowait(1)
+
