@@ -83,3 +83,15 @@ async def test_a_waiter_cancelled_as_its_slots_are_handed_over_gives_them_back()
     assert got == [] and slots.free == 1 and not slots.waiting
     assert slots.take_nowait(1)
 
+
+async def test_once_the_session_has_ended_every_taker_gets_its_slots_at_once() -> None:
+    slots = RequestSlots(1)
+    assert slots.take_nowait(1)
+    slots.end()
+    # Past the limit, with nobody giving back: a taker finds the session closed at once
+    # instead of waiting for a slot of a dead session until its deadline.
+    assert slots.take_nowait(1)
+    with trio.fail_after(5):
+        await slots.take(1)
+    slots.give_back(3)
+    assert slots.free == 1
