@@ -359,3 +359,26 @@ async def test_two_fetches_of_the_same_keys_past_the_share_load_them_once(
             assert factory.transport.posts == 4  # four parts of four, each written once
             assert all(dst.store.get(k) == src.store.get(k) for k in keys)
             assert dst.landing_shares.held("src", trio.current_time()) == 0
+
+
+async def test_a_round_that_queues_behind_a_woken_waiter_does_not_take_its_room() -> None:
+    """Room frees up and wakes the oldest waiter; a round that enters the queue before
+    that waiter runs again is behind it, not first: it takes nothing (here it gives up at
+    once), and the room goes to the waiter."""
+    shares = LandingShares()
+    now = trio.current_time
+    assert shares.take("p", 2, cap=2, now=now()) == 2
+    got: list[int] = []
+
+    async def waiter() -> None:
+        got.append((await shares.wait_for_room("p", 2, 2, math.inf)).left)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()
+            shares.settle("p", 2)  # wakes the waiter; no checkpoint until the next line's
+            late = await shares.wait_for_room("p", 1, 2, give_up_at=now())
+            assert late.left == 0  # queued behind the waiter: nothing, however soon it asked
+    assert got == [2]
+    assert shares.held("p", now()) == 2
