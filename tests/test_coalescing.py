@@ -210,3 +210,14 @@ def test_the_local_transport_refuses_what_nixl_refuses_and_writes_nothing(
     finally:
         src.close()
         dst.close()
+
+
+def test_a_run_longer_than_the_piece_length_ends_in_a_short_piece() -> None:
+    # One run of 5 blocks (local 10..14 -> remote 30..34) in pieces of 2: the last piece
+    # is 1 block; a full-length one would write remote slot 35, which no pair names.
+    local = np.arange(10, 15, dtype=np.int64)
+    remote = np.arange(30, 35, dtype=np.int64)
+    starts_l, starts_r, lengths = split_runs(*contiguous_runs(local, remote), 2)
+    assert starts_l.tolist() == [10, 12, 14]
+    assert starts_r.tolist() == [30, 32, 34]
+    assert lengths.tolist() == [2, 2, 1]
