@@ -335,6 +335,27 @@ async def test_both_ends_sum_a_fetch_in_slices(autojump_clock: trio.testing.Mock
             assert counts["src"].calls == counts["dst"].calls == [4, 4, 2]
 
 
+async def test_checksums_are_of_the_source_slots_where_they_differ_from_the_targets(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With ``verify_checksums``, the producer sums the blocks it sent (its own slots),
+    not its blocks at the slot numbers the consumer landed them in: fetched keys held in
+    slots 6..9 land in a fresh store's slots 0..3, and every one loads."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        cfg = {"verify_checksums": True}
+        async with (
+            open_node(config("src", **cfg), offload=inline_offload) as src,
+            open_node(config("dst", **cfg), offload=inline_offload) as dst,
+        ):
+            keys = fill(src.store, 10, 4096)[6:]
+            assert [src.store.slot_of(k) for k in keys] == [6, 7, 8, 9]
+            result = await dst.fetch(await dst.connect(src.address), keys)
+            assert sorted(result.loaded) == sorted(keys) and not result.failed
+            assert [dst.store.slot_of(k) for k in keys] == [0, 1, 2, 3]
+            for k in keys:
+                assert bytes(dst.store.get(k)) == bytes(src.store.get(k))
+
+
 async def test_a_quarantined_rounds_pins_outlast_an_abort_and_a_hosts_release(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
