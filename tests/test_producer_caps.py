@@ -792,6 +792,22 @@ async def test_near_a_pin_cap_the_first_present_keys_are_pinned_in_the_lookups_o
             await raw.aclose()
 
 
+async def test_a_lookup_of_several_slices_pins_no_more_than_the_peers_pin_cap() -> None:
+    """Room for 6 pins, a lookup of 8 present keys in slices of 4: the first slice is
+    pinned whole and counts against the room, so the second pins 2, not 4."""
+    cfg = config("src", num_blocks=64, max_pinned_blocks=6, max_keys_per_turn=4)
+    async with open_node(cfg) as src:
+        present = fill(src.store, 8, 4096)
+        raw, _ = await connected(src)
+        try:
+            with trio.fail_after(BOUND):
+                _, hits = await looked_up(raw, present)
+            assert hits == [True] * 6 + [False] * 2
+            assert src.store.statistics().pinned == 6
+        finally:
+            await raw.aclose()
+
+
 async def test_a_host_whose_every_slot_a_peer_pinned_is_told_how_to_get_them_back() -> None:
     """By default (share 1) a peer may pin a whole store, so that a full store can be
     fetched in one go; a host that puts then gets StoreFull, which names its remedies, and
