@@ -238,6 +238,31 @@ def test_a_big_reserve_and_commit_let_the_host_in_after_at_most_one_batch() -> N
     store._check_invariants()
 
 
+def test_a_host_put_between_a_big_reserves_batches_finds_the_claimed_slots_taken() -> None:
+    """A reserve of every slot, in 4 batches, with a host put between each two: the slots
+    the reserve promised itself count as taken, so each put is refused (StoreFull) and the
+    reserve gets them all. Counting only the free ones let a put take a promised slot,
+    and a later batch of the reserve evicted the block the host had just stored."""
+    store = BlockStore(8, L, batch_keys=2)
+    slots: list[int] = []
+    refused: list[bool] = []
+    n = itertools.count()
+
+    def put() -> None:
+        try:
+            store.put(key(next(n)), bytes(L))
+        except StoreFull:
+            refused.append(True)
+        else:
+            refused.append(False)
+
+    with_host_probe(store, reserved, lambda: slots.extend(store.reserve("f", 8)), put)
+    assert sorted(slots) == list(range(8))
+    assert refused == [True] * 4, refused
+    assert store.statistics().evictions == 0 and not store.keys()
+    store._check_invariants()
+
+
 @pytest.mark.parametrize("how", ["release_reserved", "quarantine", "release_owner"])
 def test_settling_a_big_reservation_lets_the_host_in_after_at_most_one_batch(how: str) -> None:
     store = BlockStore(N + 8, L)
