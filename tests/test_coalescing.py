@@ -185,6 +185,29 @@ def test_local_transport_refuses_a_run_leaving_the_region_and_writes_nothing(
     assert src.statistics().live_handles == 0
 
 
+@pytest.mark.parametrize("how", ["removed", "re-added", "departed", "closed"])
+def test_the_local_transport_never_writes_through_a_dropped_registration(
+    pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray], how: str
+) -> None:
+    """As NIXL's (test_nixl_transport.py): a registration removed, replaced by a re-add,
+    released as departed, or of a closed transport is refused, and nothing lands. The
+    engine's in-process tests rely on it to catch a write through a stale registration."""
+    src, _src_array, dst, dst_array = pair
+    peer = src.add_remote_peer("co-dst", dst.metadata(), dst.layout)
+    if how == "removed":
+        src.remove_remote_peer(peer)
+    elif how == "re-added":
+        assert src.add_remote_peer("co-dst", dst.metadata(), dst.layout) is not peer
+    elif how == "departed":
+        assert src.release_departed_peers(["co-src"]) == ["co-dst"]
+    else:
+        src.close()
+    assert peer.released
+    with pytest.raises(TransportError):
+        src.post_write(peer, [0, 1], [2, 3])
+    assert not np.asarray(dst_array).any() and dst_array.writes == [0]
+
+
 @pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
 def test_the_local_transport_refuses_what_nixl_refuses_and_writes_nothing(
     local: Any, remote: Any, match: str
