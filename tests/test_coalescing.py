@@ -208,6 +208,24 @@ def test_the_local_transport_never_writes_through_a_dropped_registration(
     assert not np.asarray(dst_array).any() and dst_array.writes == [0]
 
 
+def test_the_local_transport_refuses_slot_lists_of_different_lengths_and_releases_as_nixl(
+    pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray],
+) -> None:
+    """Two local slots for one remote one: refused, nothing lands (a run of the pairs
+    would otherwise write remote slot 6, which no pair names). A released handle polls
+    ERR, as NIXL's does."""
+    src, _src_array, dst, dst_array = pair
+    peer = src.add_remote_peer("co-dst", dst.metadata(), dst.layout)
+    with pytest.raises(TransportError, match="differ in length"):
+        src.post_write(peer, [0, 1], [5])
+    assert not np.asarray(dst_array).any()
+    handle = src.post_write(peer, [0], [5])
+    assert src.poll(handle) is TransferState.DONE
+    src.release(handle)
+    assert src.poll(handle) is TransferState.ERR
+    assert src.statistics().live_handles == 0
+
+
 @pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
 def test_the_local_transport_refuses_what_nixl_refuses_and_writes_nothing(
     local: Any, remote: Any, match: str
