@@ -183,6 +183,32 @@ async def test_a_swap_moves_the_demand_to_the_new_transport(
     assert old.holds == 2
 
 
+async def test_a_handle_is_polled_on_the_transport_that_posted_it_across_a_swap(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reconfiguration swaps the transport while writes posted on the old one are in
+    flight: those are polled on the old one (whose handle they are), both the one pending
+    at the swap and one waited for after it, never on the new one."""
+    old, new = CountingTransport(polls_until_done=3), CountingTransport(polls_until_done=0)
+    poller = CompletionPoller(old)  # type: ignore[arg-type]
+    pending, later = make_handle(), make_handle()
+    got: list[TransferState] = []
+
+    async def wait_for_pending() -> None:
+        got.append(await poller.wait(pending, old))  # type: ignore[arg-type]
+
+    with trio.fail_after(60):
+        async with running(poller), trio.open_nursery() as nursery:
+            nursery.start_soon(wait_for_pending)
+            await trio.testing.wait_all_tasks_blocked()
+            assert poller.in_flight == 1 and old.polls[id(pending)] <= 3  # still PROC
+            poller.transport = new  # type: ignore[assignment]
+            got.append(await poller.wait(later, old))  # type: ignore[arg-type]
+    assert got == [TransferState.DONE, TransferState.DONE]
+    assert old.polls == {id(pending): 4, id(later): 4}
+    assert new.polls == {}
+
+
 class TimedTransport(CountingTransport):
     """FAKE data plane: a handle is DONE from a set (Trio clock) time on; polls are noted."""
 
