@@ -95,3 +95,22 @@ async def test_once_the_session_has_ended_every_taker_gets_its_slots_at_once() -
         await slots.take(1)
     slots.give_back(3)
     assert slots.free == 1
+
+
+async def test_a_raised_limit_lets_waiters_in_at_once() -> None:
+    # The peer's new hello advertises more open requests: those waiting get them now,
+    # not at the next give_back (which may never come) or their deadline.
+    slots = RequestSlots(1)
+    assert slots.take_nowait(1)
+    got: list[int] = []
+
+    async def take(n: int) -> None:
+        await slots.take(n)
+        got.append(n)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take, 2)
+            await trio.testing.wait_all_tasks_blocked()
+            slots.set_limit(3)
+    assert got == [2] and slots.free == 0
