@@ -42,13 +42,14 @@ async def test_a_cancelled_waiter_takes_nothing_and_lets_the_next_one_in() -> No
             await slots.take(n)
             got.append(n)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(take, 2, head)  # waits at the head: one slot is taken
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(take, 1, trio.CancelScope())  # behind it, though one is free
-        await trio.testing.wait_all_tasks_blocked()
-        assert got == []
-        head.cancel()  # the head leaves without a slot; the one behind it gets in
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take, 2, head)  # waits at the head: one slot is taken
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(take, 1, trio.CancelScope())  # behind it, though one is free
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []
+            head.cancel()  # the head leaves without a slot; the one behind it gets in
     assert got == [1] and slots.free == 0
 
 
