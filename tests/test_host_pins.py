@@ -376,6 +376,29 @@ async def test_a_host_pinning_node_serves_its_hosts_blocks_and_gets_each_token_b
     assert host.abandoned_when_answered == [False, False]
 
 
+async def test_a_host_pinning_node_holds_a_peer_to_its_pin_cap() -> None:
+    """``max_pinned_blocks`` bounds what one peer's rounds pin through the host as it
+    does in the store: of a lookup of 5 held keys with room for 3, the host is asked for
+    the first 3 only, and the peer's next lookup, with no room left, gets all misses."""
+    keys = [os.urandom(32) for _ in range(5)]
+    blocks = dict(zip(keys, [9, 3, 27, 41, 50], strict=True))
+    pins = HostPins(N_BLOCKS, answer_within=5.0)
+    with trio.fail_after(BOUND), DictHost(pins, blocks).running():
+        async with (
+            open_node(
+                config("src", num_blocks=N_BLOCKS, max_pinned_blocks=3),
+                region=host_region(),
+                pin_source=pins,
+            ) as src,
+            open_node(config("dst", num_blocks=N_BLOCKS)) as dst,
+        ):
+            peer = await dst.connect(src.address)
+            rnd = await dst.lookup_round(peer, keys)
+            assert rnd.hits == [True, True, True, False, False]
+            assert await dst.lookup(peer, keys[3:]) == [False, False]
+            assert await dst.release(peer, rnd) == 1
+
+
 async def test_a_host_that_never_answers_in_time_gives_all_misses_and_its_late_token_back() -> None:
     keys = [os.urandom(32) for _ in range(3)]
     blocks = dict(zip(keys, [5, 6, 7], strict=True))
