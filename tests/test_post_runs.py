@@ -26,7 +26,7 @@ from p2pkv.session.protocol import AbortRequested
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RemotePeer, TransferHandle
 
-from .helpers import FaultTransport, config, fetch_at_once, fill
+from .helpers import FaultTransport, config, fetch_at_once, fill, until
 
 T = TypeVar("T")
 BOUND = 20.0  # seconds: "this did not hang"
@@ -185,6 +185,33 @@ async def test_an_aborted_fetch_posts_no_more_chunks(monkeypatch: pytest.MonkeyP
                     await trio.sleep(0.01)
             assert first.posts == 1
             assert src.statistics().pinned_slots == 0
+            assert src.data_wanted == 0
+
+
+async def test_a_write_the_host_cuts_posts_no_more_chunks() -> None:
+    """``release_unused_pins(cut_writes=True)`` while a run of posts is in its first
+    chunk: the run stops after the chunk in hand (the round is still being written as
+    far as the protocol knows: only the write's flag says stop), the fetch's keys fail,
+    and the pins come back."""
+    factory = Factory()
+    with trio.fail_after(BOUND):
+        async with source_and_consumer(factory) as (src, dst):
+            keys = fill(src.store, 16, BLOCK)
+            peer = await dst.connect(src.address)
+            first = factory.built[0]
+            got: list[FetchResult] = []
+
+            async def fetch() -> None:
+                got.append(await dst.fetch(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await entered(first)  # the run is in its first post
+                assert await src.release_unused_pins(cut_writes=True) == 0
+                first.gate.set()
+            assert first.posts == 1
+            assert not got[0].loaded and set(got[0].failed) == set(keys)
+            await until(lambda: src.statistics().pinned_slots == 0)  # unpinned after the reply
             assert src.data_wanted == 0
 
 
