@@ -368,3 +368,31 @@ def test_staging_refuses_slot_lists_the_data_plane_refuses(
     finally:
         dst.release()
         src.release()
+
+
+@pytest.mark.parametrize(
+    ("dst_block", "src_slots", "dst_slots", "match"),
+    [
+        (BLOCK // 2, [1], [0], "block_len differ"),  # a whole block into half a slot
+        (BLOCK, [0, 1], [2], "2 source and 1 destination"),
+    ],
+    ids=["block_len", "lengths"],
+)
+def test_staging_refuses_mismatched_blocks_and_slot_lists(
+    dst_block: int, src_slots: list[int], dst_slots: list[int], match: str
+) -> None:
+    """A copy between regions of different block lengths (each block would spill into the
+    next destination slot), or of more source than destination slots, is refused before
+    any byte moves."""
+    a = np.repeat(np.arange(1, 5, dtype=np.uint8), BLOCK)
+    b = np.zeros(4 * BLOCK, np.uint8)
+    src = staging.attach_region(a, BLOCK)
+    dst = staging.attach_region(b, dst_block)
+    try:
+        with pytest.raises(TransportError, match=match):
+            src.agent.copy(src, src_slots, dst, dst_slots)
+        assert not b.any(), "a refused copy wrote"
+    finally:
+        dst.release()
+        src.release()
+    assert not staging.loopback_agent_exists()
