@@ -517,6 +517,55 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
             )
 
 
+async def test_a_write_released_by_a_retiring_transport_while_its_abort_waits_is_not_settled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As above, but the write was cut first: the consumer's abort (t=4.5) starts _settle's
+    wait of abort_timeout for the hanging handle, and the replaced transport's close (t=5)
+    releases the handle during that wait. _settle must not take the released handle for
+    settled (the write may still land): the round keeps its source pins for the whole
+    quarantine after the release instead of unpinning (and acking the abort) at once."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        released_at: list[float] = []
+
+        def first_hangs(t: FaultTransport) -> None:
+            if not factory.built:
+                t.hang = True
+                record_inflight_releases(t, released_at)
+
+        factory = FaultFactory(first_hangs, kind=_ClosingReleasesHandles)
+        kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
+        async with (
+            node("src", factory=factory, fetch_timeout=4.0, **kw) as src,
+            node("dst", fetch_timeout=4.5, **kw) as dst,
+        ):
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            got: list[Any] = []
+            async with trio.open_nursery() as nursery:
+
+                async def fetch() -> None:
+                    got.append(await dst.fetch(peer, keys))
+
+                nursery.start_soon(fetch)
+                await trio.testing.wait_all_tasks_blocked()
+                assert factory.built[0].posts == 1  # the write is in flight (PROC)
+                start = trio.current_time()
+                assert await src.reconfigure(["dst"]) == []  # retires the old one at +5 s
+            assert got[0].loaded == [] and set(got[0].failed) == set(keys)
+            await until_unpinned(src)
+            assert released_at and released_at[0] - start == pytest.approx(5.0, abs=0.1)
+            assert trio.current_time() >= released_at[0] + src.config.quarantine, (
+                f"the source pins went {trio.current_time() - released_at[0]:.2f} s after "
+                "the write was released in flight, before the quarantine's end"
+            )
+
+
+async def until_unpinned(n: Node) -> None:
+    while n.statistics().pinned_slots:
+        await trio.sleep(0.01)  # virtual: the autojump clock moves on while we wait
+
+
 # ---------------------------------------------------------------- reconfiguration
 
 
