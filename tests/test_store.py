@@ -462,6 +462,24 @@ def test_unquarantine_frees_at_once_and_ignores_late_confirmations() -> None:
     assert store.statistics().free == 1 and store.reserve("c", 1) == [slot]
 
 
+def test_deadlines_outlive_the_compaction_of_stale_ones() -> None:
+    """100 quarantined slots confirmed quiescent leave 100 stale deadlines behind, and
+    unquarantine compacts the heap once they outnumber the live ones: the 2 slots still
+    quarantined keep their deadline, and leave quarantine at it, not never."""
+    store = BlockStore(128, L)
+    confirmed = store.reserve("a", 100)
+    store.quarantine("a", confirmed, until=10.0)
+    still = store.reserve("b", 2)
+    store.quarantine("b", still, until=5.0)
+    store.unquarantine(confirmed)  # 102 deadlines, 2 live: compacted
+    assert store.statistics().quarantined == 2
+    assert store.next_quarantine_deadline() == 5.0
+    assert store.release_quarantined(4.9) == 0
+    assert store.release_quarantined(5.0) == 2
+    assert store.statistics().quarantined == 0 and store.next_quarantine_deadline() is None
+    store._check_invariants()
+
+
 def _requarantined(first: float, second: float) -> BlockStore:
     """One slot quarantined until ``first``, confirmed quiescent (its heap entry stays
     behind, stale), reused and quarantined again until ``second``."""
