@@ -356,6 +356,27 @@ async def test_checksums_are_of_the_source_slots_where_they_differ_from_the_targ
                 assert bytes(dst.store.get(k)) == bytes(src.store.get(k))
 
 
+async def test_a_key_the_round_does_not_hold_between_two_it_does_is_not_reported_ok() -> None:
+    """A fetch names a key the lookup missed between two hits: it gets NOT_PINNED, never
+    OK. The hits' writes go out as one chunk whose key indices (0 and 2) are not
+    contiguous: marking the chunk's keys OK must not fill the gap between them."""
+    async with open_node(config("src", num_blocks=64), transport=FaultFactory()) as src:
+        present = fill(src.store, 2, 4096)
+        keys = [present[0], os.urandom(32), present[1]]
+        raw, _ = await connected(src)
+        try:
+            with trio.fail_after(BOUND):
+                req, hits = await looked_up(raw, keys)
+                assert hits == [True, False, True]
+                raw.proto.send_fetch(req, keys, [0, 1, 2])
+                await raw.flush()
+                done = await raw.next_event()
+            assert isinstance(done, TransferCompleted)
+            assert done.outcomes == [OK, int(Outcome.NOT_PINNED), OK]
+        finally:
+            await raw.aclose()
+
+
 async def test_a_quarantined_rounds_pins_outlast_an_abort_and_a_hosts_release(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
