@@ -486,6 +486,24 @@ def test_shutdown_on_a_node_it_does_not_own_waits_a_quarantine_for_a_slot_load_t
     assert [r.job_id for r in tier.get_finished_jobs()] == [1]
 
 
+def test_a_slot_load_past_its_deadline_is_reported_only_once_no_write_can_land(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A slot load whose writes hang passes its deadline (0.5 s) first, and only a
+    quarantine (0.4 s) later does its fetch_into end: vLLM reuses a failed chunk at once,
+    so the job must not be reported in between (the source may still be writing)."""
+    tier, dst = hanging_slot_load(nodes)
+    deadline = time.monotonic() + BOUND
+    done: list[JobResult] = []
+    while not done:
+        assert time.monotonic() < deadline
+        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+        done = tier.get_finished_jobs()
+    assert dst._board.pending() == 0, "reported while a write could still land"
+    assert [r.job_id for r in done] == [1] and not done[0].success
+    tier.shutdown()
+
+
 def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
