@@ -504,6 +504,34 @@ def test_a_slot_load_past_its_deadline_is_reported_only_once_no_write_can_land(
     tier.shutdown()
 
 
+def test_a_slot_load_whose_ticket_raised_is_reported_only_a_quarantine_later(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot load's ticket that ends in an exception (its deadline cut the fetch, the
+    node closed) says nothing of its writes: the job is held a quarantine before vLLM,
+    which reuses a failed chunk at once, hears of it. The tier's clock is stepped by
+    hand, so "not yet" and "now" are exact."""
+    tier, dst = hanging_slot_load(nodes)
+    real_poll = dst.poll
+
+    def poll(ticket: int) -> object:
+        if ticket in tier._loads:  # the slot load's ticket: cut by its own deadline
+            raise P2PKVTimeout("fetch_into did not finish in time", op="fetch_into")
+        return real_poll(ticket)
+
+    now = [time.monotonic()]
+    monkeypatch.setattr(dst, "poll", poll)
+    monkeypatch.setattr(vllm_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    assert tier.get_finished_jobs() == []  # the ticket raised: held, not reported
+    now[0] += 0.99 * dst.config.quarantine
+    assert tier.get_finished_jobs() == []
+    now[0] += 0.02 * dst.config.quarantine
+    done = tier.get_finished_jobs()
+    assert [r.job_id for r in done] == [1] and not done[0].success
+    monkeypatch.undo()
+    tier.shutdown()
+
+
 def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
