@@ -526,6 +526,34 @@ def test_caller_side_timeouts_fire_while_the_engine_is_wedged_in_a_blocking_call
     assert not dst.alive and dst.failure is None
 
 
+def test_a_close_that_times_out_on_a_wedged_engine_still_finishes_its_tickets(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """close() gives up on an engine wedged in a blocking call (P2PKVTimeout), and neither
+    main nor on_finished can seal the board then: close() seals it itself, so a host
+    polling a ticket in flight hears PortalClosed instead of None for as long as the
+    engine stays wedged."""
+    wedge = threading.Event()
+    wedging = GatedFactory()
+    src, dst = nodes("src"), nodes("dst", transport=wedging)
+    keys = fill(src.store, 4, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    wedging.transport.progress_gate = wedge
+    try:
+        fetch_t = dst.submit_fetch(peer, keys)
+        assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
+        with pytest.raises(P2PKVTimeout):
+            dst.close(timeout=SHORT)
+        with pytest.raises(PortalClosed):
+            dst.poll(fetch_t)
+        still_wedged = not wedging.transport.left_progress.is_set()
+    finally:
+        wedge.set()
+    assert still_wedged, "the ticket finished only once the engine was unwedged"
+    dst.close(timeout=BOUND)
+    assert not dst.alive
+
+
 def test_close_is_idempotent_and_leaves_no_thread_or_pin(
     nodes: Callable[..., BlockingNode],
 ) -> None:
