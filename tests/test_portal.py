@@ -360,6 +360,19 @@ def test_calls_and_posts_after_close_raise_portal_closed() -> None:
     assert not engine.alive
 
 
+def test_posts_after_close_raise_portal_closed_with_a_waker_thread_too() -> None:
+    """With a waker thread (as start_node runs every engine) a post never touches Trio's
+    token, so nothing of Trio's says the run is over: the portal itself must refuse it,
+    or the post would vanish without a word."""
+    engine = EngineThread.start(serve, name="test-engine", start_timeout=BOUND, wake_thread=True)
+    engine.close()
+    with pytest.raises(PortalClosed):
+        engine.run_sync_soon(lambda: None)
+    with pytest.raises(PortalClosed):
+        engine.spawn_soon(_engine_ident)
+    assert not engine.alive
+
+
 def test_close_cancels_main_that_ignores_the_closing_signal() -> None:
     async def main(ctx: EngineContext[None]) -> None:
         ctx.started()
