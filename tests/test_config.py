@@ -21,6 +21,7 @@ from .helpers import fill
     [
         ({"port": 70000}, "port must be 0..65535"),  # was bound as port 4464
         ({"port": -1}, "port must be 0..65535"),
+        ({"port": 65536}, "port must be 0..65535"),  # the first port past the range
         ({"port": "5710"}, "port must be int"),
         ({"secret": "s3cret"}, r"secret must be bytes \| None \(e\.g\. 'text'\.encode\(\)\)"),
         ({"secret": 5}, "secret must be bytes"),
@@ -38,6 +39,8 @@ from .helpers import fill
         # Accepted, then refused by every peer of the same config (review 2026-12-04).
         ({"num_blocks": 9, "max_peer_blocks": 8}, r"num_blocks \(9\) is over max_peer_blocks"),
         ({"max_landing_share": 1.5}, r"max_landing_share \(1.5\) is a share of the store"),
+        ({"max_pinned_share": 1.5}, r"max_pinned_share \(1.5\) is a share of the store"),
+        ({"max_pinned_share": 0.0}, "max_pinned_share must be > 0"),
         ({"switch_interval": 0.0}, "switch_interval must be None or >="),
         ({"heartbeat_interval": 5.0, "idle_timeout": 2.0}, "idle_timeout .* must exceed"),
         ({"quarantine": 1.0}, "quarantine .* must exceed abort_timeout"),
