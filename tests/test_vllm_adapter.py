@@ -565,6 +565,37 @@ def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
     tier.shutdown()
 
 
+def test_a_request_finished_with_its_lookup_in_flight_gives_the_answers_pins_back(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A request that finishes (vLLM aborts it) while its batch is still unanswered: the
+    answer, when it comes, pins hits nobody will fetch, and they are released at once
+    instead of staying pinned at the source for the whole lease (an hour here)."""
+    src = nodes("src", lease=3600.0)
+    dst = nodes("dst", lease=3600.0)
+    keys = fill(src.store, 4, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r-aborted", source_params(src))
+    tier.prepare(req)
+    wait_for(lambda: dst.pending() == 0)  # the dial's ticket is out: step() will read it
+    assert [tier.lookup(k, req) for k in keys] == [None] * 4
+    release = wedge(src)  # the source cannot answer until released
+    try:
+        tier.step()  # the batch goes out...
+        assert tier._lookups
+        tier.on_request_finished(req)  # ...and the request ends before its answer
+    finally:
+        release.set()
+
+    def answered() -> bool:
+        tier.step()
+        return not tier.has_pending_work() and not tier._orphans
+
+    wait_for(answered)
+    wait_for(lambda: src.statistics().pinned_slots == 0)
+    tier.shutdown()
+
+
 def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
     nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:
