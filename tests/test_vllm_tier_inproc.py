@@ -327,6 +327,16 @@ def test_a_bad_configuration_is_refused_naming_the_key(
     assert engine_threads() == before  # nothing started, or it was stopped again
 
 
+@pytest.mark.parametrize("name", vllm_tier.TierSettings._SECONDS)
+@pytest.mark.parametrize("value", [0, "0", -1.5, "nan", float("inf")])
+def test_every_deadline_key_refuses_a_value_that_is_not_a_positive_time(
+    name: str, value: object
+) -> None:
+    # Zero is no deadline: a serve, backoff or idle timeout of 0 never reaches NodeConfig.
+    with pytest.raises(ValueError, match=name):
+        vllm_tier.TierSettings.from_kwargs({"port": 5710, name: value})
+
+
 def test_tls_files_given_as_null_are_absent() -> None:
     # JSON's null means "not given", as for the secret: it was read as the path "None".
     tls = {"tls_cert": None, "tls_key": None, "tls_ca": None}
