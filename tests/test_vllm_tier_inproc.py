@@ -1213,7 +1213,9 @@ def test_a_peers_hits_are_pinned_before_another_tiers_promotion_can_evict_them(
     one that was HIT a moment ago and is about to be pinned. create_store_job then
     asserts in prepare_read ("not found in cache"), after having pinned the keys before
     it, with no job to ever unpin them: leaked primary pins, and the peer gets misses."""
-    src = engines(tiers=[{"type": "example"}])
+    # Peers may pin all of it: at the default share (0.9) the keys past the cap are
+    # misses never asked about, the other tier's key among them, and nothing is evicted.
+    src = engines(tiers=[{"type": "example"}], max_pinned_share=1)
     keys = make_keys(CHUNKS, "full")  # fills the primary tier: the next write evicts
     src.fill(keys)
     settle(src)  # the cascades to the example tier are reported, their pins back
@@ -1226,8 +1228,18 @@ def test_a_peers_hits_are_pinned_before_another_tiers_promotion_can_evict_them(
     try:
         sp = peer.connect(src.tier.address)
         caplog.set_level(logging.WARNING)
-        rnd = peer.lookup_round(sp, [*keys, extra], timeout=BOUND)
+        # A lookup of the whole tier and the other tier's key would be past the cap (the
+        # key past it a miss, never asked): the chunk not asked about is held by a load
+        # of this engine's own instead, so the promotion can only evict one asked about.
+        own = ReqContext(req_id="own-load")
+        with src.mgr.lock:
+            src.mgr.on_new_request(own)
+            assert src.mgr.prepare_load([keys[-1]], own) is not None
+        rnd = peer.lookup_round(sp, [*keys[:-1], extra], timeout=BOUND)
         peer.release(sp, rnd, timeout=BOUND)
+        with src.mgr.lock:
+            src.mgr.complete_load([keys[-1]], own)
+            src.mgr.on_request_finished(own)
         end = time.monotonic() + BOUND
         while (src.jobs() or src.tier._pins.held()) and time.monotonic() < end:
             src.idle_step()
