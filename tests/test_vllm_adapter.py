@@ -504,6 +504,28 @@ def test_a_slot_load_past_its_deadline_is_reported_only_once_no_write_can_land(
     tier.shutdown()
 
 
+def test_a_request_whose_load_failed_misses_its_keys_from_then_on(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """vLLM frees the chunks of a failed load and asks the tier about their keys again:
+    the source still holds them, so an answer other than a miss would start the same
+    load again, and the request would loop."""
+    tier, _dst = hanging_slot_load(nodes)
+    deadline = time.monotonic() + BOUND
+    done: list[JobResult] = []
+    while not done:
+        assert time.monotonic() < deadline
+        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+        done = tier.get_finished_jobs()
+    keys = list(done[0].failed)
+    assert not done[0].success and len(keys) == 2
+    again = RequestInfo("r1")  # the same request, asking again
+    for _ in range(3):
+        assert [tier.lookup(k, again) for k in keys] == [False, False]
+        tier.step()
+    tier.shutdown()
+
+
 def test_a_slot_load_whose_ticket_raised_is_reported_only_a_quarantine_later(
     nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:
