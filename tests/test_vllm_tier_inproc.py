@@ -51,7 +51,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
     from vllm.v1.kv_offload.tiering import manager as vllm_manager
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from p2pkv import BlockingNode, FetchResult, start_node
+from p2pkv import BlockingNode, FetchResult, LookupRound, start_node
 from p2pkv.integrations import vllm_tier
 from p2pkv.integrations.vllm_tier import P2pkvSecondaryTier
 
@@ -823,6 +823,41 @@ def test_reset_cache_drains_a_peers_unfetched_round_under_the_lock(
         assert src.jobs() == 0
         got = peer.fetch(remote, keys, rounds=rnd, timeout=BOUND)
         assert got.loaded == [] and set(got.failed.values()) == {"not_pinned"}
+    finally:
+        peer.close()
+
+
+def test_reset_cache_while_a_peers_lookup_is_half_answered_reports_its_pins(
+    engines: Callable[..., Engine],
+) -> None:
+    """A peer's lookup being answered over several calls (its HITs pinned, a key another
+    tier is still promoting pending) when vLLM resets its cache: drain_jobs answers the
+    peer all misses and hands the pins' job back to vLLM, which asserts that no job is
+    left (without the tier-poll thread, so that nothing serves in between)."""
+    src = engines(poll_s=0, tiers=[{"type": "example"}])
+    keys = make_keys(4, "half-answered")
+    src.fill(keys)
+    settle(src)  # the cascades to the example tier are reported
+    other: Any = src.mgr.secondary_tiers[1]  # vLLM's example tier: a dict of its keys
+    extra = make_keys(1, "being-promoted")[0]
+    with src.mgr.lock:
+        other.chunks[extra] = True  # the example tier holds it, the primary does not
+    peer = peer_of(src, "half-answered-peer")
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        ticket = peer.submit_lookup_round(remote, [*keys, extra], timeout=BOUND)
+        until(src.tier._pins.any_waiting, "the peer's lookup to reach the tier")
+        src.idle_step()  # the HITs are pinned, the promoted key is pending
+        assert len(src.tier._serving) == 1 and src.tier._serving[0].jobs
+        with src.mgr.lock:
+            src.mgr.reset_cache()  # asserts that drain_jobs left no job behind
+        assert src.jobs() == 0
+        until(lambda: peer.pending() == 0, "the peer's answer")
+        answer = peer.poll(ticket)
+        assert isinstance(answer, LookupRound) and answer.hits == [False] * 5
+        settle(src)
+        src.idle_step()  # the served request's context is finished here
+        assert pinned_chunks(src) == 0
     finally:
         peer.close()
 
