@@ -554,6 +554,40 @@ def test_a_slot_load_whose_ticket_raised_is_reported_only_a_quarantine_later(
     tier.shutdown()
 
 
+def test_shutdown_closing_its_own_node_waits_a_quarantine_for_a_slot_load_it_cut(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tier that owns its node cuts a slot load's fetch_into short by closing the node,
+    so nothing said its writes settled: shutdown waits out a quarantine before it returns
+    (the host may free the memory next)."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    src = nodes("src", transport=hanging)
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier.start(config("dst", quarantine=0.4, abort_timeout=0.2, landing_margin=0.1))
+    info = RequestInfo("r1", source_params(src))
+
+    def answered() -> bool:
+        tier.step()
+        return all(tier.lookup(k, info) is not None for k in keys)
+
+    wait_for(answered)
+    assert [tier.lookup(k, info) for k in keys] == [True, True]
+    tier.submit_load(LoadJob(1, "r1", keys, slots=[3, 5]))
+
+    def posted() -> bool:
+        tier.step()
+        return hanging.transport.posts >= 1
+
+    wait_for(posted)
+    slept = list[float]()
+    clock = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)  # sleeps recorded
+    monkeypatch.setattr(vllm_module, "time", clock)
+    tier.shutdown(drain_timeout=0.0)
+    assert slept == [tier.quarantine]
+    assert not tier.node.alive
+    assert [r.job_id for r in tier.get_finished_jobs()] == [1]
+
+
 def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
