@@ -993,6 +993,39 @@ def test_a_peers_lookup_waiting_for_a_step_keeps_an_idle_engine_stepping(
         peer.close()
 
 
+def held_round(src: Engine) -> tuple[BlockingNode, Any, LookupRound]:
+    """A peer of ``src`` (an engine without the tier-poll thread, gone idle) holding a
+    lookup round of three keys: their chunks pinned, the pins' job not reported yet."""
+    keys = make_keys(3, "held")
+    src.fill(keys)
+    idle_step = src.idle_step
+    until(lambda: not src.tier.has_pending_work(), "the engine to go idle", step=idle_step)
+    peer = peer_of(src, "holding-peer")
+    remote = peer.connect(src.tier.address, timeout=BOUND)
+    ticket = peer.submit_lookup_round(remote, keys, timeout=BOUND)
+    until(lambda: peer.pending() == 0, "the step to serve the lookup", step=idle_step)
+    rnd = peer.poll(ticket)
+    assert isinstance(rnd, LookupRound) and rnd.hits == [True] * len(keys)
+    assert src.jobs() == 1  # the round's pins: one store job at the source
+    return peer, remote, rnd
+
+
+def test_pins_a_peer_holds_keep_an_idle_engine_stepping(engines: Callable[..., Engine]) -> None:
+    """Without the tier-poll thread an idle engine steps only while a tier has pending
+    work, and only a step reports the job of a peer's pins to vLLM (once the peer
+    released the round, fetched it, or its lease ended): while the round holds them,
+    the tier has pending work."""
+    src = engines(poll_s=0)
+    peer, remote, rnd = held_round(src)
+    try:
+        assert src.tier.has_pending_work()
+        peer.release(remote, rnd, timeout=BOUND)
+        until(lambda: src.jobs() == 0, "the pins' job to be reported", step=src.idle_step)
+        assert pinned_chunks(src) == 0
+    finally:
+        peer.close()
+
+
 def test_vllm_raising_while_peers_are_served_loses_and_repeats_no_answer(
     engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
