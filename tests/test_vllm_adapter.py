@@ -588,6 +588,32 @@ def test_shutdown_closing_its_own_node_waits_a_quarantine_for_a_slot_load_it_cut
     assert [r.job_id for r in tier.get_finished_jobs()] == [1]
 
 
+def test_a_load_waiting_for_its_sources_connection_fails_by_the_load_deadline(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A source that accepts the TCP connection and never answers the handshake: the dial
+    would wait out connect_timeout (long here), but a load submitted meanwhile ends by
+    its own deadline, as every load does."""
+    dst = nodes("dst")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # never accepted: the handshake gets no answer
+        host, port = silent.getsockname()
+        params = {"remote_kv_source": {"host": host, "port": port}}
+        tier = P2PTier(dst, connect_timeout=3 * BOUND, load_timeout=0.3)
+        keys = [os.urandom(32) for _ in range(2)]
+        tier.submit_load(LoadJob(1, "r1", keys, request=RequestInfo("r1", params)))
+        start = time.monotonic()
+        done: list[JobResult] = []
+        while not done:
+            assert time.monotonic() - start < BOUND, "the load outlived its deadline"
+            time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+            done = tier.get_finished_jobs()
+        assert [r.job_id for r in done] == [1] and not done[0].success
+        assert set(done[0].failed) == set(keys)
+        tier.shutdown()
+
+
 def _unused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
