@@ -1340,6 +1340,31 @@ def test_a_peers_hits_are_pinned_before_another_tiers_promotion_can_evict_them(
         peer.close()
 
 
+def test_a_peers_lookup_of_a_key_another_tier_holds_is_a_hit_once_promoted(
+    engines: Callable[..., Engine],
+) -> None:
+    """vLLM answers HIT_PENDING for a key another secondary tier holds and promotes it
+    into the primary tier: the key is asked again on later calls, and pinned and
+    served as a hit once there, not answered a miss at once."""
+    src = engines(tiers=[{"type": "example"}])
+    other: Any = src.mgr.secondary_tiers[1]  # vLLM's example tier: a dict of its keys
+    keys = make_keys(2, "promoted")
+    with src.mgr.lock:
+        for key in keys:
+            other.chunks[key] = True  # the example tier holds them, the primary does not
+    peer = peer_of(src, "promoting-peer")
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        ticket = peer.submit_lookup_round(remote, keys, timeout=BOUND)
+        # The example tier's promotions complete in scheduler steps only.
+        until(lambda: peer.pending() == 0, "the lookup's answer", step=src.idle_step)
+        rnd = peer.poll(ticket)
+        assert isinstance(rnd, LookupRound) and rnd.hits == [True, True]
+        peer.release(remote, rnd, timeout=BOUND)
+    finally:
+        peer.close()
+
+
 def test_a_peer_cannot_pin_the_whole_primary_tier(engines: Callable[..., Engine]) -> None:
     """What a peer can make this worker hold: a lookup round of everything the source's
     CPU tier holds, never fetched and renewed before its lease ends, used to pin every
