@@ -523,6 +523,9 @@ def test_a_request_whose_load_failed_misses_its_keys_from_then_on(
     for _ in range(3):
         assert [tier.lookup(k, again) for k in keys] == [False, False]
         tier.step()
+    # A load of it fails at once too, without a fetch (nothing may land in its slots).
+    tier.submit_load(LoadJob(2, "r1", keys, slots=[7, 9]))
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(2, False)]
     tier.shutdown()
 
 
