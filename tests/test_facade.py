@@ -32,6 +32,7 @@ from p2pkv import (
     Peer,
     PeerUnavailable,
     PortalClosed,
+    facade,
     open_node,
     start_node,
 )
@@ -552,6 +553,34 @@ def test_a_close_that_times_out_on_a_wedged_engine_still_finishes_its_tickets(
     assert still_wedged, "the ticket finished only once the engine was unwedged"
     dst.close(timeout=BOUND)
     assert not dst.alive
+
+
+def test_blocking_calls_left_without_a_timeout_still_end_while_the_engine_is_wedged(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``timeout=None`` is the operation's own deadline (statistics and peers: a quick
+    one), never no deadline: a host calling them bare on a wedged engine gets
+    P2PKVTimeout, not a wait for as long as the engine stays stuck."""
+    monkeypatch.setattr(facade, "_QUICK_CALL", SHORT)  # the quick calls' default
+    wedge = threading.Event()
+    wedging = GatedFactory()
+    src, dst = nodes("src"), nodes("dst", transport=wedging, lookup_timeout=SHORT)
+    keys = fill(src.store, 4, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    wedging.transport.progress_gate = wedge
+    try:
+        dst.submit_fetch(peer, keys)
+        assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
+        with pytest.raises(P2PKVTimeout):
+            dst.statistics()
+        with pytest.raises(P2PKVTimeout):
+            dst.peers()
+        with pytest.raises(P2PKVTimeout):
+            dst.lookup(peer, keys)  # lookup_timeout + a second
+        still_wedged = not wedging.transport.left_progress.is_set()
+    finally:
+        wedge.set()
+    assert still_wedged, "the calls returned only once the engine was unwedged"
 
 
 def test_close_is_idempotent_and_leaves_no_thread_or_pin(
