@@ -490,6 +490,10 @@ def _parallel(**kw: Any) -> Callable[[OffloadingConfig], OffloadingConfig]:
     return lambda c: dataclasses.replace(c, parallel=dataclasses.replace(c.parallel, **kw))
 
 
+def _model(**kw: Any) -> Callable[[OffloadingConfig], OffloadingConfig]:
+    return lambda c: dataclasses.replace(c, model=dataclasses.replace(c.model, **kw))
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -501,6 +505,9 @@ def _parallel(**kw: Any) -> Callable[[OffloadingConfig], OffloadingConfig]:
             id="canonical-host-layout",
         ),
         pytest.param(lambda c: dataclasses.replace(c, replicated_layout=True), id="replicated"),
+        # Offload keys hash the tokens only: engines of two models share every key.
+        pytest.param(_model(name="another-model"), id="model"),
+        pytest.param(_model(dtype="bfloat16"), id="dtype"),
     ],
 )
 def test_engines_whose_chunks_mean_different_bytes_never_exchange_them(
