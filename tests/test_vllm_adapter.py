@@ -652,6 +652,29 @@ def test_a_source_whose_dial_failed_is_not_dialed_again_within_the_backoff(
     tier.shutdown()
 
 
+def test_a_load_waiting_for_a_source_that_is_not_the_named_peer_fails_alone(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A load submitted before the tier has seen its request (``LoadJob.request``) waits
+    for the source's connection; if the peer that answers is not the ``peer_id`` the
+    request named, the load fails: nothing of that peer's lands as the request's."""
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 3, BLOCK)
+    params = source_params(src)
+    params["remote_kv_source"]["peer_id"] = "not-src"
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    tier.submit_load(LoadJob(1, "r1", keys, request=RequestInfo("r1", params)))
+    deadline = time.monotonic() + BOUND
+    done: list[JobResult] = []
+    while not done:
+        assert time.monotonic() < deadline
+        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+        done = tier.get_finished_jobs()
+    assert [r.job_id for r in done] == [1] and not done[0].success and not done[0].loaded
+    assert all(k not in dst.store for k in keys)
+    tier.shutdown()
+
+
 def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:
