@@ -675,6 +675,36 @@ def test_a_load_waiting_for_a_source_that_is_not_the_named_peer_fails_alone(
     tier.shutdown()
 
 
+def test_a_lookup_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The lookup deadline is kept on the host's clock: with this node's own engine hung
+    (so no ticket of it can end, not even by its own timeout) the request's keys still
+    miss once lookup_timeout has passed, and the scheduler is never blocked."""
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 3, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=0.3, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    tier.prepare(req)
+    wait_for(lambda: dst.pending() == 0)  # connected: step() reads the dial's ticket
+    tier.step()
+    release = wedge(dst)
+    try:
+        start = time.monotonic()
+        assert [tier.lookup(k, req) for k in keys] == [None] * 3
+        answers: list[bool | None] = [None]
+        while None in answers:
+            assert time.monotonic() - start < BOUND / 2, "the lookup outlived its deadline"
+            time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+            tier.step()
+            answers = [tier.lookup(k, req) for k in keys]
+        assert answers == [False] * 3
+        assert dst.pending() > 0  # the engine never ran the lookup: the host's clock ended it
+    finally:
+        release.set()
+    tier.shutdown()
+
+
 def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:
