@@ -486,6 +486,27 @@ def test_shutdown_on_a_node_it_does_not_own_waits_a_quarantine_for_a_slot_load_t
     assert [r.job_id for r in tier.get_finished_jobs()] == [1]
 
 
+def test_a_request_finished_while_its_load_waits_for_the_connection_reports_the_load(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """vLLM may finish (abort) a request whose load still waits for its source's dial:
+    the load is reported failed at once, since nothing of the finished request is
+    looked at again (no deadline, no shutdown would ever report it)."""
+    dst = nodes("dst")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # never accepted: the dial waits out connect_timeout
+        host, port = silent.getsockname()
+        req = RequestInfo("r1", {"remote_kv_source": {"host": host, "port": port}})
+        tier = P2PTier(dst, connect_timeout=BOUND, load_timeout=BOUND)
+        tier.submit_load(LoadJob(1, "r1", [os.urandom(32)], request=req, slots=[2]))
+        assert tier.get_finished_jobs() == []  # waiting for the connection
+        tier.on_request_finished(req)
+        done = tier.get_finished_jobs()
+        assert [(r.job_id, r.success) for r in done] == [(1, False)]
+        tier.shutdown()
+
+
 def test_a_slot_load_past_its_deadline_is_reported_only_once_no_write_can_land(
     nodes: Callable[..., BlockingNode],
 ) -> None:
