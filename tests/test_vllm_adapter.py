@@ -726,6 +726,35 @@ def test_a_lookup_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
     tier.shutdown()
 
 
+def test_a_source_restarted_on_its_address_is_dialed_again_by_the_next_request(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The session to a source ended (it restarted on the same address): the next
+    request's batch notices before it is sent and dials again, instead of sending on
+    the dead session and failing."""
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 3, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+
+    def answers(req: RequestInfo) -> list[bool | None]:
+        def answered() -> bool:
+            tier.step()
+            return None not in [tier.lookup(k, req) for k in keys]
+
+        wait_for(answered)
+        return [tier.lookup(k, req) for k in keys]
+
+    assert answers(RequestInfo("r1", source_params(src))) == [True] * 3
+    address, old_id = src.address, src.peer_id
+    src.close(timeout=BOUND)
+    wait_for(lambda: not dst.is_connected(old_id))
+    again = nodes("src-again", port=address[1])  # the same address, a new process
+    for k in keys:
+        again.store.put(k, bytes(BLOCK))
+    assert answers(RequestInfo("r2", source_params(again))) == [True] * 3
+    tier.shutdown()
+
+
 def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:
