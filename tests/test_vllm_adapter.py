@@ -755,6 +755,34 @@ def test_a_source_restarted_on_its_address_is_dialed_again_by_the_next_request(
     tier.shutdown()
 
 
+def test_a_dial_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The connect deadline is kept on the host's clock too: with this node's own engine
+    hung the dial's ticket never ends, yet the request waiting on it misses once
+    connect_timeout has passed (its lookup deadline is far later)."""
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, connect_timeout=0.3, lookup_timeout=3 * BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    release = wedge(dst)
+    try:
+        start = time.monotonic()
+        tier.prepare(req)  # the dial is posted to the hung engine
+        assert [tier.lookup(k, req) for k in keys] == [None] * 2
+        answers: list[bool | None] = [None]
+        while None in answers:
+            assert time.monotonic() - start < BOUND / 2, "the dial outlived its deadline"
+            time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+            tier.step()
+            answers = [tier.lookup(k, req) for k in keys]
+        assert answers == [False] * 2
+    finally:
+        release.set()
+    wait_for(lambda: dst.pending() == 0)  # the dial the engine now runs has ended
+    tier.shutdown()
+
+
 def test_a_finished_request_gives_its_unloaded_hits_back_at_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:
