@@ -1033,12 +1033,6 @@ def test_pins_a_peer_holds_keep_an_idle_engine_stepping(engines: Callable[..., E
         peer.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: has_pending_work() counts pins held (HostPins.held) but not pins released "
-    "and not reported yet (HostPins.any_released), so an idle engine without the tier-poll "
-    "thread stops stepping with the job unreported and the chunks pinned in vLLM",
-)
 def test_released_pins_keep_an_idle_engine_stepping_until_their_job_is_reported(
     engines: Callable[..., Engine],
 ) -> None:

@@ -504,6 +504,8 @@ class P2pkvSecondaryTier(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         # A peer's lookup waiting for serve_external_requests is work: without the
         # tier-poll thread, only a step serves it, and an idle engine steps only for this.
+        # So are pins: held ones until the peer lets go, released ones until a step has
+        # reported their job (else vLLM keeps the chunks pinned until other work comes).
         return bool(
             self._done
             or self._serving
@@ -512,6 +514,7 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             or self._pins.any_waiting()
             or self._core.has_pending_work()
             or self._pins.held()
+            or self._pins.any_released()
         )
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
