@@ -22,7 +22,7 @@ import trio.testing
 from p2pkv import Node, P2PKVTimeout, SessionClosed, StoreFull, open_node
 from p2pkv.session.consumer import abort_ack_bound
 from p2pkv.session.protocol import FetchRequested, LookupRequested
-from p2pkv.wire import Outcome
+from p2pkv.wire import Outcome, TransferDone, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair
 
@@ -237,5 +237,35 @@ async def test_a_slot_whose_bytes_fail_their_checksum_is_quarantined() -> None:
                     "the host's block was overwritten by a write into a slot freed on the "
                     "producer's word"
                 )
+        finally:
+            await raw.aclose()
+
+
+async def test_a_transfer_done_with_more_outcomes_than_keys_loads_nothing() -> None:
+    """A ``transfer_done`` must carry one outcome per key fetched (wire protocol: list
+    lengths bounded, validated before any handler). A producer that fails the first of two
+    keys and appends a surplus OK has as many OKs as keys: taken as "every key landed",
+    the failed key's slot, never written, was committed and reported loaded (invariant 1).
+    It is the peer's protocol error: the session ends and no key is loaded."""
+    with trio.fail_after(BOUND):
+        raw = RawPeer()
+        try:
+            async with open_node(config("dst")) as dst:
+                await raw.connect(dst.address)
+                await raw.handshake()
+                keys = [os.urandom(32) for _ in range(2)]
+
+                async def one_outcome_too_many(ev: FetchRequested) -> None:
+                    outcomes = [int(Outcome.TRANSFER_FAILED), int(Outcome.OK), int(Outcome.OK)]
+                    await raw.send_raw(encode(TransferDone(req_id=ev.req_id, outcomes=outcomes)))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_serve_lookups_and, raw, one_outcome_too_many)
+                    r = await dst.fetch(raw.peer_id, keys)
+                    nursery.cancel_scope.cancel()
+                assert r.loaded == [], f"keys loaded on a malformed transfer_done: {r}"
+                assert set(r.failed) == set(keys)
+                assert all("outcome count" in why for why in r.failed.values()), r.failed
+                assert dst.store.get(keys[0]) is None and dst.store.get(keys[1]) is None
         finally:
             await raw.aclose()

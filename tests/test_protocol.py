@@ -1171,7 +1171,9 @@ def test_abort_ack_for_a_request_not_aborting_is_a_protocol_error(stage: str) ->
     assert_protocol_error(pair.a, encode(AbortAck(req_id=req)), "not aborting")
 
 
-@pytest.mark.parametrize("stage", ["unknown", "lookup_sent", "open", "done", "wrong_count"])
+@pytest.mark.parametrize(
+    "stage", ["unknown", "lookup_sent", "open", "done", "wrong_count", "surplus_count"]
+)
 def test_transfer_done_out_of_place_is_a_protocol_error(stage: str) -> None:
     pair = ready_pair()
     a = pair.a
@@ -1180,7 +1182,7 @@ def test_transfer_done_out_of_place_is_a_protocol_error(stage: str) -> None:
         req = a.send_lookup([K1])
     elif stage != "unknown":
         req = pair.lookup([K1, K2], [True, True])
-        if stage in ("done", "wrong_count"):
+        if stage in ("done", "wrong_count", "surplus_count"):
             a.send_fetch(req, [K1, K2], [0, 1])
             pair.deliver(a)
             if stage == "done":
@@ -1188,6 +1190,8 @@ def test_transfer_done_out_of_place_is_a_protocol_error(stage: str) -> None:
                 pair.deliver(pair.b)
             else:
                 match = "outcome count"
+                if stage == "surplus_count":  # more outcomes than keys fetched, not fewer
+                    outcomes = [OK, OK, OK]
     a.data_to_send()
     assert_protocol_error(a, encode(TransferDone(req_id=req, outcomes=outcomes)), match)
 
