@@ -681,11 +681,15 @@ def test_request_ids_may_skip_but_not_go_back() -> None:
     assert sorted(pair.a.open_rounds()) == [7, 100]
 
 
-def test_lookup_resp_with_the_wrong_hit_count_is_a_protocol_error() -> None:
+@pytest.mark.parametrize("hits", [[True], [True, True, True]], ids=["fewer", "more"])
+def test_lookup_resp_with_the_wrong_hit_count_is_a_protocol_error(hits: list[bool]) -> None:
+    """Fewer hits than keys, or more: a surplus True would count as a pinned hit the
+    round does not hold (its fetch_hits must name one slot per hit), and the caller's
+    hit flags would no longer line up with its keys."""
     pair = ready_pair()
     req = pair.a.send_lookup([K1, K2])
     pair.a.data_to_send()
-    assert_protocol_error(pair.a, encode(LookupResp(req_id=req, hits=[True])), "hit count")
+    assert_protocol_error(pair.a, encode(LookupResp(req_id=req, hits=hits)), "hit count")
 
 
 @pytest.mark.parametrize("stage", ["unknown", "open", "fetch_sent"])
