@@ -794,6 +794,42 @@ async def test_a_closing_session_is_torn_down_before_its_peer_registers_again(
             await second.aclose()
 
 
+async def test_a_restart_on_the_connection_cuts_the_old_write_before_unpinning_or_unregistering(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that restarts on its connection (a new epoch) while our write into it is in
+    flight: the write is cut and settles (here it never does: released after
+    ``abort_timeout``, its sources quarantined) before the old incarnation's pins and
+    registration go. Dropped at once, the sources were unpinned (a slot the data plane
+    still reads, free for the store to hand out: invariant 2) and the registration the
+    write names released under it (invariant 6)."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    with trio.fail_after(60):
+        async with open_node(
+            config("a", abort_timeout=3.0, quarantine=10.0, handshake_timeout=20.0),
+            offload=VirtualOffload(),
+            transport=hanging,
+        ) as a:
+            keys = fill(a.store, 2, 4096)
+            raw = RawPeer("p", epoch=7)
+            await raw.connect(a.address)
+            await raw.handshake()
+            req = raw.proto.send_lookup(keys)
+            await raw.flush()
+            await raw.next_event()  # the answer
+            raw.proto.send_fetch(req, keys, [0, 1])
+            await raw.flush()
+            await trio.sleep(0.5)  # the write is posted and hangs
+            t = hanging.transport
+            assert t.posts == 1 and t.releases == 0 and t.removes == 0
+            await restart_on_same_connection(raw, epoch=8)
+            assert t.releases == 1, "the old incarnation was dropped with its write in flight"
+            assert t.removes == 1 and t.adds == 2
+            # Released unsettled: its sources stay pinned for the quarantine.
+            assert a.statistics().pinned_slots == 2
+            await raw.aclose()
+
+
 async def _impostor_hello(a: Node, peer_id: str, epoch: int) -> tuple[RawPeer, ByeReceived | None]:
     """A handshake claiming ``peer_id``: the node's bye, or None if it admitted us."""
     impostor = RawPeer(peer_id, epoch=epoch)
