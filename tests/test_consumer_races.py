@@ -908,6 +908,57 @@ async def test_a_handle_from_an_earlier_session_touches_no_round_of_the_new_one(
             assert src.statistics().pinned_slots == 0
 
 
+async def test_a_round_of_the_producers_old_incarnation_is_never_fetched_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup's round is open (its hits pinned by the producer) when the producer
+    restarts on the same connection: the new incarnation knows nothing of it, so a fetch
+    after the restart looks its keys up again. Left among the open rounds, the old round
+    was claimed by that fetch and every key failed "session closed" on a live session,
+    until the round's lease ran out."""
+    with trio.fail_after(120):  # virtual
+        raw = RawPeer("phoenix")
+        keys = [os.urandom(32) for _ in range(2)]
+        async with open_node(config("dst"), offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            lookups: list[list[bytes]] = []
+
+            async def answer_one_lookup() -> None:
+                ev = await raw.next_event()
+                assert isinstance(ev, LookupRequested), ev
+                lookups.append(ev.keys)
+                raw.proto.send_lookup_resp(ev.req_id, [True] * 2, trio.current_time(), 60)
+                await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_one_lookup)
+                assert await dst.lookup(raw.peer_id, keys) == [True, True]
+            # Restarted: a hello with a new epoch, on the same connection.
+            raw.proto = SessionProtocol(
+                attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+            )
+            await raw.handshake()
+
+            async def answer_misses() -> None:
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        lookups.append(ev.keys)
+                        raw.proto.send_lookup_resp(
+                            ev.req_id, [False] * len(ev.keys), trio.current_time(), 60
+                        )
+                    await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_misses)
+                with trio.fail_after(10):  # virtual: far short of the old round's lease
+                    result = await dst.fetch(raw.peer_id, keys)
+                nursery.cancel_scope.cancel()
+            assert result.failed == dict.fromkeys(keys, "miss"), result.failed
+            assert lookups == [keys, keys]  # looked up again on the new incarnation
+            await raw.aclose()
+
+
 @pytest.mark.parametrize("op", ["lookup", "fetch"])
 async def test_a_request_in_flight_when_its_producer_restarts_fails_at_once(
     autojump_clock: trio.testing.MockClock, op: str
