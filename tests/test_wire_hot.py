@@ -215,6 +215,10 @@ HOT_EDGE: list[tuple[str, bytes]] = [
     ),
     ("duplicate_field", fixmap(("t", "lookup"), ("req_id", 1), ("req_id", 2))),
     (
+        "lookup_resp_hits_twice",  # which answer the peer meant is unknowable
+        fixmap(("t", "lookup_resp"), ("req_id", 1), ("hits", [True]), ("hits", [False])),
+    ),
+    (
         "deep_unknown",
         b"\x84\xa1t\xa6lookup\xa6req_id\x01\xa4keys\x90\xa1x" + b"\x91" * 5000 + b"\xc0",
     ),
