@@ -326,6 +326,39 @@ def test_readd_makes_old_registration_stale(make: MakeTransport) -> None:
     write_and_check(src, src_array, new, dst, dst_array)
 
 
+def test_a_readd_after_a_transfer_saw_the_peer_dead_loads_it_afresh(
+    make: MakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same metadata names the same incarnation, which is reused without a NIXL call,
+    unless a transfer saw that agent dead: its connection is gone, so the re-add loads it
+    afresh. Reused, every write to the peer failed on the dead connection for as long as
+    its metadata stayed the same."""
+    agent_cls = _nixl_agent.load_nixl().api.nixl_agent
+    loads: list[int] = []
+    add_remote_agent = agent_cls.add_remote_agent
+
+    def counting_add(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loads.append(1)
+        return add_remote_agent(self, *args, **kwargs)
+
+    monkeypatch.setattr(agent_cls, "add_remote_agent", counting_add)
+    src_array, src_layout = region(32)
+    dst_array, dst_layout = region(32)
+    src = make("t4c-src", src_array, src_layout)
+    dst = make("t4c-dst", dst_array, dst_layout)
+    first = src.add_remote_peer("t4c-dst", dst.metadata(), dst_layout)
+    write_and_check(src, src_array, first, dst, dst_array)
+    again = src.add_remote_peer("t4c-dst", dst.metadata(), dst_layout)
+    assert len(loads) == 1  # the same incarnation, alive: reused
+    src._state.shared.set_dead("t4c-dst", True)  # as a transfer that saw it dead marks it
+    fresh = src.add_remote_peer("t4c-dst", dst.metadata(), dst_layout)
+    assert len(loads) == 2, "a remote agent seen dead was reused"
+    assert not src._state.shared.is_dead("t4c-dst")
+    write_and_check(src, src_array, fresh, dst, dst_array)
+    for peer in (first, again, fresh):
+        src.remove_remote_peer(peer)
+
+
 def test_readd_with_new_incarnation_reprepares(make: MakeTransport) -> None:
     src_array, src_layout = region(32)
     src = make("t4b-src", src_array, src_layout)
