@@ -359,6 +359,21 @@ def test_a_readd_after_a_transfer_saw_the_peer_dead_loads_it_afresh(
         src.remove_remote_peer(peer)
 
 
+def test_a_second_agent_over_an_overlapping_region_is_refused(make: MakeTransport) -> None:
+    """One agent per region, memory registered once (invariant 5): a transport of another
+    name over part of a region an agent already registered is refused, as over the same
+    region. (The node claims its region before it builds a transport; this holds for the
+    transport alone.)"""
+    array, layout = region(16)
+    make("t2b", array, layout)
+    part = array[4 * BLOCK :]
+    part_layout = RegionLayout(part.ctypes.data, 12, BLOCK)
+    with pytest.raises(TransportError, match="overlaps"):
+        make("t2b-other", part, part_layout)
+    stats = _nixl_agent.registry_counts()
+    assert stats == (1, 1)
+
+
 def test_readd_with_new_incarnation_reprepares(make: MakeTransport) -> None:
     src_array, src_layout = region(32)
     src = make("t4b-src", src_array, src_layout)
