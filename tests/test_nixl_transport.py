@@ -374,6 +374,28 @@ def test_a_second_agent_over_an_overlapping_region_is_refused(make: MakeTranspor
     assert stats == (1, 1)
 
 
+def test_a_registration_is_used_and_released_only_by_the_transport_that_made_it(
+    make: MakeTransport,
+) -> None:
+    """Transports over one region share its agent (a reconfiguration builds the new one
+    beside the old), but a peer registered on one is not the other's: posting on it or
+    removing it through the other is refused, and the registration stays its maker's.
+    Without the owner check the new transport released the old one's live registration."""
+    src_array, src_layout = region(32)
+    dst_array, dst_layout = region(32)
+    old = make("t5-src", src_array, src_layout)
+    new = make("t5-src", src_array, src_layout)  # the same agent, shared
+    dst = make("t5-dst", dst_array, dst_layout)
+    peer = old.add_remote_peer("t5-dst", dst.metadata(), dst_layout)
+    with pytest.raises(TransportError, match="not registered by this transport"):
+        new.post_write(peer, [0], [0])
+    with pytest.raises(TransportError, match="not registered by this transport"):
+        new.remove_remote_peer(peer)
+    assert not peer.released
+    write_and_check(old, src_array, peer, dst, dst_array)
+    old.remove_remote_peer(peer)
+
+
 def test_readd_with_new_incarnation_reprepares(make: MakeTransport) -> None:
     src_array, src_layout = region(32)
     src = make("t4b-src", src_array, src_layout)
