@@ -396,6 +396,17 @@ def test_a_registration_is_used_and_released_only_by_the_transport_that_made_it(
     old.remove_remote_peer(peer)
 
 
+def test_one_agent_name_is_never_used_for_two_regions(make: MakeTransport) -> None:
+    """Remote agents are keyed by name: two agents of one name in one process (over two
+    regions) would make each peer's registration of one stand for the other."""
+    first, first_layout = region(8)
+    second, second_layout = region(8)
+    make("t6", first, first_layout)
+    with pytest.raises(TransportError, match="already used for another region"):
+        make("t6", second, second_layout)
+    assert _nixl_agent.registry_counts() == (1, 1)
+
+
 def test_readd_with_new_incarnation_reprepares(make: MakeTransport) -> None:
     src_array, src_layout = region(32)
     src = make("t4b-src", src_array, src_layout)
