@@ -21,7 +21,7 @@ import trio.testing
 
 from p2pkv import Node, P2PKVTimeout, SessionClosed, StoreFull, open_node
 from p2pkv.session.consumer import abort_ack_bound
-from p2pkv.session.protocol import FetchRequested, LookupRequested
+from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested, RoundClosed
 from p2pkv.wire import Outcome, TransferDone, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair
@@ -111,6 +111,49 @@ async def test_a_lookup_split_into_rounds_ends_within_lookup_timeout(
                     took = trio.current_time() - start
                     nursery.cancel_scope.cancel()
                 assert took <= 5.0 + 0.5, f"a lookup with lookup_timeout 5 s took {took:.1f} s"
+        finally:
+            await raw.aclose()
+
+
+async def test_a_split_lookup_that_fails_midway_gives_back_the_rounds_already_answered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup split into rounds whose second round is never answered: the caller gets
+    its timeout, and the round already answered is closed at once (a partial answer is
+    no answer): the producer unpins its hits, and its request slot comes back. Left
+    open, it was nobody's: no fetch could claim it, the lease timer never saw it, and its
+    request slot was lost for the session's life."""
+    with trio.fail_after(600):
+        raw = RawPeer(max_keys_per_request=1)
+        try:
+            async with open_node(
+                config("dst", lookup_timeout=5.0), offload=VirtualOffload()
+            ) as dst:
+                await raw.connect(dst.address)
+                await raw.handshake()
+                keys = [os.urandom(32) for _ in range(2)]
+                seen: list[Any] = []
+
+                async def answer_the_first_round_only() -> None:
+                    while (ev := await raw.next_event()) is not None:
+                        seen.append(ev)
+                        if isinstance(ev, LookupRequested) and len(seen) == 1:
+                            raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60)
+                        elif isinstance(ev, AbortRequested):
+                            raw.proto.send_abort_ack(ev.req_id)
+                        await raw.flush()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(answer_the_first_round_only)
+                    with pytest.raises(P2PKVTimeout):
+                        await dst.lookup(raw.peer_id, keys)
+                    await trio.sleep(1.0)  # the close and the abort reach the peer
+                    nursery.cancel_scope.cancel()
+                first, second = seen[0].req_id, seen[1].req_id
+                assert RoundClosed(first) in seen, f"the answered round stayed open: {seen}"
+                assert AbortRequested(second) in seen
+                requests = dst._by_peer[raw.peer_id]._requests
+                assert requests.free == requests.limit
         finally:
             await raw.aclose()
 
