@@ -7,6 +7,7 @@ one machine fed hand-crafted frames by a misbehaving peer. No sockets, no Trio, 
 from __future__ import annotations
 
 import functools
+import hashlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -621,6 +622,24 @@ def test_restart_with_another_peer_id_is_a_protocol_error() -> None:
     pair = ready_pair()
     c = hello_for(make_info("c"))
     assert_protocol_error(pair.a, encode(c), "changed its peer id")
+
+
+@pytest.mark.parametrize("nonce", ["kept", "changed"])
+def test_an_authenticated_restart_on_the_connection_keeps_its_nonce(nonce: str) -> None:
+    """With a secret, each side's fresh nonce is bound to the connection: a peer that
+    restarts on it (a new epoch) keeps the nonce our hello's proof and our ack were bound
+    to. A restart hello with a nonce of its own, even one validly proven over ours, is
+    the peer's protocol error; with the nonce kept it is a restart."""
+    pair = ready_pair(make_info("a", secret=SECRET), make_info("b", secret=SECRET))
+    b = pair.b.local
+    fresh = b.nonce if nonce == "kept" else hashlib.sha256(b"another nonce").digest()[:16]
+    restarted = attrs.evolve(b, epoch=b.epoch + 1, nonce=fresh)
+    hello = hello_for(restarted, to=pair.a.local.nonce)
+    if nonce == "kept":
+        (ev,) = events_of(pair.a, encode(hello))
+        assert isinstance(ev, HelloReceived) and ev.restarted
+    else:
+        assert_protocol_error(pair.a, encode(hello), "changed its nonce")
 
 
 # --- requests -----------------------------------------------------------------------------
