@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import PeerUnavailable, open_node
+from p2pkv import P2PKVError, PeerUnavailable, open_node
 from p2pkv.node import _REGISTRATION_IDS, Node
 from p2pkv.session.protocol import (
     ByeReceived,
@@ -236,6 +236,46 @@ async def test_a_restart_after_our_ack_rehandshakes_and_stays(
             assert ev is not None and getattr(ev, "hits", None) == [True, True], ev
             assert getattr(ev, "req_id", None) == req
             await raw.aclose()
+
+
+async def test_connect_never_returns_a_dialed_peer_that_is_handshaking_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``connect()`` returns once both acks are in. A peer we dialed that restarts on the
+    connection is handshaking again until its new ack: a connect meanwhile is not
+    answered with it (a lookup on it would raise PeerUnavailable); here it dials again,
+    which the peer refuses, and raises. Answering with any live dialed session returned
+    the half-made one at once."""
+    with trio.fail_after(60):
+        async with node("a") as a:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            address = ("127.0.0.1", listeners[0].socket.getsockname()[1])
+            raw = RawPeer("r")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.connect, address)
+                raw.stream = await listeners[0].accept()
+                await raw.handshake()
+            session = a._by_peer["r"]
+            assert session.ready.is_set()
+            raw.proto = SessionProtocol(attrs.evolve(raw.proto.local, epoch=99))
+            raw.proto.start()  # restarted; its new handshake is never finished
+            await raw.flush()
+            assert isinstance(await raw.next_event(), HelloReceived)  # a took it: a's hello
+            assert not session.ready.is_set()
+
+            async def refuse_dials() -> None:
+                while True:
+                    stream = await listeners[0].accept()
+                    await stream.aclose()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(refuse_dials)
+                with contextlib.suppress(P2PKVError):
+                    await a.connect(address)
+                    assert session.ready.is_set(), "connect returned a peer still handshaking"
+                nursery.cancel_scope.cancel()
+            await raw.aclose()
+            await listeners[0].aclose()
 
 
 async def test_a_restart_while_the_first_registration_runs_keeps_the_session(
