@@ -353,7 +353,8 @@ async def test_checksums_are_of_the_source_slots_where_they_differ_from_the_targ
             assert sorted(result.loaded) == sorted(keys) and not result.failed
             assert [dst.store.slot_of(k) for k in keys] == [0, 1, 2, 3]
             for k in keys:
-                assert bytes(dst.store.get(k)) == bytes(src.store.get(k))
+                got, want = dst.store.get(k), src.store.get(k)
+                assert got is not None and want is not None and bytes(got) == bytes(want)
 
 
 async def test_a_key_the_round_does_not_hold_between_two_it_does_is_not_reported_ok() -> None:
