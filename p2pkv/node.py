@@ -578,6 +578,10 @@ class Node:
                 stream = await trio.open_tcp_stream(host, port)
         except (OSError, trio.TooSlowError) as exc:
             raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}", op="connect") from exc
+        if self._closing or self._nursery is None:
+            # The node closed while the dial was on its way: no session can start on it.
+            await trio.aclose_forcefully(stream)
+            raise PeerUnavailable("node is closed", op="connect")
         secured = tls.wrap(stream, self._tls, server_side=False)
         session = PeerSession(self, secured, address=address, dialer=True)
         self._dialed.add(session)

@@ -732,3 +732,40 @@ async def test_the_async_node_refuses_one_key_where_keys_are_expected() -> None:
                     await call(peer, b"k" * 32)  # type: ignore[arg-type]  # the slip
             with pytest.raises(TypeError, match="a sequence of keys"):
                 await dst.fetch_into(peer, b"k" * 32, [0])  # type: ignore[arg-type]
+
+
+async def test_a_dial_that_connects_as_its_node_closes_closes_its_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connect whose TCP dial completed just as its node closed started a session on
+    the closed node's nursery: a ``RuntimeError`` for the caller, the socket left open
+    (a ``ResourceWarning`` at exit; mutation review 2026-12-05). It is refused as a
+    closed node's connect is, and the socket is closed."""
+    real_open = trio.open_tcp_stream
+    opened: list[trio.SocketStream] = []
+    dialed, node_closed = trio.Event(), trio.Event()
+
+    async def open_late(host: str | bytes, port: int, **kw: Any) -> trio.SocketStream:
+        stream = await real_open(host, port, **kw)
+        opened.append(stream)
+        dialed.set()
+        await node_closed.wait()
+        return stream
+
+    errors: list[BaseException] = []
+
+    async def dial(node: p2pkv.Node, address: tuple[str, int]) -> None:
+        try:
+            await node.connect(address)
+        except PeerUnavailable as exc:
+            errors.append(exc)
+
+    with trio.fail_after(10):
+        async with open_node(config("src")) as src, trio.open_nursery() as nursery:
+            async with open_node(config("dst")) as dst:
+                monkeypatch.setattr(trio, "open_tcp_stream", open_late)
+                nursery.start_soon(dial, dst, src.address)
+                await dialed.wait()
+            node_closed.set()
+    assert len(errors) == 1 and "closed" in str(errors[0]), errors
+    assert opened[0].socket.fileno() == -1, "the dialed socket was left open"
