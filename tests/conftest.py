@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import trio.testing
+from hypothesis import settings
 
 from p2pkv.transport import _nixl_agent
 
@@ -27,6 +28,12 @@ for _name, _value in (
     ("NIXL_LOG_LEVEL", "WARN"),
 ):
     os.environ.setdefault(_name, _value)
+
+# Hypothesis's default 200 ms deadline per example measures this machine's neighbours, not
+# the code (a property test failed once that way under load): no test relies on it, and
+# speed is the benches' business.
+settings.register_profile("p2pkv", deadline=None)
+settings.load_profile("p2pkv")
 
 
 @pytest.fixture
