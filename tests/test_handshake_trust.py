@@ -41,7 +41,7 @@ from p2pkv.wire import (
     encode,
 )
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until_sessions
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until, until_sessions
 from .helpers import virtual_node as node
 
 SECRET = b"fleet secret"
@@ -859,9 +859,9 @@ async def test_a_restart_on_the_connection_cuts_the_old_write_before_unpinning_o
             await raw.next_event()  # the answer
             raw.proto.send_fetch(req, keys, [0, 1])
             await raw.flush()
-            await trio.sleep(0.5)  # the write is posted and hangs
             t = hanging.transport
-            assert t.posts == 1 and t.releases == 0 and t.removes == 0
+            await until(lambda: t.posts == 1)  # the write is posted and hangs
+            assert t.releases == 0 and t.removes == 0
             await restart_on_same_connection(raw, epoch=8)
             assert t.releases == 1, "the old incarnation was dropped with its write in flight"
             assert t.removes == 1 and t.adds == 2

@@ -24,7 +24,7 @@ from p2pkv.session.consumer import abort_ack_bound
 from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested, RoundClosed
 from p2pkv.wire import Outcome, TransferDone, encode
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair, until
 
 BLOCK = 4096
 BOUND = 20.0
@@ -147,7 +147,8 @@ async def test_a_split_lookup_that_fails_midway_gives_back_the_rounds_already_an
                     nursery.start_soon(answer_the_first_round_only)
                     with pytest.raises(P2PKVTimeout):
                         await dst.lookup(raw.peer_id, keys)
-                    await trio.sleep(1.0)  # the close and the abort reach the peer
+                    # The close and the abort reach the peer (or the bound fails the test).
+                    await until(lambda: {type(e) for e in seen} >= {RoundClosed, AbortRequested})
                     nursery.cancel_scope.cancel()
                 first, second = seen[0].req_id, seen[1].req_id
                 assert RoundClosed(first) in seen, f"the answered round stayed open: {seen}"

@@ -27,7 +27,7 @@ from p2pkv.session.protocol import (
 from p2pkv.transport.base import TransferHandle, TransferState
 from p2pkv.wire import Bye, FrameDecoder, Outcome, Ping
 
-from .helpers import FaultFactory, FaultTransport, RawPeer, fill
+from .helpers import FaultFactory, FaultTransport, RawPeer, fill, until
 from .helpers import virtual_node as node
 
 # Virtual seconds on the autojump clock: "this did not hang", never an expected duration;
@@ -553,17 +553,12 @@ async def test_a_write_released_by_a_retiring_transport_while_its_abort_waits_is
                 start = trio.current_time()
                 assert await src.reconfigure(["dst"]) == []  # retires the old one at +5 s
             assert got[0].loaded == [] and set(got[0].failed) == set(keys)
-            await until_unpinned(src)
+            await until(lambda: not src.statistics().pinned_slots)
             assert released_at and released_at[0] - start == pytest.approx(5.0, abs=0.1)
             assert trio.current_time() >= released_at[0] + src.config.quarantine, (
                 f"the source pins went {trio.current_time() - released_at[0]:.2f} s after "
                 "the write was released in flight, before the quarantine's end"
             )
-
-
-async def until_unpinned(n: Node) -> None:
-    while n.statistics().pinned_slots:
-        await trio.sleep(0.01)  # virtual: the autojump clock moves on while we wait
 
 
 # ---------------------------------------------------------------- reconfiguration
