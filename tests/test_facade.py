@@ -9,6 +9,7 @@ a timeout, and ``BOUND`` only says "this did not hang".
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -493,20 +494,36 @@ def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(
         dst.connect(src.address, timeout=BOUND)
 
 
-def test_caller_side_timeouts_fire_while_the_engine_is_wedged_in_a_blocking_call(
-    nodes: Callable[..., BlockingNode],
-) -> None:
+@contextlib.contextmanager
+def wedged_in_a_fetch(
+    nodes: Callable[..., BlockingNode], n: int, **dst_kw: Any
+) -> Iterator[tuple[BlockingNode, BlockingNode, Peer, list[bytes], int]]:
+    """src and dst connected, dst's engine (its Trio thread) stuck in a blocking call of
+    a fetch of ``n`` of src's keys for the body: yields (src, dst, peer, keys, the fetch's
+    ticket). Unwedged on the way out, after checking that nothing the body did waited
+    for the engine (it was still stuck)."""
     wedge = threading.Event()
     wedging = GatedFactory()
-    src, dst = nodes("src"), nodes("dst", transport=wedging)
-    keys = fill(src.store, 8, BLOCK)
+    src, dst = nodes("src"), nodes("dst", transport=wedging, **dst_kw)
+    keys = fill(src.store, n, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)
     wedging.transport.progress_gate = wedge
     try:
         fetch_t = dst.submit_fetch(peer, keys)
         assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
-        # The engine stays wedged until ``wedge`` is set below (or BOUND passes): a call
-        # that waited for the engine would not return before that.
+        yield src, dst, peer, keys, fetch_t
+        still_wedged = not wedging.transport.left_progress.is_set()
+    finally:
+        wedge.set()
+    assert still_wedged, "the body's calls returned only once the engine was unwedged"
+
+
+def test_caller_side_timeouts_fire_while_the_engine_is_wedged_in_a_blocking_call(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    with wedged_in_a_fetch(nodes, 8) as (src, dst, peer, keys, fetch_t):
+        # The engine stays wedged until the block ends (or BOUND passes): a call that
+        # waited for the engine would not return before that.
         with pytest.raises(P2PKVTimeout):
             dst.lookup(peer, keys, timeout=SHORT)
         with pytest.raises(P2PKVTimeout):
@@ -514,11 +531,7 @@ def test_caller_side_timeouts_fire_while_the_engine_is_wedged_in_a_blocking_call
         # The hot path does not care either: a submit is a post, poll reads in place.
         lookup_t = dst.submit_lookup(peer, keys)
         assert dst.poll(lookup_t) is None and dst.poll(fetch_t) is None
-        still_wedged = not wedging.transport.left_progress.is_set()
-    finally:
-        wedge.set()
     # How fast these return: bench/host_costs.py ("wedged").
-    assert still_wedged, "the calls returned only once the engine was unwedged"
     fetched = wait_ticket(dst, fetch_t)
     assert isinstance(fetched, FetchResult) and sorted(fetched.loaded) == sorted(keys)
     assert wait_ticket(dst, lookup_t) == [True] * len(keys)
@@ -534,23 +547,11 @@ def test_a_close_that_times_out_on_a_wedged_engine_still_finishes_its_tickets(
     main nor on_finished can seal the board then: close() seals it itself, so a host
     polling a ticket in flight hears PortalClosed instead of None for as long as the
     engine stays wedged."""
-    wedge = threading.Event()
-    wedging = GatedFactory()
-    src, dst = nodes("src"), nodes("dst", transport=wedging)
-    keys = fill(src.store, 4, BLOCK)
-    peer = dst.connect(src.address, timeout=BOUND)
-    wedging.transport.progress_gate = wedge
-    try:
-        fetch_t = dst.submit_fetch(peer, keys)
-        assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
+    with wedged_in_a_fetch(nodes, 4) as (_, dst, _, _, fetch_t):
         with pytest.raises(P2PKVTimeout):
             dst.close(timeout=SHORT)
         with pytest.raises(PortalClosed):
             dst.poll(fetch_t)
-        still_wedged = not wedging.transport.left_progress.is_set()
-    finally:
-        wedge.set()
-    assert still_wedged, "the ticket finished only once the engine was unwedged"
     dst.close(timeout=BOUND)
     assert not dst.alive
 
@@ -562,25 +563,13 @@ def test_blocking_calls_left_without_a_timeout_still_end_while_the_engine_is_wed
     one), never no deadline: a host calling them bare on a wedged engine gets
     P2PKVTimeout, not a wait for as long as the engine stays stuck."""
     monkeypatch.setattr(facade, "_QUICK_CALL", SHORT)  # the quick calls' default
-    wedge = threading.Event()
-    wedging = GatedFactory()
-    src, dst = nodes("src"), nodes("dst", transport=wedging, lookup_timeout=SHORT)
-    keys = fill(src.store, 4, BLOCK)
-    peer = dst.connect(src.address, timeout=BOUND)
-    wedging.transport.progress_gate = wedge
-    try:
-        dst.submit_fetch(peer, keys)
-        assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
+    with wedged_in_a_fetch(nodes, 4, lookup_timeout=SHORT) as (_, dst, peer, keys, _):
         with pytest.raises(P2PKVTimeout):
             dst.statistics()
         with pytest.raises(P2PKVTimeout):
             dst.peers()
         with pytest.raises(P2PKVTimeout):
             dst.lookup(peer, keys)  # lookup_timeout + a second
-        still_wedged = not wedging.transport.left_progress.is_set()
-    finally:
-        wedge.set()
-    assert still_wedged, "the calls returned only once the engine was unwedged"
 
 
 def test_close_is_idempotent_and_leaves_no_thread_or_pin(

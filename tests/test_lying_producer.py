@@ -77,6 +77,20 @@ async def never_acking(**cfg_kw: Any) -> AsyncIterator[tuple[Node, str]]:
         await raw.aclose()
 
 
+@asynccontextmanager
+async def one_key_per_request_producer() -> AsyncIterator[tuple[RawPeer, Node]]:
+    """A node (lookup_timeout 5 s) and a raw producer, handshaken, that takes one key per
+    request, so the node splits each lookup into one round per key."""
+    raw = RawPeer(max_keys_per_request=1)
+    try:
+        async with open_node(config("dst", lookup_timeout=5.0), offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            yield raw, dst
+    finally:
+        await raw.aclose()
+
+
 async def test_a_lookup_split_into_rounds_ends_within_lookup_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -85,34 +99,26 @@ async def test_a_lookup_split_into_rounds_ends_within_lookup_timeout(
     lookup_timeout of its own: answering each just in time held a 4-key lookup ~4 x as
     long (and the facade's default timeout, lookup_timeout + 1 s, then failed it)."""
     with trio.fail_after(600):
-        raw = RawPeer(max_keys_per_request=1)
-        try:
-            async with open_node(
-                config("dst", lookup_timeout=5.0), offload=VirtualOffload()
-            ) as dst:
-                await raw.connect(dst.address)
-                await raw.handshake()
+        async with one_key_per_request_producer() as (raw, dst):
 
-                async def slow_answers() -> None:
-                    while (ev := await raw.next_event()) is not None:
-                        if isinstance(ev, LookupRequested):
-                            await trio.sleep(4.5)  # within the consumer's 5 s
-                            raw.proto.send_lookup_resp(
-                                ev.req_id, [True] * len(ev.keys), trio.current_time(), 60
-                            )
-                        await raw.flush()
+            async def slow_answers() -> None:
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        await trio.sleep(4.5)  # within the consumer's 5 s
+                        raw.proto.send_lookup_resp(
+                            ev.req_id, [True] * len(ev.keys), trio.current_time(), 60
+                        )
+                    await raw.flush()
 
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(slow_answers)
-                    keys = [os.urandom(32) for _ in range(4)]
-                    start = trio.current_time()
-                    with pytest.raises(P2PKVTimeout):
-                        await dst.lookup(raw.peer_id, keys)
-                    took = trio.current_time() - start
-                    nursery.cancel_scope.cancel()
-                assert took <= 5.0 + 0.5, f"a lookup with lookup_timeout 5 s took {took:.1f} s"
-        finally:
-            await raw.aclose()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(slow_answers)
+                keys = [os.urandom(32) for _ in range(4)]
+                start = trio.current_time()
+                with pytest.raises(P2PKVTimeout):
+                    await dst.lookup(raw.peer_id, keys)
+                took = trio.current_time() - start
+                nursery.cancel_scope.cancel()
+            assert took <= 5.0 + 0.5, f"a lookup with lookup_timeout 5 s took {took:.1f} s"
 
 
 async def test_a_split_lookup_that_fails_midway_gives_back_the_rounds_already_answered(
@@ -124,39 +130,31 @@ async def test_a_split_lookup_that_fails_midway_gives_back_the_rounds_already_an
     open, it was nobody's: no fetch could claim it, the lease timer never saw it, and its
     request slot was lost for the session's life."""
     with trio.fail_after(600):
-        raw = RawPeer(max_keys_per_request=1)
-        try:
-            async with open_node(
-                config("dst", lookup_timeout=5.0), offload=VirtualOffload()
-            ) as dst:
-                await raw.connect(dst.address)
-                await raw.handshake()
-                keys = [os.urandom(32) for _ in range(2)]
-                seen: list[Any] = []
+        async with one_key_per_request_producer() as (raw, dst):
+            keys = [os.urandom(32) for _ in range(2)]
+            seen: list[Any] = []
 
-                async def answer_the_first_round_only() -> None:
-                    while (ev := await raw.next_event()) is not None:
-                        seen.append(ev)
-                        if isinstance(ev, LookupRequested) and len(seen) == 1:
-                            raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60)
-                        elif isinstance(ev, AbortRequested):
-                            raw.proto.send_abort_ack(ev.req_id)
-                        await raw.flush()
+            async def answer_the_first_round_only() -> None:
+                while (ev := await raw.next_event()) is not None:
+                    seen.append(ev)
+                    if isinstance(ev, LookupRequested) and len(seen) == 1:
+                        raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60)
+                    elif isinstance(ev, AbortRequested):
+                        raw.proto.send_abort_ack(ev.req_id)
+                    await raw.flush()
 
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(answer_the_first_round_only)
-                    with pytest.raises(P2PKVTimeout):
-                        await dst.lookup(raw.peer_id, keys)
-                    # The close and the abort reach the peer (or the bound fails the test).
-                    await until(lambda: {type(e) for e in seen} >= {RoundClosed, AbortRequested})
-                    nursery.cancel_scope.cancel()
-                first, second = seen[0].req_id, seen[1].req_id
-                assert RoundClosed(first) in seen, f"the answered round stayed open: {seen}"
-                assert AbortRequested(second) in seen
-                requests = dst._by_peer[raw.peer_id]._requests
-                assert requests.free == requests.limit
-        finally:
-            await raw.aclose()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_the_first_round_only)
+                with pytest.raises(P2PKVTimeout):
+                    await dst.lookup(raw.peer_id, keys)
+                # The close and the abort reach the peer (or the bound fails the test).
+                await until(lambda: {type(e) for e in seen} >= {RoundClosed, AbortRequested})
+                nursery.cancel_scope.cancel()
+            first, second = seen[0].req_id, seen[1].req_id
+            assert RoundClosed(first) in seen, f"the answered round stayed open: {seen}"
+            assert AbortRequested(second) in seen
+            requests = dst._by_peer[raw.peer_id]._requests
+            assert requests.free == requests.limit
 
 
 async def test_a_producer_that_never_acks_an_abort_does_not_hold_request_slots_for_ever(

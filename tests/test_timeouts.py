@@ -481,14 +481,7 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
     could still land): either reply means no write of this round can land any more, so
     the round is held for the quarantine, as _settle does for a write it released."""
     with trio.fail_after(VIRTUAL_BOUND):
-        released_at: list[float] = []
-
-        def first_hangs(t: FaultTransport) -> None:
-            if not factory.built:
-                t.hang = True
-                record_inflight_releases(t, released_at)
-
-        factory = FaultFactory(first_hangs, kind=_ClosingReleasesHandles)
+        factory, released_at = first_transport_hangs_and_releases_in_flight()
         kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
         async with (
             node("src", factory=factory, fetch_timeout=4.0, **kw) as src,
@@ -517,6 +510,20 @@ async def test_retiring_a_transport_does_not_report_a_write_it_cut_short_as_sett
             )
 
 
+def first_transport_hangs_and_releases_in_flight() -> tuple[FaultFactory, list[float]]:
+    """A factory whose first transport's writes never settle and whose close releases
+    them in flight; the list gets the (Trio) time of each such release."""
+    released_at: list[float] = []
+
+    def first_hangs(t: FaultTransport) -> None:
+        if not factory.built:
+            t.hang = True
+            record_inflight_releases(t, released_at)
+
+    factory = FaultFactory(first_hangs, kind=_ClosingReleasesHandles)
+    return factory, released_at
+
+
 async def test_a_write_released_by_a_retiring_transport_while_its_abort_waits_is_not_settled(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -526,14 +533,7 @@ async def test_a_write_released_by_a_retiring_transport_while_its_abort_waits_is
     settled (the write may still land): the round keeps its source pins for the whole
     quarantine after the release instead of unpinning (and acking the abort) at once."""
     with trio.fail_after(VIRTUAL_BOUND):
-        released_at: list[float] = []
-
-        def first_hangs(t: FaultTransport) -> None:
-            if not factory.built:
-                t.hang = True
-                record_inflight_releases(t, released_at)
-
-        factory = FaultFactory(first_hangs, kind=_ClosingReleasesHandles)
+        factory, released_at = first_transport_hangs_and_releases_in_flight()
         kw: dict[str, Any] = {"abort_timeout": 1.0, "landing_margin": 1.0, "quarantine": 3.0}
         async with (
             node("src", factory=factory, fetch_timeout=4.0, **kw) as src,

@@ -428,11 +428,18 @@ def hanging_slot_load(nodes: Callable[..., BlockingNode]) -> tuple[P2PTier, Bloc
     """A tier on a node it does not own (dst), with one slot load (job 1) whose writes
     the source has posted and never settle: the fetch gives up at its deadline (0.5 s)
     and then waits out the quarantine (0.4 s)."""
+    dst = nodes("dst", fetch_timeout=0.5, abort_timeout=0.2, landing_margin=0.1, quarantine=0.4)
+    tier = P2PTier(dst, load_timeout=0.5)
+    post_a_hanging_slot_load(tier, nodes)
+    return tier, dst
+
+
+def post_a_hanging_slot_load(tier: P2PTier, nodes: Callable[..., BlockingNode]) -> None:
+    """Job 1 on ``tier``: two blocks of a new source (src) into slots 3 and 5, returning
+    once the source has posted their writes, which never settle."""
     hanging = FaultFactory(lambda t: setattr(t, "hang", True))
     src = nodes("src", transport=hanging)
-    dst = nodes("dst", fetch_timeout=0.5, abort_timeout=0.2, landing_margin=0.1, quarantine=0.4)
     keys = fill(src.store, 2, BLOCK)
-    tier = P2PTier(dst, load_timeout=0.5)
     info = RequestInfo("r1", source_params(src))
 
     def answered() -> bool:
@@ -448,7 +455,6 @@ def hanging_slot_load(nodes: Callable[..., BlockingNode]) -> tuple[P2PTier, Bloc
         return hanging.transport.posts >= 1
 
     wait_for(posted)
-    return tier, dst
 
 
 def test_shutdown_on_a_node_it_does_not_own_waits_for_its_slot_loads_to_end(
@@ -584,25 +590,8 @@ def test_shutdown_closing_its_own_node_waits_a_quarantine_for_a_slot_load_it_cut
     """A tier that owns its node cuts a slot load's fetch_into short by closing the node,
     so nothing said its writes settled: shutdown waits out a quarantine before it returns
     (the host may free the memory next)."""
-    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
-    src = nodes("src", transport=hanging)
-    keys = fill(src.store, 2, BLOCK)
     tier = P2PTier.start(config("dst", quarantine=0.4, abort_timeout=0.2, landing_margin=0.1))
-    info = RequestInfo("r1", source_params(src))
-
-    def answered() -> bool:
-        tier.step()
-        return all(tier.lookup(k, info) is not None for k in keys)
-
-    wait_for(answered)
-    assert [tier.lookup(k, info) for k in keys] == [True, True]
-    tier.submit_load(LoadJob(1, "r1", keys, slots=[3, 5]))
-
-    def posted() -> bool:
-        tier.step()
-        return hanging.transport.posts >= 1
-
-    wait_for(posted)
+    post_a_hanging_slot_load(tier, nodes)
     slept = list[float]()
     clock = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)  # sleeps recorded
     monkeypatch.setattr(vllm_module, "time", clock)
