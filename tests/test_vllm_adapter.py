@@ -685,6 +685,20 @@ def test_a_load_waiting_for_a_source_that_is_not_the_named_peer_fails_alone(
     tier.shutdown()
 
 
+def answered_by(
+    tier: P2PTier, req: RequestInfo, keys: list[bytes], start: float, what: str
+) -> list[bool | None]:
+    """Step ``tier`` as vLLM's scheduler does until every key of ``req`` has an answer,
+    which must come within BOUND / 2 of ``start`` (``what``'s deadline is far shorter)."""
+    while True:
+        answers = [tier.lookup(k, req) for k in keys]
+        if None not in answers:
+            return answers
+        assert time.monotonic() - start < BOUND / 2, f"{what} outlived its deadline"
+        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+        tier.step()
+
+
 def test_a_lookup_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
     nodes: Callable[..., BlockingNode],
 ) -> None:
@@ -702,13 +716,7 @@ def test_a_lookup_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
     try:
         start = time.monotonic()
         assert [tier.lookup(k, req) for k in keys] == [None] * 3
-        answers: list[bool | None] = [None]
-        while None in answers:
-            assert time.monotonic() - start < BOUND / 2, "the lookup outlived its deadline"
-            time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
-            tier.step()
-            answers = [tier.lookup(k, req) for k in keys]
-        assert answers == [False] * 3
+        assert answered_by(tier, req, keys, start, "the lookup") == [False] * 3
         assert dst.pending() > 0  # the engine never ran the lookup: the host's clock ended it
     finally:
         release.set()
@@ -759,13 +767,7 @@ def test_a_dial_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
         start = time.monotonic()
         tier.prepare(req)  # the dial is posted to the hung engine
         assert [tier.lookup(k, req) for k in keys] == [None] * 2
-        answers: list[bool | None] = [None]
-        while None in answers:
-            assert time.monotonic() - start < BOUND / 2, "the dial outlived its deadline"
-            time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
-            tier.step()
-            answers = [tier.lookup(k, req) for k in keys]
-        assert answers == [False] * 2
+        assert answered_by(tier, req, keys, start, "the dial") == [False] * 2
     finally:
         release.set()
     wait_for(lambda: dst.pending() == 0)  # the dial the engine now runs has ended
