@@ -1036,6 +1036,9 @@ def test_pins_a_peer_holds_keep_an_idle_engine_stepping(engines: Callable[..., E
 def test_released_pins_keep_an_idle_engine_stepping_until_their_job_is_reported(
     engines: Callable[..., Engine],
 ) -> None:
+    """Once the peer lets go of its round, the pins' job still has to be reported by a
+    step: until then the tier has pending work. Counting only pins still held, an idle
+    engine stopped stepping with the job unreported and the chunks pinned in vLLM."""
     src = engines(poll_s=0)
     peer, remote, rnd = held_round(src)
     try:
