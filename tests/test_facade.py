@@ -38,9 +38,10 @@ from p2pkv import (
     start_node,
 )
 from p2pkv.store import BlockStore
-from p2pkv.transport.base import RemotePeer, TransferHandle
+from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
 
 from .helpers import (
+    FaultFactory,
     FaultTransport,
     check_no_leaked_threads,
     config,
@@ -90,6 +91,19 @@ class GatedTransport(FaultTransport):
                 assert gate.wait(BOUND), "progress gate never opened"
             finally:
                 self.left_progress.set()
+
+
+class WritesHeldUntil(FaultTransport):
+    """FAKE data plane (fault injection): its posted writes stay PROC until ``until`` is
+    set, so the consumer is still waiting for them (and driving its data plane's
+    progress) when the test needs it to be."""
+
+    until: threading.Event | None = None
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        if self.until is not None and not self.until.is_set():
+            return TransferState.PROC
+        return super().poll(handle)
 
 
 class GatedFactory:
@@ -496,7 +510,7 @@ def test_closing_mid_call_gives_the_caller_portal_closed_never_cancelled(
 
 @contextlib.contextmanager
 def wedged_in_a_fetch(
-    nodes: Callable[..., BlockingNode], n: int, **dst_kw: Any
+    nodes: Callable[..., BlockingNode], n: int
 ) -> Iterator[tuple[BlockingNode, BlockingNode, Peer, list[bytes], int]]:
     """src and dst connected, dst's engine (its Trio thread) stuck in a blocking call of
     a fetch of ``n`` of src's keys for the body: yields (src, dst, peer, keys, the fetch's
@@ -504,10 +518,16 @@ def wedged_in_a_fetch(
     for the engine (it was still stuck)."""
     wedge = threading.Event()
     wedging = GatedFactory()
-    src, dst = nodes("src"), nodes("dst", transport=wedging, **dst_kw)
+    # The source's writes settle only once dst's engine is wedged: a fetch whose
+    # transfer_done came before dst's first progress() call never wedged it.
+    held = FaultFactory(kind=WritesHeldUntil)
+    src, dst = nodes("src", transport=held), nodes("dst", transport=wedging)
     keys = fill(src.store, n, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)
     wedging.transport.progress_gate = wedge
+    held_transport = held.transport
+    assert isinstance(held_transport, WritesHeldUntil)
+    held_transport.until = wedging.transport.in_progress
     try:
         fetch_t = dst.submit_fetch(peer, keys)
         assert wedging.transport.in_progress.wait(BOUND)  # the Trio thread is stuck now
@@ -563,13 +583,16 @@ def test_blocking_calls_left_without_a_timeout_still_end_while_the_engine_is_wed
     one), never no deadline: a host calling them bare on a wedged engine gets
     P2PKVTimeout, not a wait for as long as the engine stays stuck."""
     monkeypatch.setattr(facade, "_QUICK_CALL", SHORT)  # the quick calls' default
-    with wedged_in_a_fetch(nodes, 4, lookup_timeout=SHORT) as (_, dst, peer, keys, _):
+    with wedged_in_a_fetch(nodes, 4) as (_, dst, peer, keys, _):
         with pytest.raises(P2PKVTimeout):
             dst.statistics()
         with pytest.raises(P2PKVTimeout):
             dst.peers()
+        # A lookup's own deadline is lookup_timeout + a second; short here, and not the
+        # node's lookup_timeout: the wedging fetch's lookup must not time out first.
+        monkeypatch.setitem(dst._defaults, "lookup", SHORT)
         with pytest.raises(P2PKVTimeout):
-            dst.lookup(peer, keys)  # lookup_timeout + a second
+            dst.lookup(peer, keys)
 
 
 def test_close_is_idempotent_and_leaves_no_thread_or_pin(
