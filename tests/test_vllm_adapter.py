@@ -424,6 +424,16 @@ def test_shutdown_leaves_no_thread_agent_or_pin_behind(
     assert st.transport.live_agents == 1 and st.transport.remote_peers == 0
 
 
+def finished_jobs(tier: P2PTier, what: str = "no job was reported") -> list[JobResult]:
+    """The first jobs ``tier`` reports, polled as vLLM's tier-poll thread does, within
+    BOUND of now (else fails saying ``what``)."""
+    deadline = time.monotonic() + BOUND
+    while not (done := tier.get_finished_jobs()):
+        assert time.monotonic() < deadline, what
+        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+    return done
+
+
 def hanging_slot_load(nodes: Callable[..., BlockingNode]) -> tuple[P2PTier, BlockingNode]:
     """A tier on a node it does not own (dst), with one slot load (job 1) whose writes
     the source has posted and never settle: the fetch gives up at its deadline (0.5 s)
@@ -520,12 +530,7 @@ def test_a_slot_load_past_its_deadline_is_reported_only_once_no_write_can_land(
     quarantine (0.4 s) later does its fetch_into end: vLLM reuses a failed chunk at once,
     so the job must not be reported in between (the source may still be writing)."""
     tier, dst = hanging_slot_load(nodes)
-    deadline = time.monotonic() + BOUND
-    done: list[JobResult] = []
-    while not done:
-        assert time.monotonic() < deadline
-        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
-        done = tier.get_finished_jobs()
+    done = finished_jobs(tier)
     assert dst._board.pending() == 0, "reported while a write could still land"
     assert [r.job_id for r in done] == [1] and not done[0].success
     tier.shutdown()
@@ -538,12 +543,7 @@ def test_a_request_whose_load_failed_misses_its_keys_from_then_on(
     the source still holds them, so an answer other than a miss would start the same
     load again, and the request would loop."""
     tier, _dst = hanging_slot_load(nodes)
-    deadline = time.monotonic() + BOUND
-    done: list[JobResult] = []
-    while not done:
-        assert time.monotonic() < deadline
-        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
-        done = tier.get_finished_jobs()
+    done = finished_jobs(tier)
     keys = list(done[0].failed)
     assert not done[0].success and len(keys) == 2
     again = RequestInfo("r1")  # the same request, asking again
@@ -616,12 +616,7 @@ def test_a_load_waiting_for_its_sources_connection_fails_by_the_load_deadline(
         tier = P2PTier(dst, connect_timeout=3 * BOUND, load_timeout=0.3)
         keys = [os.urandom(32) for _ in range(2)]
         tier.submit_load(LoadJob(1, "r1", keys, request=RequestInfo("r1", params)))
-        start = time.monotonic()
-        done: list[JobResult] = []
-        while not done:
-            assert time.monotonic() - start < BOUND, "the load outlived its deadline"
-            time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
-            done = tier.get_finished_jobs()
+        done = finished_jobs(tier, "the load outlived its deadline")
         assert [r.job_id for r in done] == [1] and not done[0].success
         assert set(done[0].failed) == set(keys)
         tier.shutdown()
@@ -674,12 +669,7 @@ def test_a_load_waiting_for_a_source_that_is_not_the_named_peer_fails_alone(
     params["remote_kv_source"]["peer_id"] = "not-src"
     tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
     tier.submit_load(LoadJob(1, "r1", keys, request=RequestInfo("r1", params)))
-    deadline = time.monotonic() + BOUND
-    done: list[JobResult] = []
-    while not done:
-        assert time.monotonic() < deadline
-        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
-        done = tier.get_finished_jobs()
+    done = finished_jobs(tier)
     assert [r.job_id for r in done] == [1] and not done[0].success and not done[0].loaded
     assert all(k not in dst.store for k in keys)
     tier.shutdown()
@@ -860,12 +850,7 @@ def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
     tier.step()
     assert [tier.lookup(k, req) for k in keys] == [True] * 4
     tier.submit_load(LoadJob(1, "r-scan", keys))  # one job: vLLM promotes them together
-    deadline = time.monotonic() + BOUND
-    done: list[JobResult] = []
-    while not done:
-        assert time.monotonic() < deadline
-        time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
-        done = tier.get_finished_jobs()
+    done = finished_jobs(tier)
     assert done[0].success and sorted(done[0].loaded) == sorted(keys)
     assert lookups_sent() == 1  # the load fetched on the batch's round: no lookup of its own
     tier.shutdown()
