@@ -188,6 +188,26 @@ async def test_an_aborted_fetch_posts_no_more_chunks(monkeypatch: pytest.MonkeyP
             assert src.data_wanted == 0
 
 
+@asynccontextmanager
+async def fetch_in_its_first_post(
+    src: Node, dst: Node, first: GatedPosts
+) -> AsyncIterator[tuple[list[bytes], list[FetchResult]]]:
+    """dst fetches 16 of src's blocks in the background; the body runs while src's run
+    of posts is in its first (gated) post. Yields the keys and the list the fetch's
+    result is in once the block has ended."""
+    keys = fill(src.store, 16, BLOCK)
+    peer = await dst.connect(src.address)
+    got: list[FetchResult] = []
+
+    async def fetch() -> None:
+        got.append(await dst.fetch(peer, keys))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fetch)
+        await entered(first)  # the run is in its first post
+        yield keys, got
+
+
 async def test_a_write_the_host_cuts_posts_no_more_chunks() -> None:
     """``release_unused_pins(cut_writes=True)`` while a run of posts is in its first
     chunk: the run stops after the chunk in hand (the round is still being written as
@@ -196,17 +216,8 @@ async def test_a_write_the_host_cuts_posts_no_more_chunks() -> None:
     factory = Factory()
     with trio.fail_after(BOUND):
         async with source_and_consumer(factory) as (src, dst):
-            keys = fill(src.store, 16, BLOCK)
-            peer = await dst.connect(src.address)
             first = factory.built[0]
-            got: list[FetchResult] = []
-
-            async def fetch() -> None:
-                got.append(await dst.fetch(peer, keys))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fetch)
-                await entered(first)  # the run is in its first post
+            async with fetch_in_its_first_post(src, dst, first) as (keys, got):
                 assert await src.release_unused_pins(cut_writes=True) == 0
                 first.gate.set()
             assert first.posts == 1
@@ -288,17 +299,8 @@ async def test_a_closing_session_posts_no_more_chunks() -> None:
     factory = Factory()
     with trio.fail_after(BOUND):
         async with source_and_consumer(factory) as (src, dst):
-            keys = fill(src.store, 16, BLOCK)
-            peer = await dst.connect(src.address)
             first = factory.built[0]
-            got: list[Any] = []
-
-            async def fetch() -> None:
-                got.append(await dst.fetch(peer, keys))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(fetch)
-                await entered(first)
+            async with fetch_in_its_first_post(src, dst, first) as (_, got):
                 session = src._by_peer["dst"]
                 session.close("closed by the test")
                 first.gate.set()
