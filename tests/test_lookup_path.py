@@ -19,11 +19,16 @@ import trio.testing
 
 from p2pkv import open_node
 from p2pkv.errors import LocalProtocolError
-from p2pkv.session.protocol import LookupAnswered, LookupRequested, SessionProtocol
+from p2pkv.session.protocol import (
+    LookupAnswered,
+    LookupRequested,
+    SessionProtocol,
+    TransferCompleted,
+)
 from p2pkv.session.session import RECEIVE_SIZE, PeerSession
-from p2pkv.wire import Fetch, Lookup
+from p2pkv.wire import Fetch, Lookup, Outcome
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, count_calls, fill, pair
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, count_calls, fill, pair, until
 from .protocol_helpers import decode_frames, make_info, ready_pair
 
 BL = 4096
@@ -80,6 +85,43 @@ async def test_a_lease_still_ends_on_time_when_the_timer_was_armed_for_an_earlie
             assert src.statistics().pinned_slots == 1
             await trio.sleep(1.0)  # t=5.5
             assert src.statistics().pinned_slots == 0
+            await raw.aclose()
+
+
+async def test_a_producer_lease_ends_on_the_real_clock_too() -> None:
+    """A looked-up round's pins are let go when its lease ends ("Lookup rounds"), on the
+    real clock as well. A lease timer that comes to a due lease and does not lapse it
+    (the round stays due, so the timer never sleeps again) held the pins for ever and,
+    on the autojump clock, froze virtual time: every test of it hung until pytest-timeout
+    (mutation review S9). On the real clock it fails here, within seconds."""
+    lease = 0.5
+    with trio.fail_after(30):
+        async with open_node(
+            config("src", block_len=BL, lease=lease), transport=FaultFactory()
+        ) as src:
+            keys = fill(src.store, 2, BL)
+            raw = RawPeer()
+            await raw.connect(src.address)
+            await raw.handshake()
+            req = raw.proto.send_lookup(keys)
+            await raw.flush()
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.hits == [True, True]
+            answered = trio.current_time()
+            assert src.statistics().pinned_slots == 2
+            with trio.move_on_after(lease + 5.0):
+                await until(lambda: src.statistics().pinned_slots == 0)
+            held = trio.current_time() - answered
+            assert src.statistics().pinned_slots == 0, (
+                f"the producer still pins the round {held:.1f} s after the lookup, "
+                f"its lease ({lease} s) long over"
+            )
+            raw.proto.send_fetch(req, keys, [0, 1])
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted)
+            assert done.outcomes == [Outcome.LEASE_EXPIRED] * 2
+            assert not raw.array.any()  # nothing was written
             await raw.aclose()
 
 
