@@ -93,8 +93,9 @@ async def test_a_producer_lease_ends_on_the_real_clock_too() -> None:
     real clock as well. A lease timer that comes to a due lease and does not lapse it
     (the round stays due, so the timer never sleeps again) held the pins for ever and,
     on the autojump clock, froze virtual time: every test of it hung until pytest-timeout
-    (mutation review S9). On the real clock it fails here, within seconds."""
-    lease = 0.5
+    (mutation review S9). On the real clock it fails here, within seconds. The lease is
+    long enough that a loaded machine cannot lapse it before the pins are counted."""
+    lease = 2.0
     with trio.fail_after(30):
         async with open_node(
             config("src", block_len=BL, lease=lease), transport=FaultFactory()
