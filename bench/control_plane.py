@@ -5,8 +5,8 @@ Reproduce (about 30 s on 2 cores; ``--quick`` for a smoke run)::
 
     .venv/bin/python bench/control_plane.py [--json PATH]
 
-Three processes: the source (this script with ``--source``: ``p2pkv serve --fill 1024``'s
-node, NIXL, and beside it on the same Trio loop a bare echo server), a second bare server in
+Three processes: the source (this script with ``--source``: a node filled like ``p2pkv
+serve --fill 1024``'s, NIXL, and beside it on the same Trio loop a bare echo server), a second bare server in
 a process of its own (``--bare-server``: plain Trio TCP, no p2pkv) and this process as the
 client of all three, each connected once. A p2pkv sample is one ``node.lookup(peer, keys)``
 with every key present (every key is pinned at the source, the usual case before a fetch);
@@ -37,6 +37,15 @@ the session's answer lane off (each answer reaches the lookup's task through the
 an event, as before the lane; ``docs/design.md``, "Sessions"). It prints the lane's worth
 as a ratio paired rep by rep.
 
+``--lean`` adds a kind answered by a lookup server with no engine, on the source's loop
+beside ``bare``: each lookup frame decoded with p2pkv's codec, its keys pinned in the
+node's own store, the answer encoded and sent, the pins dropped after the send; the client
+encodes and decodes the same way. It is what the same work costs in plain Trio, with
+none of a session's machinery (request slots, rounds, leases, caps, the answer lane):
+a reference for how much of the gap to ``bare`` the engine's structure is
+(``bench/notes/control_plane.md``). ``--pin-cpus C,S,B`` runs the client, the source
+and the ``bare_own`` process each on its own CPUs (``2+3`` names two).
+
 Targets (issue 9): ``--keys`` 1,024 at p50 <= 1.5 ms on a 2-core machine, <= 1 ms with
 more cores; 1 key within 1.5 x the bare round trip (``bare``).
 """
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -59,8 +69,9 @@ import trio
 
 import p2pkv
 from p2pkv.cli import Child, demo_keys, set_env_defaults
-from p2pkv.cli.serve import serve
-from p2pkv.wire import HEADER, Lookup, LookupResp, encode
+from p2pkv.cli.blocks import fill_store
+from p2pkv.store import BlockStore
+from p2pkv.wire import HEADER, FrameDecoder, Lookup, LookupResp, encode, trusted
 
 TARGET_RATIO_1_KEY = 1.5
 T = TypeVar("T")
@@ -96,6 +107,14 @@ async def receive_frame(stream: trio.SocketStream, buf: bytearray) -> bytes | No
         buf += data
 
 
+def pin_cpus(spec: str) -> list[set[int]]:
+    """``--pin-cpus``: the client's, the source's and ``bare_own``'s CPU sets."""
+    sets = [{int(cpu) for cpu in part.split("+")} for part in spec.split(",")]
+    if len(sets) != 3:
+        raise SystemExit(f"--pin-cpus wants three CPU sets (client,source,bare_own), got {spec!r}")
+    return sets
+
+
 def sample_order(kinds: Sequence[T], i: int) -> list[T]:
     """The order of the kinds in sample ``i``: it flips every sample and rotates every
     second one, so over any 2k samples in a row each of k kinds runs in each place twice
@@ -124,6 +143,49 @@ async def start_bare(nursery: trio.Nursery, counts: Sequence[int]) -> list[Any]:
     return list(listeners[0].socket.getsockname()[:2])
 
 
+async def start_lean(nursery: trio.Nursery, store: BlockStore) -> list[Any]:
+    """Start the engine-less lookup server of ``--lean``; its address."""
+
+    async def handle(stream: trio.SocketStream) -> None:
+        decoder = FrameDecoder()
+        while data := await stream.receive_some(1 << 20):
+            decoder.feed(data)
+            while (msg := decoder.next_message()) is not None:
+                if type(msg) is not Lookup:
+                    raise SystemExit(f"the lean server got a {type(msg).__name__}")
+                owner = ("lean", msg.req_id)
+                hits = [slot is not None for slot in store.pin(owner, msg.keys)]
+                await stream.send_all(encode(trusted[LookupResp](req_id=msg.req_id, hits=hits)))
+                store.unpin(owner)  # the round's close, after the answer (off the path)
+
+    serve = functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1")
+    listeners = await nursery.start(serve)
+    return list(listeners[0].socket.getsockname()[:2])
+
+
+def lean_client(
+    stream: trio.SocketStream, keys: Sequence[bytes], cpu: list[float]
+) -> Callable[[int], Awaitable[float]]:
+    """A ``--lean`` sample: one lookup of the first ``n`` keys, all hits, through
+    ``stream``; its round-trip time (and the client thread's CPU for it, in ``cpu``)."""
+    decoder = FrameDecoder()
+    req_ids = itertools.count(REQ_ID)
+
+    async def sample(n: int) -> float:
+        c0, t0 = time.thread_time(), time.perf_counter()
+        req = next(req_ids)
+        await stream.send_all(encode(trusted[Lookup](req_id=req, keys=list(keys[:n]))))
+        while (msg := decoder.next_message()) is None:
+            decoder.feed(await stream.receive_some(1 << 20))
+        elapsed = time.perf_counter() - t0
+        cpu.append(time.thread_time() - c0)
+        if type(msg) is not LookupResp or msg.req_id != req or msg.hits != [True] * n:
+            raise SystemExit(f"the lean server answered {msg!r}")
+        return elapsed
+
+    return sample
+
+
 async def serve_bare(counts: Sequence[int]) -> None:
     """The bare server in a process of its own; stops at EOF on stdin."""
     async with trio.open_nursery() as nursery:
@@ -133,14 +195,18 @@ async def serve_bare(counts: Sequence[int]) -> None:
 
 
 async def serve_source(args: argparse.Namespace) -> None:
-    """The source: ``p2pkv serve``'s node, filled with ``--keys`` demo keys, and a bare
-    server on the same Trio loop; stops at EOF on stdin."""
+    """The source: a node like ``p2pkv serve --fill``'s, filled with ``--keys`` demo keys,
+    and on the same Trio loop a bare server (and with ``--lean`` the lean one); stops at
+    EOF on stdin."""
     cfg = p2pkv.NodeConfig(
         peer_id="source", num_blocks=args.keys, block_len=args.block_len, transport="nixl"
     )
-    async with trio.open_nursery() as nursery:
-        print(json.dumps({"bare": await start_bare(nursery, args.counts)}), flush=True)
-        await serve(cfg, fill=args.keys, seed=0, exit_on_eof=True)  # prints its address
+    async with trio.open_nursery() as nursery, p2pkv.open_node(cfg) as node:
+        fill_store(node.store, demo_keys(args.keys), 0)
+        bare = await start_bare(nursery, args.counts)
+        lean = await start_lean(nursery, node.store) if args.lean else None
+        print(json.dumps({"bare": bare, "lean": lean, "address": node.address}), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.read)  # EOF: the parent is done
         nursery.cancel_scope.cancel()
 
 
@@ -151,7 +217,10 @@ Samples = dict[str, dict[int, list[list[float]]]]  # kind -> keys -> rep -> seco
 
 
 async def measure(
-    args: argparse.Namespace, source: tuple[str, int], bares: dict[str, tuple[str, int]]
+    args: argparse.Namespace,
+    source: tuple[str, int],
+    bares: dict[str, tuple[str, int]],
+    lean: tuple[str, int] | None = None,
 ) -> Samples:
     cfg = p2pkv.NodeConfig(
         peer_id="consumer", num_blocks=16, block_len=args.block_len, transport="nixl"
@@ -162,6 +231,7 @@ async def measure(
         kind: {n: [[] for _ in range(args.reps)] for n in counts}
         for kind in ("p2pkv", *bares, "p2pkv_cpu", "bare_cpu")
         + (("no_lane",) if args.ab_lane else ())
+        + (("lean", "lean_cpu") if lean else ())
     }
     per_rep = math.ceil(args.samples / args.reps)
     async with p2pkv.open_node(cfg) as node:
@@ -196,6 +266,7 @@ async def measure(
         bare_frames = {n: frames(n) for n in counts}
 
         bare_cpu: list[float] = []  # the client's CPU per round trip with "bare"
+        lean_cpu: list[float] = []  # and with "lean"
 
         def bare_round_trip(
             stream: trio.SocketStream, kind: str
@@ -230,6 +301,9 @@ async def measure(
         kinds += [(kind, bare_round_trip(stream, kind)) for kind, stream in streams.items()]
         if args.ab_lane:
             kinds.insert(1, ("no_lane", no_lane_lookup))
+        if lean:
+            streams["lean"] = await trio.open_tcp_stream(*lean)
+            kinds.append(("lean", lean_client(streams["lean"], keys, lean_cpu)))
         settle = args.settle_ms / 1e3
         for i in range(args.warmup + per_rep * args.reps):
             rep = (i - args.warmup) // per_rep
@@ -243,6 +317,8 @@ async def measure(
                 if rep >= 0:
                     samples["p2pkv_cpu"][n][rep].append(cpu[-1])
                     samples["bare_cpu"][n][rep].append(bare_cpu[-1])
+                    if lean:
+                        samples["lean_cpu"][n][rep].append(lean_cpu[-1])
         for stream in streams.values():
             await stream.aclose()
     return samples
@@ -274,6 +350,8 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
         "samples_per_kind": args.reps * len(samples["p2pkv"][1][0]),
         "close": args.close,
         "p2pkv_module": os.path.dirname(p2pkv.__file__),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "pin_cpus": getattr(args, "pin_cpus", None),
         "latency_s": {},
         "consumer_cpu_s": {},
         "ratio": {},
@@ -284,8 +362,22 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
             out["consumer_cpu_s"] = summaries
         elif kind == "bare_cpu":  # the same thread's CPU per bare round trip
             out["bare_client_cpu_s"] = summaries
+        elif kind == "lean_cpu":  # and per lean one
+            out["lean_client_cpu_s"] = summaries
         else:
             out["latency_s"][kind] = summaries
+    if "lean" in samples:  # the engine-less server's round trip over bare's, rep by rep
+        out["ratio_lean"] = {}
+        for n in samples["p2pkv"]:
+            rs = [
+                statistics.median(x) / statistics.median(y)
+                for x, y in zip(samples["lean"][n], samples["bare"][n], strict=True)
+            ]
+            out["ratio_lean"][str(n)] = {
+                "median": statistics.median(rs),
+                "min": min(rs),
+                "max": max(rs),
+            }
     if "no_lane" in samples:
         out["ratio_no_lane"] = {}
         out["ratio_lane_over_no_lane"] = {}
@@ -356,6 +448,11 @@ def print_report(out: dict[str, Any]) -> None:
             f"  consumer's Trio thread CPU per p2pkv lookup, {n:>5} keys: "
             f"p50 {s['p50'] * 1e6:.0f} us, p90 {s['p90'] * 1e6:.0f} us; "
             f"per bare round trip p50 {b['p50'] * 1e6:.0f} us"
+            + (
+                f", per lean one p50 {out['lean_client_cpu_s'][n]['p50'] * 1e6:.0f} us"
+                if "lean_client_cpu_s" in out
+                else ""
+            )
         )
     for n, r in out["ratio"].items():
         o = out["ratio_own"][n]
@@ -364,6 +461,13 @@ def print_report(out: dict[str, Any]) -> None:
             f"(reps {r['min']:.2f}-{r['max']:.2f}); / bare_own {o['median']:.2f} "
             f"(reps {o['min']:.2f}-{o['max']:.2f})"
         )
+    for n, r in out.get("ratio_lean", {}).items():
+        print(
+            f"  lean / bare, {n:>5} keys: p50 ratio {r['median']:.2f} "
+            f"(reps {r['min']:.2f}-{r['max']:.2f}): the same work without the engine"
+        )
+    if out.get("pin_cpus"):
+        print(f"  client, source, bare_own on CPUs {out['pin_cpus']}")
     for n, r in out.get("ratio_no_lane", {}).items():
         q = out["ratio_lane_over_no_lane"][n]
         print(
@@ -418,9 +522,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also sample p2pkv with the session's answer lane off (a third kind, same"
         " session, alternating): what the lane is worth, paired",
     )
+    parser.add_argument(
+        "--lean",
+        action="store_true",
+        help="also sample a lookup server with no engine (p2pkv's codec and store in plain"
+        " Trio, on the source's loop): what the engine's structure adds",
+    )
+    parser.add_argument(
+        "--pin-cpus",
+        metavar="C,S,B",
+        help="run the client, the source and the bare_own process on these CPUs"
+        " (each a CPU or CPUs joined by +, e.g. 2,4,6 or 2+3,2+3,2+3)",
+    )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--source", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.pin_cpus:
+        role = 1 if args.source else 2 if args.bare_server else 0
+        os.sched_setaffinity(0, pin_cpus(args.pin_cpus)[role])
     args.counts = sorted({1, args.keys} | ({16, 128} if args.sweep else set()), reverse=True)
     set_env_defaults()
     if args.bare_server:
@@ -433,16 +552,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.samples, args.warmup = 30, 5
     child = [sys.executable, __file__, "--keys", str(args.keys), "--block-len", str(args.block_len)]
     child += ["--sweep"] if args.sweep else []
+    child += ["--lean"] if args.lean else []
+    child += ["--pin-cpus", args.pin_cpus] if args.pin_cpus else []
     load_before = os.getloadavg()[0]
     with (
         Child([*child, "--source"], name="source process") as source,
         Child([*child, "--bare-server"], name="bare server") as bare_own,
     ):
-        bare = source.receive(timeout=60)["bare"]
-        host, port = source.receive(timeout=300)["address"]
+        started = source.receive(timeout=300)
+        bare, lean = started["bare"], started["lean"]
+        host, port = started["address"]
         bares = {"bare": bare, "bare_own": bare_own.receive(timeout=60)["address"]}
         addrs = {kind: (host_, int(port_)) for kind, (host_, port_) in bares.items()}
-        samples = trio.run(measure, args, (host, int(port)), addrs)
+        samples = trio.run(
+            measure, args, (host, int(port)), addrs, (lean[0], int(lean[1])) if lean else None
+        )
     out = report(args, samples, [load_before, os.getloadavg()[0]])
     print_report(out)
     if args.json:

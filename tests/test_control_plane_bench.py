@@ -1,5 +1,5 @@
-"""``bench/control_plane.py``'s order of samples and its ratios (its numbers come from
-real runs, never from here)."""
+"""``bench/control_plane.py``'s order of samples, its ratios and its engine-less lookup
+server (its numbers come from real runs, never from here)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import trio
+
+from p2pkv import open_node
+from p2pkv.wire import FrameDecoder, Lookup, LookupResp, encode
+
+from .helpers import config, fill
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
 import control_plane  # bench/ is a folder of scripts, not a package
@@ -58,3 +64,39 @@ def test_the_target_is_the_ratio_to_the_bare_round_trip_between_the_same_process
     assert target["pass"] is False
     assert out["bare_client_cpu_s"]["1"]["p50"] == pytest.approx(10 * us)
     assert out["consumer_cpu_s"]["8"]["p50"] == pytest.approx(50 * us)
+
+
+def test_pin_cpus_names_three_sets_or_refuses() -> None:
+    assert control_plane.pin_cpus("2,4+5,6") == [{2}, {4, 5}, {6}]
+    with pytest.raises(SystemExit, match="three CPU sets"):
+        control_plane.pin_cpus("2,4")
+
+
+async def test_the_lean_server_pins_in_the_nodes_store_and_lets_go_after_its_answer() -> None:
+    """``--lean``'s server does the lookup's own work (decode, pin in the node's store,
+    answer) and closes each round after its answer; its client checks the answer."""
+    with trio.fail_after(30):
+        async with open_node(config("src")) as node, trio.open_nursery() as nursery:
+            keys = fill(node.store, 2, 4096)
+            host, port = await control_plane.start_lean(nursery, node.store)
+            async with await trio.open_tcp_stream(host, port) as stream:
+                await stream.send_all(encode(Lookup(req_id=7, keys=[*keys, b"\x01" * 32])))
+                await stream.send_all(encode(Lookup(req_id=8, keys=keys[:1])))
+                decoder, answers = FrameDecoder(), list[object]()
+                while len(answers) < 2:
+                    decoder.feed(await stream.receive_some(1 << 16))
+                    while (msg := decoder.next_message()) is not None:
+                        answers.append(msg)
+                assert answers == [
+                    LookupResp(req_id=7, hits=[True, True, False]),
+                    LookupResp(req_id=8, hits=[True]),
+                ]
+                # Round 7 was closed before round 8 was read: nothing of it stays pinned.
+                assert node.store.pins_of(("lean", 7)) == 0
+                cpu: list[float] = []
+                sample = control_plane.lean_client(stream, keys, cpu)
+                assert await sample(2) > 0 and len(cpu) == 1
+                absent = control_plane.lean_client(stream, [b"\x02" * 32], cpu)
+                with pytest.raises(SystemExit, match="answered"):
+                    await absent(1)
+            nursery.cancel_scope.cancel()
