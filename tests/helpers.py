@@ -283,6 +283,17 @@ class RawPeer:
             else:
                 raise AssertionError(f"unexpected event during handshake: {ev!r}")
 
+    async def lookup(self, keys: list[bytes]) -> tuple[int, list[bool]]:
+        """Look ``keys`` up and read the answer (the next event must be it): its request
+        id and hits."""
+        from p2pkv.session.protocol import LookupAnswered
+
+        req = self.proto.send_lookup(keys)
+        await self.flush()
+        ev = await self.next_event()
+        assert isinstance(ev, LookupAnswered) and ev.req_id == req, ev
+        return req, ev.hits
+
     async def expect_close(self) -> ByeReceived | None:
         """Read until the node says bye (returned) or the connection ends without one
         (``None``: EOF or reset). Anything else the read raises (our protocol rejecting

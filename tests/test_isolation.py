@@ -110,10 +110,8 @@ async def test_fetch_into_slots_outside_the_region_is_refused() -> None:
             raw = RawPeer(num_blocks=8)
             await raw.connect(src.address)
             await raw.handshake()
-            req = raw.proto.send_lookup(keys)
-            await raw.flush()
-            ev = await raw.next_event()
-            assert isinstance(ev, LookupAnswered) and ev.hits == [True, True]
+            req, hits = await raw.lookup(keys)
+            assert hits == [True, True]
             await raw.send_raw(
                 frame({"t": "fetch", "req_id": req, "keys": keys, "slots": [1, 8]})
             )  # 8 is past the 8-block region

@@ -104,10 +104,8 @@ async def test_a_producer_lease_ends_on_the_real_clock_too() -> None:
             raw = RawPeer()
             await raw.connect(src.address)
             await raw.handshake()
-            req = raw.proto.send_lookup(keys)
-            await raw.flush()
-            ev = await raw.next_event()
-            assert isinstance(ev, LookupAnswered) and ev.hits == [True, True]
+            req, hits = await raw.lookup(keys)
+            assert hits == [True, True]
             answered = trio.current_time()
             assert src.statistics().pinned_slots == 2
             with trio.move_on_after(lease + 5.0):

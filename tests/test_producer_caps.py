@@ -64,14 +64,6 @@ async def connected(n: Node, **info: Any) -> tuple[RawPeer, PeerSession]:
     return raw, n._by_peer[raw.peer_id]
 
 
-async def looked_up(raw: RawPeer, keys: list[bytes]) -> tuple[int, list[bool]]:
-    req = raw.proto.send_lookup(keys)
-    await raw.flush()
-    ev = await raw.next_event()
-    assert isinstance(ev, LookupAnswered) and ev.req_id == req
-    return req, ev.hits
-
-
 # --- item 4: abort_ack means "no write of this round can land any more" -------------------
 
 
@@ -83,7 +75,7 @@ async def test_abort_ack_waits_until_an_unsettled_write_can_no_longer_land(
         async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
             keys = fill(src.store, 4, 4096)
             raw, _ = await connected(src)
-            req, hits = await looked_up(raw, keys)
+            req, hits = await raw.lookup(keys)
             assert hits == [True] * 4
             raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
             await raw.flush()
@@ -113,7 +105,7 @@ async def test_source_pins_of_an_unsettled_write_outlive_the_session(
         async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
             keys = fill(src.store, 2, 4096)
             raw, _ = await connected(src)
-            req, _ = await looked_up(raw, keys)
+            req, _ = await raw.lookup(keys)
             raw.proto.send_fetch(req, keys, [0, 1])
             await raw.flush()
             await trio.sleep(1.0)
@@ -133,7 +125,7 @@ CAP = 4  # max_pinned_blocks of the tests below that use it
 
 async def hang_a_write(raw: RawPeer, keys: list[bytes]) -> None:
     """Pin ``keys`` (all hits) and fetch them over a data plane whose writes hang."""
-    req, hits = await looked_up(raw, keys)
+    req, hits = await raw.lookup(keys)
     assert hits == [True] * len(keys)
     raw.proto.send_fetch(req, keys, list(range(len(keys))))
     await raw.flush()
@@ -160,16 +152,16 @@ async def test_pins_in_quarantine_count_against_the_peers_cap_after_its_session_
             await trio.sleep(2.0)  # past abort_timeout: the session is gone
             assert src.statistics().sessions == 0
             raw, _ = await connected(src, peer_id="greedy")
-            _, hits = await looked_up(raw, keys[CAP : 2 * CAP])
+            _, hits = await raw.lookup(keys[CAP : 2 * CAP])
             assert hits == [False] * CAP  # its cap is taken by the quarantine
             assert src.orphan_pins == {"greedy": CAP}
             other, _ = await connected(src, peer_id="other")
-            _, hits = await looked_up(other, keys[2 * CAP :])
+            _, hits = await other.lookup(keys[2 * CAP :])
             assert hits == [True] * CAP  # another peer's cap is its own
             assert src.statistics().pinned_slots == 2 * CAP
             await trio.sleep(20.0)  # the quarantine is over: the pins and the count go
             assert src.orphan_pins == {}
-            _, hits = await looked_up(raw, keys[CAP : 2 * CAP])
+            _, hits = await raw.lookup(keys[CAP : 2 * CAP])
             assert hits == [True] * CAP
             await raw.aclose()
             await other.aclose()
@@ -194,11 +186,11 @@ async def test_a_restarted_peer_does_not_get_a_fresh_cap_beside_its_old_quaranti
             await raw.handshake()  # the old round is cut and quarantined
             await trio.sleep(2.0)
             assert session.alive and session._pinned == {}
-            _, hits = await looked_up(raw, keys[CAP:])
+            _, hits = await raw.lookup(keys[CAP:])
             assert hits == [False] * CAP
             assert src.statistics().pinned_slots == CAP
             await trio.sleep(20.0)
-            _, hits = await looked_up(raw, keys[CAP:])
+            _, hits = await raw.lookup(keys[CAP:])
             assert hits == [True] * CAP and src.orphan_pins == {}
             await raw.aclose()
 
@@ -219,7 +211,7 @@ async def test_a_written_rounds_pins_go_as_its_reply_is_queued_behind_a_full_out
         async with node("src", max_pinned_blocks=CAP) as src:
             keys = fill(src.store, 2 * CAP, 4096)
             raw, s = await connected(src)
-            req, hits = await looked_up(raw, keys[:CAP])
+            req, hits = await raw.lookup(keys[:CAP])
             assert hits == [True] * CAP
             gate.shut(s)  # the peer reads nothing from here on
             await raw.send_raw(encode(Lookup(req_id=2, keys=[b"m"])))
@@ -282,9 +274,9 @@ async def test_a_big_fetchs_checksums_hold_another_peers_reply_a_slice_at_most(
             keys = fill(src.store, big + 1, 4096)
             hog, _ = await connected(src, num_blocks=big)
             good, _ = await connected(src)
-            req, hits = await looked_up(hog, keys[:big])
+            req, hits = await hog.lookup(keys[:big])
             assert all(hits)
-            small, _ = await looked_up(good, keys[big:])
+            small, _ = await good.lookup(keys[big:])
             hog.proto.send_fetch(req, keys[:big], list(range(big)))
             await hog.flush()
             await trio.sleep(0.1)  # virtual: the hog's blocks are written, its sum begun
@@ -367,7 +359,7 @@ async def test_a_key_the_round_does_not_hold_between_two_it_does_is_not_reported
         raw, _ = await connected(src)
         try:
             with trio.fail_after(BOUND):
-                req, hits = await looked_up(raw, keys)
+                req, hits = await raw.lookup(keys)
                 assert hits == [True, False, True]
                 raw.proto.send_fetch(req, keys, [0, 1, 2])
                 await raw.flush()
@@ -390,7 +382,7 @@ async def test_a_quarantined_rounds_pins_outlast_an_abort_and_a_hosts_release(
         async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
             keys = fill(src.store, 3, 4096)
             raw, session = await connected(src)
-            req, _ = await looked_up(raw, keys)
+            req, _ = await raw.lookup(keys)
             raw.proto.send_fetch(req, keys, [0, 1, 2])
             await raw.flush()
             await trio.sleep(0.5)  # virtual: the write hangs
@@ -447,7 +439,7 @@ async def test_a_peer_that_never_fetches_is_held_to_its_caps_and_expired_rounds_
         ) as src:
             present = fill(src.store, 64, 4096)
             raw, session = await connected(src)
-            warm, _ = await looked_up(raw, present[:1])  # codec and handler paths warmed up
+            warm, _ = await raw.lookup(present[:1])  # codec and handler paths warmed up
             raw.proto.send_fetch(warm, [], [])
             await raw.flush()
             await trio.sleep(0.5)
@@ -460,7 +452,7 @@ async def test_a_peer_that_never_fetches_is_held_to_its_caps_and_expired_rounds_
                     pinned = 0
                     for _ in range(caps["rounds"]):
                         keys = present + [os.urandom(32) for _ in range(4096 - len(present))]
-                        req, hits = await looked_up(raw, keys)
+                        req, hits = await raw.lookup(keys)
                         reqs.append(req)
                         pinned += sum(hits)
                         check_holding(session, src, **caps)
@@ -477,7 +469,7 @@ async def test_a_peer_that_never_fetches_is_held_to_its_caps_and_expired_rounds_
             assert grown < 512 << 10, f"{grown} bytes still held after every lease ran out"
             # A lookup over the keys cap is answered all misses, nothing pinned; still alive.
             big = present + [os.urandom(32) for _ in range(8000 - len(present))]
-            req, hits = await looked_up(raw, big)
+            req, hits = await raw.lookup(big)
             assert not any(hits)
             assert session.proto.pins_held() == 0 and session.alive
             # A fetch for an expired round gets LEASE_EXPIRED, whether its tombstone is kept
@@ -508,20 +500,20 @@ async def test_over_the_keys_cap_a_lookup_gets_misses_and_a_fetch_over_cap(
                 else:
                     raw.proto.send_fetch(req, present, list(range(64)))
 
-            a, hits = await looked_up(raw, present)
+            a, hits = await raw.lookup(present)
             assert all(hits)  # held: 64 pins
             fetch(a)
             await raw.flush()
             await trio.sleep(0.5)
             assert session.proto.keys_held() == 128  # the pins and the fetch in flight
-            b, hits = await looked_up(raw, present)
+            b, hits = await raw.lookup(present)
             assert all(hits)  # 128 + 64 answering keys <= 200
             fetch(b)  # 192 + 64 > 200
             await raw.flush()
             done = await raw.next_event()
             assert isinstance(done, TransferCompleted) and done.req_id == b
             assert done.outcomes == [OVER_CAP] * 64
-            c, hits = await looked_up(raw, present + [os.urandom(32) for _ in range(36)])
+            c, hits = await raw.lookup(present + [os.urandom(32) for _ in range(36)])
             assert not any(hits)  # 128 + 100 > 200: every key a miss, nothing pinned
             assert session.proto.pins_held() == 64 and session.proto.keys_held() == 128
             assert hanging.transport.posts == 1 and session.alive
@@ -542,7 +534,7 @@ async def test_bytes_in_flight_are_capped_within_a_fetch_and_across_fetches(
         async with node("src", factory=factory, max_inflight_bytes=3 * 4096) as src:
             keys = fill(src.store, 6, 4096)
             raw, session = await connected(src)
-            req, hits = await looked_up(raw, keys[:5])
+            req, hits = await raw.lookup(keys[:5])
             assert all(hits)
             raw.proto.send_fetch(req, keys[:5], [0, 1, 2, 3, 4])
             await raw.flush()
@@ -552,12 +544,12 @@ async def test_bytes_in_flight_are_capped_within_a_fetch_and_across_fetches(
             assert raw.array[3 * 4096 :].any() == False  # noqa: E712 - nothing over the cap
             assert session.inflight_bytes == 0  # given back once the writes settled
             factory.transport.hang = True  # from here on, writes stay in flight
-            first, _ = await looked_up(raw, keys[:2])
+            first, _ = await raw.lookup(keys[:2])
             raw.proto.send_fetch(first, keys[:2], [10, 11])
             await raw.flush()
             await trio.sleep(0.5)  # virtual: the first fetch's two writes are posted
             assert session.inflight_bytes == 2 * 4096
-            second, _ = await looked_up(raw, keys[2:4])
+            second, _ = await raw.lookup(keys[2:4])
             raw.proto.send_fetch(second, keys[2:4], [12, 13])
             await raw.flush()
             await trio.sleep(0.5)
@@ -584,7 +576,7 @@ async def test_a_write_the_data_plane_reports_failed_is_never_reported_loaded(
         async with node("src", factory=FaultFactory(kind=ErringWrites)) as src:
             keys = fill(src.store, 4, 4096)
             raw, session = await connected(src)
-            req, hits = await looked_up(raw, keys)
+            req, hits = await raw.lookup(keys)
             assert all(hits)
             raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
             await raw.flush()
@@ -623,7 +615,7 @@ async def test_a_flood_of_small_lookups_does_not_starve_another_peer() -> None:
                     flooder.proto.send_lookup([key])
                 await flooder.flush()  # the whole flood in one burst
                 await first.wait()  # the node is working through it
-                _, hits = await looked_up(good, [key])
+                _, hits = await good.lookup([key])
                 before_good = received
         assert hits == [True]
         # Old behaviour: the good lookup waited for the whole 64 KiB read (~1,200 lookups)
@@ -661,7 +653,7 @@ async def test_a_big_lookup_is_pinned_in_slices_while_another_peer_is_answered(
             big.proto.send_lookup([key] + [os.urandom(32) for _ in range(65535)])
             await big.flush()
             await pinning.wait()  # the node has started on the big lookup
-            _, hits = await looked_up(good, [key])
+            _, hits = await good.lookup([key])
             assert hits == [True]
             ev = await big.next_event()
             assert isinstance(ev, LookupAnswered) and ev.hits[0] and sum(ev.hits) == 1
@@ -827,7 +819,7 @@ async def test_a_lookup_near_a_pin_cap_costs_a_store_call_per_slice_not_per_key(
         try:
             with trio.fail_after(BOUND):
                 held = 8 if near == "its_own_pin_cap" else 31  # one short of the cap
-                _, hits = await looked_up(hog, present[:held])
+                _, hits = await hog.lookup(present[:held])
                 assert sum(hits) == held
                 if near == "the_share_another_peer_holds":
                     victim, _ = await connected(src)
@@ -835,7 +827,7 @@ async def test_a_lookup_near_a_pin_cap_costs_a_store_call_per_slice_not_per_key(
                 misses = [os.urandom(32) for _ in range(65535)]  # + 1: the cap per request
                 # The one key that can still be pinned, far into the lookup.
                 keys = [*misses[:40000], present[-1], *misses[40000:]]
-                _, hits = await looked_up(victim, keys)
+                _, hits = await victim.lookup(keys)
             assert [i for i, h in enumerate(hits) if h] == [40000]
             assert src.store.statistics().pinned == held + 1
             # A call per slice of a turn's keys (1,024), not one per key.
@@ -857,7 +849,7 @@ async def test_near_a_pin_cap_the_first_present_keys_are_pinned_in_the_lookups_o
                 keys: list[bytes] = []
                 for k in present:
                     keys += [os.urandom(32), k]
-                _, hits = await looked_up(raw, keys)
+                _, hits = await raw.lookup(keys)
             assert [i for i, h in enumerate(hits) if h] == [1, 3, 5]
             assert src.store.statistics().pinned == 3
         finally:
@@ -873,7 +865,7 @@ async def test_a_lookup_of_several_slices_pins_no_more_than_the_peers_pin_cap() 
         raw, _ = await connected(src)
         try:
             with trio.fail_after(BOUND):
-                _, hits = await looked_up(raw, present)
+                _, hits = await raw.lookup(present)
             assert hits == [True] * 6 + [False] * 2
             assert src.store.statistics().pinned == 6
         finally:

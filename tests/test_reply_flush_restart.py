@@ -31,7 +31,7 @@ from p2pkv.wire import HelloAck, Lookup, Outcome, encode
 
 from .helpers import FaultFactory, RawPeer, SendGate, VirtualOffload, config, fill
 from .helpers import virtual_node as node
-from .test_producer_caps import connected, looked_up
+from .test_producer_caps import connected
 
 N = 65536  # keys of a fetch whose transfer_done (with checksums, ~130 KB) fills small buffers
 
@@ -51,7 +51,7 @@ async def fetch_with_a_big_reply(
     send buffer on the node's side (and a 4 KiB receive buffer on the peer's, unless
     ``shrink_peer`` is off): the reply is N outcomes with their checksums. Its request id."""
     miss = [bytes([i & 255, i >> 8]) * 16 for i in range(N - len(keys))]
-    req, hits = await looked_up(raw, keys + miss)
+    req, hits = await raw.lookup(keys + miss)
     assert sum(hits) == len(keys)
     # Only the direction the node sends in (the fetch must get through whole).
     assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
@@ -96,7 +96,7 @@ async def test_reply_stuck_in_send_while_peer_restarts_and_reuses_the_request_id
             keys_a = fill(src.store, 4, 4096)
             keys_b = fill(src.store, 4, 4096)
             raw, s = await connected(src)
-            req, hits = await looked_up(raw, keys_a)
+            req, hits = await raw.lookup(keys_a)
             assert req == 1 and hits == [True] * 4
             old = s._pinned[req]
 
@@ -212,7 +212,7 @@ async def test_a_peer_that_stops_reading_is_dropped_alone_after_idle_timeout(
                     nursery.start_soon(ping_forever)
                 # The other peer is served while the stuck one waits out its timeout.
                 for _ in range(5):
-                    _, other_hits = await looked_up(other, keys)
+                    _, other_hits = await other.lookup(keys)
                     assert other_hits == [True] * 4
                     await trio.sleep(5.0)
                 with trio.fail_after(60):
@@ -227,7 +227,7 @@ async def test_a_peer_that_stops_reading_is_dropped_alone_after_idle_timeout(
             reasons = {"peer stopped reading"} | ({"idle timeout"} if not pinging else set())
             assert s.close_reason in reasons, s.close_reason
             assert s._pinned == {}  # (the other peer's rounds may pin the same keys)
-            _, other_hits = await looked_up(other, keys)
+            _, other_hits = await other.lookup(keys)
             assert other_hits == [True] * 4
             await raw.aclose()
             await other.aclose()

@@ -19,7 +19,6 @@ import trio.testing
 from p2pkv import HandshakeRejected, Node, P2PKVTimeout, Peer
 from p2pkv.session.protocol import (
     AbortRequested,
-    LookupAnswered,
     LookupRequested,
     SessionProtocol,
     TransferCompleted,
@@ -327,10 +326,8 @@ async def test_producer_lease_expiry_releases_pins_and_fails_a_late_fetch(
             raw = RawPeer()
             await raw.connect(src.address)
             await raw.handshake()
-            req = raw.proto.send_lookup(keys)
-            await raw.flush()
-            ev = await raw.next_event()
-            assert isinstance(ev, LookupAnswered) and ev.hits == [True] * 3
+            req, hits = await raw.lookup(keys)
+            assert hits == [True] * 3
             assert src.statistics().pinned_slots == 3
             await trio.sleep(4.5)
             assert src.statistics().pinned_slots == 0
@@ -388,9 +385,7 @@ async def test_abort_of_a_pinned_round_is_acked_at_once(
             raw = RawPeer()
             await raw.connect(src.address)
             await raw.handshake()
-            req = raw.proto.send_lookup(keys)
-            await raw.flush()
-            assert isinstance(await raw.next_event(), LookupAnswered)
+            req, _ = await raw.lookup(keys)
             raw.proto.send_abort(req)
             await raw.flush()
             from p2pkv.session.protocol import AbortAcknowledged
