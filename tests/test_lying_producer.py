@@ -311,3 +311,37 @@ async def test_a_transfer_done_with_more_outcomes_than_keys_loads_nothing() -> N
                 assert dst.store.get(keys[0]) is None and dst.store.get(keys[1]) is None
         finally:
             await raw.aclose()
+
+
+async def test_a_key_the_producer_reports_failed_beside_an_ok_one_is_not_loaded() -> None:
+    """With checksums off, a ``transfer_done`` that says OK for one key and
+    TRANSFER_FAILED for the other commits only the OK key: the failed key's slot was
+    never written (the integrity rule: a key is committed only on its own OK), and it is
+    reported with the producer's reason. (Mutation review, 2026-12-05: a fast path
+    taken when *any* outcome was OK committed both.)"""
+    with trio.fail_after(BOUND):
+        raw = RawPeer()
+        try:
+            async with open_node(config("dst")) as dst:
+                await raw.connect(dst.address)
+                await raw.handshake()
+                keys = [os.urandom(32) for _ in range(2)]
+                first = os.urandom(BLOCK)
+
+                async def write_first_fail_second(ev: FetchRequested) -> None:
+                    slot = ev.slots[0]
+                    region = dst.store.array
+                    region[slot * BLOCK : (slot + 1) * BLOCK] = np.frombuffer(first, np.uint8)
+                    ok, failed = int(Outcome.OK), int(Outcome.TRANSFER_FAILED)
+                    raw.proto.send_transfer_done(ev.req_id, [ok, failed])
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_serve_lookups_and, raw, write_first_fail_second)
+                    r = await dst.fetch(raw.peer_id, keys)
+                    nursery.cancel_scope.cancel()
+                assert r.loaded == [keys[0]], f"a key reported failed was loaded: {r}"
+                assert r.failed == {keys[1]: "transfer_failed"}
+                assert bytes(dst.store.get(keys[0]) or b"") == first
+                assert dst.store.get(keys[1]) is None
+        finally:
+            await raw.aclose()
