@@ -318,7 +318,11 @@ async def test_random_concurrent_local_calls_keep_every_guarantee(
 
 
 async def test_fetch_leaks_no_reservation_when_cancelled_while_landing() -> None:
-    """Cancelled between ``transfer_done`` and the commit (checksums run off the loop)."""
+    """Cancelled between ``transfer_done`` and the commit (checksums run off the loop):
+    nothing leaks and nothing is committed, and the slots are quarantined, not freed:
+    whether their bytes are the producer's is not known, so they are not freed on its
+    word (design, "Fetch outcomes": a verification cancelled midway quarantines all;
+    mutation review 2026-12-05: releasing them survived the suite)."""
     entered = trio.Event()
 
     async def consumer_offload(fn: Any, *args: Any, limiter: trio.CapacityLimiter) -> Any:
@@ -343,6 +347,7 @@ async def test_fetch_leaks_no_reservation_when_cancelled_while_landing() -> None
                 nursery.cancel_scope.cancel()
             assert_settled(dst)
             assert all(k not in dst.store for k in keys)
+            assert dst.statistics().store.quarantined == 3, "freed on the producer's word"
             # The session is fine: the next fetch works.
             r = await dst.fetch(peer, keys)
             assert sorted(r.loaded) == sorted(keys)
