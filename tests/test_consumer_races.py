@@ -864,6 +864,63 @@ async def test_a_fetch_waiting_on_keys_another_caller_cancels_fetches_them_itsel
                 assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
 
 
+async def test_a_key_left_undone_by_two_cancelled_callers_is_never_reported_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fetches B and C wait for keys fetch A brings in; A's caller cancels A, so both
+    fetch the keys themselves (once: ``again=False``), the second of them by waiting for
+    the first. That first one's caller cancels it too. The waiter may then fail the keys
+    ("cancelled": it fetches only once), but never report them loaded: a loaded key is
+    one a fetch committed (integrity rule; mutation review 2026-12-05: taking the other
+    fetch's "cancelled" for loaded survived the suite)."""
+    from p2pkv.session.consumer import ConsumerSide
+
+    from .test_fetch_into import hand_served
+
+    refetchers: list[trio.lowlevel.Task] = []  # tasks in the order they fetch once more
+    plain_fetch = ConsumerSide.fetch
+
+    async def recording_fetch(self: Any, *args: Any, **kw: Any) -> FetchResult:
+        if kw.get("again") is False:
+            refetchers.append(trio.lowlevel.current_task())
+        return await plain_fetch(self, *args, **kw)
+
+    monkeypatch.setattr(ConsumerSide, "fetch", recording_fetch)
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=2, hold=trio.Event()) as (dst, producer):
+            keys, peer = list(producer.blocks), producer.raw.peer_id
+            scopes: dict[trio.lowlevel.Task, trio.CancelScope] = {}
+            got: list[FetchResult] = []
+
+            async def caller() -> None:
+                with trio.CancelScope() as scope:
+                    scopes[trio.lowlevel.current_task()] = scope
+                    got.append(await dst.fetch(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(caller)  # A
+                await producer.fetched.wait()  # A's fetch is at the producer, held
+                nursery.start_soon(caller)  # B
+                nursery.start_soon(caller)  # C
+                await trio.testing.wait_all_tasks_blocked()  # both wait for A's keys
+                a = next(iter(scopes))  # the first caller, alone until its fetch was in
+                scopes[a].cancel()
+                # The first to fetch the keys itself waits on its lookup (the producer is
+                # held); the other waits for it.
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(refetchers) == 2
+                scopes[refetchers[0]].cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                assert producer.hold is not None
+                producer.hold.set()
+            (r,) = got  # the waiter's; A's and the first refetcher's callers cancelled
+            for k in r.loaded:
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k], (
+                    "a key was reported loaded that no fetch committed"
+                )
+            assert r.failed == dict.fromkeys(keys, "cancelled")
+
+
 async def test_a_fetch_that_needs_no_round_leaves_another_callers_round_pinned() -> None:
     """Caller C looked a key up (an anonymous round, pinned at the producer for C's fetch
     soon after). Caller D fetches only a key the store holds already: D needs no round,
