@@ -548,6 +548,24 @@ async def test_a_consumer_keeps_to_the_open_requests_its_producer_advertises() -
             assert dst.is_connected("src") and src.is_connected("dst")
 
 
+async def test_a_lookup_that_hits_nothing_gives_its_request_slot_back_at_once() -> None:
+    """A round without hits pins nothing and no fetch could use it, so the lookup closes
+    it at once and its request slot is free again: left open, nothing ever closed it (it
+    is no open round for the lease timer), and after ``max_open_requests`` lookups that
+    all missed every request to the peer waited out its deadline for a slot (mutation
+    review 2026-12-05: not closing such rounds survived the suite)."""
+    with trio.fail_after(10):
+        async with (
+            open_node(config("src")) as src,
+            open_node(config("dst", max_open_requests=2, lookup_timeout=1.0)) as dst,
+        ):
+            peer = await dst.connect(src.address)
+            for _ in range(3):
+                assert await dst.lookup(peer, [os.urandom(32)]) == [False]
+            requests = dst._by_peer["src"]._requests
+            assert requests.free == requests.limit
+
+
 async def test_a_lookup_split_into_more_requests_than_may_be_open_is_refused_at_once() -> None:
     """A lookup keeps every round it sends until all are answered: split into more rounds
     than may be open at the peer it could never finish, so it is refused before anything
