@@ -230,6 +230,41 @@ async def test_an_honest_producer_with_a_longer_quarantine_keeps_the_session(
             assert await dst.lookup(peer, keys) == [True, True]  # and the session works
 
 
+async def test_a_request_waiting_for_a_slot_an_honest_producers_abort_holds_gets_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An honest producer acks an abort of an unsettled write after its own abort_timeout
+    and quarantine, which the hello does not tell us, so an ack is overdue only past
+    twice ours and a close_timeout (``abort_ack_bound``: 19 s here). This producer's
+    quarantine is 14 s to our 5: it acks 16 s after the abort, past once ours and a
+    close_timeout (12 s). A lookup that must wait for the slot that abort holds, at 13 s,
+    gets it at the ack and the session stays (mutation review 2026-12-05: a bound of
+    once ours closed it under an honest producer, and survived the suite)."""
+    hanging = FaultFactory(lambda t: setattr(t, "hang", True))
+    with trio.fail_after(300):
+        async with pair(
+            {"abort_timeout": 2.0, "quarantine": 14.0},
+            {
+                "fetch_timeout": 4.0,
+                "abort_timeout": 2.0,
+                "quarantine": 5.0,
+                "max_open_requests": 1,
+                "lookup_timeout": 10.0,
+            },
+            src_transport=hanging,
+            virtual=True,
+        ) as (src, dst):
+            keys = fill(src.store, 1, BLOCK)
+            peer = await dst.connect(src.address)
+            r = await dst.fetch(peer, keys)
+            assert set(r.failed.values()) == {"timeout"}
+            aborted = trio.current_time()
+            await trio.sleep_until(aborted + 13.0)  # the abort still holds the one slot
+            assert await dst.lookup(peer, keys) == [True]
+            assert trio.current_time() >= aborted + 2.0 + 14.0  # it waited for the ack
+            assert dst.is_connected(peer.peer_id)
+
+
 async def test_a_slot_whose_bytes_fail_their_checksum_is_quarantined() -> None:
     """A producer says OK with the right checksum before its write has landed: the bytes
     fail the checksum, so its word that the write settled is in doubt too, and the slot
