@@ -359,11 +359,17 @@ async def test_fetch_leaks_no_reservation_when_cancelled_while_landing() -> None
 
 
 async def test_over_long_and_invalid_keys_fail_locally_and_the_session_lives_on() -> None:
+    """Keys we could not send fail alone; the others, a key of exactly ``max_key_len``
+    bytes among them, load beside them (mutation review 2026-12-05: refusing a key of
+    exactly the limit, once a bad key sent the check down its slow path, survived)."""
     with trio.fail_after(BOUND):
         async with pair() as (src, dst):
             keys = fill(src.store, 3, BLOCK)
+            edge = b"E" * 128  # max_key_len is 128: the longest key we may send
+            src.store.put(edge, os.urandom(BLOCK))
+            keys.append(edge)
             peer = await dst.connect(src.address)
-            long_key = b"L" * 129  # max_key_len is 128
+            long_key = b"L" * 129
             bad: list[Any] = [long_key, b"", "text", b"x" * 1025]
             r = await dst.fetch(peer, [*keys, *bad])
             assert sorted(r.loaded) == sorted(keys)
