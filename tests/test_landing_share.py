@@ -331,6 +331,26 @@ async def test_room_granted_for_keys_the_peer_no_longer_has_goes_back(
             assert dst.landing_shares.held("src", trio.current_time()) == 0
 
 
+async def test_a_fetch_that_finds_the_store_full_gives_its_room_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A round whose reservation meets StoreFull (the host pins every block) fails its
+    keys "store full" and gives the room of the peer's share it took back: kept, each such
+    fetch shrank the share for good, and once it was gone every later fetch from the peer
+    waited out fetch_timeout and failed (mutation review 2026-12-05: survived)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("src") as src, node("dst", num_blocks=4) as dst:
+            keys = fill(src.store, 2, 4096)
+            dst.store.pin("host", fill(dst.store, 4, 4096))
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == [] and set(result.failed) == set(keys)
+            assert all(why.startswith("store full") for why in result.failed.values())
+            assert dst.landing_shares.held("src", trio.current_time()) == 0
+            dst.store.unpin("host")
+            assert sorted((await dst.fetch(peer, keys)).loaded) == sorted(keys)
+
+
 async def test_two_fetches_of_the_same_keys_past_the_share_load_them_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
