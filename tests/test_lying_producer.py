@@ -352,8 +352,10 @@ async def test_a_key_the_producer_reports_failed_beside_an_ok_one_is_not_loaded(
     """With checksums off, a ``transfer_done`` that says OK for one key and
     TRANSFER_FAILED for the other commits only the OK key: the failed key's slot was
     never written (the integrity rule: a key is committed only on its own OK), and it is
-    reported with the producer's reason. (Mutation review, 2026-12-05: a fast path
-    taken when *any* outcome was OK committed both.)"""
+    reported with the producer's reason; its slot, and its room in the peer's share of
+    our store, are free again at once. (Mutation review, 2026-12-05: a fast path taken
+    when *any* outcome was OK committed both; a release that kept the share's room
+    shrank the peer's share for good. Both survived the suite.)"""
     with trio.fail_after(BOUND):
         raw = RawPeer()
         try:
@@ -378,5 +380,8 @@ async def test_a_key_the_producer_reports_failed_beside_an_ok_one_is_not_loaded(
                 assert r.failed == {keys[1]: "transfer_failed"}
                 assert bytes(dst.store.get(keys[0]) or b"") == first
                 assert dst.store.get(keys[1]) is None
+                # The failed key's slot is free again, and its room in the peer's share.
+                assert dst.statistics().store.reserved == 0
+                assert dst.landing_shares.held(raw.peer_id, trio.current_time()) == 0
         finally:
             await raw.aclose()
