@@ -537,6 +537,9 @@ def test_ticket_board_fail_all_finishes_in_flight_and_seals() -> None:
     assert board.poll(done) == 7  # results already published are kept
     with pytest.raises(PortalClosed):
         board.poll(a)
+    # A second seal (the engine sealing as it stops, after the host's close) changes
+    # nothing: the first seal's reason stands (mutation review 2026-12-05: survived).
+    board.fail_all(lambda: EngineBroke("sealed again"))
     later = board.new_ticket()  # sealed: born finished, never stuck in flight
     assert board.pending() == 0
     finished = dict(board.drain_finished())
