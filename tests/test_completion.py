@@ -341,7 +341,11 @@ async def test_a_peer_that_stalls_its_copies_slows_no_one_elses(
             handle = make_handle(blocks, MiB, "honest")
             seen, _ = await timed_wait(poller, transport, handle, takes)
             assert seen <= takes + max(takes / STEPS, MIN_DELAY) + SLACK + 1e-6
-        for takes in (0.010, 0.025):  # the staller's own: looked at every MAX_DELAY
+        # The staller's own: looked at every MAX_DELAY. The longer copy first, while its
+        # rate still says seconds: a copy found done at its first look raises the rate at
+        # once, and a schedule that waited for EARLY of a stale estimate went unseen
+        # (mutation review 2026-12-05).
+        for takes in (0.025, 0.010):
             seen, polls = await timed_wait(poller, transport, make_handle(100, MiB), takes)
             assert takes <= seen <= takes + MAX_DELAY + 1e-6
             assert max(b - a for a, b in itertools.pairwise(polls)) <= MAX_DELAY + 1e-6
