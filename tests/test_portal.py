@@ -501,6 +501,30 @@ def test_ticket_board_ignores_a_publish_that_fail_all_beat_even_once_read() -> N
     assert not board.publish(t, "late")  # the engine's own outcome, after the seal
 
 
+def test_ticket_board_in_a_forked_child_finishes_its_tickets_whoever_held_the_lock() -> None:
+    """A fork copies the board's lock as it was: held, if another thread of the parent was
+    inside a board call, and no thread of the child ever lets it go.
+    ``fail_all_in_forked_child`` takes a new lock, so the child's tickets finish and its
+    host's calls never wait for ever (mutation review 2026-12-05: reusing the copied lock
+    survived the suite). The fork is played by holding the lock here (no real fork beside
+    pytest's threads: tests/test_facade.py forks in a subprocess)."""
+    board: TicketBoard[int] = TicketBoard()
+    ticket = board.new_ticket()
+    copied = board._lock
+    assert copied.acquire()  # as a parent thread inside a board call left it
+    child, out = in_thread(lambda: board.fail_all_in_forked_child(lambda: PortalClosed("forked")))
+    try:
+        child.join(timeout=BOUND)
+        assert not child.is_alive(), "the child waited for a lock none of its threads holds"
+    finally:
+        copied.release()  # lets a stuck child go, so that no thread is left behind
+        child.join()
+    assert out.get_nowait() is None
+    with pytest.raises(PortalClosed, match="forked"):
+        board.poll(ticket)
+    assert board.pending() == 0
+
+
 def test_tickets_of_two_boards_never_collide() -> None:
     """Two nodes in one process: a ticket of one asked of the other is unknown there, and
     that node's own tickets are left alone."""
