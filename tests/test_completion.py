@@ -98,6 +98,26 @@ async def test_the_poller_parks_as_soon_as_the_last_handle_settles(
         assert steps.steps == before
 
 
+async def test_a_cancelled_wait_leaves_its_handle_alone_and_the_poller_parks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The handle stays the caller's: once its wait is cancelled (a fetch gave up, and
+    releases it) the poller never polls it again, and with nothing else pending parks at
+    once (mutation review 2026-12-05: a cancelled wait left in the poller's set survived;
+    it polled a released handle for ever)."""
+    transport = CountingTransport(polls_until_done=1 << 30)  # a write that never settles
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    handle = make_handle()
+    async with running(poller) as steps:
+        with trio.move_on_after(0.05):
+            await poller.wait(handle)
+        assert poller.in_flight == 0
+        await trio.testing.wait_all_tasks_blocked()  # the poller has taken its last step
+        polled, before = transport.polls[id(handle)], steps.steps
+        await trio.sleep(1.0)
+        assert transport.polls[id(handle)] == polled and steps.steps == before
+
+
 async def test_dropping_the_last_demand_parks_the_poller_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
