@@ -566,6 +566,32 @@ async def test_a_lookup_that_hits_nothing_gives_its_request_slot_back_at_once() 
             assert requests.free == requests.limit
 
 
+async def test_a_lookup_its_caller_cancels_gives_its_request_slot_and_pins_back() -> None:
+    """A lookup cancelled while it waits for its answer aborts its request: the producer
+    unpins the round's hits and acks, and the request slot is free again. Without the
+    abort the answer found nobody to close the round (it is no open round: the caller
+    left): its request slot was lost for the session's life and its pins held until the
+    lease, so ``max_open_requests`` cancelled lookups made every later one wait out its
+    deadline (mutation review 2026-12-05: survived the suite)."""
+    with trio.fail_after(10):
+        async with (
+            open_node(config("src")) as src,
+            open_node(config("dst", max_open_requests=2, lookup_timeout=1.0)) as dst,
+        ):
+            keys = fill(src.store, 1, BL)
+            peer = await dst.connect(src.address)
+            for _ in range(2):
+                with trio.CancelScope() as cs:
+                    cs.cancel()  # at the lookup's first checkpoint: sent, not answered
+                    await dst.lookup(peer, keys)
+            requests = dst._by_peer["src"]._requests
+            with trio.move_on_after(2.0):  # the aborts' acks: prompt on loopback
+                await until(lambda: requests.free == requests.limit)
+            assert requests.free == requests.limit, "a cancelled lookup kept its slot"
+            assert src.statistics().pinned_slots == 0
+            assert await dst.lookup(peer, keys) == [True]
+
+
 async def test_a_lookup_split_into_more_requests_than_may_be_open_is_refused_at_once() -> None:
     """A lookup keeps every round it sends until all are answered: split into more rounds
     than may be open at the peer it could never finish, so it is refused before anything
