@@ -128,10 +128,12 @@ async def test_a_split_lookup_that_fails_midway_gives_back_the_rounds_already_an
     its timeout, and the round already answered is closed at once (a partial answer is
     no answer): the producer unpins its hits, and its request slot comes back. Left
     open, it was nobody's: no fetch could claim it, the lease timer never saw it, and its
-    request slot was lost for the session's life."""
+    request slot was lost for the session's life. The third round, never sent, gives
+    back the slot the lookup took for it (mutation review 2026-12-05: keeping it
+    survived)."""
     with trio.fail_after(600):
         async with one_key_per_request_producer() as (raw, dst):
-            keys = [os.urandom(32) for _ in range(2)]
+            keys = [os.urandom(32) for _ in range(3)]
             seen: list[Any] = []
 
             async def answer_the_first_round_only() -> None:
