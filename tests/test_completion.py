@@ -26,6 +26,8 @@ from p2pkv.completion import (
 )
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 
+from .helpers import FaultFactory, fill, pair
+
 MiB = 1 << 20
 
 
@@ -137,6 +139,28 @@ async def test_dropping_the_last_demand_parks_the_poller_at_once(
         await trio.sleep(0.05)
         assert transport.progress_calls > driven
         poller.drop_demand()
+
+
+async def test_a_consumers_fetches_leave_no_demand_behind(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch asks the poller to drive progress while it waits for the producer's writes,
+    and drops that demand however it ends (loaded, or given up at its deadline): one
+    left behind kept an idle node's poller waking every MAX_DELAY for ever (mutation
+    review 2026-12-05: survived the suite)."""
+    faults = FaultFactory()
+    with trio.fail_after(60):
+        async with pair(dst_kw={"fetch_timeout": 2.0}, src_transport=faults, virtual=True) as (
+            src,
+            dst,
+        ):
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            assert (await dst.fetch(peer, keys[:1])).loaded == keys[:1]
+            assert dst.poller._demand == 0
+            faults.transport.hang = True  # the producer's next write never settles
+            assert set((await dst.fetch(peer, keys[1:])).failed.values()) == {"timeout"}
+            assert dst.poller._demand == 0
 
 
 class ThreadedTransport(CountingTransport):
