@@ -350,40 +350,47 @@ async def test_a_transfer_done_with_more_outcomes_than_keys_loads_nothing() -> N
             await raw.aclose()
 
 
-async def test_a_key_the_producer_reports_failed_beside_an_ok_one_is_not_loaded() -> None:
-    """With checksums off, a ``transfer_done`` that says OK for one key and
-    TRANSFER_FAILED for the other commits only the OK key: the failed key's slot was
-    never written (the integrity rule: a key is committed only on its own OK), and it is
-    reported with the producer's reason; its slot, and its room in the peer's share of
-    our store, are free again at once. (Mutation review, 2026-12-05: a fast path taken
-    when *any* outcome was OK committed both; a release that kept the share's room
-    shrank the peer's share for good. Both survived the suite.)"""
+@pytest.mark.parametrize("verify", [False, True], ids=["unchecked", "checksummed"])
+async def test_a_key_the_producer_reports_failed_beside_an_ok_one_is_not_loaded(
+    verify: bool,
+) -> None:
+    """A ``transfer_done`` that says TRANSFER_FAILED for one key and OK for the other
+    commits only the OK key: the failed key's slot was never written (the integrity rule:
+    a key is committed only on its own OK), and it is reported with the producer's
+    reason; its slot, and its room in the peer's share of our store, are free again at
+    once. With checksums on, the OK key's bytes are checked against its own checksum
+    (mutation review, 2026-12-05, each survived the suite: a fast path taken when *any*
+    outcome was OK committed both; a release that kept the share's room shrank the
+    peer's share for good; summing the first slots instead of the OK keys' failed a
+    good key that followed a failed one)."""
     with trio.fail_after(BOUND):
         raw = RawPeer()
         try:
-            async with open_node(config("dst")) as dst:
+            async with open_node(config("dst", verify_checksums=verify)) as dst:
                 await raw.connect(dst.address)
                 await raw.handshake()
                 keys = [os.urandom(32) for _ in range(2)]
-                first = os.urandom(BLOCK)
+                second = os.urandom(BLOCK)
 
-                async def write_first_fail_second(ev: FetchRequested) -> None:
-                    slot = ev.slots[0]
+                async def fail_first_write_second(ev: FetchRequested) -> None:
+                    slot = ev.slots[1]
                     region = dst.store.array
-                    region[slot * BLOCK : (slot + 1) * BLOCK] = np.frombuffer(first, np.uint8)
-                    ok, failed = int(Outcome.OK), int(Outcome.TRANSFER_FAILED)
-                    raw.proto.send_transfer_done(ev.req_id, [ok, failed])
+                    region[slot * BLOCK : (slot + 1) * BLOCK] = np.frombuffer(second, np.uint8)
+                    outcomes = [int(Outcome.TRANSFER_FAILED), int(Outcome.OK)]
+                    crcs = [0, zlib.crc32(second)] if verify else None
+                    raw.proto.send_transfer_done(ev.req_id, outcomes, crcs)
 
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_serve_lookups_and, raw, write_first_fail_second)
+                    nursery.start_soon(_serve_lookups_and, raw, fail_first_write_second)
                     r = await dst.fetch(raw.peer_id, keys)
                     nursery.cancel_scope.cancel()
-                assert r.loaded == [keys[0]], f"a key reported failed was loaded: {r}"
-                assert r.failed == {keys[1]: "transfer_failed"}
-                assert bytes(dst.store.get(keys[0]) or b"") == first
-                assert dst.store.get(keys[1]) is None
+                assert r.loaded == [keys[1]], f"only the key reported OK loads: {r}"
+                assert r.failed == {keys[0]: "transfer_failed"}
+                assert bytes(dst.store.get(keys[1]) or b"") == second
+                assert dst.store.get(keys[0]) is None
                 # The failed key's slot is free again, and its room in the peer's share.
-                assert dst.statistics().store.reserved == 0
+                st = dst.statistics().store
+                assert st.reserved == 0 and st.quarantined == 0
                 assert dst.landing_shares.held(raw.peer_id, trio.current_time()) == 0
         finally:
             await raw.aclose()
