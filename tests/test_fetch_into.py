@@ -479,7 +479,9 @@ async def test_fetch_into_within_gives_up_on_a_lookup_that_is_never_answered(
 ) -> None:
     """Keys no round holds are looked up first; ``within`` bounds that lookup too (the
     lookup's own deadline, 60 s, would come much later). Nothing was posted, so nothing
-    can land: the result comes at the give-up itself."""
+    can land: the result comes at the give-up itself. ``within`` counts from the call,
+    not from the clock's origin (mutation review 2026-12-05: taking it for a time on
+    Trio's clock survived, the tests calling near virtual time 0)."""
     with trio.fail_after(VIRTUAL_BOUND):
         async with hand_served(
             {"lookup_timeout": 60.0, "fetch_timeout": 60.0, "quarantine": 6.0},
@@ -487,6 +489,7 @@ async def test_fetch_into_within_gives_up_on_a_lookup_that_is_never_answered(
             mute=True,
         ) as (dst, producer):
             keys = list(producer.blocks)
+            await trio.sleep(5.0)  # the call comes well past virtual time ``within``
             start = trio.current_time()
             r = await dst.fetch_into(producer.raw.peer_id, keys, [1, 2, 3, 4], within=3.0)
             assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)
