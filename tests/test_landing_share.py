@@ -123,6 +123,50 @@ async def test_after_a_give_up_the_peers_quarantined_slots_keep_its_next_fetch_o
             assert dst.statistics().store.reserved == 0
 
 
+async def test_keys_past_the_share_of_a_session_that_just_ended_fail_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The peer's share is full of quarantined slots, so a fetch's round gets no room and
+    its keys are to wait in the peer's queue; the session ends as that round is closed.
+    The keys fail "session closed" at once: a wait begun after the session's end is
+    woken by nothing (the end cancels only the waits it finds), and sat out
+    ``fetch_timeout`` (mutation review 2026-12-05: survived the suite)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with (
+            node("bad", factory=hanging(), abort_timeout=1.0, quarantine=30.0) as bad,
+            node(
+                "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=30.0
+            ) as dst,
+        ):
+            keys = fill(bad.store, 12, 4096)
+            peer = await dst.connect(bad.address)
+            first = await dst.fetch(peer, keys[:8])
+            assert first.failed == dict.fromkeys(keys[:8], "timeout")  # the share is full
+            session = dst._by_peer["bad"]
+            close_round, flush = session._close_round, session._flush
+            closed: list[int] = []
+
+            def close_round_noted(req: int) -> None:
+                close_round(req)
+                closed.append(req)
+
+            async def flush_then_lose_the_peer(*args: Any, **kw: Any) -> None:
+                # FAKE: the peer dies as the round without room is closed, and the session
+                # has ended by the time its fetch goes on.
+                await flush(*args, **kw)
+                if closed and session.alive:
+                    session.close("the peer is gone")
+                    await session.finished.wait()
+
+            session._close_round = close_round_noted  # type: ignore[method-assign]
+            session._flush = flush_then_lose_the_peer  # type: ignore[method-assign]
+            start = trio.current_time()
+            second = await dst.fetch(peer, keys[8:])
+            # The session's close (its flush and linger) and no wait for room: not 4 s.
+            assert trio.current_time() - start < 1.0
+            assert second.failed == dict.fromkeys(keys[8:], "session closed: the peer is gone")
+
+
 async def test_a_fetch_waiting_for_room_goes_on_when_the_quarantine_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
