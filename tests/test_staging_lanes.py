@@ -204,6 +204,33 @@ def test_staging_refuses_out_of_range_slots_overlapping_and_released_regions() -
     assert not staging.loopback_agent_exists()
 
 
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_a_region_attached_twice_is_one_registration_released_by_its_last_user() -> None:
+    """Two callers staging through one region share its registration, counted: the first
+    to release leaves it attached and copying for the other, and only the last release
+    drops the lanes. The same bytes attached with another block length are refused (the
+    shared registration's blocks would not be the caller's: every slot another offset)."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 256, 4 * BLOCK, dtype=np.uint8)
+    b = np.zeros(8 * BLOCK, np.uint8)
+    src = staging.attach_region(a, BLOCK)
+    first = staging.attach_region(b, BLOCK)
+    try:
+        second = staging.attach_region(b, BLOCK)
+        assert second is first
+        with pytest.raises(TransportError, match="block_len 4096"):
+            staging.attach_region(b, 2 * BLOCK)  # same bytes, cut into 4 slots, not 8
+        second.release()
+        src.agent.copy(src, [3, 1], first, [7, 0])  # still attached for the first user
+        assert np.array_equal(b[7 * BLOCK :], a[3 * BLOCK :])
+        assert np.array_equal(b[:BLOCK], a[BLOCK : 2 * BLOCK])
+    finally:
+        first.release()
+        src.release()
+    assert not staging.loopback_agent_exists()
+
+
 # What the child does with each kind of memory (run in a child: the defects it guards
 # against wrote into freed memory and crashed the interpreter). It attaches a source, then
 # ``case``'s region; prints REFUSED if staging refused the region, PROTECTED if the owner
