@@ -206,14 +206,16 @@ async def restart_on_same_connection(raw: RawPeer, epoch: int) -> None:
             return
 
 
+@pytest.mark.parametrize("max_peers", [64, 1])
 async def test_a_restart_after_our_ack_rehandshakes_and_stays(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, max_peers: int
 ) -> None:
     """Item 14: a new-epoch hello after our ack starts a new incarnation with its own
     handshake deadline; once it is ready the session is not dropped at the (old or new)
-    handshake deadline, and it serves lookups."""
+    handshake deadline, and it serves lookups. Also on a node at its ``max_peers`` cap:
+    the restarted peer already holds its place there and is no newcomer to refuse."""
     with trio.fail_after(60):
-        async with node("a", handshake_timeout=2.0) as a:
+        async with node("a", handshake_timeout=2.0, max_peers=max_peers) as a:
             keys = fill(a.store, 2, 4096)
             raw = RawPeer("r")
             await raw.connect(a.address)
