@@ -872,6 +872,33 @@ async def test_a_restart_on_the_connection_cuts_the_old_write_before_unpinning_o
             await raw.aclose()
 
 
+async def test_of_two_connections_one_side_dialed_the_older_stays(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two connections from one peer incarnation (same id and epoch), both handshaking and
+    both dialed by the peer (e.g. two names of our address): whatever the ids' order, the
+    older stays and the newer is refused as a duplicate. The smaller-id rule is only for
+    connections dialed by different sides; here it would replace the older connection,
+    which the peer keeps (its connect() is the one its caller waits on)."""
+    with trio.fail_after(60):
+        async with node("z") as z:  # "p" < "z": the smaller-id rule would favour the newer
+            first = RawPeer("p", epoch=7)
+            await first.connect(z.address)
+            first.proto.start()
+            await first.flush()
+            assert isinstance(await first.next_event(), HelloReceived)  # z's; no ack yet
+            await until(lambda: "p" in z._by_peer)  # admitted, still handshaking
+            older = z._by_peer["p"]
+            second, bye = await _impostor_hello(z, "p", 7)
+            assert bye is not None and bye.code == "duplicate", bye
+            first.proto.registration_succeeded()  # the older connection finishes
+            await first.flush()
+            await until(lambda: older.ready.is_set() or not older.alive)
+            assert older.alive and z._by_peer["p"] is older and z.is_connected("p")
+            await second.aclose()
+            await first.aclose()
+
+
 async def _impostor_hello(a: Node, peer_id: str, epoch: int) -> tuple[RawPeer, ByeReceived | None]:
     """A handshake claiming ``peer_id``: the node's bye, or None if it admitted us."""
     impostor = RawPeer(peer_id, epoch=epoch)
