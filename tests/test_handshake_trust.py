@@ -742,6 +742,31 @@ async def test_one_address_flooding_turns_away_its_own_strangers() -> None:
                     await s.aclose()
 
 
+async def test_a_stranger_that_left_no_longer_counts_against_max_peers() -> None:
+    """A stranger whose connection ended is no stranger any more: only live ones count
+    against ``max_peers``. Counted still, a stranger gone from one address made the node
+    turn away a live one of another while fewer than ``max_peers`` were handshaking."""
+    with trio.fail_after(20):
+        async with node("a", max_peers=2, host="127.0.0.1") as a:
+            gone = await trio.open_tcp_stream(*a.address, local_address="127.0.0.2")
+            await until(lambda: a.statistics().sessions == 1)
+            await gone.aclose()
+            await until(lambda: a.statistics().sessions == 0)  # its session has ended
+            honest = RawPeer("honest")
+            other: trio.SocketStream | None = None
+            try:
+                honest.stream = await trio.open_tcp_stream(*a.address, local_address="127.0.0.3")
+                await trio.testing.wait_all_tasks_blocked()
+                other = await trio.open_tcp_stream(*a.address, local_address="127.0.0.3")
+                await trio.testing.wait_all_tasks_blocked()  # two strangers: none turned away
+                await honest.handshake()
+                assert a.is_connected("honest")
+            finally:
+                await honest.aclose()
+                if other is not None:
+                    await other.aclose()
+
+
 class Stranger:
     """A stand-in for a session, as ``_stranger_to_turn_away`` sees one."""
 
