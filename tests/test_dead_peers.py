@@ -191,6 +191,55 @@ async def test_connect_returns_the_peer_when_our_dial_loses_the_tie_break_here(
         assert len(got) == 1 and not isinstance(got[0], BaseException), got
 
 
+async def test_a_dial_refused_as_a_duplicate_returns_only_once_the_winner_is_ready(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Simultaneous dials between "z" and "r" (same epochs): r's dial (S1) reached z first
+    and is still handshaking (r has not acked). z's own dial (S2) then gets r's hello: by
+    the tie-break S1, dialed by the smaller id, wins, and z refuses S2 itself. z.connect()
+    returns the peer through S1, but only once S1 is established: connect() promises
+    that both sides have registered each other, so the peer it returns is connected."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("z") as z:
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            addr = listeners[0].socket.getsockname()[:2]
+            r1 = RawPeer("r", epoch=5)  # r's own dial into z (region: r2's)
+            r2 = RawPeer("r", epoch=5)  # r's accepted side of z's dial
+            r1.proto = SessionProtocol(attrs.evolve(r2.proto.local, dialer=True))
+            got: list[tuple[Any, bool]] = []
+
+            async def dial() -> None:
+                peer = await z.connect(addr)
+                got.append((peer, z.is_connected(peer.peer_id)))
+
+            await r1.connect(z.address)
+            r1.proto.start()
+            await r1.flush()
+            assert isinstance(await r1.next_event(), HelloReceived)  # z's; r does not ack yet
+            with trio.fail_after(5):
+                await until(lambda: "r" in z._by_peer)
+            s1 = z._by_peer["r"]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dial)
+                r2.stream = await listeners[0].accept()
+                r2.proto.start()
+                await r2.flush()
+                bye = await r2.expect_close()  # z refuses its own dial
+                assert bye is not None and bye.code == "duplicate", bye
+                with trio.fail_after(5):
+                    await until(lambda: z.statistics().sessions == 1)  # the dial's has ended
+                await trio.testing.wait_all_tasks_blocked()  # and connect() has seen it
+                assert not got, "connect returned before the winning session was established"
+                r1.proto.registration_succeeded()
+                await r1.flush()
+            assert [(p.peer_id, connected) for p, connected in got] == [("r", True)]
+            assert z._by_peer["r"] is s1
+            await r1.aclose()
+            await r2.aclose()
+            for lst in listeners:
+                await lst.aclose()
+
+
 async def test_a_lookup_waiting_for_a_request_slot_learns_at_once_that_the_session_died(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
