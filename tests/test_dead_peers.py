@@ -318,7 +318,9 @@ async def test_a_connect_its_caller_gave_up_on_leaves_no_session_behind(
     """The caller of connect() is cancelled (its own deadline) while the peer there has
     accepted TCP and says nothing. The half-made session used to stay, with its socket,
     until handshake_timeout, though nobody waited for it any more (found 2026-12-04);
-    it is closed with the dial now. A second connect afterwards dials afresh."""
+    it is closed with the dial now, and the node keeps no record of it (its set of
+    dialed sessions held every session ever dialed). A second connect afterwards dials
+    afresh."""
     with trio.fail_after(1200):  # virtual: past its 600 s handshake_timeout
         async with node("n", handshake_timeout=600.0) as n:
             listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -338,7 +340,7 @@ async def test_a_connect_its_caller_gave_up_on_leaves_no_session_behind(
                     with trio.fail_after(5.0):  # virtual: well short of handshake_timeout
                         while n.statistics().sessions:
                             await trio.sleep(0.01)
-                    assert len(held) == attempt and not n._dialing
+                    assert len(held) == attempt and not n._dialing and not n._dialed
                 nursery.cancel_scope.cancel()
             for st in held:
                 await st.aclose()
