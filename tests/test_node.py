@@ -227,6 +227,8 @@ async def test_authentication_with_a_shared_secret() -> None:
 
 
 async def test_close_is_idempotent_and_leaves_nothing_behind() -> None:
+    """Closing leaves nothing behind, and so does each of several closes, concurrent ones
+    too: a close that finds another under way returns only once that one is done."""
     factory = FaultFactory()
     with trio.fail_after(20):
         async with open_node(config("b")) as b:
@@ -235,10 +237,18 @@ async def test_close_is_idempotent_and_leaves_nothing_behind() -> None:
                 peer = await b.connect(a.address)
                 await b.lookup(peer, keys)  # leaves pins at a
                 assert a.statistics().pinned_slots == 4
-                await a.aclose()
-                await a.aclose()
-                st = a.statistics()
-                assert st.sessions == 0 and st.pinned_slots == 0
+                left: list[tuple[int, int]] = []
+
+                async def close() -> None:
+                    await a.aclose()
+                    st = a.statistics()
+                    left.append((st.sessions, st.pinned_slots))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(close)
+                    nursery.start_soon(close)
+                await close()
+                assert left == [(0, 0)] * 3
             t = factory.transport
             assert t.adds == t.removes == 1 and not t.live
             assert t.statistics().remote_peers == 0 and t.statistics().live_handles == 0
