@@ -403,6 +403,26 @@ async def test_a_second_live_node_over_a_live_nodes_memory_is_refused(
             b.store.put(b"k", b"\x03" * 4096)
 
 
+async def test_the_claim_on_a_nodes_memory_is_exactly_its_bytes_while_it_lives() -> None:
+    """Only overlapping memory is refused: a host may cut one buffer into adjacent regions
+    for several live nodes. And a node that failed to start (its data plane refused)
+    leaves no claim: the memory is free for the next node at once."""
+
+    def refused(cfg: p2pkv.NodeConfig, store: BlockStore) -> Any:
+        raise p2pkv.TransportError("FAKE: the data plane refused to start", op="open_node")
+
+    buf = np.zeros(16 * 4096, np.uint8)
+    cfg = config("a", num_blocks=8, block_len=4096)
+    with trio.fail_after(30):
+        async with open_node(cfg, region=buf[: 8 * 4096]), open_node(cfg, region=buf[8 * 4096 :]):
+            pass
+        with pytest.raises(p2pkv.TransportError, match="FAKE"):
+            async with open_node(cfg, region=buf, transport=refused):
+                pass
+        async with open_node(cfg, region=buf) as a:
+            a.store.put(b"k", b"\x01" * 4096)
+
+
 def test_two_threads_claiming_one_region_at_once_get_one_claim(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
