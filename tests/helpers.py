@@ -501,26 +501,35 @@ def record_lane_parts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
 
 
 class FailingTransferAgent:
-    """FAKE: a (lane's) NIXL agent whose transfers all end in error; anything else goes to
-    the real agent."""
+    """FAKE: a (lane's) NIXL agent whose transfers all end in error (``stuck``: stay in
+    progress, then end in error once ``stuck`` seconds have passed: "never done", bounded
+    so that a copy missing its own deadline fails instead of hanging); anything else goes
+    to the real agent. Nothing is posted."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: Any, stuck: float = 0.0) -> None:
         self._agent = agent
+        self._stuck = stuck
+        self._since = time.monotonic()
 
     def transfer(self, xfer: Any) -> str:
-        return "ERR"
+        self._since = time.monotonic()
+        return self.check_xfer_state(xfer)
+
+    def check_xfer_state(self, xfer: Any) -> str:
+        return "PROC" if time.monotonic() - self._since < self._stuck else "ERR"
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._agent, name)
 
 
 @contextlib.contextmanager
-def failing_lane(agent: Any, index: int) -> Iterator[None]:
+def failing_lane(agent: Any, index: int, stuck: float = 0.0) -> Iterator[None]:
     """Within: lane ``index`` of a staging ``agent`` fails every transfer
-    (:class:`FailingTransferAgent`); its real agent is back afterwards."""
+    (:class:`FailingTransferAgent`, ``stuck`` as there); its real agent is back
+    afterwards."""
     lane = agent.lanes[index]
     real = lane.agent
-    lane.agent = FailingTransferAgent(real)
+    lane.agent = FailingTransferAgent(real, stuck)
     try:
         yield
     finally:

@@ -231,6 +231,28 @@ def test_a_region_attached_twice_is_one_registration_released_by_its_last_user()
     assert not staging.loopback_agent_exists()
 
 
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_a_staging_copy_that_never_completes_fails_at_its_timeout() -> None:
+    """A copy still in progress at its ``timeout`` raises ("not done in time"; the caller
+    must not reuse its destination slots soon), instead of polling for ever in the caller's
+    thread. The FAKE lane stays in progress for 5 s, then fails: a copy that ignored its
+    timeout would report that failure instead, 5 s late."""
+    b = np.zeros(4 * BLOCK, np.uint8)
+    src = staging.attach_region(np.ones(4 * BLOCK, np.uint8), BLOCK)
+    dst = staging.attach_region(b, BLOCK)
+    try:
+        agent = src.agent
+        with failing_lane(agent, 0, stuck=5.0), pytest.raises(TransportError, match="in time"):
+            agent.copy(src, [0], dst, [0], timeout=0.05)
+        agent.copy(src, [1], dst, [1])  # the lane copies again afterwards
+        assert b[BLOCK : 2 * BLOCK].all() and not b[:BLOCK].any()
+    finally:
+        dst.release()
+        src.release()
+    assert not staging.loopback_agent_exists()
+
+
 # What the child does with each kind of memory (run in a child: the defects it guards
 # against wrote into freed memory and crashed the interpreter). It attaches a source, then
 # ``case``'s region; prints REFUSED if staging refused the region, PROTECTED if the owner
