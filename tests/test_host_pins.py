@@ -111,6 +111,24 @@ async def test_all_rounds_together_pin_at_most_max_blocks(
         assert pins.pinned_blocks() == 0
 
 
+async def test_pins_released_before_the_engine_wakes_to_their_answer_count_nothing() -> None:
+    """The answer wakes the engine later (``run_sync_soon``); if the round's pins are
+    released in between (e.g. ``release_unused_pins``), its hits no longer count against
+    ``max_blocks``: a round counts its hits only until its pins are released. Counted
+    anyway, they stayed counted until the round ended, turning other rounds' hits into
+    misses for up to a lease."""
+    pins = HostPins(16, answer_within=5.0, max_blocks=4)
+    keys = [bytes([i]) * 32 for i in range(2)]
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            got = await pinning(nursery, pins, "a", keys)
+            [req] = pins.take()
+            pins.answer(req, [0, 1], "tok-a")
+            pins.unpin("a")  # before the engine has run again
+        assert got == [[0, 1]] and pins.released() == ["tok-a"]
+        assert pins.pinned_blocks() == 0
+
+
 async def test_an_answer_without_a_token_holds_nothing_and_unpin_is_harmless() -> None:
     pins = HostPins(8, answer_within=5.0)
     with trio.fail_after(BOUND):
