@@ -559,6 +559,28 @@ async def test_a_write_released_by_a_retiring_transport_while_its_abort_waits_is
 # ---------------------------------------------------------------- reconfiguration
 
 
+async def test_a_node_closed_while_a_replaced_transport_retires_closes_that_transport(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A replaced transport is closed once its writes in flight have settled; a node that
+    closes before then closes it with everything else: no data plane outlives its node
+    (a NIXL agent and its memory registration would)."""
+    factory = FaultFactory(lambda t: setattr(t, "hang", not factory.built))  # the first
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("dst") as dst, node("src", factory=factory) as src:
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(dst.fetch, peer, keys)
+                await trio.testing.wait_all_tasks_blocked()
+                assert factory.built[0].posts == 1  # the write is in flight (PROC)
+                assert await src.reconfigure(["dst"]) == []
+                old = factory.built[0]
+                assert not old._closed  # retiring: its write is still in flight
+                await src.aclose()
+            assert old._closed and factory.built[1]._closed
+
+
 async def test_a_registration_queued_behind_a_reconfiguration_goes_to_the_new_transport(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
