@@ -849,6 +849,8 @@ async def test_a_closing_session_is_torn_down_before_its_peer_registers_again(
             await first.flush()
             await trio.sleep(0.1)  # the old session is closing: its write drains
             assert not old.alive and not old.finished.is_set()
+            # Closing is not connected: no session to use, and none to watch for use.
+            assert not a.is_connected("p") and a.session_activity("p") is None
             adds = hanging.transport.adds
             second = RawPeer("p", epoch=8)
             await second.connect(a.address)
