@@ -259,6 +259,21 @@ async def test_close_is_idempotent_and_leaves_nothing_behind() -> None:
                 await b.lookup(peer, keys)
 
 
+async def test_disconnect_returns_once_the_session_is_torn_down() -> None:
+    """``disconnect`` returns with the session torn down, not merely asked to close: its
+    registration of the peer is released by then (a disconnect that returned at once
+    left it registered behind the caller's back; mutation review 2026-12-05)."""
+    with trio.fail_after(20):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            assert len((await dst.fetch(peer, keys)).loaded) == 2
+            assert dst.statistics().registrations.live == 1
+            await dst.disconnect(peer)
+            st = dst.statistics()
+            assert not dst.is_connected("src") and st.registrations.live == 0, st
+
+
 async def test_restarted_peer_with_the_same_id_is_served_again() -> None:
     with trio.fail_after(20):
         async with open_node(config("b")) as b:
