@@ -602,10 +602,13 @@ def test_torch_region_must_be_contiguous_and_on_the_cpu() -> None:
         np.zeros((4 * L, 2), dtype=np.uint8)[:, 0],  # not contiguous
         np.frombuffer(bytes(4 * L), dtype=np.uint8),  # read-only
         np.empty(4 * L, dtype=object),
+        memoryview(bytearray(8 * L))[::2],  # a buffer, but not contiguous
     ],
-    ids=["bytes", "small", "strided", "readonly-numpy", "object-numpy"],
+    ids=["bytes", "small", "strided", "readonly-numpy", "object-numpy", "strided-buffer"],
 )
 def test_unusable_region_is_rejected(region: object) -> None:
+    """Memory that cannot be viewed in place is refused with ValueError, a strided buffer
+    that is not an array too (TypeError is for what is no buffer at all)."""
     with pytest.raises(ValueError):
         BlockStore(4, L, region)
 
