@@ -75,6 +75,23 @@ async def test_an_answer_wakes_the_engine_and_its_token_comes_back_exactly_once(
         assert pins.released() == []
 
 
+async def test_take_hands_the_host_at_most_limit_requests_oldest_first() -> None:
+    """``take(limit)`` gives the host at most ``limit`` requests (the vLLM tier bounds its
+    work per step so), oldest first; the rest wait for its next call."""
+    pins = HostPins(8, answer_within=5.0)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            for i, key in enumerate(keys):
+                await pinning(nursery, pins, f"round-{i}", [key])
+            first = pins.take(limit=2)
+            assert [r.keys for r in first] == [[keys[0]], [keys[1]]]
+            rest = pins.take(limit=2)
+            assert [r.keys for r in rest] == [[keys[2]]]
+            for req in first + rest:
+                pins.answer(req, [None], None)
+
+
 async def test_all_rounds_together_pin_at_most_max_blocks(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
