@@ -6,16 +6,17 @@ Reproduce (about 30 s on 2 cores; ``--quick`` for a smoke run)::
     .venv/bin/python bench/control_plane.py [--json PATH]
 
 Three processes: the source (this script with ``--source``: a node filled like ``p2pkv
-serve --fill 1024``'s, NIXL, and beside it on the same Trio loop a bare echo server), a second bare server in
-a process of its own (``--bare-server``: plain Trio TCP, no p2pkv) and this process as the
-client of all three, each connected once. A p2pkv sample is one ``node.lookup(peer, keys)``
-with every key present (every key is pinned at the source, the usual case before a fetch);
-between samples, untimed, a one-block fetch closes the round (that releases the pins and
-the request slot; a lookup round otherwise stays open for its lease) and the block is
-evicted again. ``--close release`` closes it with a release instead (an empty fetch frame:
-no data plane between samples). A bare sample sends the very frame that lookup puts on the
-wire and reads back the very frame its answer is, over a Trio TCP stream, with nothing else
-on either side: what the round trip would cost with no engine at all.
+serve --fill 1024``'s, NIXL, and beside it on the same Trio loop a bare echo server), a
+second bare server in a process of its own (``--bare-server``: plain Trio TCP, no p2pkv)
+and this process as the client of all three, each connected once. A p2pkv sample is one
+``node.lookup(peer, keys)`` with every key present (every key is pinned at the source, the
+usual case before a fetch); between samples, untimed, a one-block fetch closes the round
+(that releases the pins and the request slot; a lookup round otherwise stays open for its
+lease) and the block is evicted again. ``--close release`` closes it with a release instead
+(an empty fetch frame: no data plane between samples). A bare sample sends the very frame
+that lookup puts on the wire and reads back the very frame its answer is, over a Trio TCP
+stream, with nothing else on either side: what the round trip would cost with no engine at
+all.
 
 There are two bare kinds. ``bare`` is answered in the source's process, by the same Trio
 loop as the node: both ends of its round trip are the processes p2pkv's lookup runs
