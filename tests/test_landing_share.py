@@ -12,16 +12,17 @@ inline through :class:`~tests.helpers.VirtualOffload` (FAKE), as in test_timeout
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from p2pkv import open_node
+from p2pkv import Node, Peer, open_node
 from p2pkv.session.shares import LandingShares
 
 from .helpers import FaultFactory, VirtualOffload, config, fill
@@ -36,6 +37,26 @@ VIRTUAL_BOUND = 120.0
 
 def hanging() -> FaultFactory:
     return FaultFactory(lambda t: setattr(t, "hang", True))
+
+
+@contextlib.asynccontextmanager
+async def share_quarantined() -> AsyncIterator[tuple[FaultFactory, Node, Node, Peer, list[bytes]]]:
+    """A peer "bad" whose writes never settle, and a node "dst" (16 blocks, half of them
+    its landing share for a peer) whose first fetch of 8 of bad's 12 keys timed out and
+    left the whole share quarantined for 30 s: (bad's transport, bad, dst, dst's peer
+    handle of bad, the 12 keys)."""
+    bad_transport = hanging()
+    async with (
+        node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=30.0) as bad,
+        node(
+            "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=30.0
+        ) as dst,
+    ):
+        keys = fill(bad.store, 12, 4096)
+        peer = await dst.connect(bad.address)
+        first = await dst.fetch(peer, keys[:8])
+        assert first.failed == dict.fromkeys(keys[:8], "timeout")  # the share is full
+        yield bad_transport, bad, dst, peer, keys
 
 
 async def test_a_producer_that_never_writes_holds_only_its_share_and_others_still_load(
@@ -101,17 +122,7 @@ async def test_after_a_give_up_the_peers_quarantined_slots_keep_its_next_fetch_o
     reconnect: the next fetch from that peer waits for room, and gives up after
     ``fetch_timeout`` with nothing written (its lookup was answered; no fetch was sent)."""
     with trio.fail_after(VIRTUAL_BOUND):
-        bad_transport = hanging()
-        async with (
-            node("bad", factory=bad_transport, abort_timeout=1.0, quarantine=30.0) as bad,
-            node(
-                "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=30.0
-            ) as dst,
-        ):
-            keys = fill(bad.store, 12, 4096)
-            peer = await dst.connect(bad.address)
-            first = await dst.fetch(peer, keys[:8])
-            assert first.failed == dict.fromkeys(keys[:8], "timeout")
+        async with share_quarantined() as (bad_transport, bad, dst, peer, keys):
             assert dst.statistics().quarantined_slots == 8
             await dst.disconnect(peer)
             peer = await dst.connect(bad.address)  # a new session: the same peer id's share
@@ -132,16 +143,7 @@ async def test_keys_past_the_share_of_a_session_that_just_ended_fail_at_once(
     woken by nothing (the end cancels only the waits it finds), and sat out
     ``fetch_timeout`` (mutation review 2026-12-05: survived the suite)."""
     with trio.fail_after(VIRTUAL_BOUND):
-        async with (
-            node("bad", factory=hanging(), abort_timeout=1.0, quarantine=30.0) as bad,
-            node(
-                "dst", num_blocks=16, max_landing_share=0.5, fetch_timeout=4.0, quarantine=30.0
-            ) as dst,
-        ):
-            keys = fill(bad.store, 12, 4096)
-            peer = await dst.connect(bad.address)
-            first = await dst.fetch(peer, keys[:8])
-            assert first.failed == dict.fromkeys(keys[:8], "timeout")  # the share is full
+        async with share_quarantined() as (_, _, dst, peer, keys):
             session = dst._by_peer["bad"]
             close_round, flush = session._close_round, session._flush
             closed: list[int] = []
