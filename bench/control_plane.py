@@ -335,6 +335,24 @@ def summary(values: Sequence[float]) -> dict[str, float]:
     }
 
 
+def paired(samples: Samples, a: str, b: str) -> dict[str, dict[str, Any]]:
+    """Kind ``a``'s p50 over kind ``b``'s, rep by rep, per key count: the median of the
+    reps' ratios, their min and max, and each."""
+    out: dict[str, dict[str, Any]] = {}
+    for n in samples[a]:
+        ratios = [
+            statistics.median(x) / statistics.median(y)
+            for x, y in zip(samples[a][n], samples[b][n], strict=True)
+        ]
+        out[str(n)] = {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+            "per_rep": ratios,
+        }
+    return out
+
+
 def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     target_p50 = args.target_ms * 1e-3 if args.target_ms else (1.5e-3 if cores <= 2 else 1e-3)
@@ -367,50 +385,15 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
             out["lean_client_cpu_s"] = summaries
         else:
             out["latency_s"][kind] = summaries
-    if "lean" in samples:  # the engine-less server's round trip over bare's, rep by rep
-        out["ratio_lean"] = {}
-        for n in samples["p2pkv"]:
-            rs = [
-                statistics.median(x) / statistics.median(y)
-                for x, y in zip(samples["lean"][n], samples["bare"][n], strict=True)
-            ]
-            out["ratio_lean"][str(n)] = {
-                "median": statistics.median(rs),
-                "min": min(rs),
-                "max": max(rs),
-            }
+    if "lean" in samples:  # the engine-less server's round trip over bare's
+        out["ratio_lean"] = paired(samples, "lean", "bare")
     if "no_lane" in samples:
-        out["ratio_no_lane"] = {}
-        out["ratio_lane_over_no_lane"] = {}
-        for n in samples["p2pkv"]:
-            for name, (a, b) in {
-                "ratio_no_lane": ("no_lane", "bare"),
-                "ratio_lane_over_no_lane": ("p2pkv", "no_lane"),
-            }.items():
-                rs = [
-                    statistics.median(x) / statistics.median(y)
-                    for x, y in zip(samples[a][n], samples[b][n], strict=True)
-                ]
-                out[name][str(n)] = {
-                    "median": statistics.median(rs),
-                    "min": min(rs),
-                    "max": max(rs),
-                }
+        out["ratio_no_lane"] = paired(samples, "no_lane", "bare")
+        out["ratio_lane_over_no_lane"] = paired(samples, "p2pkv", "no_lane")
     # "ratio": over the bare round trip between the same two processes (the target's);
     # "ratio_own": over the bare server in a process of its own, for reference.
-    for name, bare in (("ratio", "bare"), ("ratio_own", "bare_own")):
-        out[name] = {}
-        for n in samples["p2pkv"]:
-            ratios = [
-                statistics.median(ours) / statistics.median(theirs)
-                for ours, theirs in zip(samples["p2pkv"][n], samples[bare][n], strict=True)
-            ]
-            out[name][str(n)] = {
-                "median": statistics.median(ratios),
-                "min": min(ratios),
-                "max": max(ratios),
-                "per_rep": ratios,
-            }
+    out["ratio"] = paired(samples, "p2pkv", "bare")
+    out["ratio_own"] = paired(samples, "p2pkv", "bare_own")
     p50 = out["latency_s"]["p2pkv"][str(args.keys)]["p50"]
     ratio = out["ratio"]["1"]["median"]
     out["targets"] = {
