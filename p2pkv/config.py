@@ -252,12 +252,12 @@ class NodeConfig:
                 raise ConfigError(f"{name} must be at most {limit} {unit} (the hello's limit)")
         if self.secret is not None and not self.secret:
             # An empty key turns the HMAC handshake on and proves nothing: any peer holds
-            # it. A host that read its secret from an unset variable believed itself
-            # authenticated (review 2026-12-05; the vLLM tier refused it already).
+            # it. A host that read its secret from an unset variable would believe itself
+            # authenticated (the vLLM tier refuses it too).
             raise ConfigError("secret must be non-empty bytes (None turns authentication off)")
         if self.max_frame_size < MIN_FRAME_SIZE:
-            # Past it no hello fits, and every connection either way failed after the node
-            # had started and listened (review 2026-12-05).
+            # Below it no hello fits: every connection either way would fail, after the
+            # node had started and listened.
             raise ConfigError(
                 f"max_frame_size must be at least {MIN_FRAME_SIZE} bytes: a hello must fit "
                 f"(a few hundred bytes plus NIXL's metadata), got {self.max_frame_size}"

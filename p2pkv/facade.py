@@ -319,10 +319,10 @@ class BlockingNode:
             self._board.fail_all(_not_finished, within=_SEAL_WAIT)
 
     def __del__(self) -> None:
-        # Like an unclosed socket or event loop (review 2026-12-05): a node nobody can
-        # close any more warns (an error in a test suite with filterwarnings = error) and
-        # its engine is asked to stop, without waiting. It kept its threads, its port and
-        # its hold on the switch interval until the interpreter's exit, silently.
+        # Like an unclosed socket or event loop: a node nobody can close any more warns
+        # (an error in a test suite with filterwarnings = error) and its engine is asked
+        # to stop, without waiting. Otherwise it would keep its threads, its port and its
+        # hold on the switch interval until the interpreter's exit, silently.
         engine = self.__dict__.get("_engine")
         if not self.__dict__.get("_owns_engine"):  # a second view of another's engine
             return

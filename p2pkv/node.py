@@ -262,8 +262,8 @@ class Node:
         """The keys per request our hello lets a peer send: ``max_keys_per_request``, at
         most what fits one of our frames at the longest key we take. The hello carries
         no frame size (a field more breaks authenticated handshakes with older peers),
-        so a peer sized its requests by its own frame only, and one with larger frames
-        was cut off for a lookup ours could not hold (review 2026-12-04)."""
+        so without this bound a peer would size its requests by its own frame only, and
+        one with larger frames would be cut off for a lookup ours could not hold."""
         cfg = self.config
         room = min(cfg.max_frame_size, MAX_FRAME_SIZE) - FRAME_OVERHEAD
         return max(min(cfg.max_keys_per_request, room // (cfg.max_key_len + KEY_OVERHEAD)), 1)
@@ -363,8 +363,8 @@ class Node:
             if not old.alive:
                 # Closing (its bye, an error, an idle timeout, a disconnect): its writes
                 # drain and its registration is released before the peer's next one
-                # starts (review 2026-12-04: a reconnect re-registered at once, while
-                # the old session's write was still in flight).
+                # starts: a reconnect must not re-register while the old session's write
+                # is still in flight.
                 if not old.finished.is_set():
                     await self._wait_torn_down(old, pid)
                 break
@@ -385,7 +385,7 @@ class Node:
                 reason = "superseded: the peer restarted"
             if reason == "duplicate connection":
                 # Typed, as the peer's bye would make it: our dial that lost here waits for
-                # the winner and returns it (found by a review: with a bare close it raised).
+                # the winner and returns it (a bare close would make it raise).
                 old._fail(DuplicateSession(reason, peer=pid), reason, "duplicate")
             else:
                 old.close(reason, "superseded")
@@ -399,10 +399,9 @@ class Node:
     async def _wait_torn_down(self, old: PeerSession, pid: str) -> None:
         """Wait for ``old``, closing, to be torn down: its writes get ``abort_timeout`` to
         settle, then its bye and its stream up to a second each. Past that bound (plus
-        ``close_timeout``, its own slack) the newcomer is refused. It used to be
-        ``close_timeout`` alone: a peer whose old session still drained a write was
-        refused when it came back (``tests/test_vllm_adapter.py``, a source that dies
-        mid-request)."""
+        ``close_timeout``, its own slack) the newcomer is refused. Not ``close_timeout``
+        alone: a peer whose old session still drains a write would be refused when it
+        comes back (``tests/test_vllm_adapter.py``, a source that dies mid-request)."""
         cfg = self.config
         with trio.move_on_after(cfg.abort_timeout + cfg.close_timeout):
             await old.finished.wait()
@@ -547,8 +546,8 @@ class Node:
         Connecting to a peer that is already connected returns it (the live session is
         never replaced); concurrent connects to one address share one dial, and its
         outcome: if it fails, they fail with it (each with an error of its own, the same
-        kind, caused by the dial's), rather than each dialing again in turn (found by a
-        review: three connects to a silent address failed at 10, 20 and 30 s)."""
+        kind, caused by the dial's), rather than each dialing again in turn (three
+        connects to a silent address would fail at 10, 20 and 30 s)."""
         address = check_address(address)
         if self._closing or self._nursery is None:
             raise PeerUnavailable("node is closed", op="connect")
@@ -804,8 +803,8 @@ class Node:
                         # The incarnation it was built for: a peer that restarted on its
                         # connection meanwhile has a new one (whose job registers on the
                         # new transport once we let go of the limiter), and the old one's
-                        # registration is stale. (It used to be read here afresh: None,
-                        # and an assertion stopped the swap half done.)
+                        # registration is stale. (Not read here afresh: it may be None,
+                        # and the swap must not stop half done.)
                         if session.alive and session.job is job and self.registrar.replace(job, rp):
                             session.remote = rp
                         else:
@@ -996,9 +995,9 @@ async def open_node(
 
 # The memory of every live node's store in this process: (start, end, device) per node.
 # Two stores over the same bytes would each hand out every slot, one's blocks overwriting
-# the other's (review 2026-12-04: NIXL refused it only for nodes of different peer ids,
-# the in-process transport never). Device regions are CUDA addresses (one address space
-# with host memory under UVA; the device is kept for clarity of the message).
+# the other's (NIXL refuses it only for nodes of different peer ids, the in-process
+# transport never). Device regions are CUDA addresses (one address space with host
+# memory under UVA; the device is kept for clarity of the message).
 _regions_lock = threading.Lock()
 _live_regions: dict[int, tuple[int, int, str]] = {}
 _region_ids = itertools.count()

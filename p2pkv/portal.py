@@ -236,7 +236,7 @@ class EngineThread(Generic[V]):
         deadline = time.monotonic() + timeout
         # Bounded, unlike every other taker of this lock (each holds it for a few dict
         # operations): a close() from a signal handler may have interrupted this very
-        # thread inside a call that holds it, and would wait for ever (review 2026-12-05).
+        # thread inside a call that holds it, and would wait for ever.
         if not self._lock.acquire(timeout=_wait_bound(timeout)):
             raise P2PKVTimeout(
                 "close() could not take the engine's lock: is it called from a signal "
@@ -300,8 +300,8 @@ class EngineThread(Generic[V]):
         self._refuse_reentry("call")
         if trio.lowlevel.in_trio_run():
             # It would block that whole loop, and wait out its deadline if the work needs
-            # the loop (a peer that is an open_node in it; review 2026-12-05), as
-            # trio.from_thread.run refuses to.
+            # the loop (a peer that is an open_node in it), as trio.from_thread.run
+            # refuses to.
             raise P2PKVError(
                 "a blocking call from inside a Trio run would block that loop: use "
                 "open_node in Trio code, or trio.to_thread.run_sync(...) for this call",
@@ -412,11 +412,10 @@ class EngineThread(Generic[V]):
 
     def _orphaned_by_fork(self) -> None:
         """In a child just forked (``os.register_at_fork``): only the forking thread was
-        copied, so this engine will never run here. Calls and posts used to be queued to
-        a loop that does not exist and waited out their timeouts (tickets for ever);
-        now they fail at once. Locks are new ones: a thread of the parent may have held
-        them at the fork. Nothing is sent or closed: the sockets and the NIXL agent are
-        the parent's."""
+        copied, so this engine will never run here. Calls and posts fail at once, rather
+        than queue to a loop that does not exist and wait out their timeouts (tickets for
+        ever). Locks are new ones: a thread of the parent may have held them at the fork.
+        Nothing is sent or closed: the sockets and the NIXL agent are the parent's."""
         self._lock = threading.Lock()
         self._forked = True
         self._closing = self._finished = True

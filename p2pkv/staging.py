@@ -160,8 +160,8 @@ def _span(region: object) -> tuple[int, int, object]:
     """(base address, bytes, the view that holds them) of memory to stage, as the store
     takes a region (:mod:`p2pkv.region`): viewed in place, never copied; ValueError for
     memory that is read-only, strided or holds Python objects, TypeError for a non-buffer.
-    ``np.asarray`` used to copy a ``bytes`` object or a list, and the lanes registered the
-    copy, freed at once (review 2026-12-04: writes into freed memory, segfaults)."""
+    Never through ``np.asarray``: it copies a ``bytes`` object or a list, and the lanes
+    would register the copy, freed at once (writes into freed memory, segfaults)."""
     if is_device_region(region):
         tensor: Any = device_bytes(region)
         return int(tensor.data_ptr()), int(tensor.numel()), tensor
@@ -325,8 +325,8 @@ class LoopbackAgent:
             # Which source would land there is up to the lanes' timing.
             raise TransportError("a destination slot is named twice", op="stage")
         with self.lock:
-            # Under the lock: a release that came between a check outside it and here
-            # left the region without lanes (review 2026-12-04: an IndexError).
+            # Under the lock: a release between a check outside it and here would leave
+            # the region without lanes (an IndexError below).
             if src.agent is not self or dst.agent is not self:
                 raise TransportError("region is not attached to this agent", op="stage")
             if src.refs <= 0 or dst.refs <= 0:
@@ -380,8 +380,8 @@ def run_parts(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor | Non
 
 
 def _checked(slots: Sequence[int], num_blocks: int, side: str) -> Slots:
-    """``slots`` as int32, checked as every data plane checks them (review 2026-12-04:
-    a float was truncated, a string parsed, a nested list flattened)."""
+    """``slots`` as int32, checked as every data plane checks them: a float, a string or
+    a nested list is refused, never truncated, parsed or flattened."""
     return slot_indices(slots, num_blocks, side, "stage").astype(np.int32)
 
 

@@ -97,8 +97,8 @@ class TicketBoard(Generic[T]):
 
         ``within``: wait at most that long for the lock, and give up (False) past it. For
         a host thread's ``close()``, which may run in a signal handler that interrupted
-        this very thread inside a board call, holding the lock (review 2026-12-05: it
-        waited for ever); the engine seals the board itself as it stops."""
+        this very thread inside a board call, holding the lock (an unbounded wait would
+        never end); the engine seals the board itself as it stops."""
         if not self._lock.acquire(timeout=-1 if within is None else within):
             return False
         try:

@@ -177,8 +177,8 @@ def fetch_settings(args: argparse.Namespace, default_peer_id: str) -> tuple[Node
     for name in _SERVER_ONLY:
         settings.pop(name, None)
     if identity and (args.tls_cert is None or args.tls_key is None):
-        # A fetch that took them claimed the serving node's own identity, and was refused
-        # as "peer id ... is our own" (review 2026-12-04).
+        # A fetch that took them would claim the serving node's own identity, and be
+        # refused as "peer id ... is our own".
         raise P2PKVError(
             f"the config's {' and '.join(identity)} are the serving node's own identity: "
             "give this node's certificate and key with --tls-cert and --tls-key"

@@ -632,12 +632,11 @@ class P2PTier:
         return min(idle, key=lambda s: s.used_at, default=None)
 
     def _reap_sources(self, now: float) -> None:
-        """Forget the sources no request names any more (review 2026-12-04: they were kept
-        for good, one per address any request ever named, and so were their sessions,
-        each counted against ``max_peers`` at both ends until a fleet's engine could
-        reach no new source). One whose dial failed goes once its backoff is over; one
-        with a session once no request has named it for ``idle_source_timeout`` seconds,
-        its session closed."""
+        """Forget the sources no request names any more. Kept for good, one per address
+        any request ever named, they and their sessions would count against ``max_peers``
+        at both ends until a fleet's engine could reach no new source. One whose dial
+        failed goes once its backoff is over; one with a session once no request has
+        named it for ``idle_source_timeout`` seconds, its session closed."""
         self._reap_at = now + min(self.idle_source_timeout / 4, 1.0)
         used = self._sources_in_use()
         for src in list(self._sources.values()):

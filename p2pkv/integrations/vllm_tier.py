@@ -268,7 +268,7 @@ _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})
 def _identity_host(host: str) -> str:
     """The host part of the default ``peer_id``: ``host`` itself, unless it binds every
     interface, which names no machine (every engine of a fleet would be "0.0.0.0:5710",
-    and a peer claiming our own id is refused: review 2026-12-04); then this machine's
+    and a peer claiming our own id is refused); then this machine's
     hostname (a pod's name under Kubernetes)."""
     return socket.gethostname() if host in _WILDCARD_HOSTS else host
 
@@ -602,8 +602,8 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         in the primary tier and may evict a chunk HIT a moment ago. So the HITs so far
         are pinned before such a lookup's successors are asked about, after checking
         which of them vLLM still holds (:meth:`_still_hit`). Pinning a chunk gone since
-        raised inside vLLM, left the pins it had taken held for good, and (served from
-        a step) escaped vLLM's ``schedule()`` (found by a review, 2026-12-04)."""
+        would raise inside vLLM, leave the pins it had taken held for good, and (served
+        from a step) escape vLLM's ``schedule()``."""
         keys = srv.req.keys
         asked, later = srv.pending[:budget], srv.pending[budget:]
         hits: list[int] = []
@@ -743,9 +743,9 @@ def _fingerprint(spec: OffloadingSpec, chunk_bytes: int) -> str:
     tokens of a block each worker holds (tensor, pipeline, prefill- and decode-context
     parallel sizes) and how a worker lays them out on the host (the KV cache layout, the
     canonical or direct host layout, a single replicated copy). vLLM's own P2P tier
-    keys its files on the same (``FileMapper``). The layout fields came in on 2026-12-04
-    (review: engines differing only in them exchanged blocks and loaded them as their
-    own); engines of an earlier p2pkv have other fingerprints and get only misses."""
+    keys its files on the same (``FileMapper``). Without the layout fields, engines
+    differing only in them would exchange blocks and load them as their own; engines of
+    a p2pkv from before those fields have other fingerprints and get only misses."""
     c = spec.config
     groups = ";".join(
         f"{g.group_id}:{g.tokens_per_block}:{','.join(g.layer_names)}" for g in c.groups

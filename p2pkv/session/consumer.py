@@ -470,9 +470,9 @@ class ConsumerSide(SessionParts):
         keys = list(keys)
         lim = self._check_keys(keys, "lookup")
         chunks = request_chunks(keys, max_keys=lim.max_keys, max_bytes=lim.max_bytes)
-        # One deadline for the whole lookup, however many rounds it takes (each round had
-        # a lookup_timeout of its own: a peer advertising one key per request and answering
-        # each just in time held a caller for rounds x lookup_timeout; review 2026-12-04).
+        # One deadline for the whole lookup, however many rounds it takes: with one per
+        # round, a peer advertising one key per request and answering each just in time
+        # would hold a caller for rounds x lookup_timeout.
         end = trio.current_time() + self.cfg.lookup_timeout
         # Every round of a lookup stays open until all are answered, so a lookup of several
         # takes all their request slots at once: two could otherwise each hold part of
@@ -603,12 +603,11 @@ class ConsumerSide(SessionParts):
         p.aborted = True
         if self.alive:
             self.proto.send_abort(p.req_id)
-            # Its request slot comes back only with the ack: a peer that never sends it
-            # held the slot for the session's life (review 2026-12-04). Past a bound an
-            # honest peer keeps (abort_ack_bound), an overdue ack ends the session once a
-            # request has to wait for a slot (the lease timer, _take_request_slots): a
-            # peer whose quarantine is longer than the bound assumes costs nothing until
-            # then.
+            # Its request slot comes back only with the ack, so a peer that never sends it
+            # could hold the slot for the session's life. Past a bound an honest peer
+            # keeps (abort_ack_bound), an overdue ack ends the session once a request has
+            # to wait for a slot (the lease timer, _take_request_slots): a peer whose
+            # quarantine is longer than the bound assumes costs nothing until then.
             p.ack_by = trio.current_time() + abort_ack_bound(self.cfg)
             self._rearm_lease_timer(p.ack_by)
             self._flush_soon()
@@ -975,8 +974,8 @@ class ConsumerSide(SessionParts):
         try:
             slots = landing.reserve(req, keys, grant)
         except (StoreFull, SlotsInUse) as exc:
-            # SlotsInUse: a fetch_into took the region while our lookup was out (review
-            # 2026-12-04: the round was left open, its request slot lost for good).
+            # SlotsInUse: a fetch_into took the region while our lookup was out. The round
+            # is closed either way, or its request slot would be lost for good.
             self._close_round(req)
             why = f"store full: {exc}" if isinstance(exc, StoreFull) else f"region lent: {exc}"
             outcome.update((k, why) for k in keys)
@@ -1058,12 +1057,12 @@ class ConsumerSide(SessionParts):
         """Keys a round could not take within the peer's share, fetched part after part:
         wait in the peer's queue for room (at most ``fetch_timeout`` each time), then look
         the part it grants up on a round of its own and fetch it. A loop, not a chain of
-        calls: a fetch of many parts used to recurse a level per part (review
-        2026-12-04: RecursionError at ~300 parts). Each part takes at least one key, and a
-        part that fails ends the loop, its reason given to the keys not asked for."""
+        calls: a level per part would raise RecursionError at ~300 parts. Each part takes
+        at least one key, and a part that fails ends the loop, its reason given to the
+        keys not asked for."""
         while keys:
             # The session's end cancels the wait (_close_down): nothing else would wake
-            # it before fetch_timeout (review 2026-12-04).
+            # it before fetch_timeout.
             grant: Grant | None = None
             if self.alive:
                 with trio.CancelScope() as waiting:
@@ -1118,8 +1117,7 @@ class ConsumerSide(SessionParts):
         commit the good keys, free the slots of those it reports failed. A key it reports
         OK whose bytes fail their checksum (or come without one, with ours on) shows its
         word in doubt: that slot is quarantined, not freed, so a late write cannot land in
-        a block reused meanwhile (review 2026-12-04). If cancelled while checking, every
-        slot is quarantined."""
+        a block reused meanwhile. If cancelled while checking, every slot is quarantined."""
         req = p.req_id
         outcomes = done.outcomes
         if not self.cfg.verify_checksums and outcomes.count(_OK) == len(keys):

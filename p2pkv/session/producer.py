@@ -76,7 +76,7 @@ async def summed(node: Node, slots: Sequence[int]) -> list[int]:
     ``cpu_limiter`` handed over between slices (Trio's limiter is FIFO), so one peer's
     big fetch holds every other peer's checksummed reply, and our own landing checks, for
     one slice at a time (~75 ms at the defaults) instead of its whole pass (~2.5 s for 8
-    GiB at 3.4 GB/s; review 2026-12-05)."""
+    GiB at 3.4 GB/s)."""
     cfg, view = node.config, node.store.array.data
     bl = cfg.block_len
     per = max(1, min(cfg.max_keys_per_turn, cfg.transfer_chunk_bytes // bl))
@@ -228,8 +228,8 @@ class ProducerSide(SessionParts):
         elif not held.orphaned and self.peer_id is not None:
             # The quarantine's end unpins. Until then its pins count against the peer's
             # cap in the node's ledger: the round leaves the protocol's count here (the
-            # session ends, or the peer restarts), and a peer that reconnected or
-            # restarted got a whole cap more each time (review 2026-12-05).
+            # session ends, or the peer restarts), and without the ledger a peer that
+            # reconnected or restarted would get a whole cap more each time.
             held.orphaned = True
             self.node.orphan_pins[self.peer_id] += held.quarantined_pins
 
@@ -382,9 +382,9 @@ class ProducerSide(SessionParts):
             try:
                 if self.alive:
                     # Never waits for the socket (``background``): past OUTBOX_CAP a plain
-                    # flush waited for a peer that reads nothing, while its round, off the
-                    # peer's pin count since the reply was queued, kept its pins (review
-                    # 2026-12-05). The reader's flush is the backpressure, not this one.
+                    # flush would wait for a peer that reads nothing, while its round, off
+                    # the peer's pin count since the reply was queued, kept its pins. The
+                    # reader's flush is the backpressure, not this one.
                     await self._flush(background=True)
             finally:
                 if quiet:

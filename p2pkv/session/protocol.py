@@ -572,8 +572,8 @@ class SessionProtocol:
             # A peer's data-plane identity is its peer id: it can never name, register or
             # replace another peer's agent.
             return f"agent name {h.agent_name!r} is not the peer id {h.peer_id!r}"
-        # Each side named by its peer id: the reason reaches both ends (review 2026-12-05:
-        # "config fingerprint 'm2' != ''" said not whose was whose).
+        # Each side named by its peer id: the reason reaches both ends, and each must
+        # tell whose value was whose.
         them, us = f"(of {h.peer_id!r})", f"(of {li.peer_id!r})"
         if h.block_len != li.block_len:
             return f"block length {h.block_len} {them} != {li.block_len} {us}"
@@ -637,9 +637,9 @@ class SessionProtocol:
             self._ack_sent = self._peer_acked = self._ready_emitted = False
             self._peer_last_req_id = 0
             self.state = State.HANDSHAKE
-            # Nothing for the old incarnation goes out before our new hello (answers
-            # queued in the same read used to: review 2026-12-04); the rest of a frame a
-            # send began stays, or the stream would break mid-frame.
+            # Nothing for the old incarnation goes out before our new hello, not even
+            # answers queued in the same read; the rest of a frame a send began stays, or
+            # the stream would break mid-frame.
             keep = self._outbox[:1] if self._head_unsent else []
             self._outbox[:] = keep
             self._outbox_bytes = sum(map(len, keep))

@@ -247,8 +247,8 @@ class PeerSession(ProducerSide, ConsumerSide):
             if self.host_waits:
                 # The reader waits for the host's pins (bounded by the pin source): the
                 # answer may be in, undecoded. Without this an impostor could close a
-                # live session whose host took longer than probe_timeout to pin
-                # (review 2026-12-04); the wait's end wakes us (host_wait_over).
+                # live session whose host took longer than probe_timeout to pin; the
+                # wait's end wakes us (host_wait_over).
                 await self._rx.park()
                 deadline = trio.current_time() + within
                 continue
@@ -344,7 +344,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             reason = self.close_reason = self.close_reason or "session ended"
             # A stranger turned away is no longer counted (max_peers of them at most): the
             # partial frame it sent must not outlive that through the flush and linger
-            # below (review 2026-12-04: 60 MiB held at once against a ~5 MiB bound).
+            # below, or max_peers strangers could hold ~60 MiB against a ~5 MiB bound.
             self.proto.discard_input()
             if self._lane_handed is not None:
                 self._lane_handed.set()  # the reader will not act on it now: we end

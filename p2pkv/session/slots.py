@@ -77,8 +77,8 @@ class RequestSlots:
     def end(self) -> None:
         """The session has ended: every waiter gets its slots at once, and so does every
         later taker, whatever the limit. Each finds the session closed, fails with that,
-        and gives them back. (A waiter used to wait for a slot of a dead session until its
-        deadline, then report that no slot was free.)"""
+        and gives them back: no waiter waits for a slot of a dead session until its
+        deadline, then reports that no slot was free."""
         self._ended = True
         while self._waiters:
             n, taken = self._waiters.popleft()

@@ -271,10 +271,10 @@ class _Registry:
 
 _registry = _Registry()
 
-# Forks (2026-12-05). A child forked while one of its parent's NIXL agents lived has a copy
-# of that agent's memory but none of its threads, and UCX is not fork-safe: destroying the
-# copy (the transport's finalizer at the child's exit) crashed the child with SIGSEGV, and
-# a new agent in the child connected and then never completed a transfer. So the child
+# Forks. A child forked while one of its parent's NIXL agents lived has a copy of that
+# agent's memory but none of its threads, and UCX is not fork-safe: destroying the copy
+# (the transport's finalizer at the child's exit) crashes the child with SIGSEGV, and a
+# new agent in the child connects and then never completes a transfer. So the child
 # abandons every inherited agent (never destroyed: kept referenced for good) and refuses
 # to create NIXL agents of its own, saying why. A child of a parent with no live agent (none
 # yet, or all closed) is not affected.
