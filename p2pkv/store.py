@@ -593,9 +593,9 @@ class BlockStore:
             self._offered_at = _clock()
             counts = pins.counts()  # only engine-side calls change them: read outside _lock
             # Every listed slot taken off the copy first: a bad entry (unhashable) raises
-            # before any pin is dropped. (Taken batch by batch, one in a later batch left
-            # the owner's record listing pins already dropped: a review saw another
-            # owner's pinned slot handed out.)
+            # before any pin is dropped. (Taken batch by batch, one in a later batch would
+            # leave the owner's record listing pins already dropped, and another owner's
+            # pinned slot could be handed out.)
             dropped = list(_take_pins(counts, slots).items())
             for start in range(0, len(dropped), step):
                 part = dropped[start : start + step]
@@ -1451,7 +1451,7 @@ class BlockStore:
 
     def _check_slot(self, slot: int) -> int:
         """``slot`` as a Python int: a NumPy int's own arithmetic wraps (np.int32(1024) *
-        2 MiB is negative: a review found views of another slot's bytes)."""
+        2 MiB is negative: a view of another slot's bytes)."""
         if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
             raise TypeError(f"slot must be an int, got {slot!r}")
         if not 0 <= slot < self.num_blocks:

@@ -516,7 +516,7 @@ def _unpack_body(body: bytes) -> object:
     by hand, each list bounded by the bytes that remain (an element takes at least one),
     and every element is unpacked by an unpacker that accepts no container at all: its
     length limits refuse a non-empty one, and its hooks an empty one (each a byte on the
-    wire and a new Python list or dict: a review's 1 MiB hello of them cost 70 MB and
+    wire and a new Python list or dict: a 1 MiB hello of them would cost 70 MB and
     0.4 s of the Trio thread, before the frame's type or proof was looked at). Nothing
     nests, and nothing is allocated that the frame does not pay for.
 
