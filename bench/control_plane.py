@@ -66,6 +66,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import attrs
 import trio
 
 import p2pkv
@@ -202,6 +203,8 @@ async def serve_source(args: argparse.Namespace) -> None:
     cfg = p2pkv.NodeConfig(
         peer_id="source", num_blocks=args.keys, block_len=args.block_len, transport="nixl"
     )
+    if args.max_keys_per_request:
+        cfg = attrs.evolve(cfg, max_keys_per_request=args.max_keys_per_request)
     async with trio.open_nursery() as nursery, p2pkv.open_node(cfg) as node:
         fill_store(node.store, demo_keys(args.keys), 0)
         bare = await start_bare(nursery, args.counts)
@@ -368,6 +371,7 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
         "reps": args.reps,
         "samples_per_kind": args.reps * len(samples["p2pkv"][1][0]),
         "close": args.close,
+        "max_keys_per_request": args.max_keys_per_request,
         "p2pkv_module": os.path.dirname(p2pkv.__file__),
         "cpus": sorted(os.sched_getaffinity(0)),
         "pin_cpus": getattr(args, "pin_cpus", None),
@@ -415,6 +419,11 @@ def print_report(out: dict[str, Any]) -> None:
         f"{out['samples_per_kind']} samples per kind in {out['reps']} alternating reps; "
         f"each p2pkv round closed, untimed, by a "
         f"{'release' if out['close'] == 'release' else 'one-block fetch'}"
+        + (
+            f"; the source takes {out['max_keys_per_request']} keys per request"
+            if out.get("max_keys_per_request")
+            else ""
+        )
     )
     print(
         f"  {out['when']}, {m['host']}, {m['cores']} cores, load average "
@@ -518,6 +527,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run the client, the source and the bare_own process on these CPUs"
         " (each a CPU or CPUs joined by +, e.g. 2,4,6 or 2+3,2+3,2+3)",
     )
+    parser.add_argument(
+        "--max-keys-per-request",
+        type=int,
+        metavar="N",
+        help="the source takes at most N keys per request, so a lookup of more goes as"
+        " several rounds (sent together); the bare kinds still send one frame",
+    )
     parser.add_argument("--bare-server", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--source", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -537,6 +553,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     child = [sys.executable, __file__, "--keys", str(args.keys), "--block-len", str(args.block_len)]
     child += ["--sweep"] if args.sweep else []
     child += ["--lean"] if args.lean else []
+    if args.max_keys_per_request:
+        child += ["--max-keys-per-request", str(args.max_keys_per_request)]
     child += ["--pin-cpus", args.pin_cpus] if args.pin_cpus else []
     load_before = os.getloadavg()[0]
     with (

@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import open_node
+from p2pkv import LookupRound, open_node
 from p2pkv.errors import LocalProtocolError
 from p2pkv.session.protocol import (
     LookupAnswered,
@@ -632,3 +632,38 @@ async def test_two_split_lookups_never_each_hold_half_of_what_the_other_needs() 
                 nursery.start_soon(lookup_and_fetch, keys[:4])
                 nursery.start_soon(lookup_and_fetch, keys[4:])
             assert got == [[True] * 4, [True] * 4]
+
+
+async def test_two_split_lookups_of_the_same_keys_at_once_each_get_rounds_of_their_own() -> None:
+    """Two lookups of the same six keys at once, each split into three rounds (two keys
+    per request) sent together: each is answered all hits on rounds of its own, the
+    producer pins each key once per round, and once each lookup's rounds are used (one
+    fetch loads the keys, the other finds them loaded) or closed, nothing stays pinned
+    and every request slot is back."""
+    with trio.fail_after(10):
+        async with (
+            open_node(config("src", max_keys_per_request=2)) as src,
+            open_node(config("dst", max_open_requests=6)) as dst,
+        ):
+            keys = fill(src.store, 6, 4096)
+            peer = await dst.connect(src.address)
+            got: list[LookupRound] = []
+
+            async def look_up() -> None:
+                got.append(await dst.lookup_round(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(look_up)
+                nursery.start_soon(look_up)
+            assert [r.hits for r in got] == [[True] * 6, [True] * 6]
+            assert len(set(got[0].req_ids) | set(got[1].req_ids)) == 6
+            assert src.statistics().pinned_slots == 6  # each key pinned by two owners
+            first = await dst.fetch(peer, keys, rounds=got[0])
+            assert sorted(first.loaded) == sorted(keys), first.failed
+            second = await dst.fetch(peer, keys, rounds=got[1])
+            assert sorted(second.loaded) == sorted(keys), second.failed
+            for key in keys:
+                assert dst.store.get(key) == src.store.get(key)
+            await until(lambda: src.statistics().pinned_slots == 0)
+            requests = dst._by_peer["src"]._requests
+            assert requests.free == requests.limit

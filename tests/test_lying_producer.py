@@ -128,9 +128,8 @@ async def test_a_split_lookup_that_fails_midway_gives_back_the_rounds_already_an
     its timeout, and the round already answered is closed at once (a partial answer is
     no answer): the producer unpins its hits, and its request slot comes back. Left
     open, it was nobody's: no fetch could claim it, the lease timer never saw it, and its
-    request slot was lost for the session's life. The third round, never sent, gives
-    back the slot the lookup took for it (mutation review 2026-12-05: keeping it
-    survived)."""
+    request slot was lost for the session's life. The rounds go out together, so the
+    third, sent but not answered yet, is aborted too."""
     with trio.fail_after(600):
         async with one_key_per_request_producer() as (raw, dst):
             keys = [os.urandom(32) for _ in range(3)]
@@ -152,11 +151,102 @@ async def test_a_split_lookup_that_fails_midway_gives_back_the_rounds_already_an
                 # The close and the abort reach the peer (or the bound fails the test).
                 await until(lambda: {type(e) for e in seen} >= {RoundClosed, AbortRequested})
                 nursery.cancel_scope.cancel()
-            first, second = seen[0].req_id, seen[1].req_id
+            first, second, third = (e.req_id for e in seen[:3])
             assert RoundClosed(first) in seen, f"the answered round stayed open: {seen}"
-            assert AbortRequested(second) in seen
+            assert AbortRequested(second) in seen and AbortRequested(third) in seen
             requests = dst._by_peer[raw.peer_id]._requests
             assert requests.free == requests.limit
+
+
+async def test_a_split_lookup_sends_every_round_before_it_waits_for_an_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup split into rounds (one key per request) puts every round on the wire
+    before it waits for the first answer: one round trip, not one per round. The
+    producer here answers nothing until it has all four, then answers them last first;
+    each key's hit still comes back in the key's own place. (Round by round, the first
+    answer never came and the lookup timed out.)"""
+    with trio.fail_after(600):
+        async with one_key_per_request_producer() as (raw, dst):
+            keys = [os.urandom(32) for _ in range(4)]
+            present = {keys[0], keys[2], keys[3]}
+            asked: list[LookupRequested] = []
+
+            async def answer_when_all_are_in() -> None:
+                while (ev := await _next_event(raw)) is not None:
+                    if isinstance(ev, LookupRequested):
+                        asked.append(ev)
+                        if len(asked) == len(keys):
+                            for req in reversed(asked):
+                                hits = [k in present for k in req.keys]
+                                raw.proto.send_lookup_resp(
+                                    req.req_id, hits, trio.current_time(), 60
+                                )
+                    await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_when_all_are_in)
+                start = trio.current_time()
+                rnd = await dst.lookup_round(raw.peer_id, keys)
+                took = trio.current_time() - start
+                nursery.cancel_scope.cancel()
+            assert rnd.hits == [True, False, True, True]
+            assert [ev.keys for ev in asked] == [[k] for k in keys]
+            assert took < 1.0, f"the lookup waited {took:.1f} s for answers sent at once"
+
+
+@pytest.mark.parametrize("ending", ["timeout", "cancel"])
+async def test_a_split_lookup_whose_middle_round_is_never_answered_leaves_no_round_open(
+    autojump_clock: trio.testing.MockClock, ending: str
+) -> None:
+    """The rounds of a split lookup go out together, so a later round can be answered
+    while an earlier one never is. Whether the lookup then times out or its caller
+    cancels it, no round stays open: those answered (the first and, out of turn, the
+    third) are closed, so the producer unpins their hits, the one never answered is
+    aborted, and every request slot comes back."""
+    with trio.fail_after(600):
+        async with one_key_per_request_producer() as (raw, dst):
+            keys = [os.urandom(32) for _ in range(3)]
+            seen: list[Any] = []
+            session = dst._by_peer[raw.peer_id]
+            third_answered = trio.Event()
+
+            async def skip_the_second_round() -> None:
+                while (ev := await _next_event(raw)) is not None:
+                    seen.append(ev)
+                    if isinstance(ev, LookupRequested) and ev.keys != [keys[1]]:
+                        raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60)
+                        if ev.keys == [keys[2]]:
+                            await raw.flush()
+                            third_answered.set()
+                    elif isinstance(ev, AbortRequested):
+                        raw.proto.send_abort_ack(ev.req_id)
+                    await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(skip_the_second_round)
+                if ending == "timeout":
+                    with pytest.raises(P2PKVTimeout):
+                        await dst.lookup(raw.peer_id, keys)
+                else:
+                    with trio.CancelScope() as scope:
+
+                        async def cancel_once_the_third_is_in() -> None:
+                            await third_answered.wait()
+                            third = seen[2].req_id
+                            # The consumer has read the third round's answer.
+                            await until(lambda: session._pending[third].result is not None)
+                            scope.cancel()
+
+                        nursery.start_soon(cancel_once_the_third_is_in)
+                        await dst.lookup(raw.peer_id, keys)
+                    assert scope.cancelled_caught
+                first, second, third = (e.req_id for e in seen[:3])
+                await until(lambda: RoundClosed(third) in seen and AbortRequested(second) in seen)
+                await until(lambda: session._requests.free == session._requests.limit)
+                nursery.cancel_scope.cancel()
+            assert RoundClosed(first) in seen, f"the first round stayed open: {seen}"
+            assert not session._rounds
 
 
 async def test_a_producer_that_never_acks_an_abort_does_not_hold_request_slots_for_ever(

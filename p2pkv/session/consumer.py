@@ -474,35 +474,21 @@ class ConsumerSide(SessionParts):
         # round, a peer advertising one key per request and answering each just in time
         # would hold a caller for rounds x lookup_timeout.
         end = trio.current_time() + self.cfg.lookup_timeout
-        # Every round of a lookup stays open until all are answered, so a lookup of several
-        # takes all their request slots at once: two could otherwise each hold part of
-        # what the other waits for, or one all it has and wait for itself.
-        unsent = len(chunks) if len(chunks) > 1 else 0
-        if unsent:
-            await self._take_request_slots(unsent, end)
-        answered: list[_Round] = []
+        if len(chunks) == 1:  # the usual case
+            req, one = await self._lookup_round(chunks[0], lim, end)
+            answered = [(req, chunks[0], one, trio.current_time())]
+        else:
+            answered = await self._lookup_rounds(chunks, lim, end) if chunks else []
+        rounds: list[_Round] = []
         hits: list[bool] = []
-        try:
-            for chunk in chunks:
-                if unsent:  # the slot is the round's from here on
-                    unsent -= 1
-                    req, chunk_hits = await self._lookup_round(chunk, lim, end, has_slot=True)
-                else:
-                    req, chunk_hits = await self._lookup_round(chunk, lim, end)
-                hits += chunk_hits
-                found = chunk if all(chunk_hits) else list(compress(chunk, chunk_hits))
-                lease_end = trio.current_time() + self.cfg.lease * 0.9
-                answered.append(_Round(req, found, lease_end, held=held))
-        except BaseException:
-            self._requests.give_back(unsent)
-            for rnd in answered:  # a partial answer is no answer: give the pins back
-                self._close_round(rnd.req_id)
-            self._flush_soon()
-            raise
+        for req, chunk, chunk_hits, at in answered:
+            hits += chunk_hits
+            found = chunk if all(chunk_hits) else list(compress(chunk, chunk_hits))
+            rounds.append(_Round(req, found, at + self.cfg.lease * 0.9, held=held))
         # Published together, with no checkpoint since the last answer. A round without
         # hits pins nothing and no fetch could use it: it is closed at once.
         empty = False
-        for rnd in answered:
+        for rnd in rounds:
             if rnd.keys:
                 self._rounds[rnd.req_id] = rnd
                 self._rearm_lease_timer(rnd.deadline)
@@ -511,25 +497,62 @@ class ConsumerSide(SessionParts):
                 empty = True
         if empty:
             self._flush_soon()
-        return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in answered))
+        return LookupRound(self.peer_id or "", hits, self.token, tuple(r.req_id for r in rounds))
+
+    async def _lookup_rounds(
+        self, chunks: list[list[bytes]], lim: RequestLimits, end: float
+    ) -> list[tuple[int, list[bytes], list[bool], float]]:
+        """A lookup of several rounds (keys already checked against ``lim``, each chunk
+        within it), every one answered by ``end`` or all given up: per round its request
+        id, its keys, its hits and when its answer was seen (its lease counts from then).
+
+        Every round stays open until all are answered, so the rounds take their request
+        slots together first: two such lookups could otherwise each hold part of what the
+        other waits for, or one all it has and wait for itself. Then they are sent
+        together, before the first answer is waited for: one round trip for the lookup,
+        not one per round. A partial answer is no answer: if any round fails, is not
+        answered in time or the caller cancels, the rounds answered are closed (the
+        producer unpins their hits) and the rest aborted."""
+        await self._take_request_slots(len(chunks), end)
+        sent: list[_Pending] = []
+        try:
+            self._check_usable("lookup")
+            checked = lim is self._limits()
+            for chunk in chunks:
+                req = self.proto.send_lookup(chunk, checked=checked)
+                p = self._pending[req] = _Pending(req)
+                sent.append(p)  # the slot is the request's from here on
+            await self._flush()
+            answered = []
+            for p, chunk in zip(sent, chunks, strict=True):
+                await self._wait_for_answer(p, end - trio.current_time())
+                if p.error is not None:
+                    raise p.error
+                if p.result is None:  # its deadline passed first
+                    raise P2PKVTimeout("lookup timed out", peer=self.peer_id, op="lookup")
+                answered.append((p.req_id, chunk, p.result.hits, trio.current_time()))
+            return answered
+        except BaseException:
+            self._requests.give_back(len(chunks) - len(sent))
+            for p in sent:
+                if p.result is not None and p.error is None:
+                    self._close_round(p.req_id)  # answered: its round is open
+                else:
+                    self._abort(p)
+            self._flush_soon()
+            raise
 
     async def _lookup_round(
-        self, keys: list[bytes], lim: RequestLimits, end: float, *, has_slot: bool = False
+        self, keys: list[bytes], lim: RequestLimits, end: float
     ) -> tuple[int, list[bool]]:
         """One lookup request (keys already checked against ``lim`` and within it), answered
         by ``end`` (Trio's clock) or given up. The round is the caller's: it is not among
-        the open rounds until the caller puts it there. ``has_slot``: the caller took its
-        request slot (which is now this call's)."""
-        try:
-            self._check_usable("lookup")
-        except BaseException:
-            if has_slot:
-                self._requests.give_back()
-            raise
+        the open rounds until the caller puts it there."""
+        self._check_usable("lookup")
         # Waiting for a request slot is part of the lookup's deadline; the usual case, a
         # slot free, takes no checkpoint (and nothing can have changed since the check).
         waited = False
-        if not has_slot and not self._requests.take_nowait():
+        if not self._requests.take_nowait():
             await self._take_request_slots(1, end)
             waited = True
         try:
