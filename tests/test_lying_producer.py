@@ -22,7 +22,7 @@ import trio.testing
 from p2pkv import Node, P2PKVTimeout, SessionClosed, StoreFull, open_node
 from p2pkv.session.consumer import abort_ack_bound
 from p2pkv.session.protocol import AbortRequested, FetchRequested, LookupRequested, RoundClosed
-from p2pkv.wire import Outcome, TransferDone, encode
+from p2pkv.wire import LookupResp, Outcome, TransferDone, encode
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair, until
 
@@ -247,6 +247,45 @@ async def test_a_split_lookup_whose_middle_round_is_never_answered_leaves_no_rou
                 nursery.cancel_scope.cancel()
             assert RoundClosed(first) in seen, f"the first round stayed open: {seen}"
             assert not session._rounds
+
+
+async def test_a_producer_answering_a_round_of_a_split_lookup_twice_is_cut_off_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With every round of a split lookup in flight, the producer answers the first round
+    twice (the second answer could pass for a later round's) and no other. The second
+    answer is a protocol error: the session ends with that reason, the lookup fails at
+    once with a typed error instead of waiting out its deadline, and the node lives on,
+    open to the same peer again."""
+    with trio.fail_after(600):
+        async with one_key_per_request_producer() as (raw, dst):
+            keys = [os.urandom(32) for _ in range(3)]
+
+            async def answer_the_first_twice() -> None:
+                while (ev := await _next_event(raw)) is not None:
+                    if isinstance(ev, LookupRequested) and ev.keys == [keys[0]]:
+                        raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60)
+                        await raw.flush()  # and the same answer again, past our protocol:
+                        await raw.send_raw(encode(LookupResp(req_id=ev.req_id, hits=[True])))
+                    await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_the_first_twice)
+                start = trio.current_time()
+                with pytest.raises(SessionClosed) as caught:
+                    await dst.lookup(raw.peer_id, keys)
+                took = trio.current_time() - start
+                nursery.cancel_scope.cancel()
+            assert took < dst.config.lookup_timeout / 2, f"failed only after {took:.1f} s"
+            assert "protocol" in str(caught.value).lower(), caught.value
+            assert not dst.is_connected(raw.peer_id)
+            again = RawPeer(raw.peer_id, epoch=8)
+            try:
+                await again.connect(dst.address)
+                await again.handshake()
+                assert dst.is_connected(again.peer_id)
+            finally:
+                await again.aclose()
 
 
 async def test_a_producer_that_never_acks_an_abort_does_not_hold_request_slots_for_ever(
