@@ -371,7 +371,7 @@ def report(args: argparse.Namespace, samples: Samples, load: list[float]) -> dic
         "reps": args.reps,
         "samples_per_kind": args.reps * len(samples["p2pkv"][1][0]),
         "close": args.close,
-        "max_keys_per_request": args.max_keys_per_request,
+        "max_keys_per_request": getattr(args, "max_keys_per_request", None),
         "p2pkv_module": os.path.dirname(p2pkv.__file__),
         "cpus": sorted(os.sched_getaffinity(0)),
         "pin_cpus": getattr(args, "pin_cpus", None),
