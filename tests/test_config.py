@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from p2pkv import ConfigError, NodeConfig, P2PKVError, open_node
+from p2pkv._switch import MIN_INTERVAL
 from p2pkv.config import MIN_FRAME_SIZE
 
 from .helpers import fill
@@ -57,6 +58,23 @@ from .helpers import fill
         ({"tls_cert": 5, "tls_key": "k", "tls_ca": "c"}, "tls_cert must be a path"),
         ({"tls_cert": "c", "tls_key": b"/k", "tls_ca": "c"}, "tls_key must be a path"),
         ({"tls_cert": "c", "tls_key": "k", "tls_ca": ["c"]}, "tls_ca must be a path"),
+        ({"peer_id": "p" * 129}, "peer_id must be 1..128"),  # the hello's limit
+        ({"peer_id": b"a"}, "peer_id must be str"),  # has a len(): passed the length check
+        ({"hash_algo": b"sha256"}, "hash_algo must be str"),
+        ({"fingerprint": b"model"}, "fingerprint must be str"),
+        ({"max_key_len": 1025}, "max_key_len must be <= 1024"),
+        ({"switch_interval": 1e-7}, "switch_interval must be None or >="),
+        ({"heartbeat_interval": 5.0, "idle_timeout": 5.0}, "idle_timeout .* must exceed"),
+        # landing_margin counts: a write may still land until abort_timeout + margin.
+        (
+            {"quarantine": 2.5, "abort_timeout": 2.0, "landing_margin": 1.0},
+            "quarantine .* must exceed abort_timeout",
+        ),
+        (
+            {"quarantine": 3.0, "abort_timeout": 2.0, "landing_margin": 1.0},
+            "quarantine .* must exceed abort_timeout",
+        ),
+        ({"block_len": 4096, "max_inflight_bytes": 4095}, "less than one block"),
     ],
     ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
 )
@@ -65,6 +83,31 @@ def test_a_bad_value_is_a_config_error_naming_it(kw: dict[str, Any], match: str)
         NodeConfig(**{"peer_id": "a", **kw})
     # One type, caught either way a caller may expect.
     assert isinstance(info.value, P2PKVError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"port": 0},
+        {"port": 65535},
+        {"peer_id": "p" * 128},
+        {"max_key_len": 1024},
+        {"switch_interval": MIN_INTERVAL},
+        {"max_frame_size": MIN_FRAME_SIZE},
+        {"block_len": 4096, "max_inflight_bytes": 4096},  # one block in flight at a time
+        {"num_blocks": 8, "max_peer_blocks": 8},  # a peer of this config takes our region
+        {"max_pinned_share": 1.0, "max_landing_share": 1.0},
+        {"heartbeat_interval": 5.0, "idle_timeout": 5.5},
+        {"quarantine": 3.5, "abort_timeout": 2.0, "landing_margin": 1.0},
+        {"landing_margin": 0.0},
+    ],
+    ids=lambda v: "-".join(map(str, v.items())),
+)
+def test_a_value_at_the_edge_of_each_bound_is_accepted(kw: dict[str, Any]) -> None:
+    """Every bound NodeConfig enforces lets its edge through: a bound one step too tight
+    refuses a config that works (the refusal tests above prove the step past the edge)."""
+    cfg = NodeConfig(**{"peer_id": "a", **kw})
+    assert {name: getattr(cfg, name) for name in kw} == kw
 
 
 def test_tls_files_may_be_path_objects_and_are_kept_as_str(tmp_path: Path) -> None:
