@@ -25,6 +25,7 @@ from p2pkv.errors import (
     RemoteProtocolError,
 )
 from p2pkv.session.protocol import (
+    MIN_NONCE,
     AbortAcknowledged,
     AbortRequested,
     ByeReceived,
@@ -414,6 +415,64 @@ def test_a_hello_carrying_our_own_nonce_is_rejected_even_with_a_valid_proof() ->
     with pytest.raises(HandshakeRejected, match="nonce is not fresh"):
         events_of(a, encode(hb))
     assert a.peer is None
+
+
+def test_a_hello_whose_nonce_is_shorter_than_min_nonce_is_rejected_even_with_a_valid_proof() -> (
+    None
+):
+    """Our ack proves the secret over the peer's nonce: one shorter than ``MIN_NONCE`` is
+    not fresh enough to bind it to this connection, whatever the hello's proof."""
+    a = SessionProtocol(make_info("a", secret=SECRET))
+    a.start()
+    a.data_to_send()
+    b_info = make_info("b", secret=SECRET, dialer=True, nonce=b"n" * (MIN_NONCE - 1))
+    hb = hello_for(b_info, to=a.local.nonce)  # a valid proof over a's challenge
+    with pytest.raises(HandshakeRejected, match="nonce is not fresh"):
+        events_of(a, encode(hb))
+    assert a.peer is None
+    assert [type(m) for m in sent(a)] == [Bye]  # no hello of ours, no ack
+
+
+def test_a_side_without_a_secret_refuses_a_hello_carrying_a_proof() -> None:
+    """A peer that proves a secret we do not hold is configured for another fleet: the
+    hello is refused, and the reason says which side lacks the secret."""
+    a = SessionProtocol(make_info("a"))
+    a.start()
+    a.data_to_send()
+    hb = hello_for(make_info("b", secret=SECRET, dialer=True), to=a.local.nonce)
+    assert hb.auth is not None
+    with pytest.raises(HandshakeRejected, match="no secret configured here"):
+        events_of(a, encode(hb))
+    assert a.peer is None
+    assert sent(a) == [
+        Bye(code="handshake", reason="peer requires authentication; no secret configured here")
+    ]
+
+
+def test_an_accepting_side_with_a_secret_never_answers_a_challenge() -> None:
+    """Only the dialer is challenged. An accepting side that took a dialer's challenge
+    would send its hello, proven over a nonce the dialer chose, before the dialer proved
+    anything: a free proof for whatever connection that nonce came from."""
+    a = SessionProtocol(make_info("a", secret=SECRET))
+    a.start()
+    assert [type(m) for m in sent(a)] == [Challenge]
+    a.receive_data(encode(Challenge(nonce=b"z" * MIN_NONCE)))
+    with pytest.raises(RemoteProtocolError, match="unexpected challenge"):
+        while a.next_event() is not None:
+            pass
+    assert not any(isinstance(m, Hello) for m in sent(a))
+    assert a.peer is None
+
+
+def test_a_dialer_with_a_secret_refuses_a_hello_sent_instead_of_a_challenge() -> None:
+    """An accepting side without the secret sends its hello at once: the dialer's error
+    says so (not just "authentication required"), and the dialer's hello never leaves."""
+    b = SessionProtocol(make_info("b", secret=SECRET, dialer=True))
+    b.start()
+    with pytest.raises(HandshakeRejected, match="the peer sent a hello, not a challenge"):
+        events_of(b, encode(hello_for(make_info("a"))))
+    assert b.peer is None
+    assert [type(m) for m in sent(b)] == [Bye]
 
 
 def test_the_accepting_side_reveals_its_hello_only_to_a_proven_dialer() -> None:
