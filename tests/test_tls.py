@@ -78,10 +78,15 @@ class CA:
         self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
     def issue(
-        self, names: list[str], *, file_stem: str, uris: list[str] | None = None
+        self,
+        names: list[str],
+        *,
+        file_stem: str,
+        uris: list[str] | None = None,
+        dns: list[str] | None = None,
     ) -> tuple[Path, Path]:
         """A certificate whose SAN URIs name ``names`` (peer ids), and its key; ``uris``:
-        these SAN URIs instead, spelled as given."""
+        these SAN URIs instead, spelled as given; ``dns``: SAN DNS names besides."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         builder = (
@@ -100,11 +105,10 @@ class CA:
         )
         if uris is None:
             uris = [peer_uri(n) for n in names]
-        if uris:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(u) for u in uris]),
-                critical=False,
-            )
+        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns or []]
+        sans += [x509.UniformResourceIdentifier(u) for u in uris]
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(self.key, hashes.SHA256())
         cert_file = self.dir / f"{file_stem}.pem"
         key_file = self.dir / f"{file_stem}.key"
@@ -133,9 +137,12 @@ class PKI:
         issuer: CA | None = None,
         trust: CA | None = None,
         uris: list[str] | None = None,
+        dns: list[str] | None = None,
     ) -> dict[str, Any]:
         self._n += 1
-        cert, key = (issuer or self.ca).issue(list(names), file_stem=f"peer{self._n}", uris=uris)
+        cert, key = (issuer or self.ca).issue(
+            list(names), file_stem=f"peer{self._n}", uris=uris, dns=dns
+        )
         return {"tls_cert": cert, "tls_key": key, "tls_ca": (trust or self.ca).ca_file}
 
 
@@ -263,6 +270,77 @@ async def test_a_certificate_naming_an_id_in_another_spelling_is_refused(
             with pytest.raises(HandshakeRejected, match="not the canonical spelling"):
                 await impostor.connect(a.address)
             assert a.peers() == []
+
+
+async def test_a_p2pkv_name_outside_a_uri_san_names_no_peer(pki: PKI) -> None:
+    """Only SAN URIs name a peer; CN and DNS names are ignored. A CA whose name
+    constraints cover URIs only may issue any DNS name, "p2pkv://b" among them: its
+    holder is not b, and no peer id defaults from it."""
+    sans = (("DNS", "p2pkv://b"), ("email", "p2pkv://b"), ("URI", peer_uri("a")))
+    assert cert_peer_ids({"subjectAltName": sans}) == ["a"]
+    files = pki.tls(dns=["p2pkv://b"])
+    with pytest.raises(P2PKVError, match="names 0 peer ids"):
+        cert_file_peer_id(os.fspath(files["tls_cert"]))
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a"))) as a,
+            open_node(config("b", **files)) as impostor,
+        ):
+            with pytest.raises(HandshakeRejected, match="certificate names no p2pkv:// URI"):
+                await impostor.connect(a.address)
+            assert a.peers() == []
+
+
+async def test_tls_older_than_1_3_is_refused_both_ways(pki: PKI) -> None:
+    """TLS 1.3 at least, as accepted and as dialed: a peer holding a good fleet
+    certificate but speaking TLS 1.2 at most gets no connection either way."""
+
+    def tls12(purpose: int, files: dict[str, Any]) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(purpose)
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_cert_chain(files["tls_cert"], files["tls_key"])
+        ctx.load_verify_locations(cafile=files["tls_ca"])
+        return ctx
+
+    old = pki.tls("old")
+    handshakes: list[str] = []
+
+    async def old_server(stream: trio.SSLStream[trio.SocketStream]) -> None:
+        try:
+            await stream.do_handshake()
+            handshakes.append("done")
+        except trio.BrokenResourceError:
+            handshakes.append("refused")
+        await stream.aclose()
+
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a"))) as a,
+            open_node(config("b", **pki.tls("b"))) as b,
+            trio.open_nursery() as nursery,
+        ):
+            client = trio.SSLStream(
+                await trio.open_tcp_stream(*a.address), tls12(ssl.PROTOCOL_TLS_CLIENT, old)
+            )
+            with pytest.raises(trio.BrokenResourceError):
+                await client.do_handshake()
+            await client.aclose()
+            assert a.peers() == []
+
+            listeners = await trio.open_ssl_over_tcp_listeners(
+                0, tls12(ssl.PROTOCOL_TLS_SERVER, old), host="127.0.0.1"
+            )
+            await nursery.start(trio.serve_listeners, old_server, listeners)
+            plain = listeners[0].transport_listener
+            assert isinstance(plain, trio.SocketListener)
+            port = plain.socket.getsockname()[1]
+            with pytest.raises(HandshakeRejected, match="TLS handshake failed"):
+                await b.connect(("127.0.0.1", port))
+            assert b.peers() == []
+            nursery.cancel_scope.cancel()
+    assert handshakes == ["refused"]
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -455,6 +533,21 @@ def test_serve_and_fetch_take_the_tls_files_from_flags_or_a_config_file(
     assert cfg.tls_ca == os.fspath(conf.parent / "../ca.pem")
 
 
+def test_fetch_with_the_servers_file_wants_both_its_own_certificate_and_key(
+    pki: PKI, tmp_path: Path
+) -> None:
+    """Given the serving node's file (its certificate and key are its identity), a fetch
+    with only one of --tls-cert and --tls-key is told to give both, by name."""
+    files = {k: os.fspath(v) for k, v in pki.tls("f").items()}
+    conf = tmp_path / "node.toml"
+    conf.write_text('peer_id = "s"\ntls_cert = "c.pem"\ntls_key = "k.pem"\ntls_ca = "ca.pem"\n')
+    for flag in ("tls_cert", "tls_key"):
+        argv = ["fetch", "127.0.0.1:1", "--config", str(conf), f"--{flag.replace('_', '-')}"]
+        args = build_parser().parse_args([*argv[:-1], f"{argv[-1]}={files[flag]}"])
+        with pytest.raises(P2PKVError, match="tls_cert and tls_key are the serving node's own"):
+            fetch_settings(args, "f")
+
+
 def test_with_tls_the_peer_id_defaults_to_the_one_the_certificate_names(pki: PKI) -> None:
     """As ``--help`` says: under TLS a node without ``--peer-id`` is the peer its
     certificate names (a HOSTNAME-PID id would fail every handshake); a certificate
@@ -466,6 +559,16 @@ def test_with_tls_the_peer_id_defaults_to_the_one_the_certificate_names(pki: PKI
     with pytest.raises(P2PKVError, match="names 2 peer ids"):
         serve_settings(build_parser().parse_args(["serve", *two]))
     assert cert_file_peer_id(os.fspath(pki.tls("client")["tls_cert"])) == "client"
+
+
+def test_with_tls_a_certificate_naming_no_peer_id_asks_for_one(pki: PKI) -> None:
+    """A certificate with no p2pkv:// URI gives no default peer id: the error asks for
+    one (it was an IndexError's traceback when only several names were refused)."""
+    flags = [f"--{k.replace('_', '-')}={os.fspath(v)}" for k, v in pki.tls().items()]
+    with pytest.raises(P2PKVError, match="names 0 peer ids"):
+        serve_settings(build_parser().parse_args(["serve", *flags]))
+    cfg, _fill, _seed = serve_settings(build_parser().parse_args(["serve", *flags, "--peer-id=s"]))
+    assert cfg.peer_id == "s"
 
 
 def test_serve_refuses_an_incomplete_set_of_tls_flags(pki: PKI) -> None:
