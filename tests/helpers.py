@@ -575,6 +575,9 @@ BAD_SLOTS: list[Any] = [
     pytest.param([0, 1.0], [0, 1], "local slots must be integers", id="float-in-list"),
     pytest.param([0, 1], [0, "1"], "remote slots must be integers", id="str-in-list"),
     pytest.param([0, 32], [0, 1], "local slot out of range", id="past-the-end"),
+    # One slot alone is bounded too (a bound checked only from two on wrote past the end).
+    pytest.param([32], [0], "local slot out of range", id="one-slot-past-the-end"),
+    pytest.param([0], [32], "remote slot out of range", id="one-remote-slot-past-the-end"),
     pytest.param([0, 1], [-1, 1], "remote slot out of range", id="negative"),
     pytest.param((0, 1), (2**63, 1), "remote slots must be integers", id="past-int64"),
     pytest.param(

@@ -86,6 +86,35 @@ def test_pieces_cover_the_runs_exactly_and_never_leave_one(
         split_runs(*runs, 0)
 
 
+@given(
+    st.lists(st.tuples(st.integers(1, 12), st.integers(0, 3), st.integers(0, 3)), max_size=8),
+    st.integers(1, 8),
+)
+def test_pieces_of_long_runs_are_never_longer_than_the_piece_length(
+    runs: list[tuple[int, int, int]], max_len: int
+) -> None:
+    """Runs drawn as runs (random pairs rarely hold one longer than a block or two): a
+    run of up to twice the piece length is cut too, and so is every run of a post whose
+    other runs fit in one piece."""
+    local: list[int] = []
+    remote: list[int] = []
+    for length, gap_l, gap_r in runs:
+        # Each run starts past the last one on both sides, a gap of 1+ on at least one.
+        start_l = (local[-1] + 1 if local else 0) + gap_l
+        start_r = (remote[-1] + 1 if remote else 0) + gap_r + (gap_l == 0)
+        local += range(start_l, start_l + length)
+        remote += range(start_r, start_r + length)
+    pieces = split_runs(
+        *contiguous_runs(np.array(local, dtype=np.int64), np.array(remote, dtype=np.int64)),
+        max_len,
+    )
+    assert (pieces[2] >= 1).all() and (pieces[2] <= max_len).all()
+    covered = [
+        (int(s) + k, int(d) + k) for s, d, n in zip(*pieces, strict=True) for k in range(int(n))
+    ]
+    assert covered == list(zip(local, remote, strict=True))
+
+
 class CountingArray(np.ndarray):
     """A region that counts writes into it (views share the counter)."""
 
