@@ -107,6 +107,76 @@ def test_closing_a_nixl_transport_ends_its_progress_thread_even_while_held() -> 
     assert transport.statistics().progress_ticks == target.ticks
 
 
+class Naps(threading.Condition):
+    """The progress thread's condition, noting each nap (a wait with a timeout) that
+    ``thread`` takes; waits without a timeout (parked) and other threads' go unnoted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread: threading.Thread | None = None
+        self.taken: list[float] = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if timeout is not None and threading.current_thread() is self.thread:
+            self.taken.append(timeout)
+        return super().wait(timeout)
+
+
+def test_the_backoff_doubles_to_its_cap_and_restarts_at_each_new_hold() -> None:
+    """1 ms between steps, doubling to 10 ms, and back to 1 ms when held again (a new
+    peer's wire-up is prompt). The naps are read off the thread's condition, not timed."""
+    naps = Naps()
+    left = [6]  # steps before the step that lets go
+    done = threading.Event()
+
+    def step() -> bool:
+        naps.thread = threading.current_thread()
+        left[0] -= 1
+        if left[0] == 0:
+            tp.release()  # the thread naps once more, then parks
+            done.set()
+        return True
+
+    tp = TargetProgress(step, "tp-backoff")
+    tp._cond = naps  # before the thread exists: it reads the attribute at every turn
+    try:
+        assert tp.hold()
+        assert done.wait(WAIT_S) and tp.wait_parked(WAIT_S)
+        assert naps.taken == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.010, 0.010])
+        naps.taken.clear()
+        left[0] = 2
+        done.clear()
+        assert tp.hold()
+        assert done.wait(WAIT_S) and tp.wait_parked(WAIT_S)
+        assert naps.taken == pytest.approx([0.001, 0.002])
+    finally:
+        tp.stop()
+
+
+def test_a_step_that_stops_its_own_thread_ends_it_without_waiting_for_itself() -> None:
+    """The transport may close on its progress thread, inside a step: stop() from there
+    must neither join the thread it runs on (a RuntimeError) nor hang; the thread ends
+    once the step is over, and later holds are refused."""
+    errors: list[BaseException] = []
+
+    def step() -> bool:
+        try:
+            tp.stop()
+        except BaseException as exc:  # what the thread would die of
+            errors.append(exc)
+        return True
+
+    tp = TargetProgress(step, "tp-self-stop")
+    assert tp.hold()
+    thread = tp._thread
+    assert thread is not None
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert errors == []
+    assert tp.ticks == 1
+    assert not tp.hold()
+
+
 def test_a_thread_that_cannot_start_holds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller then drives progress itself; nothing is counted and stop() is safe."""
 
