@@ -26,7 +26,7 @@ import pytest
 
 from p2pkv import P2PKVError
 from p2pkv.cli import build_parser, demo_block, demo_keys, fill_store, verify_blocks
-from p2pkv.cli.settings import fetch_settings
+from p2pkv.cli.settings import fetch_settings, is_loopback, serve_settings, set_env_defaults
 from p2pkv.store import BlockStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -408,6 +408,47 @@ def test_fetch_settings_come_from_flags_then_the_file_then_defaults(tmp_path: Pa
         fetch_settings(parse(["fetch", "h:1", "--config", str(conf)]), "me")
 
 
+def test_serve_bounds_its_demo_blocks_by_the_store_and_64_bits(tmp_path: Path) -> None:
+    """``fill`` is an int (a TOML ``true`` is not 1) of at most the store's blocks, the
+    store's size exactly included; ``seed`` a signed 64-bit int, both ends included."""
+    parse = build_parser().parse_args
+    flags = ["serve", "--transport", "local", "--blocks", "4"]
+    cfg, fill, _seed = serve_settings(parse([*flags, "--fill", "4"]))
+    assert (cfg.num_blocks, fill) == (4, 4)
+    with pytest.raises(P2PKVError, match="--fill 5 is more than the store's 4 blocks"):
+        serve_settings(parse([*flags, "--fill", "5"]))
+    conf = tmp_path / "node.toml"
+    for text, match in [
+        ("fill = true\n", "fill must be an int >= 0"),
+        (f"seed = {1 << 63}\n", "seed must be an int of 64 bits"),
+        (f"seed = {-(1 << 63) - 1}\n", "seed must be an int of 64 bits"),
+    ]:
+        conf.write_text(text)
+        with pytest.raises(P2PKVError, match=match):
+            serve_settings(parse([*flags, "--config", str(conf)]))
+    for seed in ((1 << 63) - 1, -(1 << 63)):
+        conf.write_text(f"seed = {seed}\n")
+        assert serve_settings(parse([*flags, "--config", str(conf)]))[2] == seed
+
+
+def test_ucx_stays_on_loopback_only_for_a_node_on_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node other hosts reach gets UCX on every device: pinned to ``lo`` its data plane
+    could reach no other host. A value the user set is never changed."""
+    for host in ("127.0.0.1", "127.9.9.9", "localhost", "::1", "[::1]"):
+        assert is_loopback(host), host
+    for host in ("0.0.0.0", "10.0.0.1", "192.168.1.7", "::", "node-7.example", "1.2.3.4"):
+        assert not is_loopback(host), host
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    set_env_defaults(loopback=False)
+    assert os.environ["UCX_NET_DEVICES"] == "all"
+    monkeypatch.delenv("UCX_NET_DEVICES")
+    set_env_defaults(loopback=True)
+    assert os.environ["UCX_NET_DEVICES"] == "lo"
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_0:1")
+    set_env_defaults(loopback=False)
+    assert os.environ["UCX_NET_DEVICES"] == "mlx5_0:1"
+
+
 # --- examples/two_node.py ----------------------------------------------------------------------
 
 
@@ -433,6 +474,7 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
         (["fetch", "nocolon"], None, "expected HOST:PORT"),
         (["fetch", "127.0.0.1:notaport"], None, "numeric port"),
         (["fetch", "127.0.0.1:70000"], None, "port must be 1..65535"),
+        (["fetch", "127.0.0.1:0"], None, "port must be 1..65535"),  # 0: no peer listens there
         (["serve", "--port", "70000"], None, "must be 0..65535"),
         (["serve", "--fill", "-5"], None, "must be >= 0"),
         (["demo", "--batch", "-3"], None, "must be >= 0"),  # fetched nothing, said "differ"
