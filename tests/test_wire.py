@@ -181,6 +181,15 @@ def test_unknown_fields_are_ignored_for_minor_version_compatibility() -> None:
     assert dec.next_message() == Ping(nonce=7)
 
 
+def test_a_frame_of_64_fields_is_within_the_field_limit() -> None:
+    """The decoder refuses a map of more than 64 fields (``map_of_65_fields`` in the
+    corpus); 64, the tag and the nonce among them, still decode."""
+    body = msgpack.packb({"t": "ping", "nonce": 7, **{f"x{i}": 0 for i in range(62)}})
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    assert dec.next_message() == Ping(nonce=7)
+
+
 def test_unknown_fields_are_skipped_without_building_them() -> None:
     """A 4 MB ping whose 62 unknown fields are lists of 65,536 small ints, within every
     limit: ignoring them used to mean building each (~32 MB of lists and ~100 ms of the
@@ -323,6 +332,15 @@ def _without(base: dict[str, Any], key: str) -> dict[str, Any]:
 
 PING_BODY = msgpack.packb({"t": "ping", "nonce": 1}, use_bin_type=True)
 
+# Valid fields of each hot message but its request id.
+HOT_FIELDS: dict[str, dict[str, Any]] = {
+    "lookup": {"keys": [b"k"]},
+    "lookup_resp": {"hits": [True]},
+    "fetch": {"keys": [b"k"], "slots": [0]},
+    "fetch_hits": {"slots": [0]},
+    "transfer_done": {"outcomes": [0]},
+}
+
 MALFORMED: list[tuple[str, bytes, str]] = [
     # (id, frame bytes, regex the error message must match)
     ("not_msgpack", raw_frame(b"\xc1"), "undecodable"),
@@ -353,6 +371,11 @@ MALFORMED: list[tuple[str, bytes, str]] = [
         "invalid fetch",
     ),
     ("negative_int", packed({"t": "ping", "nonce": -1}), "unsigned 64-bit"),
+    # The hot messages are decoded by msgspec first: its bounds must refuse a negative id too.
+    *(
+        (f"negative_req_id_{tag}", packed({**fields, "t": tag, "req_id": -1}), f"invalid {tag}")
+        for tag, fields in HOT_FIELDS.items()
+    ),
     (
         "negative_int_in_list",
         packed({"t": "fetch", "req_id": 1, "keys": [b"k"], "slots": [-1]}),
@@ -379,6 +402,12 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ),
     ("bool_for_int_in_hello", packed(_with(HELLO_OK, num_blocks=True)), "got bool"),
     ("int_for_bool", packed({"t": "lookup_resp", "req_id": 1, "hits": [1, 0]}), "expected bools"),
+    # A long list is checked in one C-level pass before any walk: ints are not bools there.
+    (
+        "ints_for_bools_in_a_long_list",
+        packed({"t": "lookup_resp", "req_id": 1, "hits": [1, 0] * 40}),
+        "expected bools",
+    ),
     (
         "none_in_bool_list",
         packed({"t": "lookup_resp", "req_id": 1, "hits": [None]}),
@@ -435,6 +464,11 @@ MALFORMED: list[tuple[str, bytes, str]] = [
         "unknown outcome",
     ),
     (
+        "negative_checksum",
+        packed({"t": "transfer_done", "req_id": 1, "outcomes": [0], "checksums": [-1]}),
+        "invalid transfer_done",
+    ),
+    (
         "checksums_length_mismatch",
         packed({"t": "transfer_done", "req_id": 1, "outcomes": [0, 0], "checksums": [1]}),
         "differ in length",
@@ -460,7 +494,27 @@ MALFORMED: list[tuple[str, bytes, str]] = [
     ("invalid_utf8_map_key", raw_frame(b"\x82\xa1t\xa4ping\xa2\xff\xfe\x01"), "undecodable"),
     ("int_map_key", raw_frame(b"\x83\xa1t\xa4ping\xa5nonce\x01\x07\x01"), "undecodable"),
     ("bytes_map_key", packed({"t": "ping", "nonce": 1, b"nonce": 2}), "key"),
+    (
+        "map_of_65_fields",
+        packed({"t": "ping", "nonce": 1, **{f"x{i}": 0 for i in range(63)}}),
+        "a map of 65 fields",
+    ),
     ("trailing_data_inside_frame", raw_frame(PING_BODY + b"\x00"), "undecodable"),
+    # A body that opens like a hot message goes to msgspec first: its decode errors too
+    # must end as the general path's refusal, not escape as msgspec's own.
+    *(
+        (
+            f"truncated_{tag}",
+            raw_frame(packed({**fields, "t": tag, "req_id": 1})[4:-1]),
+            "undecodable",
+        )
+        for tag, fields in HOT_FIELDS.items()
+    ),
+    (
+        "hot_frame_with_a_reserved_byte",
+        raw_frame(b"\x83\xa1t\xa6lookup\xa6req_id\xc1"),
+        "undecodable",
+    ),
     ("two_objects_in_one_frame", raw_frame(PING_BODY + PING_BODY), "undecodable"),
 ]
 
