@@ -638,6 +638,9 @@ def untyped(value: object) -> Any:
         pytest.param(lambda: Lookup(req_id=1, keys=untyped((b"k",))), id="tuple_for_list"),
         pytest.param(lambda: Lookup(req_id=1, keys=[b"k" * (MAX_KEY_LEN + 1)]), id="long_key"),
         pytest.param(lambda: Lookup(req_id=1, keys=[b"k"] * (MAX_KEYS + 1)), id="too_many"),
+        pytest.param(
+            lambda: TransferDone(req_id=1, outcomes=[0] * (MAX_KEYS + 1)), id="too_many_outcomes"
+        ),
         pytest.param(lambda: LookupResp(req_id=1, hits=untyped([1])), id="int_for_bool"),
         pytest.param(lambda: Fetch(req_id=1, keys=[b"a"], slots=[]), id="fetch_mismatch"),
         pytest.param(lambda: Fetch(req_id=1, keys=[b"a"], slots=[True]), id="bool_slot"),
@@ -648,6 +651,11 @@ def untyped(value: object) -> Any:
         pytest.param(lambda: Bye(code="c" * 65, reason=""), id="long_code"),
         pytest.param(lambda: Bye(code=untyped(b"c"), reason=""), id="bytes_for_str"),
         pytest.param(lambda: HelloAck(peer_id="p", epoch=1, auth=untyped("x")), id="str_auth"),
+        pytest.param(
+            lambda: HelloAck(peer_id="p", epoch=1, auth=untyped(bytearray(32))),
+            id="bytearray_for_bytes",
+        ),
+        pytest.param(lambda: LookupResp(req_id=1, hits=untyped([1, 0] * 40)), id="long_int_hits"),
     ],
 )
 def test_invalid_message_cannot_be_built(build: Any) -> None:
