@@ -215,6 +215,10 @@ HOT_EDGE: list[tuple[str, bytes]] = [
     ),
     ("duplicate_field", fixmap(("t", "lookup"), ("req_id", 1), ("req_id", 2))),
     (
+        "lookup_keys_twice",  # msgspec keeps the last; the general path refuses the frame
+        fixmap(("t", "lookup"), ("req_id", 1), ("keys", [b"a"]), ("keys", [b"b"])),
+    ),
+    (
         "lookup_resp_hits_twice",  # which answer the peer meant is unknowable
         fixmap(("t", "lookup_resp"), ("req_id", 1), ("hits", [True]), ("hits", [False])),
     ),
