@@ -47,6 +47,8 @@ from p2pkv.session.protocol import (
     hello_proof,
 )
 from p2pkv.wire import (
+    MAX_KEY_LEN,
+    MAX_KEYS,
     Abort,
     AbortAck,
     Bye,
@@ -1447,6 +1449,58 @@ def test_invalid_lookup_keys_raise_before_anything_changes() -> None:
         a.send_lookup([b""])
     assert snapshot(a) == before and a.data_to_send() == b""
     assert a.send_lookup([K1]) == 1  # the id was not consumed
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [b"", b"k" * 129, "k", bytearray(b"k")],
+    ids=["empty", "over_the_key_limit", "str", "bytearray"],
+)
+@pytest.mark.parametrize("op", ["lookup", "fetch"])
+def test_a_long_request_with_one_bad_key_is_refused_before_it_is_sent(op: str, bad: Any) -> None:
+    """A request of at least wire._BULK keys is checked in C-level passes, not walked: one
+    bad key among them (last, where a walk would come to it last) is still refused here.
+    Were it sent, the peer would close the session for it."""
+    n = 80
+    pair = ready_pair(make_info("a", num_blocks=n))  # max_key_len 128 both sides
+    a = pair.a
+    good = [b"k%d" % i for i in range(n)]
+    if op == "lookup":
+        call: Callable[[], object] = functools.partial(a.send_lookup, [*good[:-1], bad])
+    else:
+        req = pair.lookup(good, [True] * n)
+        call = functools.partial(a.send_fetch, req, [*good[:-1], bad], list(range(n)))
+    assert_refused(a, call, match="every key must be bytes")
+
+
+@pytest.mark.parametrize("checked", [False, True])
+@pytest.mark.parametrize("slots", [[0], [0, 1, 2]], ids=["fewer", "more"])
+def test_a_fetch_whose_slots_do_not_match_its_keys_is_refused_before_it_is_sent(
+    slots: list[int], checked: bool
+) -> None:
+    """``checked`` skips the walks, never the count: a fetch of two keys into one slot (or
+    three) is a frame the peer refuses, and the session would close for it."""
+    pair = ready_pair()
+    req = pair.lookup([K1, K2], [True, True])
+    call = functools.partial(pair.a.send_fetch, req, [K1, K2], slots, checked=checked)
+    assert_refused(pair.a, call, [req], match="differ in length")
+    pair.a.send_fetch(req, [K1, K2], [0, 1], checked=checked)  # the round is still open
+    assert pair.deliver(pair.a) == [FetchRequested(req, [K1, K2], [0, 1])]
+
+
+@pytest.mark.parametrize("over", ["keys", "key_len"])
+def test_our_requests_keep_to_the_wire_limits_whatever_both_sides_configured(over: str) -> None:
+    """Limits in ``LocalInfo`` (ours and the peer's advertised ones) above the wire's hard
+    limits do not let a request past them: the peer's decoder would refuse the frame and
+    close the session, so it is refused here and nothing is sent."""
+    limits = {"max_keys_per_request": MAX_KEYS + 8, "max_key_len": MAX_KEY_LEN + 8}
+    pair = ready_pair(make_info("a", **limits), make_info("b", **limits))
+    assert pair.a.request_limits() == (MAX_KEYS + 8, MAX_KEY_LEN + 8)
+    if over == "keys":
+        keys, match = [b"%d" % i for i in range(MAX_KEYS + 1)], f"cap {MAX_KEYS}"
+    else:
+        keys, match = [b"k" * (MAX_KEY_LEN + 1)], f"1..{MAX_KEY_LEN}"
+    assert_refused(pair.a, functools.partial(pair.a.send_lookup, keys), match=match)
 
 
 # --- illegal local calls ------------------------------------------------------------------

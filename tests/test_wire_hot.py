@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from p2pkv import wire
@@ -358,6 +358,7 @@ def test_bool_list_check_refuses_exactly_what_the_walk_refuses(value: list[Any])
 
 @settings(max_examples=300, deadline=None)
 @given(value=long_lists(keys, odd_keys), limit=st.sampled_from([1, 8, 32, 128, MAX_KEY_LEN]))
+@example(value=[b"k"] * wire._BULK + [b""], limit=128)  # the C-level pass must bound both ends
 def test_keys_ok_answers_exactly_what_the_walk_answers(value: list[Any], limit: int) -> None:
     """The bulk key check our own requests go through (lookup, fetch) agrees with the plain
     walk for every list, on either side of wire._BULK, for any length limit."""
