@@ -68,6 +68,7 @@ from p2pkv.wire import (
 )
 
 from .protocol_helpers import (
+    BLOCK_LEN,
     NUM_BLOCKS,
     ConnectionPair,
     assert_refused,
@@ -299,11 +300,19 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], str]] = [
     ("hash_algo", {"hash_algo": "xxh3"}, "hash algorithm or seed"),
     ("hash_seed", {"hash_seed": b"other seed"}, "hash algorithm or seed"),
     ("own_peer_id", {"peer_id": "a"}, "is our own"),
+    ("empty_peer_id", {"peer_id": "", "agent_name": ""}, "empty peer id"),
     ("zero_blocks", {"num_blocks": 0}, "region of 0 blocks"),
     ("too_many_blocks", {"num_blocks": (1 << 21) + 1}, "this node accepts 1..2097152"),
     ("region_past_u64", {"base_addr": (1 << 64) - 4096}, "does not fit the address space"),
+    # Its end address must fit in 64 bits too: base + length would wrap to 0 in a C u64.
+    (
+        "region_ending_at_2_64",
+        {"base_addr": (1 << 64) - NUM_BLOCKS * BLOCK_LEN},
+        "does not fit the address space",
+    ),
     ("other_agent", {"agent_name": "victim"}, "is not the peer id"),
     ("zero_key_limit", {"max_key_len": 0}, "zero request limits"),
+    ("zero_keys_per_request", {"max_keys_per_request": 0}, "zero request limits"),
     ("zero_open_requests", {"max_open_requests": 0}, "zero request limits"),
 ]
 
@@ -332,6 +341,13 @@ def test_incompatible_hello_rejects_the_handshake(changes: dict[str, Any], match
     assert pair.log[b] == [HelloReceived(hello_for(a.local)), ByeReceived("handshake", reason)]
     assert b.state is State.CLOSED
     assert b.close_reason == ("handshake", reason)
+
+
+def test_a_region_whose_last_byte_is_the_top_of_the_address_space_is_accepted() -> None:
+    """The other side of ``region_ending_at_2_64``: a region that fits is not refused."""
+    top = (1 << 64) - 1 - NUM_BLOCKS * BLOCK_LEN
+    pair = ready_pair(make_info("a"), make_info("b", base_addr=top))
+    assert pair.a.ready and pair.a.peer is not None and pair.a.peer.base_addr == top
 
 
 def test_mismatched_configs_reject_on_both_sides_and_the_bye_carries_the_reason() -> None:
