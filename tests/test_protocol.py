@@ -392,6 +392,22 @@ def test_authentication_mismatch_rejects_the_handshake(
     assert Ready() not in pair.log[pair.a] + pair.log[pair.b]
 
 
+def test_a_hello_with_a_proof_is_rejected_by_a_side_without_a_secret() -> None:
+    """A peer that proves a secret expects one: a side with none refuses its hello rather
+    than ignore the proof (honest peers never get here: a dialer with a secret waits for
+    a challenge, and one without refuses a challenge)."""
+    a = SessionProtocol(make_info("a"))
+    a.start()
+    a.data_to_send()
+    hb = hello_for(make_info("b", secret=SECRET, dialer=True), to=a.local.nonce)
+    with pytest.raises(HandshakeRejected, match="no secret configured here"):
+        events_of(a, encode(hb))
+    assert a.peer is None
+    assert sent(a) == [
+        Bye(code="handshake", reason="peer requires authentication; no secret configured here")
+    ]
+
+
 def test_hello_altered_under_a_valid_proof_is_rejected() -> None:
     a = SessionProtocol(make_info("a", secret=SECRET))
     a.start()
@@ -435,62 +451,22 @@ def test_a_hello_carrying_our_own_nonce_is_rejected_even_with_a_valid_proof() ->
     assert a.peer is None
 
 
-def test_a_hello_whose_nonce_is_shorter_than_min_nonce_is_rejected_even_with_a_valid_proof() -> (
-    None
-):
-    """Our ack proves the secret over the peer's nonce: one shorter than ``MIN_NONCE`` is
-    not fresh enough to bind it to this connection, whatever the hello's proof."""
+@pytest.mark.parametrize("nonce", [b"", b"n" * (MIN_NONCE - 1)], ids=["empty", "one_short"])
+def test_a_hello_whose_nonce_is_too_short_is_rejected_even_with_a_valid_proof(
+    nonce: bytes,
+) -> None:
+    """Our hello's proof and our ack's are bound to the dialer's nonce: one shorter than
+    ``MIN_NONCE`` (a fixed or guessable one) would make them replayable, so the hello is
+    rejected before anything of ours (our hello, our agent metadata) is sent."""
     a = SessionProtocol(make_info("a", secret=SECRET))
     a.start()
     a.data_to_send()
-    b_info = make_info("b", secret=SECRET, dialer=True, nonce=b"n" * (MIN_NONCE - 1))
-    hb = hello_for(b_info, to=a.local.nonce)  # a valid proof over a's challenge
+    b_info = make_info("b", secret=SECRET, dialer=True, nonce=nonce)
+    hb = hello_for(b_info, to=a.local.nonce)  # a valid proof over a's nonce
     with pytest.raises(HandshakeRejected, match="nonce is not fresh"):
         events_of(a, encode(hb))
     assert a.peer is None
-    assert [type(m) for m in sent(a)] == [Bye]  # no hello of ours, no ack
-
-
-def test_a_side_without_a_secret_refuses_a_hello_carrying_a_proof() -> None:
-    """A peer that proves a secret we do not hold is configured for another fleet: the
-    hello is refused, and the reason says which side lacks the secret."""
-    a = SessionProtocol(make_info("a"))
-    a.start()
-    a.data_to_send()
-    hb = hello_for(make_info("b", secret=SECRET, dialer=True), to=a.local.nonce)
-    assert hb.auth is not None
-    with pytest.raises(HandshakeRejected, match="no secret configured here"):
-        events_of(a, encode(hb))
-    assert a.peer is None
-    assert sent(a) == [
-        Bye(code="handshake", reason="peer requires authentication; no secret configured here")
-    ]
-
-
-def test_an_accepting_side_with_a_secret_never_answers_a_challenge() -> None:
-    """Only the dialer is challenged. An accepting side that took a dialer's challenge
-    would send its hello, proven over a nonce the dialer chose, before the dialer proved
-    anything: a free proof for whatever connection that nonce came from."""
-    a = SessionProtocol(make_info("a", secret=SECRET))
-    a.start()
-    assert [type(m) for m in sent(a)] == [Challenge]
-    a.receive_data(encode(Challenge(nonce=b"z" * MIN_NONCE)))
-    with pytest.raises(RemoteProtocolError, match="unexpected challenge"):
-        while a.next_event() is not None:
-            pass
-    assert not any(isinstance(m, Hello) for m in sent(a))
-    assert a.peer is None
-
-
-def test_a_dialer_with_a_secret_refuses_a_hello_sent_instead_of_a_challenge() -> None:
-    """An accepting side without the secret sends its hello at once: the dialer's error
-    says so (not just "authentication required"), and the dialer's hello never leaves."""
-    b = SessionProtocol(make_info("b", secret=SECRET, dialer=True))
-    b.start()
-    with pytest.raises(HandshakeRejected, match="the peer sent a hello, not a challenge"):
-        events_of(b, encode(hello_for(make_info("a"))))
-    assert b.peer is None
-    assert [type(m) for m in sent(b)] == [Bye]
+    assert [type(m) for m in decode_frames(a.data_to_send())] == [Bye]  # no hello of ours
 
 
 def test_the_accepting_side_reveals_its_hello_only_to_a_proven_dialer() -> None:
@@ -523,6 +499,37 @@ def test_a_challenge_whose_nonce_is_not_fresh_is_a_protocol_error(which: str) ->
     nonce = b.local.nonce if which == "ours" else b"x"
     with pytest.raises(RemoteProtocolError, match="challenge nonce is not fresh"):
         events_of(b, encode(Challenge(nonce=nonce)))
+
+
+@pytest.mark.parametrize("which", ["second", "to_the_acceptor"])
+def test_a_challenge_out_of_place_is_a_protocol_error(which: str) -> None:
+    """Only a dialer gets a challenge, and only one, before its hello: a second would have
+    it prove itself again, over a nonce of the peer's choosing, on the same connection."""
+    if which == "second":
+        p = SessionProtocol(make_info("b", secret=SECRET, dialer=True))
+        p.start()
+        assert events_of(p, encode(Challenge(nonce=b"c" * 16))) == []
+        assert [type(m) for m in sent(p)] == [Hello]
+    else:
+        p = SessionProtocol(make_info("a", secret=SECRET))
+        p.start()
+        assert [type(m) for m in sent(p)] == [Challenge]
+    with pytest.raises(RemoteProtocolError, match="unexpected challenge"):
+        events_of(p, encode(Challenge(nonce=b"d" * 16)))
+    assert [type(m) for m in sent(p)] == [Bye]  # no second hello
+
+
+def test_a_dialer_refuses_a_hello_sent_in_place_of_the_challenge() -> None:
+    """With a secret the accepting side challenges first; a hello instead is refused as
+    such, even one proven over the dialer's nonce, and the dialer sends no hello."""
+    b = SessionProtocol(make_info("b", secret=SECRET, dialer=True))
+    b.start()
+    assert b.data_to_send() == b""
+    ha = hello_for(make_info("a", secret=SECRET), to=b.local.nonce)
+    with pytest.raises(HandshakeRejected, match="sent a hello, not a challenge"):
+        events_of(b, encode(ha))
+    assert b.peer is None
+    assert [type(m) for m in sent(b)] == [Bye]
 
 
 @pytest.mark.parametrize(
