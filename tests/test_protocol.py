@@ -629,6 +629,66 @@ def test_hello_with_a_new_epoch_restarts_the_session() -> None:
     assert events_of(a, encode(Lookup(req_id=1, keys=[K2]))) == [LookupRequested(1, [K2])]
 
 
+def test_the_old_incarnations_tombstones_do_not_answer_the_new_ones_fetches() -> None:
+    """A restarted peer counts its request ids from 1 again: the ids of its old rounds
+    whose leases ran out (a tombstone kept, or one dropped) are its new rounds' ids, and a
+    fetch on those is written, not answered lease_expired."""
+    cap = 2
+    pair = ready_pair(make_info("a"), make_info("b", max_open_requests=cap))
+    a, b = pair.a, pair.b
+    old = []
+    for t in range(cap + 1):
+        old.append(pair.lookup([K1], [True], now=t, lease=0.5))
+        assert b.expire(t + 0.5) == old[-1:]
+    assert old == [1, 2, 3] and b.tombstones() == cap  # 1 dropped, 2 and 3 kept
+    a2 = SessionProtocol(make_info("a", epoch=a.local.epoch + 1))  # a comes back
+    a2.start()
+    b.data_to_send()
+    (ev,) = events_of(b, a2.data_to_send())
+    assert isinstance(ev, HelloReceived) and ev.restarted
+    b.registration_succeeded()
+    assert [type(e) for e in events_of(a2, b.data_to_send())] == [HelloReceived]
+    assert a2.registration_succeeded() == Ready()
+    assert events_of(b, a2.data_to_send()) == [Ready()]
+    new = [a2.send_lookup([K2]) for _ in range(cap)]
+    assert new == old[:cap]
+    assert events_of(b, a2.data_to_send()) == [LookupRequested(r, [K2]) for r in new]
+    for r in new:
+        b.send_lookup_resp(r, [True], 10.0, 10.0)
+    assert events_of(a2, b.data_to_send()) == [LookupAnswered(r, [True]) for r in new]
+    for slot, r in enumerate(new):
+        a2.send_fetch(r, [K2], [slot])
+    assert events_of(b, a2.data_to_send()) == [
+        FetchRequested(r, [K2], [slot]) for slot, r in enumerate(new)
+    ]
+
+
+def test_a_request_held_for_the_old_incarnations_ack_is_not_sent_to_the_new_one() -> None:
+    """A lookup made before the peer's ack is held; the peer restarts instead of acking.
+    The lookup fails with the old incarnation (``failed_requests``) and is never sent to
+    the new one, which would answer a request we no longer track: its answer would be our
+    protocol error and close the session."""
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    pair.exchange()
+    pair.register(a)  # our ack is out; b's is not
+    req = a.send_lookup([K1])
+    assert [type(m) for m in sent(a)] == [HelloAck]  # the lookup waits for b's ack
+    b2 = SessionProtocol(make_info("b", epoch=b.local.epoch + 1))
+    b2.start()
+    (ev,) = events_of(a, b2.data_to_send())
+    assert isinstance(ev, HelloReceived) and ev.failed_requests == (req,)
+    assert a.registration_succeeded() is None
+    assert [type(m) for m in sent(a)] == [Hello, HelloAck]
+    events_of(b2, encode(hello_for(a.local)))
+    b2.registration_succeeded()
+    assert events_of(a, b2.data_to_send()) == [Ready()]
+    assert sent(a) == []  # nothing for the old incarnation
+    assert a.open_requests() == []
+
+
 def test_nothing_for_the_old_incarnation_goes_out_before_the_restarts_hello() -> None:
     """An answer queued for b's old incarnation, not sent yet when b's restart hello
     comes in: the restarted b must see our hello first (it refuses anything else), so
@@ -1092,6 +1152,32 @@ def test_a_fetch_on_the_highest_dropped_tombstone_is_answered_lease_expired() ->
     assert pair.deliver(a) == []
     lease_expired = int(Outcome.LEASE_EXPIRED)
     assert pair.deliver(b) == [TransferCompleted(reqs[-1], [lease_expired], None)]
+
+
+def test_a_round_still_open_is_written_after_later_rounds_tombstones_were_dropped() -> None:
+    """A round answered late (the host pinned slowly) or leased long may still be open
+    when rounds after it expire and their tombstones are dropped: its id is then below
+    the highest dropped one, yet a fetch on it is written, not answered lease_expired
+    (which would leave its pins held with nobody to fetch them)."""
+    cap = 2
+    pair = ready_pair(make_info("a"), make_info("b", max_open_requests=cap))
+    a, b = pair.a, pair.b
+    slow = a.send_lookup([K1, K2])
+    pair.deliver(a)  # b: ANSWERING, its host still pinning
+    later = []
+    for t in range(cap + 1):  # one at a time: the slow round holds an open slot
+        later.append(pair.lookup([K3], [True], now=t, lease=0.5))
+        assert b.expire(t + 0.5) == later[-1:]
+    # cap + 1 tombstones: the oldest was dropped, and its id is above the slow round's
+    assert b.tombstones() == cap and b.in_state(later[0]) is None
+    b.send_lookup_resp(slow, [True, True], cap + 1.0, 10.0)
+    pair.deliver(b)
+    a.send_fetch(slow, [K1, K2], [0, 1])
+    assert pair.deliver(a) == [FetchRequested(slow, [K1, K2], [0, 1])]
+    assert b.in_state(slow) is InState.WRITING
+    b.send_transfer_done(slow, [OK, OK])
+    assert pair.deliver(b) == [TransferCompleted(slow, [OK, OK], None)]
+    assert b.open_rounds() == [] and b.pins_held() == 0
 
 
 def test_keys_held_counts_answering_keys_then_pins_then_the_fetch() -> None:
