@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -1539,6 +1540,21 @@ def test_frame_over_the_local_frame_limit_is_a_protocol_error() -> None:
     pair = ready_pair(make_info("a", max_frame_size=400))  # room for a hello, not more
     big = Lookup(req_id=1, keys=[b"k" * 100] * 4)
     assert_protocol_error(pair.a, encode(big), "over the limit of 400")
+
+
+def test_once_admitted_the_peer_is_held_to_our_frame_limit_not_the_protocols() -> None:
+    """Admission lifts the stranger's hello-sized limit up to our own ``max_frame_size``
+    (2 MiB here), never to the protocol's 64 MiB: a header announcing one byte more is
+    refused before any of the body is buffered."""
+    limit = 2 << 20
+    pair = ready_pair(make_info("a", max_frame_size=limit))
+    a = pair.a
+    a.lift_frame_limit()
+    a.receive_data(struct.pack(">I", limit))  # at the limit: buffered, waiting for its body
+    assert a.next_event() is None and a.state is State.READY
+    b = ready_pair(make_info("a", max_frame_size=limit)).a
+    b.lift_frame_limit()
+    assert_protocol_error(b, struct.pack(">I", limit + 1), f"over the limit of {limit}")
 
 
 def test_undecodable_bytes_are_a_protocol_error_the_peer_hears_about() -> None:
