@@ -18,9 +18,12 @@ import contextlib
 import itertools
 import os
 import queue
+import select
+import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -380,6 +383,30 @@ def check_no_leaked_threads() -> Iterator[None]:
         t.join(BOUND)
     extra = leftover_threads(before)
     assert extra == [], f"threads left behind: {extra}"
+
+
+def in_fork(child: Callable[[], str], bound: float = BOUND) -> str:
+    """What ``child()`` returns in a child forked from this process ("" if it raised); the
+    child exits at once after it (``os._exit``). One that is silent for ``bound`` seconds
+    (it hangs) is killed, and "" comes back."""
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # 3.12+ warns of fork with threads; ours is checked
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.write(write, child().encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        ready, _, _ = select.select([pipe], [], [], bound)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        said = pipe.read().decode() if ready else ""
+    os.waitpid(pid, 0)
+    return said
 
 
 async def until(condition: Callable[[], bool], poll: float = 0.005) -> None:

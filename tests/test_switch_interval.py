@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -19,7 +19,7 @@ from p2pkv import NodeConfig, PortalClosed, _switch, start_node
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import DataTransport
 
-from .helpers import config
+from .helpers import config, in_fork
 
 BOUND = 10.0  # seconds: "this did not hang"
 DEFAULT = 0.005  # Python's own
@@ -154,6 +154,107 @@ def test_a_forked_child_gets_the_interval_from_before_its_parents_holds(
         assert sys.getswitchinterval() == pytest.approx(0.001)  # the parent's hold stays
     finally:
         release()
+
+
+def test_a_hold_in_fractions_of_a_microsecond_is_given_back(interval: float) -> None:
+    """CPython truncates to whole microseconds: 1,234.5 us reads back as 1,234. A hold
+    that remembered what it asked for, not what it set, took the interval for someone
+    else's at its release and never gave it back (mutation review)."""
+    release = _switch.hold(0.0012345)
+    assert sys.getswitchinterval() == pytest.approx(0.001234)
+    release()
+    assert sys.getswitchinterval() == interval
+
+
+def test_a_hold_above_the_interval_beside_a_lower_one_lets_later_holds_lower_it(
+    interval: float,
+) -> None:
+    """Back at the interval from before while a hold above it stays on: p2pkv has set
+    nothing of its own, and the next hold lowers the interval again (mutation review)."""
+    above = _switch.hold(0.010)  # an engine that asks for more than the host has
+    fast = _switch.hold(0.001)
+    assert sys.getswitchinterval() == pytest.approx(0.001)
+    fast()
+    assert sys.getswitchinterval() == interval
+    again = _switch.hold(0.0005)
+    assert sys.getswitchinterval() == pytest.approx(0.0005)
+    again()
+    above()
+    assert sys.getswitchinterval() == interval
+
+
+def test_the_hosts_interval_wins_even_when_it_is_what_a_hold_had_set(interval: float) -> None:
+    """Once the host has set the interval during the holds, p2pkv leaves it alone until
+    every hold has ended, even if the host later sets the very value a hold had set
+    (mutation review: the second release "restored" 5 ms over the host's 2 ms)."""
+    first = _switch.hold(0.002)
+    sys.setswitchinterval(0.003)  # the host decides
+    second = _switch.hold(0.001)  # sees it: not ours any more
+    assert sys.getswitchinterval() == pytest.approx(0.003)
+    sys.setswitchinterval(0.002)  # the host again: the value the first hold had set
+    theirs = sys.getswitchinterval()
+    second()
+    first()
+    assert sys.getswitchinterval() == theirs
+    sys.setswitchinterval(interval)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("given_up", [False, True])
+def test_a_forked_child_keeps_an_interval_the_host_set_during_the_holds(
+    interval: float, given_up: bool
+) -> None:
+    """The child gives back the interval from before the holds only if it is still the
+    one p2pkv set: one the host set meanwhile stays, whether or not a hold or release
+    has seen it yet (mutation review)."""
+    first = _switch.hold(0.002)
+    second: Callable[[], None] | None = None
+    try:
+        sys.setswitchinterval(0.003)  # the host decides
+        if given_up:  # a later hold sees the host's setting; then the host sets 2 ms itself
+            second = _switch.hold(0.001)
+            sys.setswitchinterval(0.002)
+        theirs = sys.getswitchinterval()
+        said = in_fork(lambda: repr(sys.getswitchinterval()))
+        assert float(said) == theirs
+    finally:
+        first()
+        if second is not None:
+            second()
+    sys.setswitchinterval(interval)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_thread_was_inside_a_hold_can_hold(interval: float) -> None:
+    """An engine thread of the parent may be inside ``hold`` or its release when the host
+    forks; that thread is gone in the child, and the lock it held must not be: the child's
+    own node takes a hold at its start (mutation review: without a new lock, it hung)."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def engine() -> None:
+        with _switch._lock:  # as a hold or release does, for microseconds
+            inside.set()
+            leave.wait(BOUND)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        assert inside.wait(BOUND)
+
+        def child() -> str:
+            release = _switch.hold(0.002)
+            during = sys.getswitchinterval()
+            release()
+            return f"{during!r} {sys.getswitchinterval()!r}"
+
+        said = in_fork(child)
+    finally:
+        leave.set()
+        thread.join(BOUND)
+    assert said, "the child hung in hold() on the lock its parent's thread held"
+    during, after = (float(v) for v in said.split())
+    assert during == pytest.approx(0.002)
+    assert after == interval
 
 
 def test_holds_taken_and_released_from_many_threads_at_once(interval: float) -> None:
