@@ -34,7 +34,7 @@ from p2pkv.transport import _nixl_agent
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.nixl import NixlTransport  # imports no NIXL: that happens in create()
 
-from .helpers import BAD_SLOTS
+from .helpers import BAD_SLOTS, BOUND, count_calls, in_fork
 from .node_proc import UCX_TCP, child_pythonpath
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
@@ -984,6 +984,144 @@ def test_missing_nixl_is_a_clear_transport_error(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_nixl_agent, "_CANDIDATES", ("p2pkv_no_such_nixl._api",))
     with pytest.raises(TransportError, match="NIXL is not installed"):
         _nixl_agent.load_nixl()
+
+
+def test_a_transport_over_a_shared_region_with_another_layout_is_refused(
+    make: MakeTransport,
+) -> None:
+    """The same bytes cut into other blocks are the same region to NIXL but not the same
+    descriptors: sharing the agent would post with the first layout's (mutation review)."""
+    array, layout = region(16)
+    make("t15", array, layout)
+    halves = RegionLayout(layout.base_addr, 8, 2 * BLOCK)
+    with pytest.raises(TransportError, match="already shared with layout"):
+        make("t15", array, halves)
+    assert _nixl_agent.registry_counts() == (1, 1)
+
+
+def test_transports_over_adjacent_regions_each_get_an_agent(make: MakeTransport) -> None:
+    """Regions that touch without overlapping (two nodes over the halves of one buffer)
+    are two regions, each with its agent (mutation review: an overlap test of ``<=``)."""
+    array, _ = region(16)
+    low, high = array[: 8 * BLOCK], array[8 * BLOCK :]
+    high_layout = RegionLayout(high.ctypes.data, 8, BLOCK)
+    src = make("t16-low", low, RegionLayout(low.ctypes.data, 8, BLOCK))
+    dst = make("t16-high", high, high_layout)
+    assert _nixl_agent.registry_counts() == (2, 2)
+    peer = src.add_remote_peer("t16-high", dst.metadata(), high_layout)
+    write_and_check(src, low, peer, dst, high)
+
+
+def test_an_agent_that_fails_half_built_is_a_transport_error_and_is_undone(
+    make: MakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NIXL refusing a step of the agent's creation after the region was registered: the
+    caller gets a TransportError, the registration is undone, and the region can be used
+    again (mutation review: NIXL's own error escaped; no teardown of the half-built agent)."""
+    agent_cls = _nixl_agent.load_nixl().api.nixl_agent
+    deregistered = count_calls(monkeypatch, agent_cls, "deregister_memory")
+
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("NIXL_ERR_BACKEND")  # a stand-in for NIXL's refusal
+
+    monkeypatch.setattr(agent_cls, "prep_xfer_dlist", refuse)
+    array, layout = region(8)
+    with pytest.raises(TransportError, match="creating the NIXL agent failed"):
+        make("t17", array, layout)
+    assert deregistered() == 1
+    assert _nixl_agent.registry_counts() == (0, 0)
+    monkeypatch.undo()
+    make("t17", array, layout)
+    assert _nixl_agent.registry_counts() == (1, 1)
+
+
+def test_an_agent_is_made_strict_with_no_progress_or_listen_thread_and_peer_errors(
+    make: MakeTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How notes/nixl.md says an agent must be made: thread sync STRICT (NONE segfaults
+    with several threads), no progress thread (NIXL's polls with a delay of 0 and burns a
+    core), no listen thread, UCX error handling mode ``peer`` (a dead peer is an error,
+    not a hang). Mode ``none`` passed every test on loopback (mutation review)."""
+    api = _nixl_agent.load_nixl().api
+    configs: list[dict[str, Any]] = []
+    backends: list[tuple[str, dict[str, str]]] = []
+    make_config, create_backend = api.nixl_agent_config, api.nixl_agent.create_backend
+
+    def config_spy(**kwargs: Any) -> Any:
+        configs.append(kwargs)
+        return make_config(**kwargs)
+
+    def backend_spy(self: Any, name: str, params: dict[str, str]) -> Any:
+        backends.append((name, dict(params)))
+        return create_backend(self, name, params)
+
+    monkeypatch.setattr(api, "nixl_agent_config", config_spy)
+    monkeypatch.setattr(api.nixl_agent, "create_backend", backend_spy)
+    array, layout = region(4)
+    make("t18", array, layout, 1)
+    [config] = configs
+    assert config["enable_prog_thread"] is False
+    assert config["enable_listen_thread"] is False
+    assert config["sync_mode"] == api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    [(backend, params)] = backends
+    assert backend == "UCX" and params["ucx_error_handling_mode"] == "peer"
+
+
+def test_nixl_for_cuda_13_is_taken_before_cuda_12(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where both wheels are installed the shim takes nixl_cu13, else nixl_cu12 (mutation
+    review: the order was not tested; only one of them is installed here)."""
+    fakes = {name: ModuleType(name) for name in ("nixl_cu13._api", "nixl_cu12._api")}
+    for name, module in fakes.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(_nixl_agent, "_binding", None)
+    assert _nixl_agent.load_nixl().api is fakes["nixl_cu13._api"]
+    monkeypatch.setattr(_nixl_agent, "_binding", None)
+    monkeypatch.setitem(sys.modules, "nixl_cu13._api", None)  # not installed
+    assert _nixl_agent.load_nixl().api is fakes["nixl_cu12._api"]
+
+
+def test_loading_nixl_leaves_the_hosts_logging_raise_exceptions_alone() -> None:
+    """NIXL's logging set-up switches ``logging.raiseExceptions`` off for the whole
+    process, which would hide the host's own broken log handlers; the shim puts it back
+    (mutation review: nothing checked it)."""
+    code = (
+        "import logging\n"
+        "from p2pkv.transport import _nixl_agent\n"
+        "_nixl_agent.load_nixl()\n"
+        "print(logging.raiseExceptions)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_DEBUG_LOGGING"}
+    env.update(PYTHONPATH=child_pythonpath())
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1:] == ["True"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_thread_held_the_agent_registry_can_use_it() -> None:
+    """A thread of the parent may be inside the registry (creating or closing a transport)
+    when the host forks; that thread is gone in the child, and its lock must not be held
+    there: a child of a parent with no live agent may make its own (mutation review:
+    without a new lock, the child hung)."""
+    registry = _nixl_agent._registry
+    inside, leave = threading.Event(), threading.Event()
+
+    def creating() -> None:
+        with registry.lock:
+            inside.set()
+            leave.wait(BOUND)
+
+    thread = threading.Thread(target=creating)
+    thread.start()
+    try:
+        assert inside.wait(BOUND)
+        said = in_fork(lambda: repr(_nixl_agent.registry_counts()))
+    finally:
+        leave.set()
+        thread.join(BOUND)
+    assert said == "(0, 0)", "the child hung on the registry lock its parent's thread held"
 
 
 @pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
