@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -152,6 +153,14 @@ def test_demo_blocks_are_deterministic_and_distinct() -> None:
     assert not np.array_equal(blocks[0], demo_block(keys[0], 1024, seed=8))
 
 
+def test_no_two_demo_keys_share_a_block() -> None:
+    """A block depends on all of its key's first 8 bytes, so a block swapped for another
+    key's never verifies (mutation review: a block made from one byte of its key passed
+    every test, and 256 keys then shared at most 256 blocks)."""
+    keys = demo_keys(256, seed=4)
+    assert len({demo_block(k, 64, seed=4).tobytes() for k in keys}) == 256
+
+
 # --- demo ---------------------------------------------------------------------------------
 
 
@@ -161,6 +170,7 @@ def test_demo_local_verifies_every_byte() -> None:
     assert re.search(r"verified\s+yes", done.stdout)
     assert re.search(r"blocks\s+64 x 4 KiB", done.stdout)
     assert "verify: 64/64 blocks match" in done.stderr  # progress goes to stderr
+    assert done.stderr.count("fetch: ") == 1  # --batch 0: every block in one fetch call
 
 
 def test_demo_exits_non_zero_when_a_byte_is_wrong() -> None:
@@ -189,6 +199,45 @@ def test_demo_over_nixl_two_processes_verifies_and_reaps_the_source() -> None:
     assert found is not None, done.stderr
     assert gone(int(found.group(1)))
     assert "warning" not in done.stderr  # the source exited 0 on its own
+
+
+@pytest.mark.nixl
+@skip_without_nixl
+def test_demo_over_nixl_exits_non_zero_when_a_byte_is_wrong() -> None:
+    """The two-process demo's verdict is its verification's, as the local one's is
+    (mutation review: a demo over NIXL that ignored it, or never corrupted, passed)."""
+    done = p2pkv("demo", *SMALL, "--corrupt-for-test", timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert re.search(r"verified\s+NO", done.stdout)
+    assert "FAILED: 1 blocks differ" in done.stderr
+
+
+@pytest.mark.nixl
+@skip_without_nixl
+def test_the_demos_source_stops_by_itself_when_the_demo_goes_away(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The demo starts its source so that EOF on the source's stdin stops it: a demo that
+    dies (killed, its end of the pipe closed) leaves no source behind (mutation review:
+    without it the demo still passed, its SIGTERM stopping the source 5 s later)."""
+    import p2pkv.cli.demo as demo_cli
+    from p2pkv.cli import ChildFailed, main
+
+    seen: list[list[str]] = []
+
+    class Recorder:
+        def __init__(self, argv: list[str], *, name: str) -> None:
+            seen.append(list(argv))
+            raise ChildFailed("recorded, not started")
+
+    monkeypatch.setattr(demo_cli, "Child", Recorder)
+    assert main(["demo", *SMALL]) == 1
+    [argv] = seen
+    with started(argv) as proc:
+        listening(proc)
+        assert proc.stdin is not None
+        proc.stdin.close()  # the demo is gone
+        assert proc.wait(timeout=20) == 0
 
 
 # --- serve and fetch ------------------------------------------------------------------------
@@ -502,6 +551,13 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
         (["demo", "--timeout", "nan"], None, "must be a finite number > 0"),
         (["demo", "--timeout", "-5"], None, "must be a finite number > 0"),
         (["demo", "--timeout", "inf"], None, "must be a finite number > 0"),
+        # Found by a mutation review: each boundary, or a missing file, went untested.
+        (["demo", "--timeout", "0"], None, "must be a finite number > 0"),
+        (["demo", "--blocks", "0"], None, "must be >= 1"),
+        (["demo", "--batch", "-1"], None, "must be >= 0"),
+        (["demo", "--seed", str(1 << 63)], None, "must fit in 64 bits"),
+        (["serve", "--port", "65536"], None, "must be 0..65535"),
+        (["serve", "--config", "{cfg}"], None, "No such file"),
     ],
 )
 def test_bad_input_is_a_one_line_error_not_a_traceback(
@@ -616,3 +672,116 @@ def test_the_sdist_carries_the_license_and_what_its_tests_import(tmp_path: Path)
         env={**os.environ, "PYTHONPATH": path},
     )  # fmt: skip
     assert collect.returncode == 0, collect.stdout[-3000:] + collect.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- child processes and signals
+
+
+def test_a_child_process_is_heard_only_in_json_objects_and_its_silence_or_exit_fails(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What the demo waits on for its source: lines that are not JSON objects go to stderr,
+    and silence or an exit is a ChildFailed (a one-line error), never a traceback
+    (mutation review: each of the three passed every test)."""
+    from p2pkv.cli import Child, ChildFailed
+
+    code = "import sys; print(42); print('[1]'); print('{\"up\": 1}', flush=True); "
+    code += "sys.stdin.read(); sys.exit(3)"
+    with Child([sys.executable, "-c", code], name="talker") as child:
+        assert child.receive(60) == {"up": 1}
+        with pytest.raises(ChildFailed, match="talker said nothing"):
+            child.receive(0.05)  # it waits for EOF on its stdin: it says nothing
+        assert child.proc.stdin is not None
+        child.proc.stdin.close()
+        with pytest.raises(ChildFailed, match="talker exited with status 3"):
+            child.receive(60)
+    _close_stdout(child)  # see test_a_closed_child_leaves_none_of_its_pipes_open
+    assert capsys.readouterr().err.splitlines() == ["42", "[1]"]
+
+
+def _close_stdout(child: Any) -> None:
+    """What ``Child.close`` should do itself (a defect, tested on its own below): here, so
+    that the other tests fail only for what they test, not for an unclosed pipe."""
+    if child.proc.stdout is not None:
+        child.proc.stdout.close()
+
+
+def test_a_child_that_ignores_eof_is_stopped_with_sigterm_not_killed() -> None:
+    """EOF first, then SIGTERM (a node's graceful stop), SIGKILL only if it ignores that
+    too (mutation review: going from EOF straight to SIGKILL passed)."""
+    from p2pkv.cli import Child
+
+    code = "import signal, sys; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+    code += "print('{\"up\": 1}', flush=True)\nwhile True: signal.pause()"
+    child = Child([sys.executable, "-c", code], name="deaf")
+    try:
+        assert child.receive(60) == {"up": 1}
+    finally:
+        assert child.close(grace=1.0) == 0
+        _close_stdout(child)
+
+
+def test_a_child_that_ignores_sigterm_too_is_killed_and_the_log_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """DEFECT found by the mutation review (2026-12, not fixed here): ``Child.close``
+    means to log "ignored SIGTERM: killing it" before its SIGKILL, but tests
+    ``action is self.proc.kill``, and each ``self.proc.kill`` is a new bound method, so
+    the test is never true and the warning never logged. The kill itself happens. This
+    test fails until the comparison is by equality (or by position)."""
+    from p2pkv.cli import Child
+
+    code = "import signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    code += "print('{\"up\": 1}', flush=True)\nwhile True: signal.pause()"
+    child = Child([sys.executable, "-c", code], name="stubborn")
+    try:
+        assert child.receive(60) == {"up": 1}
+    finally:
+        with caplog.at_level(logging.WARNING, logger="p2pkv.cli"):
+            assert child.close(grace=1.0) == -signal.SIGKILL
+        _close_stdout(child)
+    assert f"stubborn (pid {child.pid}) ignored SIGTERM: killing it" in caplog.text
+
+
+def test_a_closed_child_leaves_none_of_its_pipes_open() -> None:
+    """DEFECT found by the mutation review (2026-12, not fixed here): ``Child.close``
+    closes the child's stdin and reaps it, but never closes its stdout pipe, so every
+    child leaks a file descriptor until garbage collection, with a ResourceWarning (an
+    error under ``filterwarnings = error``). The benches start many children. This test
+    fails until ``Child.close`` closes ``proc.stdout`` after joining its reader."""
+    from p2pkv.cli import Child
+
+    code = "import sys; print('{\"up\": 1}', flush=True); sys.stdin.read()"
+    child = Child([sys.executable, "-c", code], name="brief")
+    try:
+        assert child.receive(60) == {"up": 1}
+    finally:
+        assert child.close() == 0
+        left_open = child.proc.stdout is not None and not child.proc.stdout.closed
+        _close_stdout(child)  # whatever the verdict, no warning from this test's teardown
+    assert not left_open, "Child.close left the child's stdout pipe open"
+
+
+def test_ctrl_c_during_a_fetch_exits_130_without_a_traceback() -> None:
+    """^C while ``fetch`` waits on its peer (here a listener that never answers) is an exit
+    status of 130 (mutation review: without it, a traceback)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(60)
+        port = server.getsockname()[1]
+        argv = [sys.executable, "-m", "p2pkv", "fetch", f"127.0.0.1:{port}", *SMALL]
+        with subprocess.Popen(
+            [*argv, "--transport", "local"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        ) as proc:
+            try:
+                conn, _ = server.accept()  # it is inside its run now, saying hello
+                with conn:
+                    proc.send_signal(signal.SIGINT)
+                    _out, err = proc.communicate(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
