@@ -86,16 +86,18 @@ class Child:
         """Stop the child and reap it; its exit status.
 
         EOF on stdin first (our children stop on it), SIGTERM if it is still running
-        ``grace / 2`` seconds later, SIGKILL after ``grace``.
+        ``grace / 2`` seconds later, SIGKILL (logged) after ``grace``. Its stdout pipe is
+        closed once the reader has seen its end, so no descriptor outlives the call.
         """
         with contextlib.suppress(OSError):
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
-        for action in (None, self.proc.terminate, self.proc.kill):
-            if action is not None:
-                if action is self.proc.kill:
-                    log.warning("%s (pid %d) ignored SIGTERM: killing it", self.name, self.pid)
-                action()
+        for step in ("eof", "sigterm", "sigkill"):
+            if step == "sigterm":
+                self.proc.terminate()
+            elif step == "sigkill":
+                log.warning("%s (pid %d) ignored SIGTERM: killing it", self.name, self.pid)
+                self.proc.kill()
             try:
                 rc = self.proc.wait(timeout=grace / 2)
                 break
@@ -104,6 +106,10 @@ class Child:
         else:
             rc = self.proc.wait()
         self._reader.join(timeout=5.0)
+        # Only once the reader is done: closing a file another thread reads is unsafe. A
+        # reader still blocked (a grandchild holds the pipe open) keeps it, as a daemon.
+        if not self._reader.is_alive() and self.proc.stdout is not None:
+            self.proc.stdout.close()
         return rc
 
     def __enter__(self) -> Child:
