@@ -385,6 +385,27 @@ def check_no_leaked_threads() -> Iterator[None]:
     assert extra == [], f"threads left behind: {extra}"
 
 
+@contextlib.contextmanager
+def held_by_a_thread(lock: Any) -> Iterator[None]:
+    """``lock`` held, for the block, by another thread of this process: as a thread inside
+    a call that takes it holds it when the host forks (see :func:`in_fork`)."""
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            inside.set()
+            leave.wait(BOUND)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    try:
+        assert inside.wait(BOUND)
+        yield
+    finally:
+        leave.set()
+        thread.join(BOUND)
+
+
 def in_fork(child: Callable[[], str], bound: float = BOUND) -> str:
     """What ``child()`` returns in a child forked from this process ("" if it raised); the
     child exits at once after it (``os._exit``). One that is silent for ``bound`` seconds

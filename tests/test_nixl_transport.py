@@ -34,7 +34,7 @@ from p2pkv.transport import _nixl_agent
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.nixl import NixlTransport  # imports no NIXL: that happens in create()
 
-from .helpers import BAD_SLOTS, BOUND, count_calls, in_fork
+from .helpers import BAD_SLOTS, count_calls, held_by_a_thread, in_fork
 from .node_proc import UCX_TCP, child_pythonpath
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
@@ -1105,22 +1105,8 @@ def test_a_child_forked_while_a_thread_held_the_agent_registry_can_use_it() -> N
     when the host forks; that thread is gone in the child, and its lock must not be held
     there: a child of a parent with no live agent may make its own (mutation review:
     without a new lock, the child hung)."""
-    registry = _nixl_agent._registry
-    inside, leave = threading.Event(), threading.Event()
-
-    def creating() -> None:
-        with registry.lock:
-            inside.set()
-            leave.wait(BOUND)
-
-    thread = threading.Thread(target=creating)
-    thread.start()
-    try:
-        assert inside.wait(BOUND)
+    with held_by_a_thread(_nixl_agent._registry.lock):
         said = in_fork(lambda: repr(_nixl_agent.registry_counts()))
-    finally:
-        leave.set()
-        thread.join(BOUND)
     assert said == "(0, 0)", "the child hung on the registry lock its parent's thread held"
 
 

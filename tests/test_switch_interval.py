@@ -19,7 +19,7 @@ from p2pkv import NodeConfig, PortalClosed, _switch, start_node
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import DataTransport
 
-from .helpers import config, in_fork
+from .helpers import config, held_by_a_thread, in_fork
 
 BOUND = 10.0  # seconds: "this did not hang"
 DEFAULT = 0.005  # Python's own
@@ -229,28 +229,15 @@ def test_a_child_forked_while_a_thread_was_inside_a_hold_can_hold(interval: floa
     """An engine thread of the parent may be inside ``hold`` or its release when the host
     forks; that thread is gone in the child, and the lock it held must not be: the child's
     own node takes a hold at its start (mutation review: without a new lock, it hung)."""
-    inside, leave = threading.Event(), threading.Event()
 
-    def engine() -> None:
-        with _switch._lock:  # as a hold or release does, for microseconds
-            inside.set()
-            leave.wait(BOUND)
+    def child() -> str:
+        release = _switch.hold(0.002)
+        during = sys.getswitchinterval()
+        release()
+        return f"{during!r} {sys.getswitchinterval()!r}"
 
-    thread = threading.Thread(target=engine)
-    thread.start()
-    try:
-        assert inside.wait(BOUND)
-
-        def child() -> str:
-            release = _switch.hold(0.002)
-            during = sys.getswitchinterval()
-            release()
-            return f"{during!r} {sys.getswitchinterval()!r}"
-
+    with held_by_a_thread(_switch._lock):  # as a hold or release does, for microseconds
         said = in_fork(child)
-    finally:
-        leave.set()
-        thread.join(BOUND)
     assert said, "the child hung in hold() on the lock its parent's thread held"
     during, after = (float(v) for v in said.split())
     assert during == pytest.approx(0.002)
