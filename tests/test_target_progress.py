@@ -145,7 +145,7 @@ def test_the_backoff_doubles_to_its_cap_and_restarts_at_each_new_hold() -> None:
         assert naps.taken == pytest.approx([0.001, 0.002, 0.004, 0.008, 0.010, 0.010])
         naps.taken.clear()
         left[0] = 2
-        done.clear()
+        done = threading.Event()  # a new one: the thread is parked, step() reads it anew
         assert tp.hold()
         assert done.wait(WAIT_S) and tp.wait_parked(WAIT_S)
         assert naps.taken == pytest.approx([0.001, 0.002])
