@@ -263,6 +263,39 @@ def test_a_host_put_between_a_big_reserves_batches_finds_the_claimed_slots_taken
     store._check_invariants()
 
 
+class Interrupted(BaseException):
+    """Stands in for an interrupt (``KeyboardInterrupt``) that lands between batches."""
+
+
+def test_a_reserve_interrupted_between_batches_gives_back_its_slots_and_its_claim(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reserve of 6 slots in batches of 2, interrupted as its second batch offers the
+    GIL: the 2 slots it took are free again, its claim on the other 4 is gone (every slot
+    can be put again), and nothing is left reserved."""
+    store = BlockStore(8, L, batch_keys=2)
+    for i in range(4):
+        store.put(key(i), bytes([i]) * L)
+    offers: list[float] = []
+
+    def offer(seconds: float) -> None:
+        offers.append(seconds)
+        if len(offers) == 2:
+            raise Interrupted
+
+    monkeypatch.setattr(store_module, "_yield_gil", offer)
+    monkeypatch.setattr(store_module, "_clock", TickClock(store_module.GIL_OFFER_AFTER_S))
+    with pytest.raises(Interrupted):
+        store.reserve("f", 6)
+    stats = store.statistics()
+    assert (stats.used, stats.free, stats.reserved, stats.evictions) == (4, 4, 0, 0)
+    assert store._reserved_by("f") == []
+    store._check_invariants()
+    for i in range(4, 12):  # 4 free slots, then evicting the 4 blocks
+        store.put(key(i), bytes([i]) * L)
+    assert sorted(store.keys()) == [key(i) for i in range(4, 12)]
+
+
 @pytest.mark.parametrize("how", ["release_reserved", "quarantine", "release_owner"])
 def test_settling_a_big_reservation_lets_the_host_in_after_at_most_one_batch(how: str) -> None:
     store = BlockStore(N + 8, L)
