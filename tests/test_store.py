@@ -96,6 +96,47 @@ def test_put_of_the_wrong_length_raises_and_stores_nothing(length: int) -> None:
     assert b"k" not in store and store.statistics().free == 2
 
 
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_key_committed_while_a_host_put_copies_it_ends_as_the_puts_block(
+    monkeypatch: pytest.MonkeyPatch, pinned: bool
+) -> None:
+    """The engine commits (and maybe pins) a key while a host ``put`` of the same key copies
+    its bytes, outside the lock: the put publishes last, so the key is the put's block;
+    the committed block's slot is freed at once, or, pinned, lives on unchanged as an
+    orphan until its pin drops. Either way no slot is lost or handed out twice."""
+    import p2pkv.store as store_module
+
+    store = BlockStore(4, L)
+    engine: list[int] = []
+
+    class CommitsFirst:
+        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+            (slot,) = store.reserve("f", 1)
+            store.array[slot * L : (slot + 1) * L] = np.frombuffer(blk(1), np.uint8)
+            assert store.commit("f", slot, b"k")
+            if pinned:
+                assert store.pin("o", [b"k"]) == [slot]
+            engine.append(slot)
+            return np.frombuffer(blk(2), np.uint8)
+
+    monkeypatch.setattr(store_module, "block_source", lambda data, n: CommitsFirst())
+    slot = store.put(b"k", blk(2))
+    monkeypatch.undo()
+    (committed,) = engine
+    assert slot != committed and store.slot_of(b"k") == slot
+    assert bytes(store.get(b"k") or b"") == blk(2)
+    stats = store.statistics()
+    assert (stats.used, stats.free, stats.pinned) == ((2, 2, 1) if pinned else (1, 3, 0))
+    store._check_invariants()
+    if pinned:
+        assert bytes(store.view(committed)) == blk(1)
+        assert store.unpin("o") == 1
+        stats = store.statistics()
+        assert (stats.used, stats.free, stats.pinned) == (1, 3, 0)
+        store._check_invariants()
+    assert sorted(store.reserve("r", 3)) == sorted({0, 1, 2, 3} - {slot})
+
+
 def test_a_put_whose_copy_raises_frees_its_slot_and_drops_the_half_written_key(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
