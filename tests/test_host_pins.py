@@ -146,6 +146,21 @@ async def test_pins_released_before_the_engine_wakes_to_their_answer_count_nothi
         assert pins.pinned_blocks() == 0
 
 
+async def test_without_max_blocks_no_round_is_counted() -> None:
+    """``pinned_blocks`` counts against ``max_blocks`` only: with no bound, a round's hits
+    are not counted (nor kept per round), before or after its release."""
+    pins = HostPins(8, answer_within=5.0)
+    with trio.fail_after(BOUND):
+        async with trio.open_nursery() as nursery:
+            got = await pinning(nursery, pins, "round-1", [b"a" * 32, b"b" * 32])
+            [req] = pins.take()
+            pins.answer(req, [3, None], "tok-1")
+        assert got == [[3, None]] and pins.held() == 1
+        assert pins.pinned_blocks() == 0
+        pins.unpin("round-1")
+        assert pins.released() == ["tok-1"] and pins.pinned_blocks() == 0
+
+
 async def test_an_answer_without_a_token_holds_nothing_and_unpin_is_harmless() -> None:
     pins = HostPins(8, answer_within=5.0)
     with trio.fail_after(BOUND):
