@@ -574,6 +574,33 @@ def test_release_owner_can_quarantine_its_reservations() -> None:
     assert sorted(store.reserve("t", 3)) == sorted([*slots, 2])
 
 
+def test_release_owner_refuses_a_nan_deadline_and_changes_nothing() -> None:
+    """A NaN deadline compares false with every time, so a slot quarantined with it would
+    never be released: ``release_owner`` refuses it, as ``quarantine`` does, before it
+    drops a pin or settles a slot."""
+    store = BlockStore(3, L)
+    store.put(b"k", blk(1))
+    store.pin("s", [b"k"])
+    slots = store.reserve("s", 2)
+    before = snapshot(store)
+    with pytest.raises(ValueError):
+        store.release_owner("s", quarantine_until=float("nan"))
+    assert snapshot(store) == before
+    assert store.pins_of("s") == 1 and store._reserved_by("s") == sorted(slots)
+
+
+@pytest.mark.parametrize("bad", [3, -1, True, 1.0, "1"])
+def test_unquarantine_refuses_what_is_not_a_slot_and_frees_nothing(bad: object) -> None:
+    """A confirmation names slots: an int out of range, a bool or anything not an int is
+    refused (``True`` or ``1.0`` would otherwise find slot 1's quarantine entry)."""
+    store = BlockStore(3, L)
+    slots = store.reserve("r", 3)
+    store.quarantine("r", slots, until=10.0)
+    with pytest.raises((TypeError, ValueError)):
+        store.unquarantine([bad])  # type: ignore[list-item]
+    assert store.statistics().quarantined == 3 and store.next_quarantine_deadline() == 10.0
+
+
 # ------------------------------------------------------------------ regions
 
 
