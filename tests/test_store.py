@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from p2pkv.errors import P2PKVError, StoreFull
-from p2pkv.store import BlockStore, StoreStatistics
+from p2pkv.store import SMALL_KEYS, BlockStore, StoreStatistics
 from p2pkv.transport.base import RegionLayout
 
 from .helpers import run_interleaved
@@ -302,6 +302,22 @@ def test_unpin_keys_releases_one_pin_per_listed_slot() -> None:
     assert store.unpin_keys("o", [0, 0, 1]) == 2
     assert store.pins_of("o") == 0 and store.evict(b"k0") is True
     assert store.unpin_keys("nobody", [1]) == 0
+
+
+@pytest.mark.parametrize("small", [SMALL_KEYS, 0])  # scalar path; array path
+def test_unpin_keys_returns_slots_to_the_lru_at_their_last_listed_drop(small: int) -> None:
+    """k0 pinned twice, k1 once; ``unpin_keys`` lists k0, k1, k0: k1's count reaches 0
+    first, so k1 is less recently used than k0, and the next eviction takes k1. Ordered
+    by each slot's first listing instead, k0 (still pinned at its first drop) went first."""
+    store = filled(4, keys=3)
+    store._small_keys = small
+    store.pin("o", [b"k0", b"k0", b"k1"])
+    assert store.unpin_keys("o", [0, 1, 0]) == 3
+    assert store._lru_keys() == [b"k2", b"k1", b"k0"]
+    store.put(b"new", blk(9))  # the one free slot
+    store.put(b"new2", blk(9))  # evicts k2
+    store.put(b"new3", blk(9))  # evicts k1
+    assert b"k1" not in store and b"k0" in store
 
 
 def test_pins_are_counted_per_owner() -> None:
