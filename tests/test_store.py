@@ -1070,6 +1070,22 @@ def test_commit_many_checks_every_reservation_before_changing_anything(
     assert store.statistics().reserved == 4 and len(store) == 0
 
 
+@pytest.mark.parametrize("n", [1, 2, SMALL_KEYS])
+@_PATHS
+def test_commit_many_refuses_a_slot_listed_twice_and_changes_nothing(
+    n: int, batch_keys: int
+) -> None:
+    """One reserved slot listed twice would publish two keys over one block: refused,
+    nothing changed, at the edge sizes (2 entries; 3; one past the scalar path)."""
+    store = BlockStore(64, 16, batch_keys=batch_keys)
+    slots = store.reserve("f", n)
+    listed = [*slots, slots[0]]
+    before = snapshot(store)
+    with pytest.raises(ValueError):
+        store.commit_many("f", listed, [b"k%d" % i for i in range(len(listed))])
+    assert snapshot(store) == before and store._reserved_by("f") == sorted(slots)
+
+
 @pytest.mark.parametrize("bad", [1.0, "1", None, b"\x01", -1, 8, 2**70])
 @pytest.mark.parametrize("how", ["commit_many", "release_reserved", "quarantine"])
 def test_a_slot_that_is_not_an_int_in_range_is_refused_and_changes_nothing(
