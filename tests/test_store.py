@@ -1086,6 +1086,19 @@ def test_commit_many_refuses_a_slot_listed_twice_and_changes_nothing(
     assert snapshot(store) == before and store._reserved_by("f") == sorted(slots)
 
 
+@pytest.mark.parametrize("bad", [b"", bytearray(b"k"), "k", None])
+@pytest.mark.parametrize("n", [1, SMALL_KEYS + 1])  # scalar path; array path
+def test_commit_many_refuses_a_key_that_is_not_non_empty_bytes_and_changes_nothing(
+    n: int, bad: object
+) -> None:
+    store = BlockStore(64, 16)
+    slots = store.reserve("f", n + 1)
+    before = snapshot(store)
+    with pytest.raises((TypeError, ValueError)):
+        store.commit_many("f", slots, [*(b"k%d" % i for i in range(n)), bad])  # type: ignore[list-item]
+    assert snapshot(store) == before and store._reserved_by("f") == sorted(slots)
+
+
 @pytest.mark.parametrize("bad", [1.0, "1", None, b"\x01", -1, 8, 2**70])
 @pytest.mark.parametrize("how", ["commit_many", "release_reserved", "quarantine"])
 def test_a_slot_that_is_not_an_int_in_range_is_refused_and_changes_nothing(
