@@ -316,7 +316,19 @@ def test_the_ledger_counts_reserved_and_quarantined_until_the_deadline() -> None
     assert shares.held("p", now=10.0) == 0
     shares.settle("q", 5)
     assert shares.held("q", now=0.0) == 0
+    assert shares.take("r", 0, cap=8, now=0.0) == 0  # a round with no keys to land
     assert not shares._shares  # nothing kept for peers that hold nothing
+
+
+async def test_a_grant_gives_a_reservation_no_more_than_it_holds() -> None:
+    """A part's reservation takes from the room granted to it, never more: the rest of
+    its keys are not asked for, and the share is not passed."""
+    shares = LandingShares()
+    with trio.fail_after(5):
+        grant = await shares.wait_for_room("p", 5, 3, math.inf)
+    assert grant.left == 3 and shares.held("p", trio.current_time()) == 3
+    assert grant.use(5) == 3 and grant.left == 0
+    assert grant.use(1) == 0
 
 
 async def test_the_queue_is_first_come_first_served() -> None:
