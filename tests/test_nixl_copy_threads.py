@@ -168,6 +168,22 @@ def test_runs_are_cut_into_pieces_for_the_copy_threads_inside_both_regions(
 @pytest.mark.nixl
 @needs_nixl
 @pytest.mark.parametrize("pair", [1, 2], indirect=True)
+def test_remote_slots_are_bounded_by_the_peers_region_not_ours(pair: tuple[Any, ...]) -> None:
+    """The peer's region (48 blocks) is smaller than ours (64): a run whose last remote
+    slot is 48, past the peer's end though inside our region, is refused before NIXL sees
+    it (explicit pieces with two copy threads would address memory past the peer's
+    region), and nothing is written."""
+    src, _src_array, _dst, dst_array, peer = pair
+    before = dst_array.copy()
+    with pytest.raises(TransportError, match=r"remote slot out of range 0\.\.47"):
+        src.post_write(peer, list(range(16, 64)), list(range(1, 49)))
+    assert src.statistics().live_handles == 0
+    assert (dst_array == before).all()
+
+
+@pytest.mark.nixl
+@needs_nixl
+@pytest.mark.parametrize("pair", [1, 2], indirect=True)
 @pytest.mark.parametrize("seed", range(5, 13))
 def test_scattered_and_mixed_posts_land_byte_exact(pair: tuple[Any, ...], seed: int) -> None:
     """Pairs without runs (split by NIXL as they are) and short posts (not split at all)
