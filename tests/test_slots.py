@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
@@ -96,6 +97,40 @@ async def test_once_the_session_has_ended_every_taker_gets_its_slots_at_once() -
         await slots.take(1)
     slots.give_back(3)
     assert slots.free == 1
+
+
+async def test_slots_handed_to_waiters_at_the_sessions_end_are_counted_as_taken() -> None:
+    """A waiter parked when the session ends gets its slots, counted: when it and the
+    taker before it give theirs back, every one comes back and no more."""
+    slots = RequestSlots(1)
+    assert slots.take_nowait(1)
+    got: list[int] = []
+
+    async def take() -> None:
+        await slots.take(1)
+        got.append(1)
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take)
+            await trio.testing.wait_all_tasks_blocked()
+            slots.end()
+    assert got == [1]
+    slots.give_back(1)  # the waiter's
+    slots.give_back(1)  # the first taker's
+    assert slots.free == 1
+
+
+def test_a_slot_given_back_twice_is_refused_and_adds_no_room() -> None:
+    """Giving back more than was taken is a bug that is raised, not absorbed: absorbed,
+    it would let more requests be open at the peer than the limit."""
+    slots = RequestSlots(2)
+    assert slots.take_nowait(1)
+    slots.give_back(1)
+    with pytest.raises(RuntimeError, match="giving back 1 request slots of 0 taken"):
+        slots.give_back(1)
+    assert slots.free == 2
+    assert slots.take_nowait(2) and not slots.take_nowait(1)
 
 
 async def test_a_raised_limit_lets_waiters_in_at_once() -> None:
