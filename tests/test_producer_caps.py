@@ -28,6 +28,7 @@ from p2pkv.session.protocol import (
     TransferCompleted,
 )
 from p2pkv.session.session import PeerSession
+from p2pkv.session.turns import Turn
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import TransferHandle, TransferState
 from p2pkv.wire import Fetch, Lookup, LookupResp, Outcome, Ping, TransferDone, encode
@@ -676,6 +677,28 @@ class FramesPerStep(trio.abc.Instrument):
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
         self.most = max(self.most, self.proto.frames_received - self.before)
+
+
+async def test_a_spent_turn_sends_what_it_queued_before_it_yields() -> None:
+    """A turn whose budget is spent sends what the session queued, then yields, then
+    starts afresh; one with budget left does neither. Without the send, the answers of a
+    whole read would wait behind every one of its requests."""
+    sent: list[int] = []
+
+    async def flush() -> None:  # no checkpoint, as a flush with the socket free
+        sent.append(turn.events)
+
+    turn = Turn(max_events=2, max_keys=8, flush=flush)
+    turn.charge(events=1, keys=7)
+    await turn.pause_if_spent()
+    assert sent == [] and turn.room() == 1
+    turn.charge(events=1)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await turn.pause_if_spent()  # the yield raises Cancelled: it comes after the send
+    assert scope.cancelled_caught and sent == [2]
+    await turn.pause_if_spent()
+    assert sent == [2, 2] and (turn.events, turn.keys) == (0, 0) and turn.room() == 8
 
 
 @pytest.mark.parametrize("per_turn", [8, 64])
