@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pkv.errors import TransportError
+from p2pkv.errors import RegistrationFailed, TransportError
 from p2pkv.transport._runs import contiguous_runs, run_order, split_runs
 from p2pkv.transport.base import RegionLayout, TransferState
 from p2pkv.transport.local import LocalTransport
@@ -253,6 +253,29 @@ def test_the_local_transport_refuses_slot_lists_of_different_lengths_and_release
     src.release(handle)
     assert src.poll(handle) is TransferState.ERR
     assert src.statistics().live_handles == 0
+
+
+def test_the_local_transport_refuses_a_peer_region_it_cannot_write_into_as_laid_out(
+    pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray],
+) -> None:
+    """Metadata of another process, a layout with another block length, or one with more
+    blocks than the peer's region holds: each refused at registration (registered, the
+    writes would land at offsets the peer never laid out, or past its region's end)."""
+    src, src_array, dst, dst_array = pair
+    metadata = dst.metadata()
+    kind, pid, token = metadata.decode().split(":")
+    for claimed, layout, match in (
+        (f"{kind}:{int(pid) + 1}:{token}".encode(), dst.layout, "not in this process"),
+        (metadata, RegionLayout(0, 24, 2 * BLOCK), "layout does not match"),  # same bytes
+        (metadata, RegionLayout(0, 49, BLOCK), "layout does not match"),  # one block more
+    ):
+        with pytest.raises(RegistrationFailed, match=match):
+            src.add_remote_peer("co-dst", claimed, layout)
+    assert src.statistics().remote_peers == 0
+    peer = src.add_remote_peer("co-dst", metadata, dst.layout)
+    handle = src.post_write(peer, [63], [47])
+    src.release(handle)
+    assert (np.asarray(dst_array)[47 * BLOCK :] == src_array[63 * BLOCK :]).all()
 
 
 @pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
