@@ -278,6 +278,28 @@ def test_the_local_transport_refuses_a_peer_region_it_cannot_write_into_as_laid_
     assert (np.asarray(dst_array)[47 * BLOCK :] == src_array[63 * BLOCK :]).all()
 
 
+def test_another_region_under_a_live_agent_name_gets_metadata_of_its_own(
+    pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray],
+) -> None:
+    """A transport over another region (of the same size) under a name still in use is a
+    new node: peers' metadata of the old region is refused from then on, and writes
+    through the new metadata land in the new region, never in the old one."""
+    src, src_array, dst, dst_array = pair
+    old = dst.metadata()
+    region = np.zeros(48 * BLOCK, dtype=np.uint8)
+    new = LocalTransport(agent_name="co-dst", region=region, layout=dst.layout)
+    try:
+        assert new.metadata() != old
+        with pytest.raises(RegistrationFailed, match="no such live region"):
+            src.add_remote_peer("co-dst", old, dst.layout)
+        peer = src.add_remote_peer("co-dst", new.metadata(), new.layout)
+        src.release(src.post_write(peer, [0], [0]))
+        assert (region[:BLOCK] == src_array[:BLOCK]).all()
+        assert not np.asarray(dst_array).any()
+    finally:
+        new.close()
+
+
 @pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
 def test_the_local_transport_refuses_what_nixl_refuses_and_writes_nothing(
     local: Any, remote: Any, match: str
