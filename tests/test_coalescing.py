@@ -231,6 +231,8 @@ def test_the_local_transport_never_writes_through_a_dropped_registration(
         assert src.release_departed_peers(["co-src"]) == ["co-dst"]
     else:
         src.close()
+        with pytest.raises(TransportError, match="closed"):  # nothing new to write through
+            src.add_remote_peer("co-dst", dst.metadata(), dst.layout)
     assert peer.released
     with pytest.raises(TransportError):
         src.post_write(peer, [0, 1], [2, 3])
@@ -282,8 +284,9 @@ def test_another_region_under_a_live_agent_name_gets_metadata_of_its_own(
     pair: tuple[LocalTransport, np.ndarray, LocalTransport, CountingArray],
 ) -> None:
     """A transport over another region (of the same size) under a name still in use is a
-    new node: peers' metadata of the old region is refused from then on, and writes
-    through the new metadata land in the new region, never in the old one."""
+    new node: peers' metadata of the old region is refused from then on, writes through
+    the new metadata land in the new region, never in the old one, and the old node's
+    close leaves the new one's metadata good."""
     src, src_array, dst, dst_array = pair
     old = dst.metadata()
     region = np.zeros(48 * BLOCK, dtype=np.uint8)
@@ -296,6 +299,8 @@ def test_another_region_under_a_live_agent_name_gets_metadata_of_its_own(
         src.release(src.post_write(peer, [0], [0]))
         assert (region[:BLOCK] == src_array[:BLOCK]).all()
         assert not np.asarray(dst_array).any()
+        dst.close()  # the old node goes: the new one's metadata stays good
+        src.add_remote_peer("co-dst", new.metadata(), new.layout)
     finally:
         new.close()
 
