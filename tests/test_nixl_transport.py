@@ -438,6 +438,8 @@ def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -
         src.add_remote_peer("t5-c", c.metadata(), c_layout)
     with pytest.raises(RegistrationFailed, match="no blocks"):
         src.add_remote_peer("t5-b", b.metadata(), RegionLayout(b_layout.base_addr, 0, BLOCK))
+    with pytest.raises(RegistrationFailed, match="address out of range"):  # its end wraps
+        src.add_remote_peer("t5-b", b.metadata(), RegionLayout(2**64 - 8 * BLOCK, 16, BLOCK))
     with pytest.raises(RegistrationFailed, match="t5-c"):
         src.add_remote_peer("t5-b", c.metadata(), b_layout)  # metadata of another agent
     with pytest.raises(RegistrationFailed, match="our own"):
@@ -459,6 +461,21 @@ def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -
     assert src.statistics().live_handles == 0
     assert (b_array == b_before).all()  # nothing refused was written
     write_and_check(src, src_array, peer, b, b_array)
+
+
+def test_a_transport_over_a_region_that_does_not_hold_its_layout_is_refused(
+    make: MakeTransport,
+) -> None:
+    """The layout must start at the region's first byte (``create``'s contract) and fit
+    in the region: registered, a longer one would let peers write past the region's end."""
+    array, layout = region(16)
+    for bad in (
+        RegionLayout(layout.base_addr + BLOCK, 15, BLOCK),  # inside it, but not at byte 0
+        RegionLayout(layout.base_addr, 17, BLOCK),  # one block more than it holds
+    ):
+        with pytest.raises(TransportError, match="does not hold layout"):
+            make("t-hold", array, bad)
+    assert make("t-hold", array, layout).layout == layout
 
 
 def _serdes_name(name: bytes, length: int | None = None, sep: bytes = b"|") -> bytes:
