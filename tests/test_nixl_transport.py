@@ -478,6 +478,33 @@ def test_a_transport_over_a_region_that_does_not_hold_its_layout_is_refused(
     assert make("t-hold", array, layout).layout == layout
 
 
+def test_a_registration_whose_blocks_cannot_be_prepared_leaves_the_peer_unloaded(
+    make: MakeTransport,
+) -> None:
+    """NIXL loads the peer's metadata, then refuses to prepare its blocks (FAKE refusal):
+    the registration fails and the remote agent is removed again, so a peer whose
+    registrations keep failing leaves no loaded agents behind (nor their sockets)."""
+    src_array, src_layout = region(16)
+    b_array, b_layout = region(16)
+    src = make("t-prep-src", src_array, src_layout)
+    b = make("t-prep-b", b_array, b_layout)
+    shared = src._state.shared
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("FAKE: prep_xfer_dlist refused")
+
+    shared.agent.prep_xfer_dlist = refuse
+    try:
+        with pytest.raises(RegistrationFailed, match="preparing the peer's blocks failed"):
+            src.add_remote_peer("t-prep-b", b.metadata(), b_layout)
+    finally:
+        del shared.agent.prep_xfer_dlist
+    assert "t-prep-b" not in shared.loaded and "t-prep-b" not in shared.parked
+    assert src.statistics().remote_peers == 0
+    peer = src.add_remote_peer("t-prep-b", b.metadata(), b_layout)
+    write_and_check(src, src_array, peer, b, b_array)
+
+
 def _serdes_name(name: bytes, length: int | None = None, sep: bytes = b"|") -> bytes:
     size = len(name) if length is None else length
     return b"nixlSerDes|Agent" + size.to_bytes(8, sys.byteorder) + name + sep
