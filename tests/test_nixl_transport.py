@@ -447,16 +447,18 @@ def test_bad_registrations_and_posts_leave_nothing_behind(make: MakeTransport) -
     assert src.statistics().remote_peers == 0
     peer = src.add_remote_peer("t5-b", b.metadata(), b_layout)
     b_before = b_array.copy()
-    for local, remote in (
-        ([0, 1], [0]),
-        ([], []),
-        ([16], [0]),
-        ([0], [-1]),
-        ([12, 13, 14, 15], [13, 14, 15, 16]),  # a run reaching past the peer's last slot
-        ([14, 15, 16], [0, 1, 2]),  # ... past ours
-        ([-1, 0, 1], [4, 5, 6]),
+    # Each refused by p2pkv's own checks, before NIXL sees the post.
+    for local, remote, match in (
+        ([0, 1], [0], "2 local and 1 remote slots"),
+        ([], [], "0 local and 0 remote slots"),
+        ([16], [0], "local slot out of range"),
+        ([0], [-1], "remote slot out of range"),
+        # a run reaching past the peer's last slot, then past ours
+        ([12, 13, 14, 15], [13, 14, 15, 16], "remote slot out of range"),
+        ([14, 15, 16], [0, 1, 2], "local slot out of range"),
+        ([-1, 0, 1], [4, 5, 6], "local slot out of range"),
     ):
-        with pytest.raises(TransportError):
+        with pytest.raises(TransportError, match=match):
             src.post_write(peer, local, remote)
     assert src.statistics().live_handles == 0
     assert (b_array == b_before).all()  # nothing refused was written
