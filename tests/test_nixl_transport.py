@@ -227,6 +227,33 @@ def test_runs_reach_nixl_adjacent_and_land_byte_exact(make: MakeTransport) -> No
     assert (blocks(dst_array, dst_layout)[untouched] == blocks(before, dst_layout)[untouched]).all()
 
 
+def test_a_handle_names_the_slots_as_posted_whatever_their_sequence_type(
+    make: MakeTransport,
+) -> None:
+    """Slots given as NumPy arrays or tuples: the handle names them as posted (local
+    then remote, Python ints) and the blocks land where they say."""
+    src_array, src_layout = region(16, seed=7)
+    dst_array, dst_layout = region(16, seed=8)
+    src = make("t-seq-src", src_array, src_layout)
+    dst = make("t-seq-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t-seq-dst", dst.metadata(), dst_layout)
+    posts: list[tuple[Any, Any]] = [
+        (np.array([5, 1, 2], dtype=np.int32), np.array([9, 3, 4], dtype=np.int64)),
+        ((7, 0), (14, 15)),
+    ]
+    for local, remote in posts:
+        handle = src.post_write(peer, local, remote)
+        try:
+            assert wait(src, handle, dst) is TransferState.DONE
+        finally:
+            src.release(handle)
+        assert handle.local_slots == tuple(int(s) for s in local)
+        assert handle.remote_slots == tuple(int(s) for s in remote)
+        assert all(type(s) is int for s in handle.local_slots + handle.remote_slots)
+        got, want = blocks(dst_array, dst_layout), blocks(src_array, src_layout)
+        assert (got[list(remote)] == want[list(local)]).all()
+
+
 def test_reconfiguration_shares_one_agent_and_one_registration(
     make: MakeTransport, monkeypatch: pytest.MonkeyPatch
 ) -> None:
