@@ -846,6 +846,41 @@ def test_a_post_nixl_refuses_keeps_no_agent_alive_in_a_caught_error(
     assert no_gc.asked == 0
 
 
+def test_a_post_nixl_reports_err_for_releases_its_transfer_handle(make: MakeTransport) -> None:
+    """NIXL reports ERR at post (FAKE): the post raises and the transfer handle it made
+    is released there and then, not left to the agent's teardown."""
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t-err-src", src_array, src_layout)
+    dst = make("t-err-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t-err-dst", dst.metadata(), dst_layout)
+    agent = src._state.shared.agent
+    made: list[Any] = []
+    released: list[Any] = []
+    make_prepped_xfer, release_xfer_handle = agent.make_prepped_xfer, agent.release_xfer_handle
+
+    def made_one(*args: Any) -> Any:
+        made.append(make_prepped_xfer(*args))
+        return made[-1]
+
+    def release_one(xfer: Any) -> None:
+        released.append(xfer)
+        release_xfer_handle(xfer)
+
+    agent.make_prepped_xfer, agent.release_xfer_handle = made_one, release_one
+    agent.transfer = lambda xfer: "ERR"
+    try:
+        with pytest.raises(TransportError, match="ERR at post"):
+            src.post_write(peer, [0], [1])
+    finally:
+        del agent.make_prepped_xfer, agent.release_xfer_handle, agent.transfer
+    assert len(made) == 1 and released == made
+    made.clear()  # a NIXL handle held here would keep the agent alive past its close
+    released.clear()
+    assert src.statistics().live_handles == 0
+    write_and_check(src, src_array, peer, dst, dst_array)
+
+
 def test_a_release_nixl_refuses_is_logged_without_its_frames(
     make: MakeTransport, no_gc: _NoCollect, caplog: pytest.LogCaptureFixture
 ) -> None:
