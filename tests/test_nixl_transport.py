@@ -406,8 +406,9 @@ def test_a_registration_is_used_and_released_only_by_the_transport_that_made_it(
 ) -> None:
     """Transports over one region share its agent (a reconfiguration builds the new one
     beside the old), but a peer registered on one is not the other's: posting on it or
-    removing it through the other is refused, and the registration stays its maker's.
-    Without the owner check the new transport released the old one's live registration."""
+    removing it through the other is refused, and the registration stays its maker's, as
+    do the handles posted on it. Without the owner check the new transport released the
+    old one's live registration."""
     src_array, src_layout = region(32)
     dst_array, dst_layout = region(32)
     old = make("t5-src", src_array, src_layout)
@@ -420,6 +421,15 @@ def test_a_registration_is_used_and_released_only_by_the_transport_that_made_it(
         new.remove_remote_peer(peer)
     assert not peer.released
     write_and_check(old, src_array, peer, dst, dst_array)
+    # A handle is its poster's too: the other transport neither reads nor releases it.
+    handle = old.post_write(peer, [1], [2])
+    assert new.poll(handle) is TransferState.ERR
+    with pytest.raises(TransportError, match="not posted by this transport"):
+        new.release(handle)
+    assert not handle.released
+    assert wait(old, handle, dst) is TransferState.DONE
+    old.release(handle)
+    assert handle.released and old.statistics().live_handles == 0
     old.remove_remote_peer(peer)
 
 
