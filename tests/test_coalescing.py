@@ -252,6 +252,7 @@ def test_the_local_transport_refuses_slot_lists_of_different_lengths_and_release
     assert not np.asarray(dst_array).any()
     handle = src.post_write(peer, [0], [5])
     assert src.poll(handle) is TransferState.DONE
+    assert src.statistics().live_handles == 1  # posted, not yet released
     src.release(handle)
     assert src.poll(handle) is TransferState.ERR
     assert src.statistics().live_handles == 0
