@@ -517,6 +517,16 @@ def test_a_transport_over_a_region_that_does_not_hold_its_layout_is_refused(
     assert make("t-hold", array, layout).layout == layout
 
 
+def test_a_read_only_region_is_refused(make: MakeTransport) -> None:
+    """Peers write into the region: memory this process may not write is refused at
+    create, before NIXL registers it."""
+    array, layout = region(16)
+    read_only = array.view()
+    read_only.flags.writeable = False
+    with pytest.raises(TransportError, match="contiguous and writeable"):
+        make("t-ro", read_only, layout)
+
+
 def test_a_registration_whose_blocks_cannot_be_prepared_leaves_the_peer_unloaded(
     make: MakeTransport,
 ) -> None:
