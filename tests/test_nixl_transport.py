@@ -341,6 +341,7 @@ def test_readd_makes_old_registration_stale(make: MakeTransport) -> None:
     in_flight = src.post_write(old, [0, 1, 2], [5, 6, 7])
     new = src.add_remote_peer("t4-dst", dst.metadata(), dst_layout)
     assert new is not old
+    assert src.statistics().remote_peers == 1  # the stale registration is not counted
     with pytest.raises(TransportError, match="stale"):
         src.post_write(old, [0], [0])
     # Same metadata (same incarnation): the write posted on the old registration completes.
