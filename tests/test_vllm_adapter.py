@@ -261,9 +261,14 @@ def test_source_spec_accepts_both_spellings_and_rejects_junk() -> None:
         {"remote_kv_source": "h:7"},
         {"remote_kv_source": {"host": "h"}},
         {"remote_kv_source": {"host": "h", "port": 0}},
+        {"remote_kv_source": {"host": "h", "port": 65536}},
         {"remote_kv_source": {"host": "h", "port": True}},
+        {"remote_kv_source": {"host": "", "port": 7}},
+        {"remote_kv_source": {"remote_host": "", "remote_port": "7"}},
     ):
         assert SourceSpec.from_params(junk) is None
+    top = {"remote_kv_source": {"host": "h", "port": 65535}}
+    assert SourceSpec.from_params(top) == SourceSpec("h", 65535)
 
 
 def test_hits_load_the_sources_bytes_and_misses_fall_back(
