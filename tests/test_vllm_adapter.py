@@ -271,6 +271,32 @@ def test_source_spec_accepts_both_spellings_and_rejects_junk() -> None:
     assert SourceSpec.from_params(top) == SourceSpec("h", 65535)
 
 
+def test_a_peer_id_no_peer_can_have_leaves_the_request_without_a_source(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer_id, when given, must match the peer that answers. One that is not a
+    non-empty string matches no peer: the request misses and nothing is dialed, instead
+    of the check being skipped and whatever answers at the address trusted. JSON's null
+    is absent, as elsewhere."""
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    host, port = src.address
+    spec = {"host": host, "port": port}
+    absent = {"remote_kv_source": {**spec, "peer_id": None}}
+    assert SourceSpec.from_params(absent) == SourceSpec(host, port)
+    dials = count_calls(monkeypatch, BlockingNode, "submit_connect")
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    for i, bad in enumerate(("", 7, True, ["src"], {"id": "src"})):
+        params = {"remote_kv_source": {**spec, "peer_id": bad}}
+        assert SourceSpec.from_params(params) is None, bad
+        req = RequestInfo(f"r{i}", params)
+        tier.prepare(req)
+        assert [tier.lookup(k, req) for k in keys] == [False, False], bad
+    tier.step()
+    assert dials() == 0 and not tier.has_pending_work()
+    tier.shutdown()
+
+
 def test_hits_load_the_sources_bytes_and_misses_fall_back(
     nodes: Callable[..., BlockingNode],
 ) -> None:

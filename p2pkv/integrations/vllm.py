@@ -23,7 +23,8 @@ The source. A consumer request names the peer that holds its prefix the way vLLM
 spellings ``remote_host``, ``remote_port``, ``kv_request_id`` are accepted too), with an
 optional ``peer_id`` that, when given, must match the peer that answers (checked per
 request: a request whose ``peer_id`` does not match fails alone, and the source at that
-address goes on serving the others; it comes from a client, not the fleet). The source's
+address goes on serving the others; it comes from a client, not the fleet; one that is
+not a non-empty string matches no peer, and leaves the request without a source). The source's
 ``request_id`` is informational: p2pkv addresses blocks by hash. A source is connected
 lazily, by the first request that needs it, through ``submit_connect``; its keys wait
 (still answering None) until the connection is up. One connection per source address is
@@ -178,13 +179,10 @@ class SourceSpec:
         if not isinstance(port, int) or not 0 < port < 65536:
             return None
         request_id = src.get("request_id", src.get("kv_request_id"))
-        peer_id = src.get("peer_id")
-        return cls(
-            host,
-            port,
-            str(request_id) if request_id is not None else None,
-            peer_id if isinstance(peer_id, str) and peer_id else None,
-        )
+        peer_id = src.get("peer_id")  # null: absent
+        if peer_id is not None and (not isinstance(peer_id, str) or not peer_id):
+            return None  # it must match the peer that answers, and no peer has this id
+        return cls(host, port, str(request_id) if request_id is not None else None, peer_id)
 
 
 @attrs.define(eq=False)
