@@ -260,6 +260,7 @@ def test_source_spec_accepts_both_spellings_and_rejects_junk() -> None:
         {},
         {"remote_kv_source": "h:7"},
         {"remote_kv_source": {"host": "h"}},
+        {"remote_kv_source": {"port": 7}},
         {"remote_kv_source": {"host": "h", "port": 0}},
         {"remote_kv_source": {"host": "h", "port": 65536}},
         {"remote_kv_source": {"host": "h", "port": True}},
@@ -884,4 +885,177 @@ def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
     done = finished_jobs(tier)
     assert done[0].success and sorted(done[0].loaded) == sorted(keys)
     assert lookups_sent() == 1  # the load fetched on the batch's round: no lookup of its own
+    tier.shutdown()
+
+
+def connected(tier: P2PTier, node: BlockingNode, req: RequestInfo) -> None:
+    """Dial ``req``'s source through ``tier`` (on ``node``) and let a step read the dial."""
+    tier.prepare(req)
+    wait_for(lambda: node.pending() == 0)
+    tier.step()
+
+
+def hits(tier: P2PTier, req: RequestInfo, keys: list[bytes]) -> None:
+    """Step ``tier`` until every key of ``req`` is answered; they must all be hits."""
+
+    def answered() -> bool:
+        tier.step()
+        return None not in [tier.lookup(k, req) for k in keys]
+
+    wait_for(answered)
+    assert [tier.lookup(k, req) for k in keys] == [True] * len(keys)
+
+
+def test_after_shutdown_a_request_naming_a_live_source_misses_and_its_load_fails_at_once(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    dials = count_calls(monkeypatch, BlockingNode, "submit_connect")
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    tier.shutdown()
+    req = RequestInfo("r1", source_params(src))
+    tier.prepare(req)
+    assert [tier.lookup(k, req) for k in keys] == [False, False]
+    tier.submit_load(LoadJob(1, "r1", keys, request=req))
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, False)]
+    assert dials() == 0 and all(k not in dst.store for k in keys)
+
+
+def test_a_lookup_for_another_request_sends_the_batch_of_the_request_asked_before(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, spy = nodes("src"), SpyNode(nodes("dst"))
+    keys = fill(src.store, 3, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    first, second = (RequestInfo(r, source_params(src)) for r in ("r1", "r2"))
+    connected(tier, spy, first)
+    assert [tier.lookup(k, first) for k in keys[:2]] == [None, None]
+    assert spy.lookups == []  # the batch stays open while its request is being asked
+    assert tier.lookup(keys[2], second) is None
+    assert spy.lookups == [keys[:2]]  # first's batch went out, in one round
+    tier.step()
+    assert spy.lookups == [keys[:2], keys[2:]]
+    tier.shutdown()
+
+
+def test_a_key_misses_by_its_lookup_deadline_though_its_request_asks_new_keys_every_step(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Keys asked while the source is still being dialed wait in one open batch; keys
+    that join it later do not move the deadline of those asked first."""
+    src, dst = nodes("src"), nodes("dst")
+    key = fill(src.store, 1, BLOCK)[0]
+    tier = P2PTier(dst, connect_timeout=3 * BOUND, lookup_timeout=0.3, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    release = wedge(dst)  # the dial never ends: the batch never goes out
+    try:
+        start = time.monotonic()
+        assert tier.lookup(key, req) is None
+        while tier.lookup(key, req) is None:
+            assert time.monotonic() - start < BOUND / 2, "the first key outlived its deadline"
+            tier.lookup(os.urandom(32), req)  # a new key joins the open batch
+            time.sleep(STEP)  # vLLM's pacing between steps, not a sync point
+            tier.step()
+        assert tier.lookup(key, req) is False
+    finally:
+        release.set()
+    wait_for(lambda: dst.pending() == 0)
+    tier.shutdown()
+
+
+def test_a_slot_load_naming_a_key_twice_or_a_slot_short_fails_at_once(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Nothing is posted for such a job, so no write can land: it is reported at once."""
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    tier.submit_load(LoadJob(1, "r1", [keys[0], keys[1], keys[0]], request=req, slots=[1, 2, 3]))
+    tier.submit_load(LoadJob(2, "r1", keys, request=req, slots=[1]))
+    done = tier.get_finished_jobs()
+    assert [(r.job_id, r.success, r.loaded) for r in done] == [(1, False, []), (2, False, [])]
+    tier.shutdown()
+
+
+def test_a_load_of_no_keys_is_reported_done_at_once(nodes: Callable[..., BlockingNode]) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    tier.submit_load(LoadJob(1, "r1", [], request=RequestInfo("r1", source_params(src))))
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    tier.shutdown()
+
+
+def test_a_loaded_key_is_asked_about_again_not_answered_from_the_old_probe(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """After the fetch the source may evict the key: a later lookup asks it again."""
+    src, spy = nodes("src"), SpyNode(nodes("dst"))
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    hits(tier, req, keys)
+    tier.submit_load(LoadJob(1, "r1", keys))
+    assert finished_jobs(tier)[0].success
+    assert [tier.lookup(k, req) for k in keys] == [None, None]
+    tier.step()
+    assert spy.lookups == [keys, keys]
+    tier.shutdown()
+
+
+def test_a_load_of_keys_still_in_the_open_batch_takes_them_out_of_it(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The load looks up what it needs itself: its keys are not also sent as a lookup
+    round (whose pins nobody would fetch)."""
+    src, spy = nodes("src"), SpyNode(nodes("dst"))
+    keys = fill(src.store, 3, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    connected(tier, spy, req)
+    assert [tier.lookup(k, req) for k in keys] == [None] * 3
+    tier.submit_load(LoadJob(1, "r1", keys[:2]))
+    assert spy.lookups == [keys[2:]]  # the rest of the batch went out, alone
+    done = finished_jobs(tier)
+    assert done[0].success and sorted(done[0].loaded) == sorted(keys[:2])
+    tier.shutdown()
+
+
+def test_a_load_naming_a_wrong_peer_id_fails_alone_on_an_established_session(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    hits(tier, RequestInfo("good", source_params(src)), keys)  # the session is up
+    params = source_params(src)
+    params["remote_kv_source"]["peer_id"] = "not-src"
+    tier.submit_load(LoadJob(1, "bad", keys, request=RequestInfo("bad", params)))
+    done = tier.get_finished_jobs()
+    assert [(r.job_id, r.success, r.loaded) for r in done] == [(1, False, [])]
+    assert all(k not in dst.store for k in keys)
+    tier.submit_load(LoadJob(2, "good", keys))  # the source still serves the others
+    done = finished_jobs(tier)
+    assert [(r.job_id, r.success) for r in done] == [(2, True)]
+    tier.shutdown()
+
+
+def test_a_load_after_its_source_restarted_dials_again_instead_of_failing(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    hits(tier, RequestInfo("r1", source_params(src)), keys)
+    address, old_id = src.address, src.peer_id
+    src.close(timeout=BOUND)
+    wait_for(lambda: not dst.is_connected(old_id))
+    again = nodes("src-again", port=address[1])  # the same address, a new process
+    for k in keys:
+        again.store.put(k, bytes(BLOCK))
+    req = RequestInfo("r2", source_params(again))
+    tier.submit_load(LoadJob(1, "r2", keys, request=req))
+    done = finished_jobs(tier)
+    assert [(r.job_id, r.success) for r in done] == [(1, True)]
     tier.shutdown()
