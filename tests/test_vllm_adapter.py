@@ -607,6 +607,7 @@ def test_a_slot_load_whose_ticket_raised_is_reported_only_a_quarantine_later(
     monkeypatch.setattr(dst, "poll", poll)
     monkeypatch.setattr(vllm_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
     assert tier.get_finished_jobs() == []  # the ticket raised: held, not reported
+    assert tier.has_pending_work()  # the host keeps stepping until it is
     now[0] += 0.99 * dst.config.quarantine
     assert tier.get_finished_jobs() == []
     now[0] += 0.02 * dst.config.quarantine
@@ -1058,4 +1059,23 @@ def test_a_load_after_its_source_restarted_dials_again_instead_of_failing(
     tier.submit_load(LoadJob(1, "r2", keys, request=req))
     done = finished_jobs(tier)
     assert [(r.job_id, r.success) for r in done] == [(1, True)]
+    tier.shutdown()
+
+
+def test_an_open_batch_or_a_dial_in_flight_is_pending_work(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A host steps while the tier has pending work: an open batch goes out only at a
+    step, and a dial is read only by one."""
+    src, dst = nodes("src"), nodes("dst")
+    key = fill(src.store, 1, BLOCK)[0]
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    assert not tier.has_pending_work()
+    asked = RequestInfo("r1", source_params(src))
+    assert tier.lookup(key, asked) is None  # open, not sent, no dial yet
+    assert tier.has_pending_work()
+    tier.on_request_finished(asked)
+    assert not tier.has_pending_work()
+    tier.prepare(RequestInfo("r2", source_params(src)))  # the dial is out
+    assert tier.has_pending_work()
     tier.shutdown()
