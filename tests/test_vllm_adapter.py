@@ -1079,3 +1079,71 @@ def test_an_open_batch_or_a_dial_in_flight_is_pending_work(
     tier.prepare(RequestInfo("r2", source_params(src)))  # the dial is out
     assert tier.has_pending_work()
     tier.shutdown()
+
+
+def refused_source(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> tuple[P2PTier, dict[str, Any], list[float], Callable[[], int]]:
+    """A tier on the host clock ``now`` (a list: tests move it by hand) whose request r1
+    found its source down (the dial was refused, backoff 60 s); its params, and the
+    count of dials so far."""
+    dst = nodes("dst")
+    dials = count_calls(monkeypatch, BlockingNode, "submit_connect")
+    now = [time.monotonic()]
+    monkeypatch.setattr(vllm_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    params = {"remote_kv_source": {"host": "127.0.0.1", "port": _unused_port()}}
+    tier = P2PTier(dst, lookup_timeout=BOUND, connect_timeout=BOUND, reconnect_backoff=60.0)
+    key = os.urandom(32)
+    first = RequestInfo("r1", params)
+    assert tier.lookup(key, first) is None
+
+    def missed() -> bool:
+        tier.step()
+        return tier.lookup(key, first) is False
+
+    wait_for(missed)  # the dial was refused
+    assert dials() == 1
+    return tier, params, now, dials
+
+
+def test_a_source_whose_dial_failed_stays_down_for_its_backoff_once_no_request_names_it(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, params, now, dials = refused_source(nodes, monkeypatch)
+    tier.on_request_finished(RequestInfo("r1", params))
+    for _ in range(3):  # idle sources are looked for every second at most
+        now[0] += 1.0
+        tier.step()
+    second = RequestInfo("r2", params)
+    assert tier.lookup(os.urandom(32), second) is None
+    tier.step()
+    assert tier.lookup(os.urandom(32), second) is False
+    assert dials() == 1
+    tier.shutdown()
+
+
+def test_a_source_marked_down_is_dialed_again_after_its_backoff(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier, params, now, dials = refused_source(nodes, monkeypatch)  # r1 still names it
+    now[0] += 60.0
+    assert tier.lookup(os.urandom(32), RequestInfo("r2", params)) is None
+    tier.step()
+    assert dials() == 2
+    tier.shutdown()
+
+
+def test_a_request_finished_with_its_batch_still_open_sends_no_lookup(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Its open batch is dropped: no round pins blocks at the source for nobody."""
+    src, spy = nodes("src"), SpyNode(nodes("dst"))
+    keys = fill(src.store, 3, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    connected(tier, spy, req)
+    assert [tier.lookup(k, req) for k in keys] == [None] * 3
+    tier.on_request_finished(req)
+    tier.step()
+    assert spy.lookups == [] and not tier.has_pending_work()
+    tier.shutdown()
