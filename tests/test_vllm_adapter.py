@@ -1147,3 +1147,56 @@ def test_a_request_finished_with_its_batch_still_open_sends_no_lookup(
     tier.step()
     assert spy.lookups == [] and not tier.has_pending_work()
     tier.shutdown()
+
+
+def test_an_answer_that_comes_in_after_a_load_took_its_keys_does_not_answer_them_again(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The load consumed the keys' probes while their batch was out: its answer, when it
+    comes, is not kept for them (the fetch may have made the source evict them)."""
+    src, spy = nodes("src"), SpyNode(nodes("dst"))
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    connected(tier, spy, req)
+    assert [tier.lookup(k, req) for k in keys] == [None, None]
+    release = wedge(src)  # the source cannot answer until released
+    try:
+        tier.step()  # the batch goes out
+        tier.submit_load(LoadJob(1, "r1", keys))
+    finally:
+        release.set()
+    done = finished_jobs(tier)
+    assert [(r.job_id, r.success) for r in done] == [(1, True)]
+    wait_for(lambda: spy.pending() == 0)  # the batch's answer is in too
+    tier.step()
+    assert [tier.lookup(k, req) for k in keys] == [None, None]  # asked again
+    tier.shutdown()
+
+
+def test_a_batch_that_waited_for_its_dial_keeps_the_deadline_of_its_first_key(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lookup deadline runs from the first ask, not from when the dial let the batch
+    go out. The tier's clock is moved by hand, so "by then" is exact."""
+    src, dst = nodes("src"), nodes("dst")
+    key = fill(src.store, 1, BLOCK)[0]
+    now = [time.monotonic()]
+    monkeypatch.setattr(vllm_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    tier = P2PTier(dst, lookup_timeout=BOUND, connect_timeout=3 * BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    tier.prepare(req)
+    assert tier.lookup(key, req) is None  # asked while the dial is out
+    wait_for(lambda: dst.pending() == 0)
+    now[0] += 0.9 * BOUND
+    release = wedge(src)  # the source cannot answer until released
+    try:
+        tier.step()  # the dial is read: the batch goes out
+        assert tier.lookup(key, req) is None
+        now[0] += 0.2 * BOUND
+        tier.step()
+        assert tier.lookup(key, req) is False
+    finally:
+        release.set()
+    monkeypatch.undo()
+    tier.shutdown()
