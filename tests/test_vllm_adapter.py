@@ -700,9 +700,9 @@ def test_a_load_waiting_for_a_source_that_is_not_the_named_peer_fails_alone(
     keys = fill(src.store, 3, BLOCK)
     params = source_params(src)
     params["remote_kv_source"]["peer_id"] = "not-src"
-    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=3 * BOUND)
     tier.submit_load(LoadJob(1, "r1", keys, request=RequestInfo("r1", params)))
-    done = finished_jobs(tier)
+    done = finished_jobs(tier)  # when the dial is read, far inside load_timeout
     assert [r.job_id for r in done] == [1] and not done[0].success and not done[0].loaded
     assert all(k not in dst.store for k in keys)
     tier.shutdown()
@@ -1199,4 +1199,18 @@ def test_a_batch_that_waited_for_its_dial_keeps_the_deadline_of_its_first_key(
     finally:
         release.set()
     monkeypatch.undo()
+    tier.shutdown()
+
+
+def test_a_load_waiting_for_a_dial_that_is_refused_fails_with_the_dial(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    dst = nodes("dst")
+    params = {"remote_kv_source": {"host": "127.0.0.1", "port": _unused_port()}}
+    tier = P2PTier(dst, connect_timeout=3 * BOUND, load_timeout=3 * BOUND)
+    keys = [os.urandom(32) for _ in range(2)]
+    tier.submit_load(LoadJob(1, "r1", keys, request=RequestInfo("r1", params)))
+    done = finished_jobs(tier, "the load outlived its refused dial")  # far inside its deadline
+    assert [(r.job_id, r.success) for r in done] == [(1, False)]
+    assert set(done[0].failed) == set(keys)
     tier.shutdown()
