@@ -1214,3 +1214,33 @@ def test_a_load_waiting_for_a_dial_that_is_refused_fails_with_the_dial(
     assert [(r.job_id, r.success) for r in done] == [(1, False)]
     assert set(done[0].failed) == set(keys)
     tier.shutdown()
+
+
+def test_a_source_lost_under_one_request_fails_only_the_requests_waiting_on_it(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """r2's lookup is out when the source's connections go down: r2 misses. r1, whose
+    answers were in, waits on nothing then: its load dials the source again (a session
+    that ended is dialed again at once) and loads."""
+    src, dst = nodes("src"), nodes("dst")
+    keys, more = fill(src.store, 2, BLOCK), fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=3 * BOUND, load_timeout=BOUND, reconnect_backoff=60.0)
+    first, second = (RequestInfo(r, source_params(src)) for r in ("r1", "r2"))
+    hits(tier, first, keys)
+    assert [tier.lookup(k, second) for k in more] == [None, None]
+    release = wedge(src)  # the source hangs...
+    try:
+        tier.step()  # ...with r2's lookup sent and unanswered...
+        crash_connections(src)  # ...and its connections go down
+
+        def lost() -> bool:
+            tier.step()
+            return [tier.lookup(k, second) for k in more] == [False, False]
+
+        wait_for(lost)
+    finally:
+        release.set()
+    tier.submit_load(LoadJob(1, "r1", keys))
+    done = finished_jobs(tier)
+    assert [(r.job_id, r.success) for r in done] == [(1, True)]
+    tier.shutdown()
