@@ -1244,3 +1244,60 @@ def test_a_source_lost_under_one_request_fails_only_the_requests_waiting_on_it(
     done = finished_jobs(tier)
     assert [(r.job_id, r.success) for r in done] == [(1, True)]
     tier.shutdown()
+
+
+def test_a_request_naming_a_wrong_peer_id_sends_no_lookup_on_an_established_session(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Its keys miss without being asked: the peer that answers is not the one named."""
+    src, spy = nodes("src"), SpyNode(nodes("dst"))
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    hits(tier, RequestInfo("good", source_params(src)), keys)  # the session is up
+    params = source_params(src)
+    params["remote_kv_source"]["peer_id"] = "not-src"
+    bad = RequestInfo("bad", params)
+    assert [tier.lookup(k, bad) for k in keys] == [None, None]
+    tier.step()
+    assert [tier.lookup(k, bad) for k in keys] == [False, False]
+    assert spy.lookups == [keys]  # the good request's only
+    tier.shutdown()
+
+
+def test_a_request_failed_by_its_load_gives_back_the_pins_of_its_lookup_in_flight(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its batch still out when the load fails is nobody's any more: once answered, its
+    hits are released at once instead of staying pinned for the lease (an hour here)."""
+    src = nodes("src", lease=3600.0)
+    dst = nodes("dst", lease=3600.0)
+    keys, more = fill(src.store, 2, BLOCK), fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    hits(tier, req, keys)
+    assert [tier.lookup(k, req) for k in more] == [None, None]
+    real_poll = dst.poll
+
+    def poll(ticket: int) -> object:
+        if ticket in tier._loads:  # the load's ticket ends in an error
+            raise P2PKVTimeout("fetch did not finish in time", op="fetch")
+        return real_poll(ticket)
+
+    release = wedge(src)  # the source cannot answer until released
+    try:
+        tier.step()  # the second batch goes out
+        tier.submit_load(LoadJob(1, "r1", keys))
+        monkeypatch.setattr(dst, "poll", poll)
+        done = tier.get_finished_jobs()  # the load fails, failing its request
+        assert [(r.job_id, r.success) for r in done] == [(1, False)]
+        monkeypatch.undo()
+    finally:
+        release.set()
+    assert [tier.lookup(k, req) for k in more] == [False, False]
+
+    def released() -> bool:
+        tier.step()
+        return src.statistics().pinned_slots == 0
+
+    wait_for(released)
+    tier.shutdown()
