@@ -1301,3 +1301,41 @@ def test_a_request_failed_by_its_load_gives_back_the_pins_of_its_lookup_in_fligh
 
     wait_for(released)
     tier.shutdown()
+
+
+def test_a_load_of_which_one_key_is_missing_fails_and_lists_the_keys_that_landed(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """``success`` holds iff every key of the job landed: a partial load is a failure."""
+    src, dst = nodes("src"), nodes("dst")
+    present, absent = fill(src.store, 2, BLOCK), os.urandom(32)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    connected(tier, dst, req)
+    tier.submit_load(LoadJob(1, "r1", [*present, absent]))
+    done = finished_jobs(tier)
+    assert [(r.job_id, r.success) for r in done] == [(1, False)]
+    assert sorted(done[0].loaded) == sorted(present) and list(done[0].failed) == [absent]
+    tier.shutdown()
+
+
+def test_a_load_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The load deadline is kept on the host's clock, as the lookup's is: with this
+    node's engine hung (no ticket of it can end) the load fails once load_timeout has
+    passed."""
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=0.3)
+    req = RequestInfo("r1", source_params(src))
+    connected(tier, dst, req)
+    release = wedge(dst)
+    try:
+        tier.submit_load(LoadJob(1, "r1", keys))
+        done = finished_jobs(tier, "the load outlived its deadline")
+        assert [(r.job_id, r.success) for r in done] == [(1, False)]
+        assert dst.pending() > 0  # the engine never ran the fetch: the host's clock ended it
+    finally:
+        release.set()
+    tier.shutdown()
