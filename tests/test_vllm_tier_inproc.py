@@ -364,6 +364,44 @@ def test_a_host_given_as_null_is_the_default_and_a_bad_one_is_refused(
     assert s.max_pinned_share == 0.25
 
 
+def test_the_port_is_the_base_plus_the_data_parallel_index_and_only_a_real_port_is_taken() -> None:
+    s = vllm_tier.TierSettings.from_kwargs({"host": "10.0.0.7", "port": "5710"}, dp_index=2)
+    assert (s.port, s.peer_id) == (5712, "10.0.0.7:5712")
+    assert vllm_tier.TierSettings.from_kwargs({"port": 0}, dp_index=2).port == 0  # a free one
+    assert vllm_tier.TierSettings.from_kwargs({"port": 65535}).port == 65535
+    for bad in (65536, -1, True, 5710.5):
+        with pytest.raises(ValueError, match="port"):
+            vllm_tier.TierSettings.from_kwargs({"port": bad})
+
+
+def test_a_flag_or_a_cap_of_the_wrong_kind_is_refused_naming_the_key() -> None:
+    bads: list[tuple[str, object]] = [
+        ("verify_checksums", "yes"),
+        ("verify_checksums", 1),
+        ("max_peers", 0),
+        ("max_peers", True),
+        ("max_pinned_blocks", 0),
+        ("max_pinned_blocks", "many"),
+    ]
+    for name, value in bads:
+        with pytest.raises(ValueError, match=name):
+            vllm_tier.TierSettings.from_kwargs({"port": 5710, name: value})
+    s = vllm_tier.TierSettings.from_kwargs(
+        {"port": 5710, "verify_checksums": True, "max_peers": "1", "max_pinned_blocks": 1}
+    )
+    assert (s.verify_checksums, s.max_peers, s.max_pinned_blocks) == (True, 1, 1)
+
+
+def test_a_secret_file_of_up_to_4_kib_is_read_and_a_larger_one_refused(tmp_path: Path) -> None:
+    path = tmp_path / "secret"
+    path.write_bytes(b"k" * 4096)
+    s = vllm_tier.TierSettings.from_kwargs({"port": 5710, "secret_file": str(path)})
+    assert s.secret == b"k" * 4096
+    path.write_bytes(b"k" * 4097)
+    with pytest.raises(ValueError, match="over 4 KiB"):
+        vllm_tier.TierSettings.from_kwargs({"port": 5710, "secret_file": str(path)})
+
+
 def test_a_secret_in_a_file_stays_out_of_vllms_start_up_log(tmp_path: Path) -> None:
     """vLLM logs its non-default arguments, ``kv_transfer_config`` among them, at start
     (and a command line is visible to ``ps``): a secret given inline is printed, one given
