@@ -1339,3 +1339,24 @@ def test_a_load_ends_by_its_deadline_even_while_this_nodes_engine_is_wedged(
     finally:
         release.set()
     tier.shutdown()
+
+
+def test_at_max_peers_a_source_a_live_request_names_is_never_the_one_closed(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The source unused longest makes room, among those no live request names: the
+    request named first, still live, keeps its session and loads its hits over it."""
+    dst = nodes("dst", max_peers=2)
+    a, b, c = nodes("a"), nodes("b"), nodes("c")
+    keys = {n.peer_id: fill(n.store, 2, BLOCK) for n in (a, b, c)}
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    live = RequestInfo("ra", source_params(a))
+    hits(tier, live, keys["a"])  # named first, and still live
+    done = RequestInfo("rb", source_params(b))
+    hits(tier, done, keys["b"])
+    tier.on_request_finished(done)
+    hits(tier, RequestInfo("rc", source_params(c)), keys["c"])  # at the cap: b makes room
+    assert dst.is_connected(a.peer_id) and not dst.is_connected(b.peer_id)
+    tier.submit_load(LoadJob(1, "ra", keys["a"]))
+    assert [(r.job_id, r.success) for r in finished_jobs(tier)] == [(1, True)]
+    tier.shutdown()
