@@ -1459,3 +1459,45 @@ def test_a_peers_lookup_never_raises_out_of_the_schedulers_step(
             time.sleep(0.002)  # a step's pacing
     finally:
         peer.close()
+
+
+def test_a_new_request_dials_its_source_before_its_first_lookup(
+    engines: Callable[..., Engine],
+) -> None:
+    src, dst = engines(), engines()
+    with dst.mgr.lock:
+        dst.mgr.on_new_request(request(src, "r-early"))
+    until(lambda: dst.tier._node.is_connected(src.tier.peer_id), "the dial", dst.idle_step)
+
+
+def test_a_partial_load_names_the_keys_that_landed_and_a_store_succeeds_at_once(
+    engines: Callable[..., Engine],
+) -> None:
+    """vLLM frees the chunks of the keys a failed load does not name as loaded: naming
+    none would throw away the ones that landed. A store cascade needs no transfer (the
+    blocks are served from vLLM's primary tier): it is done when submitted."""
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from p2pkv.integrations.vllm import JobResult as LoadResult
+
+    eng = engines(poll_s=0)  # no tier-poll thread: this test reads the results
+    landed, lost = make_keys(2, "partial")
+    res = eng.tier._load_result(LoadResult(7, False, [landed], {lost: "gone"}))
+    assert (res.job_id, res.success, res.successful_keys) == (7, False, [landed])
+    assert eng.tier._load_result(LoadResult(8, True, [landed, lost])).successful_keys is None
+    job = TransferJob(9, [landed], np.array([0], np.int32), False, ReqContext(req_id="s"))
+    with eng.mgr.lock:
+        eng.tier.submit_store(job)
+        done = list(eng.tier.get_finished_jobs())
+    assert [(r.job_id, r.success) for r in done] == [(9, True)]
+
+
+def test_shutdown_twice_is_harmless_and_leaves_no_engine_thread(
+    engines: Callable[..., Engine],
+) -> None:
+    eng = engines(poll_s=0)  # vLLM stops its tier-poll thread before the shutdown
+    name = f"p2pkv-engine-{eng.tier.peer_id}"
+    assert name in engine_threads()
+    eng.tier.shutdown()
+    eng.tier.shutdown()
+    assert name not in engine_threads()
