@@ -1360,3 +1360,26 @@ def test_at_max_peers_a_source_a_live_request_names_is_never_the_one_closed(
     tier.submit_load(LoadJob(1, "ra", keys["a"]))
     assert [(r.job_id, r.success) for r in finished_jobs(tier)] == [(1, True)]
     tier.shutdown()
+
+
+def test_a_slot_load_held_for_its_quarantine_at_shutdown_is_reported_once_it_is_over(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shutdown reports every job: one held back (its ticket raised, so nothing said its
+    writes settled) is reported, after shutdown has waited out a quarantine."""
+    tier, dst = hanging_slot_load(nodes)
+    real_poll, slept = dst.poll, list[float]()
+
+    def poll(ticket: int) -> object:
+        if ticket in tier._loads:  # the slot load's ticket: cut by its own deadline
+            raise P2PKVTimeout("fetch_into did not finish in time", op="fetch_into")
+        return real_poll(ticket)
+
+    monkeypatch.setattr(dst, "poll", poll)
+    clock = SimpleNamespace(sleep=slept.append, monotonic=time.monotonic)  # sleeps recorded
+    monkeypatch.setattr(vllm_module, "time", clock)
+    assert tier.get_finished_jobs() == []  # held
+    tier.shutdown(drain_timeout=0.0)
+    assert slept == [dst.config.quarantine]
+    done = tier.get_finished_jobs()
+    assert [(r.job_id, r.success) for r in done] == [(1, False)]
