@@ -1464,9 +1464,12 @@ def test_a_peers_lookup_never_raises_out_of_the_schedulers_step(
 def test_a_new_request_dials_its_source_before_its_first_lookup(
     engines: Callable[..., Engine],
 ) -> None:
-    src, dst = engines(), engines()
+    """The dial is the tier's pending work: without the tier-poll thread, an idle engine
+    steps for it (only a step reads it)."""
+    src, dst = engines(), engines(poll_s=0)
     with dst.mgr.lock:
         dst.mgr.on_new_request(request(src, "r-early"))
+        assert dst.tier.has_pending_work()
     until(lambda: dst.tier._node.is_connected(src.tier.peer_id), "the dial", dst.idle_step)
 
 
