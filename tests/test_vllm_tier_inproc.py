@@ -314,7 +314,10 @@ def test_vllm_builds_the_tier_from_its_config_alone(engines: Callable[..., Engin
         ({"quarantine_s": -1}, "quarantine_s"),
         ({"port": "http"}, "port"),
         ({"transport": "carrier-pigeon"}, "transport"),
-        ({"backpressure": {"max_pending": 4}}, "backpressure"),
+        (  # a configuration vLLM builds a detector from: the tier refuses it
+            {"backpressure": {"backpressure_cls": "EMABackpressureDetector"}},
+            "does not take a backpressure",
+        ),
         ({"tls_cert": 5, "tls_key": "k.pem", "tls_ca": "ca.pem"}, "tls_cert must be a path"),
     ],
 )
