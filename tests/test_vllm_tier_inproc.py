@@ -1491,6 +1491,17 @@ def test_a_partial_load_names_the_keys_that_landed_and_a_store_succeeds_at_once(
     res = eng.tier._load_result(LoadResult(7, False, [landed], {lost: "gone"}))
     assert (res.job_id, res.success, res.successful_keys) == (7, False, [landed])
     assert eng.tier._load_result(LoadResult(8, True, [landed, lost])).successful_keys is None
+    stats = eng.tier.get_stats()  # the counters of both loads, then reset
+    assert stats is not None
+    counters = {k: v[()] for k, v in stats._values.items()}
+    block = eng.tier.block_size_bytes
+    prefix = "vllm:kv_offload_p2pkv_"
+    assert counters == {
+        prefix + "loaded_blocks": 3,
+        prefix + "loaded_bytes": 3 * block,
+        prefix + "failed_blocks": 1,
+    }
+    assert eng.tier.get_stats() is None
     job = TransferJob(9, [landed], np.array([0], np.int32), False, ReqContext(req_id="s"))
     with eng.mgr.lock:
         eng.tier.submit_store(job)
