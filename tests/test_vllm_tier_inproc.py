@@ -395,12 +395,16 @@ def test_a_flag_or_a_cap_of_the_wrong_kind_is_refused_naming_the_key() -> None:
     assert (s.verify_checksums, s.max_peers, s.max_pinned_blocks) == (True, 1, 1)
 
 
-def test_a_secret_file_of_up_to_4_kib_is_read_and_a_larger_one_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("line_end", [b"", b"\n", b"\r\n"])
+def test_a_secret_file_of_up_to_4_kib_is_read_and_a_larger_one_refused(
+    tmp_path: Path, line_end: bytes
+) -> None:
+    """The limit is the secret's: a line end after 4 KiB of it is not counted."""
     path = tmp_path / "secret"
-    path.write_bytes(b"k" * 4096)
+    path.write_bytes(b"k" * 4096 + line_end)
     s = vllm_tier.TierSettings.from_kwargs({"port": 5710, "secret_file": str(path)})
     assert s.secret == b"k" * 4096
-    path.write_bytes(b"k" * 4097)
+    path.write_bytes(b"k" * 4097 + line_end)
     with pytest.raises(ValueError, match="over 4 KiB"):
         vllm_tier.TierSettings.from_kwargs({"port": 5710, "secret_file": str(path)})
 

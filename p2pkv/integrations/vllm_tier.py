@@ -289,12 +289,13 @@ def _read_secret(path: object) -> bytes:
         raise ValueError(f"p2pkv tier: secret_file must be a path, got {path!r}")
     try:
         with open(path, "rb") as f:
-            data = f.read(4097)
+            data = f.read(4099)  # 4 KiB and a line end
     except OSError as exc:
         raise ValueError(f"p2pkv tier: secret_file {path!r}: {exc.strerror or exc}") from None
+    # The line end an editor adds is not the secret's, nor counted against its 4 KiB.
+    data = data.removesuffix(b"\n").removesuffix(b"\r")
     if len(data) > 4096:
         raise ValueError(f"p2pkv tier: secret_file {path!r} is over 4 KiB")
-    data = data.removesuffix(b"\n").removesuffix(b"\r")
     if not data:
         raise ValueError(f"p2pkv tier: secret_file {path!r} is empty")
     return data
