@@ -1423,6 +1423,24 @@ def test_pong_waits_for_the_peers_ack() -> None:
     assert pair.deliver(a) == [PongReceived(nonce)]
 
 
+def test_a_peer_pinging_before_its_ack_gets_only_its_latest_pong_held() -> None:
+    """A peer that pings without acking gets nothing else back, so nothing but this rule
+    bounds what it makes us hold: one pong, the latest, sent once its ack is in."""
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    pair.exchange()
+    pair.register(a)
+    pair.deliver(a)
+    nonces = [b.send_ping() for _ in range(5)]
+    assert pair.deliver(b) == []
+    assert a.data_to_send() == b""
+    assert pair.register(b) == Ready()
+    assert pair.deliver(b) == [Ready()]
+    assert decode_frames(a.data_to_send()) == [Pong(nonce=nonces[-1])]
+
+
 @pytest.mark.parametrize("closer", ["a", "b"])
 def test_bye_closes_both_sides_and_releases_everything(closer: str) -> None:
     pair = ready_pair()
