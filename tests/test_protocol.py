@@ -1404,8 +1404,9 @@ def test_ping_is_answered_with_a_pong_automatically() -> None:
     assert pair.feed(pair.a, data) == [PongReceived(n1), PongReceived(n2)]
 
 
-def test_pong_waits_for_the_peers_ack() -> None:
-    # a registers fast, b slowly: b has a's ack and may ping, but a has not got b's ack yet.
+def half_acked() -> tuple[ConnectionPair, SessionProtocol, SessionProtocol]:
+    """a registered fast, b slowly: b has a's ack and may ping, but a has not got b's ack
+    yet. The pair and its two sides."""
     pair = ConnectionPair()
     a, b = pair.a, pair.b
     a.start()
@@ -1413,6 +1414,11 @@ def test_pong_waits_for_the_peers_ack() -> None:
     pair.exchange()
     pair.register(a)
     pair.deliver(a)
+    return pair, a, b
+
+
+def test_pong_waits_for_the_peers_ack() -> None:
+    pair, a, b = half_acked()
     nonce = b.send_ping()
     data = b.data_to_send()
     assert decode_frames(data) == [Ping(nonce=nonce)]  # b has a's ack: the ping may go
@@ -1426,13 +1432,7 @@ def test_pong_waits_for_the_peers_ack() -> None:
 def test_a_peer_pinging_before_its_ack_gets_only_its_latest_pong_held() -> None:
     """A peer that pings without acking gets nothing else back, so nothing but this rule
     bounds what it makes us hold: one pong, the latest, sent once its ack is in."""
-    pair = ConnectionPair()
-    a, b = pair.a, pair.b
-    a.start()
-    b.start()
-    pair.exchange()
-    pair.register(a)
-    pair.deliver(a)
+    pair, a, b = half_acked()
     nonces = [b.send_ping() for _ in range(5)]
     assert pair.deliver(b) == []
     assert a.data_to_send() == b""

@@ -896,6 +896,19 @@ def connected(tier: P2PTier, node: BlockingNode, req: RequestInfo) -> None:
     tier.step()
 
 
+def spied_and_connected(
+    nodes: Callable[..., BlockingNode], n: int
+) -> tuple[BlockingNode, SpyNode, list[bytes], P2PTier, RequestInfo]:
+    """A source holding ``n`` keys, and a tier on a spied node whose request r1 names it,
+    its source dialed."""
+    src, spy = nodes("src"), SpyNode(nodes("dst"))
+    keys = fill(src.store, n, BLOCK)
+    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    connected(tier, spy, req)
+    return src, spy, keys, tier, req
+
+
 def hits(tier: P2PTier, req: RequestInfo, keys: list[bytes]) -> None:
     """Step ``tier`` until every key of ``req`` is answered; they must all be hits."""
 
@@ -1010,11 +1023,7 @@ def test_a_load_of_keys_still_in_the_open_batch_takes_them_out_of_it(
 ) -> None:
     """The load looks up what it needs itself: its keys are not also sent as a lookup
     round (whose pins nobody would fetch)."""
-    src, spy = nodes("src"), SpyNode(nodes("dst"))
-    keys = fill(src.store, 3, BLOCK)
-    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
-    req = RequestInfo("r1", source_params(src))
-    connected(tier, spy, req)
+    _, spy, keys, tier, req = spied_and_connected(nodes, 3)
     assert [tier.lookup(k, req) for k in keys] == [None] * 3
     tier.submit_load(LoadJob(1, "r1", keys[:2]))
     assert spy.lookups == [keys[2:]]  # the rest of the batch went out, alone
@@ -1137,11 +1146,7 @@ def test_a_request_finished_with_its_batch_still_open_sends_no_lookup(
     nodes: Callable[..., BlockingNode],
 ) -> None:
     """Its open batch is dropped: no round pins blocks at the source for nobody."""
-    src, spy = nodes("src"), SpyNode(nodes("dst"))
-    keys = fill(src.store, 3, BLOCK)
-    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
-    req = RequestInfo("r1", source_params(src))
-    connected(tier, spy, req)
+    _, spy, keys, tier, req = spied_and_connected(nodes, 3)
     assert [tier.lookup(k, req) for k in keys] == [None] * 3
     tier.on_request_finished(req)
     tier.step()
@@ -1154,11 +1159,7 @@ def test_an_answer_that_comes_in_after_a_load_took_its_keys_does_not_answer_them
 ) -> None:
     """The load consumed the keys' probes while their batch was out: its answer, when it
     comes, is not kept for them (the fetch may have made the source evict them)."""
-    src, spy = nodes("src"), SpyNode(nodes("dst"))
-    keys = fill(src.store, 2, BLOCK)
-    tier = P2PTier(spy, lookup_timeout=BOUND, load_timeout=BOUND)
-    req = RequestInfo("r1", source_params(src))
-    connected(tier, spy, req)
+    src, spy, keys, tier, req = spied_and_connected(nodes, 2)
     assert [tier.lookup(k, req) for k in keys] == [None, None]
     release = wedge(src)  # the source cannot answer until released
     try:
