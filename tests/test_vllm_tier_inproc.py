@@ -901,6 +901,7 @@ def test_reset_cache_while_a_peers_lookup_is_half_answered_reports_its_pins(
         until(src.tier._pins.any_waiting, "the peer's lookup to reach the tier")
         src.idle_step()  # the HITs are pinned, the promoted key is pending
         assert len(src.tier._serving) == 1 and src.tier._serving[0].jobs
+        assert src.tier.has_pending_work()  # a lookup half served keeps the engine stepping
         with src.mgr.lock:
             src.mgr.reset_cache()  # asserts that drain_jobs left no job behind
         assert src.jobs() == 0
