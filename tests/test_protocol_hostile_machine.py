@@ -118,8 +118,7 @@ class Refused(Exception):
 class HostilePeerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.sessions = 0
-        self.broken = False
+        self.broken = False  # a check failed: the invariant must not mask it with its own
         self.new_session()
 
     def new_session(self) -> None:
@@ -147,7 +146,6 @@ class HostilePeerMachine(RuleBasedStateMachine):
         self.last_lie: Message | None = None  # the peer's last message, for a replay
         self.now = 0.0
         self.closed = False
-        self.sessions += 1
         assert self.sent() == []
 
     # --- plumbing ---------------------------------------------------------------------
