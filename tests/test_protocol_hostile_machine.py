@@ -511,24 +511,13 @@ class HostilePeerMachine(RuleBasedStateMachine):
         if isinstance(msg, Pong):
             return [PongReceived(msg.nonce)]
         if isinstance(msg, LookupResp):
-            m = self.out.get(msg.req_id)
-            if m is None or OutState.LOOKUP_SENT not in (m.state, m.aborted_from):
-                raise Refused()
-            if len(msg.hits) != m.nkeys:
-                raise Refused()
-            if m.state is OutState.ABORT_SENT:
-                m.aborted_from = OutState.OPEN  # crossed our abort: swallowed, once
+            m = self.reply_to(msg.req_id, OutState.LOOKUP_SENT, len(msg.hits))
+            if m is None:
                 return []
             m.state, m.nhits = OutState.OPEN, sum(msg.hits)
             return [LookupAnswered(msg.req_id, msg.hits)]
         if isinstance(msg, TransferDone):
-            m = self.out.get(msg.req_id)
-            if m is None or OutState.FETCH_SENT not in (m.state, m.aborted_from):
-                raise Refused()
-            if len(msg.outcomes) != m.nfetch:
-                raise Refused()
-            if m.state is OutState.ABORT_SENT:
-                m.aborted_from = OutState.OPEN
+            if self.reply_to(msg.req_id, OutState.FETCH_SENT, len(msg.outcomes)) is None:
                 return []
             del self.out[msg.req_id]
             return [TransferCompleted(msg.req_id, msg.outcomes, msg.checksums)]
@@ -561,6 +550,21 @@ class HostilePeerMachine(RuleBasedStateMachine):
             return []
         r.state = InState.ABORTING
         return [AbortRequested(msg.req_id)]
+
+    def reply_to(self, req: int, awaited: OutState, entries: int) -> Out | None:
+        """The victim's request that a lookup_resp (``awaited`` LOOKUP_SENT) or a
+        transfer_done (FETCH_SENT) of ``entries`` hits or outcomes answers; None if our
+        abort crossed it (swallowed, once: a second is refused). :class:`Refused` if no
+        request awaits it, or the count differs from its keys or fetch."""
+        m = self.out.get(req)
+        if m is None or awaited not in (m.state, m.aborted_from):
+            raise Refused()
+        if entries != (m.nkeys if awaited is OutState.LOOKUP_SENT else m.nfetch):
+            raise Refused()
+        if m.state is OutState.ABORT_SENT:
+            m.aborted_from = OutState.OPEN
+            return None
+        return m
 
     def judge_fetch(self, msg: Fetch | FetchHits) -> list[Event]:
         req, slots = msg.req_id, msg.slots
