@@ -20,8 +20,9 @@ import socket
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -37,6 +38,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
         LookupResult,
         OffloadKey,
         ReqContext,
+        RequestOffloadingContext,
         ScheduleEndContext,
         make_offload_key,
     )
@@ -49,6 +51,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
     from vllm.v1.kv_offload.tiering import manager as vllm_manager
+    from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from p2pkv import BlockingNode, FetchResult, LookupRound, start_node
@@ -1487,8 +1490,6 @@ def test_a_partial_load_names_the_keys_that_landed_and_a_store_succeeds_at_once(
     """vLLM frees the chunks of the keys a failed load does not name as loaded: naming
     none would throw away the ones that landed. A store cascade needs no transfer (the
     blocks are served from vLLM's primary tier): it is done when submitted."""
-    from vllm.v1.kv_offload.tiering.base import TransferJob
-
     from p2pkv.integrations.vllm import JobResult as LoadResult
 
     eng = engines(poll_s=0)  # no tier-poll thread: this test reads the results
@@ -1523,3 +1524,85 @@ def test_shutdown_twice_is_harmless_and_leaves_no_engine_thread(
     eng.tier.shutdown()
     eng.tier.shutdown()
     assert name not in engine_threads()
+
+
+# --- peers' lookups kept over calls, and their contexts after a drain (a mutation review) --
+# Each test failed on a mutant of vllm_tier.py that every other test survived.
+
+
+class PendingParent(ParentManager):
+    """FAKE vLLM (fault injection) in front of the engine's own parent for the tier: every
+    key in ``pending`` is one vLLM is still bringing in (RETRY, for good; vLLM is not
+    asked). It records the contexts finished through it, fails the test on one finished
+    twice, and raises on those in ``fail`` once vLLM has finished them."""
+
+    def __init__(self, eng: Engine, pending: Collection[bytes]) -> None:
+        self.real: ParentManager = eng.mgr._tier_parents[eng.tier]
+        self.pending = set(pending)
+        self.asked: list[bytes] = []
+        self.finished: list[str] = []
+        self.fail: set[str] = set()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return self.real.on_new_request(req_context)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self.asked.append(key)
+        if key in self.pending:
+            return LookupResult.RETRY
+        return self.real.lookup(key, req_context)
+
+    def create_store_job(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> TransferJob:
+        return self.real.create_store_job(keys, req_context)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        assert req_context.req_id not in self.finished, f"{req_context.req_id} finished twice"
+        self.finished.append(str(req_context.req_id))
+        self.real.on_request_finished(req_context)
+        if req_context.req_id in self.fail:
+            raise RuntimeError("vLLM failed finishing a request")
+
+
+def test_a_peers_lookup_still_pending_is_answered_50_ms_before_its_deadline(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer's lookup with a key vLLM is still bringing in is kept for the next call
+    while more than 50 ms remain before the engine stops waiting for the answer; within
+    50 ms of that, it is answered (the key a miss), so that the answer reaches the engine
+    in time: one too late gives the peer all misses, its hits included. The tier's clock
+    is a FAKE, set relative to the request's deadline (no timing here)."""
+    src = engines(poll_s=0, serve_timeout_s=BOUND)  # the engine waits out every call here
+    keys = make_keys(3, "margin")
+    src.fill(keys[:2])
+    parent = PendingParent(src, pending=keys[2:])
+    gate = Gate()  # the serve share (on the real clock) has no say here
+    gate.open = True
+    monkeypatch.setattr(src.tier, "_serve_share", gate)
+    peer = peer_of(src, "margin-peer")
+    try:
+        remote = peer.connect(src.tier.address, timeout=BOUND)
+        ticket = peer.submit_lookup_round(remote, keys, timeout=BOUND)
+        until(src.tier._pins.any_waiting, "the peer's lookup to reach the tier")
+        deadline = src.tier._pins._inbox[0].deadline
+
+        def serve_at(before_deadline: float) -> None:
+            clock = SimpleNamespace(monotonic=lambda: deadline - before_deadline)
+            with src.mgr.lock, monkeypatch.context() as m:
+                m.setattr(vllm_tier, "time", clock)
+                src.tier.serve_external_requests(parent)
+
+        serve_at(0.06)  # the hits are pinned; the last key is pending, asked again later
+        assert [s.pending for s in src.tier._serving] == [[2]]
+        serve_at(0.04)
+        assert src.tier._serving == []
+        assert parent.asked.count(keys[2]) == 2
+        until(lambda: peer.pending() == 0, "the peer's answer")
+        rnd = peer.poll(ticket)
+        assert isinstance(rnd, LookupRound) and rnd.hits == [True, True, False]
+        peer.release(remote, rnd, timeout=BOUND)
+        settle(src)
+        assert pinned_chunks(src) == 0
+    finally:
+        peer.close()
