@@ -1606,3 +1606,75 @@ def test_a_peers_lookup_still_pending_is_answered_50_ms_before_its_deadline(
         assert pinned_chunks(src) == 0
     finally:
         peer.close()
+
+
+def cut_lookups(src: Engine, n: int) -> tuple[PendingParent, list[str], list[BlockingNode]]:
+    """``n`` peers' lookups of a key each, being served by ``src`` (an engine without the
+    tier-poll thread) from calls through a :class:`PendingParent` for which every key is
+    pending; returns it, the served requests' ids in their order, and the peers."""
+    keys = make_keys(n, "cut")
+    parent = PendingParent(src, pending=keys)
+    peers: list[BlockingNode] = []
+    for i, key in enumerate(keys):
+        peers.append(peer := peer_of(src, f"cut-peer-{i}"))
+        peer.submit_lookup(peer.connect(src.tier.address, timeout=BOUND), [key])
+    until(lambda: len(src.tier._pins._inbox) == n, "every lookup to reach the tier")
+    with src.mgr.lock:
+        src.tier.serve_external_requests(parent)
+    served = [str(s.ctx.req_id) for s in src.tier._serving]
+    assert len(served) == n and parent.finished == []
+    return parent, served, peers
+
+
+def test_requests_a_drain_cut_are_finished_once_each_in_order_at_the_next_calls(
+    engines: Callable[..., Engine],
+) -> None:
+    """drain_jobs (vLLM's reset_cache) answers the peers' lookups being served all misses
+    without vLLM's parent at hand: their requests are finished at the next
+    serve_external_requests call, each once and in the order served, and until then the
+    tier has pending work (without the tier-poll thread only a step makes that call, and
+    an idle engine steps only for pending work). vLLM raising on one of them: that one
+    is not finished again, those after it are at the next call."""
+    src = engines(poll_s=0, serve_timeout_s=BOUND)  # the engine waits out every call here
+    parent, served, peers = cut_lookups(src, 3)
+    try:
+        parent.fail = {served[1]}
+        with src.mgr.lock:
+            src.mgr.reset_cache()  # drain_jobs, then vLLM's own reset
+        until(lambda: all(p.pending() == 0 for p in peers), "the peers' answers")
+        assert parent.finished == []
+        assert src.tier.has_pending_work()
+        with src.mgr.lock, pytest.raises(RuntimeError, match="vLLM failed finishing"):
+            src.tier.serve_external_requests(parent)
+        assert parent.finished == served[:2]
+        assert src.tier.has_pending_work()  # the third is still to be finished
+        with src.mgr.lock:
+            src.tier.serve_external_requests(parent)
+        assert parent.finished == served
+        assert not src.tier.has_pending_work()
+        with src.mgr.lock:
+            src.tier.serve_external_requests(parent)
+        assert parent.finished == served
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_after_shutdown_no_request_a_drain_cut_is_finished_through_vllm(
+    engines: Callable[..., Engine],
+) -> None:
+    """shutdown drops the requests drain_jobs left to finish: a serve_external_requests
+    call after it (as a tier-poll round that outlived it would make) finishes none of
+    them in vLLM's manager, which is being torn down."""
+    src = engines(poll_s=0, serve_timeout_s=BOUND)
+    parent, _served, peers = cut_lookups(src, 2)
+    try:
+        with src.mgr.lock:
+            src.tier.drain_jobs()
+        src.tier.shutdown()
+        with src.mgr.lock:
+            src.tier.serve_external_requests(parent)
+        assert parent.finished == []
+    finally:
+        for peer in peers:
+            peer.close()
