@@ -1534,7 +1534,8 @@ class PendingParent(ParentManager):
     """FAKE vLLM (fault injection) in front of the engine's own parent for the tier: every
     key in ``pending`` is one vLLM is still bringing in (RETRY, for good; vLLM is not
     asked). It records the contexts finished through it, fails the test on one finished
-    twice, and raises on those in ``fail`` once vLLM has finished them."""
+    twice, and raises on those in ``fail`` once vLLM has finished them, and on the
+    ``refuse``-th calls of on_new_request instead of passing them on."""
 
     def __init__(self, eng: Engine, pending: Collection[bytes]) -> None:
         self.real: ParentManager = eng.mgr._tier_parents[eng.tier]
@@ -1542,8 +1543,13 @@ class PendingParent(ParentManager):
         self.asked: list[bytes] = []
         self.finished: list[str] = []
         self.fail: set[str] = set()
+        self.refuse: set[int] = set()  # on_new_request raises on these calls (0 = first)
+        self.new = 0
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.new += 1
+        if self.new - 1 in self.refuse:
+            raise RuntimeError("vLLM refused a new request")
         return self.real.on_new_request(req_context)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -1675,6 +1681,55 @@ def test_after_shutdown_no_request_a_drain_cut_is_finished_through_vllm(
         with src.mgr.lock:
             src.tier.serve_external_requests(parent)
         assert parent.finished == []
+    finally:
+        for peer in peers:
+            peer.close()
+
+
+def test_vllm_refusing_a_peers_request_costs_only_that_request(
+    engines: Callable[..., Engine],
+) -> None:
+    """vLLM raising in on_new_request for one peer's lookup: that lookup is answered all
+    misses at once, and the ones queued behind it are served at the next call (they used
+    to be taken with it and answered by nobody until the engine's serve deadline)."""
+    src = engines(poll_s=0, serve_timeout_s=BOUND)  # only the tier's answers end a wait
+    keys = make_keys(3, "refused")
+    src.fill(keys)
+    parent = PendingParent(src, pending=())
+    parent.refuse = {1}
+    peers: list[BlockingNode] = []
+    remotes, tickets = [], []
+    try:
+        for i, key in enumerate(keys):
+            peers.append(peer := peer_of(src, f"refused-peer-{i}"))
+            remotes.append(remote := peer.connect(src.tier.address, timeout=BOUND))
+            tickets.append(peer.submit_lookup_round(remote, [key], timeout=BOUND))
+
+            def queued(n: int = i + 1) -> bool:
+                return len(src.tier._pins._inbox) == n
+
+            until(queued, "the lookup to reach the tier")
+        with src.mgr.lock, pytest.raises(RuntimeError, match="vLLM refused"):
+            src.tier.serve_external_requests(parent)
+        assert src.tier._pins.any_waiting()  # the third waits for the next call
+        assert [str(s.ctx.req_id) for s in src.tier._serving] == ["p2pkv:serve:0"]
+        until(lambda: peers[1].pending() == 0, "the refused lookup's answer")
+        refused = peers[1].poll(tickets[1])
+        assert isinstance(refused, LookupRound) and refused.hits == [False]
+        with src.mgr.lock:
+            src.tier.serve_external_requests(parent)
+        assert not src.tier._pins.any_waiting() and src.tier._serving == []
+        for peer, remote, ticket in [*zip(peers, remotes, tickets, strict=True)][::2]:
+
+            def answered(p: BlockingNode = peer) -> bool:
+                return p.pending() == 0
+
+            until(answered, "a served lookup's answer")
+            rnd = peer.poll(ticket)
+            assert isinstance(rnd, LookupRound) and rnd.hits == [True]
+            peer.release(remote, rnd, timeout=BOUND)
+        settle(src)
+        assert pinned_chunks(src) == 0
     finally:
         for peer in peers:
             peer.close()

@@ -562,10 +562,21 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             return  # the idle path: vLLM's tier-poll thread calls this every millisecond
         while self._unfinished_ctx:  # one at a time: vLLM may raise midway
             parent.on_request_finished(self._unfinished_ctx.pop(0))
-        for req in self._pins.take(limit=64):
+        for _ in range(64):
+            # One at a time: if vLLM raises on a request, it is answered all misses now
+            # and those behind it stay queued for the next call (taken together, they
+            # were answered by nobody until the engine's serve deadline).
+            taken = self._pins.take(limit=1)
+            if not taken:
+                break
+            req = taken[0]
             ctx = ReqContext(req_id=f"p2pkv:serve:{next(self._ctx_names)}")
-            parent.on_new_request(ctx)
             n = len(req.keys)
+            try:
+                parent.on_new_request(ctx)
+            except BaseException:
+                self._pins.answer(req, [None] * n, None)
+                raise
             self._serving.append(_Serve(req, ctx, [None] * n, list(range(n))))
         now = time.monotonic()
         budget = self.SERVE_KEYS_PER_CALL if self._serve_share.may_work(now) else 0
