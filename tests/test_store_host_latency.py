@@ -296,6 +296,136 @@ def test_a_reserve_interrupted_between_batches_gives_back_its_slots_and_its_clai
     assert sorted(store.keys()) == [key(i) for i in range(4, 12)]
 
 
+def small_calls(store: BlockStore) -> dict[str, Callable[[], object]]:
+    """One engine-side call of each kind that takes the scalar path (a few keys or slots),
+    on a store that holds keys 0..3, owner "o"'s pin on key 0 and its reservation of 6
+    slots: each call's arguments are valid for it, so each reaches its lock section."""
+    slots = store._reserved_by("o")
+    return {
+        "pin": lambda: store.pin("o", [key(1), key(2)]),
+        "unpin": lambda: store.unpin("o"),
+        "unpin_keys": lambda: store.unpin_keys("o", [0]),
+        "present": lambda: store.present([key(1), key(9)]),
+        "reserve": lambda: store.reserve("r", 2),
+        "commit": lambda: store.commit("o", slots[0], b"new"),
+        "commit_many": lambda: store.commit_many("o", slots[:2], [b"n1", b"n2"]),
+        "release_reserved": lambda: store.release_reserved("o", slots[:2]),
+        "quarantine": lambda: store.quarantine("o", slots[:2], until=1.0),
+    }
+
+
+def small_call_store() -> BlockStore:
+    store = BlockStore(12, L)
+    for i in range(4):
+        store.put(key(i), bytes([i]) * L)
+    store.pin("o", [key(0)])
+    store.reserve("o", 6)
+    return store
+
+
+def unlocked_state(store: BlockStore) -> object:
+    """What the calls of ``small_calls`` change, read without the store's locks."""
+    return (
+        store._state.tobytes(),
+        store._pin_count.tobytes(),
+        store._owner.tobytes(),
+        list(store._map.items()),
+        {owner: pins.total for owner, pins in store._pins.items()},
+        list(store._quarantine.items()),
+        store._n_free,
+    )
+
+
+class TurnWatch:
+    """Stands in for ``store._turn``: tells when a thread other than ``host`` asks for it
+    (``asked``) before it blocks on the real lock."""
+
+    def __init__(self, real: Any, host: int) -> None:
+        self.real = real
+        self.host = host
+        self.asked = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if threading.get_ident() != self.host:
+            self.asked.set()
+        return bool(self.real.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.real.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@pytest.mark.parametrize("how", list(small_calls(BlockStore(1, L))))
+def test_a_scalar_path_call_lets_a_waiting_host_call_in_before_its_lock_section(
+    how: str,
+) -> None:
+    """A host call holds ``_turn`` while it waits for ``_lock``; an engine call of a few
+    keys (one lock section, the scalar path) must wait for it before it takes ``_lock``,
+    as an array-path batch does: without the hand-over the engine thread, holding the GIL,
+    takes the unfair lock again before the woken host runs. Here this thread plays the
+    waiting host: it holds ``_turn`` until the engine's call has asked for it, and the
+    call must have done nothing by then."""
+    store = small_call_store()
+    call = small_calls(store)[how]
+    before = unlocked_state(store)
+    watch = TurnWatch(store._turn, threading.get_ident())
+    store._turn = watch  # type: ignore[assignment]
+    errors: list[BaseException] = []
+
+    def engine() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=engine, name="engine")
+    with watch:  # the waiting host call
+        thread.start()
+        asked = watch.asked.wait(WAIT)
+        unchanged = unlocked_state(store) == before
+    thread.join(timeout=WAIT)
+    assert not thread.is_alive() and not errors, errors
+    assert asked, f"{how} of a few keys never let the waiting host call in"
+    assert unchanged, f"{how} changed the store before the waiting host call got in"
+    store._check_invariants()
+
+
+@pytest.mark.parametrize("how", list(small_calls(BlockStore(1, L))))
+def test_a_scalar_path_call_interrupted_waiting_for_the_lock_holds_no_lock(how: str) -> None:
+    """An interrupt (``KeyboardInterrupt`` in the main thread) that lands while an engine
+    call of a few keys waits for ``_lock`` leaves no lock held and changes nothing: the
+    next engine call runs, where a ``_serial`` left held would block every later one."""
+    store = small_call_store()
+    call = small_calls(store)[how]
+    before = repr(observe(store))
+    real = store._lock
+
+    class InterruptedLock:
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            store._lock = real  # once
+            raise Interrupted
+
+        def __enter__(self) -> bool:
+            return self.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            raise AssertionError("never entered")
+
+    store._lock = InterruptedLock()  # type: ignore[assignment]
+    with pytest.raises(Interrupted):
+        call()
+    assert not store._serial.locked(), f"{how} left _serial held"
+    assert not store._turn.locked() and not real.locked()
+    assert repr(observe(store)) == before
+    call()  # runs: nothing is left held
+    store._check_invariants()
+
+
 @pytest.mark.parametrize("how", ["release_reserved", "quarantine", "release_owner"])
 def test_settling_a_big_reservation_lets_the_host_in_after_at_most_one_batch(how: str) -> None:
     store = BlockStore(N + 8, L)
