@@ -1196,3 +1196,24 @@ def test_contains_agrees_with_get_for_a_bytes_like_key() -> None:
     assert store.present([key]) == [True]  # type: ignore[list-item]
     assert store.get(key) is not None  # type: ignore[arg-type]
     assert (key in store) == (store.get(key) is not None)  # type: ignore[arg-type]
+
+
+# ------------------- found by a mutation review (2026-12-05); each fails on a store mutant
+
+
+@pytest.mark.parametrize("number", [1.0, True, np.int64(1)])
+@pytest.mark.parametrize("small", [SMALL_KEYS, 0])  # scalar path; array path
+def test_unpin_keys_takes_a_number_equal_to_a_pinned_slot_as_that_slot(
+    small: int, number: object
+) -> None:
+    """``unpin_keys`` finds the owner's pins as a dict does, so 1.0, True or np.int64(1)
+    name slot 1 on both paths: the scalar path converts the entry with ``int`` before it
+    indexes its arrays (a memoryview refuses a float index)."""
+    store = filled(3)
+    store._small_keys = small
+    store.pin("o", [b"k1", b"k1"])
+    assert store.unpin_keys("o", [number]) == 1  # type: ignore[list-item]
+    assert store.pins_of("o") == 1 and store.statistics().pinned == 1
+    assert store.unpin_keys("o", [number]) == 1  # type: ignore[list-item]
+    assert store.pins_of("o") == 0 and store.evict(b"k1") is True
+    store._check_invariants()
