@@ -1217,3 +1217,25 @@ def test_unpin_keys_takes_a_number_equal_to_a_pinned_slot_as_that_slot(
     assert store.unpin_keys("o", [number]) == 1  # type: ignore[list-item]
     assert store.pins_of("o") == 0 and store.evict(b"k1") is True
     store._check_invariants()
+
+
+@pytest.mark.parametrize("how", ["release_reserved", "quarantine"])
+def test_a_bulk_settle_whose_later_batch_only_repeats_settled_slots_ends_cleanly(
+    how: str,
+) -> None:
+    """Four slots in batches of two (the array path): the first batch settles both of the
+    owner's reservations and ends its record; the second, the same two again, must stop
+    there (repeats are harmless), not settle nothing for an owner it already forgot."""
+    store = BlockStore(8, L, batch_keys=2)
+    slots = store.reserve("a", 2)
+    if how == "release_reserved":
+        store.release_reserved("a", [*slots, *slots])
+    else:
+        store.quarantine("a", [*slots, *slots], until=1.0)
+        assert store.statistics().quarantined == 2
+        assert store.release_quarantined(1.0) == 2
+    stats = store.statistics()
+    assert (stats.free, stats.reserved, stats.quarantined) == (8, 0, 0)
+    assert store._reserved_by("a") == []
+    store._check_invariants()
+    assert sorted(store.reserve("b", 8)) == list(range(8))
