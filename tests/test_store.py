@@ -1239,3 +1239,34 @@ def test_a_bulk_settle_whose_later_batch_only_repeats_settled_slots_ends_cleanly
     assert store._reserved_by("a") == []
     store._check_invariants()
     assert sorted(store.reserve("b", 8)) == list(range(8))
+
+
+def test_the_compacted_deadline_heap_still_gives_the_earliest_deadline_first() -> None:
+    """Unquarantining 100 slots leaves 2 live deadlines among 102 and rebuilds the heap
+    from the quarantine, whose order (9.0 then 5.0) is no heap order: the rebuilt heap
+    must still put 5.0 first, for ``next_quarantine_deadline`` and ``release_quarantined``."""
+    store = BlockStore(128, L)
+    store.quarantine("a", store.reserve("a", 1), until=9.0)
+    store.quarantine("b", store.reserve("b", 1), until=5.0)
+    confirmed = store.reserve("c", 100)
+    store.quarantine("c", confirmed, until=1.0)
+    store.unquarantine(confirmed)
+    assert len(store._deadlines) == 2  # rebuilt: the 100 stale entries are gone
+    assert store.next_quarantine_deadline() == 5.0
+    assert store.release_quarantined(5.0) == 1
+    assert store.next_quarantine_deadline() == 9.0
+    assert store.release_quarantined(9.0) == 1
+    store._check_invariants()
+
+
+def test_quarantines_confirmed_one_by_one_leave_a_bounded_deadline_heap() -> None:
+    """Each quarantine that ``unquarantine`` ends early leaves its deadline in the heap;
+    the heap is rebuilt once stale entries outnumber the live ones (plus 64), so 1,000
+    such quarantines of one slot leave at most 65 entries, not 1,000."""
+    store = BlockStore(1, L)
+    for i in range(1_000):
+        slots = store.reserve("a", 1)
+        store.quarantine("a", slots, until=float(i))
+        store.unquarantine(slots)
+    assert len(store._deadlines) <= 65
+    assert store.next_quarantine_deadline() is None and store.statistics().free == 1
