@@ -136,3 +136,25 @@ def test_the_log_never_grows_when_takes_empty_the_front_during_a_compaction(
         assert len(lru.slots) == size
     assert takes >= 10, "the test never took from an empty front during a compaction"
     assert sorted(lru.live().tolist()) == list(range(n))
+
+
+@pytest.mark.parametrize("push", ["push", "push_few", "push_one"])
+def test_each_kind_of_push_starts_the_compactions_on_its_own(push: str) -> None:
+    """A store whose calls are all small pushes only through ``push_few`` (scalar-path
+    unpins and commits) or ``push_one`` (host puts): each push must start a compaction
+    once the tail passes three quarters of the log, or the log grows without bound."""
+    n, room = 64, 4
+    lru = _Lru(n, room)
+    size = len(lru.slots)
+    for i in range(20 * size):
+        slot = i % n
+        if lru.pos_of[slot] >= 0:
+            lru.drop(slot)
+        if push == "push":
+            lru.push(np.array([slot], dtype=np.int64))
+        elif push == "push_few":
+            lru.push_few([slot])
+        else:
+            lru.push_one(slot)
+        assert len(lru.slots) == size, f"the log grew after {i + 1} pushes"
+    assert lru.live().tolist() == [(20 * size - n + j) % n for j in range(n)]
