@@ -314,9 +314,12 @@ class BlockingNode:
             self._engine.close(self._timeout("close", timeout))
         finally:
             # Normally sealed already (by main or on_finished); this covers a wedged engine.
+            # Not when the close never began (it could not take the engine's lock): the
+            # engine runs on, and so does the work of every ticket in flight.
             # Bounded: a signal handler's close() may have interrupted this thread inside
             # a board call, holding its lock (the engine seals it once that call is over).
-            self._board.fail_all(_not_finished, within=_SEAL_WAIT)
+            if self._engine.closing:
+                self._board.fail_all(_not_finished, within=_SEAL_WAIT)
 
     def __del__(self) -> None:
         # Like an unclosed socket or event loop: a node nobody can close any more warns

@@ -222,6 +222,12 @@ class EngineThread(Generic[V]):
         """Why the engine died, if it did (``None`` after a clean stop)."""
         return self._failure
 
+    @property
+    def closing(self) -> bool:
+        """``close()`` has begun (or the engine is a forked child's, which never runs):
+        False after a close that could not take the lock, which asked nothing."""
+        return self._closing
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine and join its thread. Idempotent.
 

@@ -414,6 +414,37 @@ def test_a_close_refused_on_the_engine_thread_leaves_the_node_working(
     assert wait_ticket(a, a.submit_lookup(peer, keys)) == [True, True]
 
 
+def test_a_close_that_cannot_take_the_engines_lock_leaves_the_node_and_its_tickets_alone(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """close() gives up with P2PKVTimeout when it cannot take the engine's lock (a SIGTERM
+    handler that interrupted a blocking call on its own thread, which holds it). It has
+    asked nothing of the engine then, yet it sealed the ticket board: a ticket in flight
+    said PortalClosed ("the operation did not finish") while its operation ran on to its
+    end (a fetch_into's writes landing after the quarantine its owner was told to keep),
+    and every later submit was born PortalClosed while the node ran and blocking calls
+    worked. The board is left as it was, as after a close refused on the engine thread."""
+    a, b = nodes("a"), nodes("b")
+    keys = fill(b.store, 2, BLOCK)
+    peer = a.connect(b.address, timeout=BOUND)
+    with socket.socket() as mute:  # accepts TCP, never says a word: the dial stays open
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        in_flight = a.submit_connect(mute.getsockname(), timeout=BOUND)
+        # The lock is held by the call the handler interrupted.
+        with a._engine._lock, pytest.raises(P2PKVTimeout, match="signal handler"):
+            a.close(timeout=SHORT)
+        assert a.alive
+        assert a.poll(in_flight) is None  # its connect still runs: not "closed"
+        assert wait_ticket(a, a.submit_lookup(peer, keys)) == [True, True]
+    # The silent peer is gone: the ticket ends with its operation's own outcome.
+    assert isinstance(wait_ticket(a, in_flight), PeerUnavailable)
+    a.close(timeout=BOUND)
+    assert not a.alive
+    with pytest.raises(PortalClosed):
+        a.poll(a.submit_lookup(peer, keys))
+
+
 def test_engine_death_fails_calls_and_tickets_with_portal_closed_and_the_cause(
     nodes: Callable[..., BlockingNode],
 ) -> None:
