@@ -644,6 +644,8 @@ _exit_hook_registered = False
 
 
 def _orphan_all_in_child() -> None:
+    global _exit_hook_lock
+    _exit_hook_lock = threading.Lock()  # a parent thread starting an engine may have held it
     for engine in list(_live):
         engine._orphaned_by_fork()
 

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -523,6 +524,30 @@ def test_ticket_board_in_a_forked_child_finishes_its_tickets_whoever_held_the_lo
     with pytest.raises(PortalClosed, match="forked"):
         board.poll(ticket)
     assert board.pending() == 0
+
+
+def test_a_forked_child_starts_an_engine_whoever_held_the_exit_registry_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every engine's start registers it for the interpreter's exit under one module lock.
+    A fork copies it held if another thread of the parent was starting an engine then, and
+    no thread of the child ever lets it go: the child's own ``start_node`` hung for ever,
+    before its ``start_timeout`` was even counted. The child's fork hook takes a new lock,
+    as it does for the ticket board's and the engine's. The fork is played by holding the
+    lock and running the hook here (see the board's test above)."""
+    copied = threading.Lock()
+    monkeypatch.setattr(portal, "_exit_hook_lock", copied)
+    monkeypatch.setattr(portal, "_live", weakref.WeakSet())  # orphans none of ours
+    assert copied.acquire()  # as a parent thread inside _register_for_exit left it
+    portal._orphan_all_in_child()  # what os.register_at_fork runs in the child
+    child, out = in_thread(lambda: start().close(timeout=BOUND))
+    try:
+        child.join(timeout=BOUND)
+        assert not child.is_alive(), "the child's start waited for a lock none of its threads holds"
+    finally:
+        copied.release()  # lets a stuck start go, so that no thread is left behind
+        child.join()
+    assert out.get_nowait() is None
 
 
 def test_tickets_of_two_boards_never_collide() -> None:
