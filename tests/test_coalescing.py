@@ -7,6 +7,7 @@ the slots named. The NIXL side lives in ``test_nixl_transport.py``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from p2pkv.errors import RegistrationFailed, TransportError
+from p2pkv.transport import local
 from p2pkv.transport._runs import contiguous_runs, run_order, split_runs
 from p2pkv.transport.base import RegionLayout, TransferState
 from p2pkv.transport.local import LocalTransport
@@ -342,3 +344,34 @@ def test_a_run_longer_than_the_piece_length_ends_in_a_short_piece() -> None:
     assert starts_l.tolist() == [10, 12, 14]
     assert starts_r.tolist() == [30, 32, 34]
     assert lengths.tolist() == [2, 2, 1]
+
+
+def test_a_forked_child_makes_a_transport_whoever_held_the_region_directorys_lock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every in-process transport's start and close take one module lock. A fork copies
+    it held if another thread of the parent was inside one then, and no thread of the
+    child ever lets it go: the child's first node hung for ever making its transport. The
+    child's fork hook takes a new lock and forgets the parent's regions. The fork is
+    played by holding the lock and running the hook here."""
+    copied = threading.Lock()
+    monkeypatch.setattr(local, "_directory_lock", copied)
+    parents = {"parent": local._Entry(b"t" * 8, np.zeros(BLOCK, dtype=np.uint8))}
+    monkeypatch.setattr(local, "_directory", parents)
+    assert copied.acquire()  # as a parent thread inside a transport's start left it
+    local._forget_parent_regions_in_child()  # what os.register_at_fork runs in the child
+    assert parents == {}
+    made = threading.Event()
+
+    def child() -> None:
+        region = np.zeros(4 * BLOCK, dtype=np.uint8)
+        LocalTransport(agent_name="child", region=region, layout=RegionLayout(0, 4, BLOCK)).close()
+        made.set()
+
+    thread = threading.Thread(target=child, daemon=True)
+    thread.start()
+    try:
+        assert made.wait(10.0), "the child's transport waited for a lock none of its threads holds"
+    finally:
+        copied.release()  # lets a stuck start go, so that no thread is left behind
+        thread.join()

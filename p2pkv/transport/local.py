@@ -230,3 +230,15 @@ class LocalTransport(DataTransport):
     def _check_open(self) -> None:
         if self._closed:
             raise TransportError("transport is closed", peer=self._name)
+
+
+def _forget_parent_regions_in_child() -> None:
+    """A forked child: the parent's regions are not this process's (their metadata names
+    the parent's pid, and the threads of their nodes did not come along), and a parent
+    thread inside a directory call at the fork left the copied lock held for good."""
+    global _directory_lock
+    _directory_lock = threading.Lock()
+    _directory.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parent_regions_in_child)
