@@ -7,7 +7,7 @@ the slots named. The NIXL side lives in ``test_nixl_transport.py``.
 
 from __future__ import annotations
 
-import threading
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +22,7 @@ from p2pkv.transport._runs import contiguous_runs, run_order, split_runs
 from p2pkv.transport.base import RegionLayout, TransferState
 from p2pkv.transport.local import LocalTransport
 
-from .helpers import BAD_SLOTS
+from .helpers import BAD_SLOTS, held_by_a_thread, in_fork
 
 Slots = np.ndarray[Any, np.dtype[np.int64]]
 
@@ -346,32 +346,26 @@ def test_a_run_longer_than_the_piece_length_ends_in_a_short_piece() -> None:
     assert lengths.tolist() == [2, 2, 1]
 
 
-def test_a_forked_child_makes_a_transport_whoever_held_the_region_directorys_lock(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_makes_a_transport_whoever_held_the_region_directorys_lock() -> None:
     """Every in-process transport's start and close take one module lock. A fork copies
     it held if another thread of the parent was inside one then, and no thread of the
     child ever lets it go: the child's first node hung for ever making its transport. The
-    child's fork hook takes a new lock and forgets the parent's regions. The fork is
-    played by holding the lock and running the hook here."""
-    copied = threading.Lock()
-    monkeypatch.setattr(local, "_directory_lock", copied)
-    parents = {"parent": local._Entry(b"t" * 8, np.zeros(BLOCK, dtype=np.uint8))}
-    monkeypatch.setattr(local, "_directory", parents)
-    assert copied.acquire()  # as a parent thread inside a transport's start left it
-    local._forget_parent_regions_in_child()  # what os.register_at_fork runs in the child
-    assert parents == {}
-    made = threading.Event()
+    child's fork hook takes a new lock and forgets the parent's regions (their metadata
+    names the parent's pid)."""
+    src_array = np.zeros(4 * BLOCK, dtype=np.uint8)
+    parent = LocalTransport(agent_name="parent", region=src_array, layout=RegionLayout(0, 4, BLOCK))
 
-    def child() -> None:
+    def child() -> str:
         region = np.zeros(4 * BLOCK, dtype=np.uint8)
-        LocalTransport(agent_name="child", region=region, layout=RegionLayout(0, 4, BLOCK)).close()
-        made.set()
+        made = LocalTransport(agent_name="child", region=region, layout=RegionLayout(0, 4, BLOCK))
+        regions = made.statistics().registered_regions
+        made.close()
+        return f"made, {regions} region"
 
-    thread = threading.Thread(target=child, daemon=True)
-    thread.start()
     try:
-        assert made.wait(10.0), "the child's transport waited for a lock none of its threads holds"
+        with held_by_a_thread(local._directory_lock):
+            said = in_fork(child)
     finally:
-        copied.release()  # lets a stuck start go, so that no thread is left behind
-        thread.join()
+        parent.close()
+    assert said == "made, 1 region", "the child hung on the lock its parent's thread held"

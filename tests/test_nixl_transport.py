@@ -1239,6 +1239,18 @@ def test_a_child_forked_while_a_thread_held_the_agent_registry_can_use_it() -> N
     assert said == "(0, 0)", "the child hung on the registry lock its parent's thread held"
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_a_thread_loaded_nixl_can_load_it() -> None:
+    """A thread of the parent may be loading NIXL (an import of up to seconds, under the
+    shim's lock) when the host forks; that thread is gone in the child, and a child with
+    no inherited agent may make its own transports, each of which loads NIXL first
+    (without a new lock, the child hung)."""
+    name = _nixl_agent.load_nixl().module_name
+    with held_by_a_thread(_nixl_agent._load_lock):
+        said = in_fork(lambda: _nixl_agent.load_nixl().module_name)
+    assert said == name, "the child hung on the shim's lock its parent's thread held"
+
+
 @pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)
 def test_a_post_of_slots_that_are_not_ints_in_range_is_refused_and_posts_nothing(
     make: MakeTransport, local: Any, remote: Any, match: str

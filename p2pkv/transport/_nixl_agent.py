@@ -304,7 +304,9 @@ def refuse_if_forked(op: str, name: str | None = None) -> None:
 
 
 def _abandon_in_child() -> None:
+    global _load_lock
     _registry.lock = threading.Lock()  # another thread of the parent may have held it
+    _load_lock = threading.Lock()  # so may one loading NIXL (an import of up to seconds)
     for shared in _registry.agents.values():
         keep_in_child(shared)
     _registry.agents.clear()
