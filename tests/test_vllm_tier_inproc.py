@@ -742,6 +742,30 @@ def test_a_source_no_request_names_is_forgotten_and_its_session_closed(
     assert dst.tier._node.is_connected(kept.tier.peer_id)
 
 
+def test_an_engine_vllm_no_longer_steps_still_forgets_its_sources(
+    engines: Callable[..., Engine],
+) -> None:
+    """vLLM steps an engine with no request only while ``has_pending_work()``; an idle
+    one hears only from its tier-poll thread. Sources were looked at only from a step, so
+    an engine idle since its last pull kept its session to every source it had pulled
+    from, each counted against the source's ``max_peers`` (refusing its new consumers),
+    for as long as it stayed idle. Here nothing steps ``dst`` after its pull."""
+    dst = engines(idle_source_timeout_s=0.2)
+    src = engines()
+    keys = make_keys(2, "unstepped")
+    src.fill(keys)
+    ctx = request(src, "r-unstepped")
+    assert pull(dst, ctx, keys) == ([LookupResult.HIT] * 2, True)
+    finish(dst, ctx)
+    until(lambda: not dst.mgr.has_pending_work(), "vLLM to stop stepping the engine")
+    until(
+        lambda: src.tier._node.peer_count() == dst.tier._node.peer_count() == 0,
+        "the idle session closed, at both ends",
+    )
+    assert dst.tier._core._sources == {}
+    assert not dst.mgr.has_pending_work()  # it was never stepped for this
+
+
 def test_a_source_that_pulls_from_us_keeps_the_session_we_no_longer_need(
     engines: Callable[..., Engine],
 ) -> None:

@@ -386,8 +386,16 @@ class P2PTier:
         self._poll_orphans()
 
     def idle(self) -> bool:
-        """Nothing in flight, nothing to report: :meth:`step` would do nothing."""
-        return not (self._finished or self._orphans or self.has_pending_work())
+        """Nothing in flight, nothing to report, no source due a look for disuse:
+        :meth:`step` would do nothing. (A host stops stepping a tier with no pending
+        work, vLLM an engine with no request; its poll of an idle tier still steps it
+        about once a second while it knows sources, so their sessions close in time.)"""
+        return not (
+            self._finished
+            or self._orphans
+            or self.has_pending_work()
+            or (self._sources and time.monotonic() >= self._reap_at)
+        )
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Loads that finished since the last call (runs :meth:`step` first)."""
