@@ -350,6 +350,56 @@ async def test_checksums_are_of_the_source_slots_where_they_differ_from_the_targ
                 assert got is not None and want is not None and bytes(got) == bytes(want)
 
 
+class HangAfterFirst(FaultTransport):
+    """FAKE: the first post of the node lands; every later one hangs until released."""
+
+    def post_write(self, peer: Any, local_slots: Any, remote_slots: Any) -> TransferHandle:
+        self.hang = self.posts >= 1
+        return super().post_write(peer, local_slots, remote_slots)
+
+
+@pytest.mark.parametrize("cut_while", ["summing", "writing"])
+async def test_a_write_the_host_cuts_reports_no_key_ok_without_its_checksum(
+    autojump_clock: trio.testing.MockClock, cut_while: str
+) -> None:
+    """With ``verify_checksums``, a write the host cuts (``release_unused_pins(
+    cut_writes=True)``) reported its landed keys OK with checksums of 0 (cut while
+    summing: the list was made before the sums) or with none (cut while a later chunk
+    was in flight). A consumer that verifies then failed them as "checksum mismatch" or
+    "producer sent no checksums (verify_checksums is off there?)", and quarantined their
+    slots as suspect, where the cut promises ``aborted`` and slots freed at once. Now a
+    key is OK only with its real checksum; the rest of a cut write is ``aborted``."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        cfg: dict[str, Any] = {"verify_checksums": True, "max_keys_per_turn": 4}
+        if cut_while == "summing":
+            offload: VirtualOffload = TimedChecksums(0.01)
+            factory = FaultFactory()
+        else:
+            offload, factory = VirtualOffload(), FaultFactory(kind=HangAfterFirst)
+            cfg["transfer_chunk_bytes"] = 4 * 4096  # two chunks: the second hangs
+        async with open_node(config("src", **cfg), offload=offload, transport=factory) as src:
+            keys = fill(src.store, 8, 4096)
+            raw, _ = await connected(src)
+            req, hits = await raw.lookup(keys)
+            assert all(hits)
+            raw.proto.send_fetch(req, keys, list(range(8)))
+            await raw.flush()
+            await trio.sleep(0.02)  # virtual: in its first of two sums, or a chunk hanging
+            assert await src.release_unused_pins(cut_writes=True) == 0
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.req_id == req
+            slots = cast("list[int]", [src.store.slot_of(k) for k in keys])
+            want = checksums(src.store.array.data, 4096, slots)
+            for i, o in enumerate(done.outcomes):
+                if o == OK:  # vouched for: its real checksum comes with it
+                    assert done.checksums is not None and done.checksums[i] == want[i], i
+                else:
+                    assert o == int(Outcome.ABORTED), (i, o)
+            if cut_while == "writing":  # the first chunk landed; the hanging one was cut
+                assert done.outcomes[4:] == [int(Outcome.ABORTED)] * 4
+            await raw.aclose()
+
+
 async def test_a_key_the_round_does_not_hold_between_two_it_does_is_not_reported_ok() -> None:
     """A fetch names a key the lookup missed between two hits: it gets NOT_PINNED, never
     OK. The hits' writes go out as one chunk whose key indices (0 and 2) are not

@@ -359,14 +359,19 @@ class ProducerSide(SessionParts):
                     if state is TransferState.DONE:
                         _set_all(outcomes, chunk, _OK)
                 if cfg.verify_checksums:  # sources are still pinned: bytes as sent
-                    sums = [0] * n
                     got = await summed(node, plan_src)
+                    sums = [0] * n  # only once every sum is made (a cut one has none)
                     for i, crc in zip(plan_idx, got, strict=True):
                         sums[i] = crc
         finally:
             quiet = False
             with trio.CancelScope(shield=True):
                 quiet = await self._settle(posted, settled, outcomes)
+                if cfg.verify_checksums and sums is None and _OK in outcomes:
+                    # Cut (or failed) before its sums were made: a consumer that verifies
+                    # would fail a landed key OK without its sum as suspect and quarantine
+                    # its slot. Cut short, it is aborted, as the cut promises.
+                    outcomes[:] = [_ABORTED if o == _OK else o for o in outcomes]
                 self.inflight_bytes -= len(plan_idx) * bl
                 self._writes.pop(req, None)
                 self._write_done.pop(req).set()
