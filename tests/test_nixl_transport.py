@@ -1239,6 +1239,32 @@ def test_a_child_forked_while_a_thread_held_the_agent_registry_can_use_it() -> N
     assert said == "(0, 0)", "the child hung on the registry lock its parent's thread held"
 
 
+def test_release_nowait_leaves_a_handle_alone_while_nixl_or_the_handle_is_busy(
+    make: MakeTransport,
+) -> None:
+    """The engine's thread releases a settled write's handle with ``release_nowait``: while
+    another thread is inside NIXL (a post's copy holds the agent's ``call_lock``) or holds
+    the handle, it does nothing and says so, instead of waiting; once both are free it
+    releases, as ``release`` does (review: the engine's thread waited out another fetch's
+    inline copy)."""
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t-nowait-src", src_array, src_layout)
+    dst = make("t-nowait-dst", dst_array, dst_layout)
+    peer = src.add_remote_peer("t-nowait-dst", dst.metadata(), dst_layout)
+    handle = src.post_write(peer, [0, 1], [2, 3])
+    assert wait(src, handle, dst) is TransferState.DONE
+    native: Any = handle.native
+    for busy in (src._state.shared.call_lock, native.lock):
+        with held_by_a_thread(busy):
+            assert src.release_nowait(handle) is False
+        assert not handle.released and src.statistics().live_handles == 1
+    assert src.release_nowait(handle) is True
+    assert handle.released and src.statistics().live_handles == 0
+    assert src.release_nowait(handle) is True  # idempotent, as release is
+    assert (blocks(dst_array, dst_layout)[2:4] == blocks(src_array, src_layout)[0:2]).all()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_child_forked_while_a_thread_loaded_nixl_can_load_it() -> None:
     """A thread of the parent may be loading NIXL (an import of up to seconds, under the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import tracemalloc
 from typing import Any, cast
 
@@ -397,6 +398,45 @@ async def test_a_write_the_host_cuts_reports_no_key_ok_without_its_checksum(
                     assert o == int(Outcome.ABORTED), (i, o)
             if cut_while == "writing":  # the first chunk landed; the hanging one was cut
                 assert done.outcomes[4:] == [int(Outcome.ABORTED)] * 4
+            await raw.aclose()
+
+
+class BusyRelease(FaultTransport):
+    """FAKE: every release tried without waiting finds the data plane busy (as while
+    another fetch's post copies inside it); records the thread of each real release."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.release_threads: list[int] = []
+
+    def release_nowait(self, handle: TransferHandle) -> bool:
+        return False
+
+    def release(self, handle: TransferHandle) -> None:
+        self.release_threads.append(threading.get_ident())
+        super().release(handle)
+
+
+async def test_a_settled_writes_release_that_would_wait_leaves_the_engines_thread() -> None:
+    """The producer released a settled write's handles on the engine's thread, and a NIXL
+    release waits for the agent's lock, which a post holds across its copy: one fetch's
+    end stalled every session for the rest of another fetch's post. A release that would
+    wait is handed to a worker thread; the write is reported as usual."""
+    factory = FaultFactory(kind=BusyRelease)
+    async with open_node(config("src"), transport=factory) as src:
+        keys = fill(src.store, 4, 4096)
+        raw, _ = await connected(src)
+        try:
+            with trio.fail_after(BOUND):
+                req, hits = await raw.lookup(keys)
+                assert all(hits)
+                raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
+                await raw.flush()
+                done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.outcomes == [OK] * 4
+            released = cast("BusyRelease", factory.transport).release_threads
+            assert released and threading.get_ident() not in released
+        finally:
             await raw.aclose()
 
 

@@ -476,7 +476,10 @@ class ProducerSide(SessionParts):
                 # Cut short: whatever landed is not reported as loaded.
                 _set_all(outcomes, chunk, _ABORTED)
             if id(h) in settled:
-                dp.release(h)
+                if not dp.release_nowait(h):
+                    # A post's copy holds the data plane (another fetch's): the engine's
+                    # thread must not wait for it, so a worker thread releases this one.
+                    unsettled.append((dp, h))
             else:
                 quiet = False
                 unsettled.append((dp, h))

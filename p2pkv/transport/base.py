@@ -146,6 +146,13 @@ class DataTransport(abc.ABC):
     def release(self, handle: TransferHandle) -> None:
         """Release a handle (idempotent). See the module docstring about in-flight release."""
 
+    def release_nowait(self, handle: TransferHandle) -> bool:
+        """:meth:`release`, unless that would wait for another thread (one inside the data
+        plane, a post's copy): then nothing is done and False comes back. For the engine's
+        thread, which hands a busy release to a worker thread instead of stalling."""
+        self.release(handle)
+        return True
+
     def progress(self) -> None:  # noqa: B027 (optional hook: most transports need none)
         """Drive the data plane's progress (e.g. as the target of a write). Cheap."""
 

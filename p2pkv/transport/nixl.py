@@ -18,7 +18,9 @@ calls on the Trio thread, only try them and report ``PROC`` / do nothing when bu
 STRICT a ``transfer()`` doing a cma copy holds NIXL's lock for the whole copy (hazard 3),
 and a Trio thread waiting for it would stall (measured: 0.76 s behind 256 MiB posts). The
 posting thread re-checks every pending transfer after each post, so completions are seen
-even while posts run back to back. ``_State.ops`` counts calls using the agent; ``close()``
+even while posts run back to back. The engine's thread releases a settled handle with
+``release_nowait``, which tries both locks and leaves a busy release to a worker thread.
+``_State.ops`` counts calls using the agent; ``close()``
 waits for them, so the agent is never dropped under a caller. (With every NIXL call under
 ``call_lock``, STRICT is belt and braces: it still covers NIXL's own ``__del__`` releases.)
 
@@ -245,25 +247,38 @@ def _refresh_pending(shared: SharedAgent) -> None:
                 native.lock.release()
 
 
-def _release_handle(st: _State, handle: TransferHandle) -> None:
+def _release_handle(st: _State, handle: TransferHandle, *, wait: bool = True) -> bool:
+    """Release ``handle``; False (nothing done) if ``wait`` is off and its lock or the
+    agent's ``call_lock`` is taken (a post's copy holds the latter). The locks are tried in
+    their order, the handle's first."""
     native = handle.native
     shared = st.shared
-    with native.lock:
+    if not native.lock.acquire(blocking=wait):
+        return False
+    try:
         if handle.released:
-            return
-        handle.released = True
-        xfer, native.xfer = native.xfer, None
-        if native.state is TransferState.PROC:
-            native.state = TransferState.ERR
-            native.cause = TransportError(
-                "released before completion", peer=handle.peer.agent_name, op="release"
-            )
-        with shared.lock:
-            shared.pending.discard(native)
-        if xfer is not None:
-            shared.release_xfer(xfer)
+            return True
+        if not shared.call_lock.acquire(blocking=wait):
+            return False
+        try:
+            handle.released = True
+            xfer, native.xfer = native.xfer, None
+            if native.state is TransferState.PROC:
+                native.state = TransferState.ERR
+                native.cause = TransportError(
+                    "released before completion", peer=handle.peer.agent_name, op="release"
+                )
+            with shared.lock:
+                shared.pending.discard(native)
+            if xfer is not None:
+                shared.release_xfer(xfer)
+        finally:
+            shared.call_lock.release()
+    finally:
+        native.lock.release()
     with st.lock:
         st.handles.pop(native, None)
+    return True
 
 
 def _progress(st: _State) -> bool:
@@ -638,16 +653,22 @@ class NixlTransport(DataTransport):
         return self._state.shared.is_dead(agent_name)
 
     def release(self, handle: TransferHandle) -> None:
+        self._release(handle, wait=True)
+
+    def release_nowait(self, handle: TransferHandle) -> bool:
+        return self._release(handle, wait=False)
+
+    def _release(self, handle: TransferHandle, *, wait: bool) -> bool:
         native = handle.native
         st = self._state
         if handle.released:
-            return
+            return True
         if not isinstance(native, NixlXfer) or native.owner is not st:
             raise TransportError("handle was not posted by this transport", op="release")
         if not st.enter():
-            return  # close() is releasing it
+            return True  # close() is releasing it
         try:
-            _release_handle(st, handle)
+            return _release_handle(st, handle, wait=wait)
         finally:
             st.exit()
 
