@@ -502,6 +502,20 @@ def test_ticket_board_ignores_a_publish_that_fail_all_beat_even_once_read() -> N
     assert not board.publish(t, "late")  # the engine's own outcome, after the seal
 
 
+def runs_despite(copied: threading.Lock, child: Callable[[], object]) -> None:
+    """``child()`` (a forked child's work, played on a thread) ends without raising while
+    ``copied`` (a lock the fork copied held) stays held; released afterwards either way,
+    so that no thread is left behind."""
+    thread, out = in_thread(child)
+    try:
+        thread.join(timeout=BOUND)
+        assert not thread.is_alive(), "the child waited for a lock none of its threads holds"
+    finally:
+        copied.release()
+        thread.join()
+    assert out.get_nowait() is None
+
+
 def test_ticket_board_in_a_forked_child_finishes_its_tickets_whoever_held_the_lock() -> None:
     """A fork copies the board's lock as it was: held, if another thread of the parent was
     inside a board call, and no thread of the child ever lets it go.
@@ -513,14 +527,7 @@ def test_ticket_board_in_a_forked_child_finishes_its_tickets_whoever_held_the_lo
     ticket = board.new_ticket()
     copied = board._lock
     assert copied.acquire()  # as a parent thread inside a board call left it
-    child, out = in_thread(lambda: board.fail_all_in_forked_child(lambda: PortalClosed("forked")))
-    try:
-        child.join(timeout=BOUND)
-        assert not child.is_alive(), "the child waited for a lock none of its threads holds"
-    finally:
-        copied.release()  # lets a stuck child go, so that no thread is left behind
-        child.join()
-    assert out.get_nowait() is None
+    runs_despite(copied, lambda: board.fail_all_in_forked_child(lambda: PortalClosed("forked")))
     with pytest.raises(PortalClosed, match="forked"):
         board.poll(ticket)
     assert board.pending() == 0
@@ -540,14 +547,7 @@ def test_a_forked_child_starts_an_engine_whoever_held_the_exit_registry_lock(
     monkeypatch.setattr(portal, "_live", weakref.WeakSet())  # orphans none of ours
     assert copied.acquire()  # as a parent thread inside _register_for_exit left it
     portal._orphan_all_in_child()  # what os.register_at_fork runs in the child
-    child, out = in_thread(lambda: start().close(timeout=BOUND))
-    try:
-        child.join(timeout=BOUND)
-        assert not child.is_alive(), "the child's start waited for a lock none of its threads holds"
-    finally:
-        copied.release()  # lets a stuck start go, so that no thread is left behind
-        child.join()
-    assert out.get_nowait() is None
+    runs_despite(copied, lambda: start().close(timeout=BOUND))
 
 
 def test_tickets_of_two_boards_never_collide() -> None:

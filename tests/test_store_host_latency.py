@@ -40,7 +40,26 @@ def key(i: int) -> bytes:
     return b"k%08d" % i
 
 
-class HostProbe:
+class LockStandIn:
+    """A stand-in for one of the store's locks: ``acquire`` is the subclass's, the rest
+    goes to the real lock (``real``)."""
+
+    real: Any
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        self.real.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class HostProbe(LockStandIn):
     """Stands in for ``store._lock`` while the engine (this thread) makes one call.
 
     At each acquisition by the engine thread, it waits until the host's last turn of store
@@ -80,15 +99,6 @@ class HostProbe:
         got = self.real.acquire(blocking, timeout)
         self.seen.append(self.progress(self.store))
         return got
-
-    def release(self) -> None:
-        self.real.release()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 def with_host_probe(
@@ -336,7 +346,7 @@ def unlocked_state(store: BlockStore) -> object:
     )
 
 
-class TurnWatch:
+class TurnWatch(LockStandIn):
     """Stands in for ``store._turn``: tells when a thread other than ``host`` asks for it
     (``asked``) before it blocks on the real lock."""
 
@@ -349,15 +359,6 @@ class TurnWatch:
         if threading.get_ident() != self.host:
             self.asked.set()
         return bool(self.real.acquire(blocking, timeout))
-
-    def release(self) -> None:
-        self.real.release()
-
-    def __enter__(self) -> bool:
-        return self.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 @pytest.mark.parametrize("how", list(small_calls(BlockStore(1, L))))
