@@ -42,7 +42,11 @@ __all__ = ["HostPins", "PinRequest", "PinSource"]
 
 
 class PinSource(Protocol):
-    """Who pins blocks for a peer's lookup round when the store does not."""
+    """Who pins blocks for a peer's lookup round when the store does not.
+
+    ``unpin`` must not raise: the engine calls it once per round, in loops that release
+    many at once (a session's end, the lease timer), and one that raised would leave the
+    rounds after it pinned. :class:`HostPins` never raises there."""
 
     async def pin(self, owner: object, keys: Sequence[bytes]) -> list[int | None]: ...
 
