@@ -54,7 +54,7 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
     from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from p2pkv import BlockingNode, FetchResult, LookupRound, start_node
+from p2pkv import BlockingNode, FetchResult, LookupRound, Peer, start_node
 from p2pkv.integrations import vllm_tier
 from p2pkv.integrations.vllm_tier import P2pkvSecondaryTier
 
@@ -1638,6 +1638,25 @@ def test_a_peers_lookup_still_pending_is_answered_50_ms_before_its_deadline(
         peer.close()
 
 
+def queue_lookups(
+    src: Engine, keys: list[OffloadKey], name: str, peers: list[BlockingNode]
+) -> tuple[list[Peer], list[int]]:
+    """One peer per key (appended to ``peers``, for the caller to close) asks ``src``'s
+    tier to look its key up, each queued there before the next asks, so the tier's inbox
+    holds them in this order; returns each peer's session with ``src`` and its ticket."""
+    remotes, tickets = [], []
+    for i, key in enumerate(keys):
+        peers.append(peer := peer_of(src, f"{name}-{i}"))
+        remotes.append(remote := peer.connect(src.tier.address, timeout=BOUND))
+        tickets.append(peer.submit_lookup_round(remote, [key], timeout=BOUND))
+
+        def queued(n: int = i + 1) -> bool:
+            return len(src.tier._pins._inbox) == n
+
+        until(queued, "the lookup to reach the tier")
+    return remotes, tickets
+
+
 def cut_lookups(src: Engine, n: int) -> tuple[PendingParent, list[str], list[BlockingNode]]:
     """``n`` peers' lookups of a key each, being served by ``src`` (an engine without the
     tier-poll thread) from calls through a :class:`PendingParent` for which every key is
@@ -1645,10 +1664,7 @@ def cut_lookups(src: Engine, n: int) -> tuple[PendingParent, list[str], list[Blo
     keys = make_keys(n, "cut")
     parent = PendingParent(src, pending=keys)
     peers: list[BlockingNode] = []
-    for i, key in enumerate(keys):
-        peers.append(peer := peer_of(src, f"cut-peer-{i}"))
-        peer.submit_lookup(peer.connect(src.tier.address, timeout=BOUND), [key])
-    until(lambda: len(src.tier._pins._inbox) == n, "every lookup to reach the tier")
+    queue_lookups(src, keys, "cut-peer", peers)
     with src.mgr.lock:
         src.tier.serve_external_requests(parent)
     served = [str(s.ctx.req_id) for s in src.tier._serving]
@@ -1722,17 +1738,8 @@ def test_vllm_refusing_a_peers_request_costs_only_that_request(
     parent = PendingParent(src, pending=())
     parent.refuse = {1}
     peers: list[BlockingNode] = []
-    remotes, tickets = [], []
     try:
-        for i, key in enumerate(keys):
-            peers.append(peer := peer_of(src, f"refused-peer-{i}"))
-            remotes.append(remote := peer.connect(src.tier.address, timeout=BOUND))
-            tickets.append(peer.submit_lookup_round(remote, [key], timeout=BOUND))
-
-            def queued(n: int = i + 1) -> bool:
-                return len(src.tier._pins._inbox) == n
-
-            until(queued, "the lookup to reach the tier")
+        remotes, tickets = queue_lookups(src, keys, "refused-peer", peers)
         with src.mgr.lock, pytest.raises(RuntimeError, match="vLLM refused"):
             src.tier.serve_external_requests(parent)
         assert src.tier._pins.any_waiting()  # the third waits for the next call
