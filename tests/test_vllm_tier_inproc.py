@@ -1726,15 +1726,17 @@ def test_after_shutdown_no_request_a_drain_cut_is_finished_through_vllm(
             peer.close()
 
 
+@pytest.mark.parametrize("same_key", [False, True])
 def test_vllm_refusing_a_peers_request_costs_only_that_request(
-    engines: Callable[..., Engine],
+    engines: Callable[..., Engine], same_key: bool
 ) -> None:
     """vLLM raising in on_new_request for one peer's lookup: that lookup is answered all
     misses at once, and the ones queued behind it are served at the next call (they used
-    to be taken with it and answered by nobody until the engine's serve deadline)."""
+    to be taken with it and answered by nobody until the engine's serve deadline). Also
+    when the three ask for the same key: the refusal costs the others' hits nothing."""
     src = engines(poll_s=0, serve_timeout_s=BOUND)  # only the tier's answers end a wait
-    keys = make_keys(3, "refused")
-    src.fill(keys)
+    keys = make_keys(1, "refused") * 3 if same_key else make_keys(3, "refused")
+    src.fill(list(dict.fromkeys(keys)))
     parent = PendingParent(src, pending=())
     parent.refuse = {1}
     peers: list[BlockingNode] = []
