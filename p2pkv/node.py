@@ -929,13 +929,24 @@ class Node:
         with trio.CancelScope(shield=True):
             await self.registrar.aclose()
             await self.registrar.drain()
+            # Each transport is closed whatever the one before raised (a close that
+            # raised must not leave the rest, the live one included, open); the first
+            # error is raised once all were tried, the others logged.
+            first: Exception | None = None
             try:
-                for old in self._retired_transports:
-                    old.close()
+                for t in [*self._retired_transports, self.transport]:
+                    try:
+                        t.close()
+                    except Exception as exc:
+                        if first is None:
+                            first = exc
+                        else:
+                            log.exception("closing a data plane failed")
                 self._retired_transports.clear()
-                self.transport.close()
             finally:
                 self._closed.set()
+            if first is not None:
+                raise first
 
 
 async def _wait_either(a: trio.Event, b: trio.Event) -> None:

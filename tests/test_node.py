@@ -8,6 +8,7 @@ import random
 import threading
 from typing import Any, Literal
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -15,8 +16,18 @@ import trio.testing
 
 import p2pkv
 from p2pkv import BlockStore, HandshakeRejected, PeerUnavailable, open_node
+from p2pkv.transport.base import TransportStatistics
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair, until
+from .helpers import (
+    FaultFactory,
+    FaultTransport,
+    RawPeer,
+    VirtualOffload,
+    config,
+    fill,
+    pair,
+    until,
+)
 
 
 async def test_fetched_bytes_equal_source_and_misses_never_load() -> None:
@@ -698,6 +709,42 @@ async def test_reconfigure_racing_close_raises_a_typed_error_and_leaves_nothing_
                 offload.gate.set()
     assert len(errors) == 1 and isinstance(errors[0], PeerUnavailable), errors
     assert len(factory.built) == 2 and all(t._closed for t in factory.built)
+
+
+class StuckTransport(FaultTransport):
+    """FAKE (fault injection): a write of it stays in flight for ever, so a transport
+    that a reconfiguration replaced stays retired until its node closes, and its close()
+    raises ``close_error`` once that is set (a close that failed)."""
+
+    close_error: Exception | None = None
+
+    def statistics(self) -> TransportStatistics:
+        st = super().statistics()
+        return attrs.evolve(st, live_handles=st.live_handles + 1)
+
+    def close(self) -> None:
+        if self.close_error is not None:
+            raise self.close_error
+        super().close()
+
+
+async def test_a_close_that_raises_leaves_no_other_data_plane_open() -> None:
+    """The node's close closes every retired transport and the live one even when one
+    of them raises, then raises that error (a raise in the loop used to leave the
+    transports after it, the live one included, open for good)."""
+    factory = FaultFactory(kind=StuckTransport)
+    with trio.fail_after(20):
+        with pytest.raises(p2pkv.TransportError, match="the close failed"):
+            async with open_node(config("hub"), transport=factory) as hub:
+                await hub.reconfigure([])
+                await hub.reconfigure([])
+                assert hub._retired_transports == factory.built[:2]
+                first = factory.built[0]
+                assert isinstance(first, StuckTransport)
+                first.close_error = p2pkv.TransportError("the close failed")
+    assert len(factory.built) == 3
+    assert not factory.built[0]._closed and all(t._closed for t in factory.built[1:])
+    assert hub._closed.is_set() and not hub._retired_transports
 
 
 async def test_release_gives_back_pins_of_an_unfetched_round() -> None:
