@@ -871,10 +871,16 @@ class Node:
             # Rare (once per reconfiguration) and the contract has no completion event.
             while old.statistics().live_handles:  # noqa: ASYNC110
                 await trio.sleep(0.01)
-        with trio.CancelScope(shield=True):
-            await self.offload(old.close, limiter=trio.CapacityLimiter(1))
-        if old in self._retired_transports:
-            self._retired_transports.remove(old)
+        try:
+            with trio.CancelScope(shield=True):
+                await self.offload(old.close, limiter=trio.CapacityLimiter(1))
+        except Exception:
+            # A task of the node's nursery: raising would take the whole node down for
+            # a data plane it no longer uses. Tried once; the node's close does not again.
+            log.exception("closing a replaced data plane failed")
+        finally:
+            if old in self._retired_transports:
+                self._retired_transports.remove(old)
 
     def _refuse_reconfigure_if_closing(self) -> None:
         if self._closing or self._closed.is_set():

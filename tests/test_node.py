@@ -712,15 +712,17 @@ async def test_reconfigure_racing_close_raises_a_typed_error_and_leaves_nothing_
 
 
 class StuckTransport(FaultTransport):
-    """FAKE (fault injection): a write of it stays in flight for ever, so a transport
-    that a reconfiguration replaced stays retired until its node closes, and its close()
-    raises ``close_error`` once that is set (a close that failed)."""
+    """FAKE (fault injection): a write of it stays in flight while ``stuck``, so a
+    transport that a reconfiguration replaced stays retired until then (or until its node
+    closes), and its close() raises ``close_error`` once that is set (a close that
+    failed)."""
 
     close_error: Exception | None = None
+    stuck = True
 
     def statistics(self) -> TransportStatistics:
         st = super().statistics()
-        return attrs.evolve(st, live_handles=st.live_handles + 1)
+        return attrs.evolve(st, live_handles=st.live_handles + self.stuck)
 
     def close(self) -> None:
         if self.close_error is not None:
@@ -745,6 +747,27 @@ async def test_a_close_that_raises_leaves_no_other_data_plane_open() -> None:
     assert len(factory.built) == 3
     assert not factory.built[0]._closed and all(t._closed for t in factory.built[1:])
     assert hub._closed.is_set() and not hub._retired_transports
+
+
+async def test_a_replaced_data_plane_whose_close_raises_leaves_the_node_running() -> None:
+    """A retired transport's close raising, once its writes settled, is logged: the node
+    and its peers go on (it was raised in the node's nursery and took the node down)."""
+    factory = FaultFactory(kind=StuckTransport)
+    with trio.fail_after(20):
+        async with (
+            open_node(config("hub"), transport=factory) as hub,
+            open_node(config("p1")) as p1,
+        ):
+            peer = await p1.connect(hub.address)
+            await hub.reconfigure(["p1"])
+            first = factory.built[0]
+            assert isinstance(first, StuckTransport) and hub._retired_transports == [first]
+            first.close_error = p2pkv.TransportError("the close failed")
+            first.stuck = False
+            await until(lambda: not hub._retired_transports)
+            keys = fill(hub.store, 2, 4096)
+            assert sorted((await p1.fetch(peer, keys)).loaded) == sorted(keys)
+        assert not first._closed and factory.built[1]._closed
 
 
 async def test_release_gives_back_pins_of_an_unfetched_round() -> None:
