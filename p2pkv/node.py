@@ -810,7 +810,12 @@ class Node:
                         else:
                             stale.append(rp)
                     for rp in stale:
-                        await self.offload(new.remove_remote_peer, rp, limiter=oneoff)
+                        # Each one, whatever the one before raised: the swap is live, and
+                        # an error here would leave the rest registered on it for good.
+                        try:
+                            await self.offload(new.remove_remote_peer, rp, limiter=oneoff)
+                        except Exception:
+                            log.exception("releasing %s's stale registration failed", rp.agent_name)
             live_agents = {
                 s.proto.peer.agent_name
                 for s in self._by_peer.values()

@@ -6,6 +6,7 @@ import contextlib
 import os
 import random
 import threading
+from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
@@ -15,8 +16,8 @@ import trio
 import trio.testing
 
 import p2pkv
-from p2pkv import BlockStore, HandshakeRejected, PeerUnavailable, open_node
-from p2pkv.transport.base import TransportStatistics
+from p2pkv import BlockStore, HandshakeRejected, Node, PeerUnavailable, open_node
+from p2pkv.transport.base import RegionLayout, RemotePeer, TransportStatistics
 
 from .helpers import (
     FaultFactory,
@@ -768,6 +769,55 @@ async def test_a_replaced_data_plane_whose_close_raises_leaves_the_node_running(
             keys = fill(hub.store, 2, 4096)
             assert sorted((await p1.fetch(peer, keys)).loaded) == sorted(keys)
         assert not first._closed and factory.built[1]._closed
+
+
+class ReregisterFaults(FaultTransport):
+    """FAKE (fault injection): ``on_add(agent_name)`` runs after each registration (a
+    test ends that peer's session there, while a reconfiguration re-registers it), and
+    remove_remote_peer raises ``remove_error`` once."""
+
+    on_add: Callable[[str], None] | None = None
+    remove_error: Exception | None = None
+
+    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
+        peer = super().add_remote_peer(agent_name, metadata, layout)
+        if self.on_add is not None:
+            self.on_add(agent_name)
+        return peer
+
+    def remove_remote_peer(self, peer: RemotePeer) -> None:
+        err, self.remove_error = self.remove_error, None
+        if err is not None:
+            raise err
+        super().remove_remote_peer(peer)
+
+
+async def test_a_stale_registration_that_fails_to_release_costs_the_others_nothing() -> None:
+    """Two peers' sessions end while a reconfiguration re-registers them: both new
+    registrations are stale, and each is released though the first release raises (the
+    raise skipped the rest, left them registered on the live transport, and failed a
+    reconfiguration that had gone live)."""
+    nodes: dict[str, Node] = {}
+
+    def arm(t: FaultTransport) -> None:
+        if factory.built and isinstance(t, ReregisterFaults):  # the reconfiguration's
+            t.on_add = lambda name: nodes["hub"]._by_peer[name].close("left meanwhile")
+            t.remove_error = p2pkv.TransportError("the release failed")
+
+    factory = FaultFactory(arm, kind=ReregisterFaults)
+    with trio.fail_after(20):
+        async with (
+            open_node(config("hub"), transport=factory, offload=VirtualOffload()) as hub,
+            open_node(config("p1")) as p1,
+            open_node(config("p2")) as p2,
+        ):
+            nodes["hub"] = hub
+            await p1.connect(hub.address)
+            await p2.connect(hub.address)
+            await hub.reconfigure(["p1", "p2"])
+            new = factory.transport
+            assert new.adds == 2 and new.removes == 1 and len(new.live) == 1
+            assert hub.peers() == []
 
 
 async def test_release_gives_back_pins_of_an_unfetched_round() -> None:
