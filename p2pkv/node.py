@@ -741,7 +741,15 @@ class Node:
         return list(rounds)
 
     async def disconnect(self, peer: Peer | str) -> None:
-        session = self._session(peer, "disconnect")
+        """Close the session with ``peer``; returns once it is torn down (its writes
+        drained, its registration released), waiting at most ``close_timeout``. A session
+        already closing (another disconnect, the peer's bye) is waited for the same way:
+        "not connected" while it still holds the peer's registration would tell the
+        caller it is gone too early. ``PeerUnavailable`` if there is none."""
+        pid = check_peer(peer)
+        session = self._by_peer.get(pid)
+        if session is None or session.finished.is_set():
+            raise PeerUnavailable("not connected", peer=pid, op="disconnect")
         await session.aclose("disconnected")
 
     async def reconfigure(self, members: Collection[str]) -> list[str]:

@@ -286,6 +286,28 @@ async def test_disconnect_returns_once_the_session_is_torn_down() -> None:
             assert not dst.is_connected("src") and st.registrations.live == 0, st
 
 
+async def test_concurrent_disconnects_each_return_once_the_session_is_torn_down() -> None:
+    """Two disconnects of one peer at once: both return with the session torn down and
+    its registration released (the second raised "not connected" at once, while the
+    first was still tearing it down and the peer was still registered)."""
+    with trio.fail_after(20):
+        async with pair() as (src, dst):
+            peer = await dst.connect(src.address)
+            assert dst.statistics().registrations.live == 1
+            live_after: list[int] = []
+
+            async def disconnect() -> None:
+                await dst.disconnect(peer)
+                live_after.append(dst.statistics().registrations.live)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(disconnect)
+                nursery.start_soon(disconnect)
+            assert live_after == [0, 0]
+            with pytest.raises(PeerUnavailable, match="not connected"):
+                await dst.disconnect(peer)
+
+
 async def test_restarted_peer_with_the_same_id_is_served_again() -> None:
     with trio.fail_after(20):
         async with open_node(config("b")) as b:
