@@ -349,15 +349,56 @@ def _job(
     return lambda: lane.write(src, s, dst, d, deadline)
 
 
+class _Part:
+    """One job handed to the lane pool, which can be abandoned before it starts: a part
+    whose ``submit`` raised may still be queued there (``ThreadPoolExecutor`` queues the
+    job before it starts the thread that fails) and would run later, unwaited for."""
+
+    def __init__(self, job: Callable[[], None]) -> None:
+        self._job = job
+        self._lock = threading.Lock()
+        self._started = self._abandoned = False
+        self._ended = threading.Event()
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._abandoned:
+                return
+            self._started = True
+        try:
+            self._job()
+        finally:
+            self._ended.set()
+
+    def abandon(self) -> None:
+        """Make sure the job never starts; if it has, wait for it to end."""
+        with self._lock:
+            self._abandoned = True
+            started = self._started
+        if started:
+            self._ended.wait()
+
+
 def run_parts(jobs: Sequence[Callable[[], None]], pool: ThreadPoolExecutor | None) -> None:
     """Run ``jobs[0]`` here and the others on ``pool`` at once; return when every one has
     ended. The first error (in job order) is raised, and only then: no part is still
-    running when a copy fails."""
+    running when a copy fails. A part the pool refuses (shut down, e.g. at interpreter
+    exit; no thread to be had) fails the copy before ``jobs[0]`` starts, once every part
+    already handed over has ended or been stopped from starting."""
     futures: list[Future[None]] = []
     if len(jobs) > 1:
         if pool is None:
             raise TransportError("several parts but no lane threads", op="stage")
-        futures = [pool.submit(job) for job in jobs[1:]]
+        parts = [_Part(job) for job in jobs[1:]]
+        try:
+            for part in parts:
+                futures.append(pool.submit(part))
+        except Exception as exc:
+            for part in parts:
+                part.abandon()
+            raise TransportError(
+                f"staging copy failed: could not start a lane's part: {exc!r}", op="stage"
+            ) from nixl_cause(exc)
     errors: list[BaseException] = []
     try:
         jobs[0]()

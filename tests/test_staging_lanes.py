@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, cast
 
 import numpy as np
@@ -123,6 +123,59 @@ def test_a_failed_part_fails_the_copy_only_after_every_part_has_ended() -> None:
             run_parts([part(0), part(1)], None)
     finally:
         pool.close()
+
+
+class _RefusingPool(_GatedPool):
+    """FAKE lane pool that takes one part, then refuses the next as a shut-down executor
+    does. ``queued``: as ``ThreadPoolExecutor`` does when it cannot start a thread, with the
+    part already queued (to run once a thread is free); ``running``: the part it took
+    starts at once, and the refusal lets it go on (so that it runs on past the refusal)."""
+
+    def __init__(self, *, queued: bool = False, running: bool = False) -> None:
+        super().__init__()
+        self.queued, self.running = queued, running
+        self.go = threading.Event()
+
+    def submit(self, job: Callable[[], None]) -> _GatedFuture:
+        if not self.futures:
+            future = super().submit(job)
+            if self.running:
+                future.gate.set()
+            return future
+        self.go.set()
+        if self.queued:
+            super().submit(job)
+            raise RuntimeError("can't start new thread")
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+
+@pytest.mark.parametrize("mode", ["refused", "queued", "running"])
+def test_a_part_the_pool_refuses_fails_the_copy_with_no_part_left_to_run(mode: str) -> None:
+    ran: list[int] = []
+    pool = _RefusingPool(queued=mode == "queued", running=mode == "running")
+
+    def part(i: int) -> Callable[[], None]:
+        def job() -> None:
+            pool.go.wait()
+            ran.append(i)
+
+        return job
+
+    try:
+        with pytest.raises(TransportError, match="could not start") as info:
+            run_parts([part(i) for i in range(4)], cast(Any, pool))
+        assert isinstance(info.value.__cause__, RuntimeError)
+        # What was handed to the pool has ended or never starts: nothing writes into the
+        # copy's destination once run_parts has raised; the caller's own part never ran.
+        done = list(ran)
+    finally:
+        pool.close()
+    assert ran == done and 0 not in ran
+
+    real = ThreadPoolExecutor(1)
+    real.shutdown()
+    with pytest.raises(TransportError, match="after shutdown"):
+        run_parts([part(0), part(1)], real)
 
 
 @pytest.mark.nixl
