@@ -51,6 +51,7 @@ sync is STRICT and a whole copy runs under ``lock``.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -82,6 +83,8 @@ __all__ = [
     "loopback_agent_exists",
     "resolve_lanes",
 ]
+
+_log = logging.getLogger("p2pkv.staging")
 
 STAGING_LANES_ENV = "P2PKV_STAGING_LANES"
 CORES_PER_LANE = 4
@@ -199,13 +202,25 @@ class _Lane:
         return out
 
     def unregister(self, lr: _LaneRegistration) -> None:
-        for dlist in (lr.loop_dlist, lr.local_dlist):
-            if dlist is not None:
-                dlist.release()
+        """Undo :meth:`register`, every step even if one fails (NIXL refusing to release
+        a list or to deregister is logged): an error here would leave the steps after it,
+        and the other lanes' registrations of the region, undone."""
+        dlists = (lr.loop_dlist, lr.local_dlist)
         lr.loop_dlist = lr.local_dlist = None
-        if lr.reg_descs is not None:
-            self.agent.deregister_memory(lr.reg_descs)
-            lr.reg_descs = None
+        for dlist in dlists:
+            if dlist is not None:
+                try:
+                    dlist.release()
+                except Exception as exc:  # logged without its frames (see nixl_cause)
+                    _log.warning(
+                        "releasing a staging dlist of %s failed: %r", self.name, nixl_cause(exc)
+                    )
+        reg_descs, lr.reg_descs = lr.reg_descs, None
+        if reg_descs is not None:
+            try:
+                self.agent.deregister_memory(reg_descs)
+            except Exception as exc:
+                _log.warning("staging deregistration in %s failed: %r", self.name, nixl_cause(exc))
 
     def write(
         self, src: _LaneRegistration, s: Slots, dst: _LaneRegistration, d: Slots, deadline: float

@@ -8,6 +8,7 @@ checked here exhaustively; one test runs a real split copy over host memory thro
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -282,6 +283,61 @@ def test_a_region_attached_twice_is_one_registration_released_by_its_last_user()
         first.release()
         src.release()
     assert not staging.loopback_agent_exists()
+
+
+class _RefusedRelease:
+    """FAKE: a NIXL object (a lane's agent, or one of its dlists) that does what it is
+    asked to release or deregister, then raises as NIXL does when it refuses; the calls
+    are noted in ``calls``."""
+
+    def __init__(self, real: Any, calls: list[str]) -> None:
+        self._real, self._calls = real, calls
+
+    def release(self) -> None:
+        self._calls.append("release")
+        self._real.release()
+        raise RuntimeError("FAKE: NIXL refused to release the dlist")
+
+    def deregister_memory(self, descs: Any) -> None:
+        self._calls.append("deregister")
+        self._real.deregister_memory(descs)
+        raise RuntimeError("FAKE: NIXL refused to deregister")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_a_refused_staging_release_still_undoes_every_lane_and_drops_them(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NIXL refusing to release lane 0's dlists or to deregister its memory (FAKE) is
+    logged, and every other step of the release still runs: lane 0's other list and its
+    deregistration, lane 1's whole release, then the lanes and their thread go."""
+    monkeypatch.setenv(staging.STAGING_LANES_ENV, "2")
+    n = 2 * staging.MIN_DESCS_PER_LANE
+    a = np.random.default_rng(7).integers(0, 256, 2 * n * BLOCK, dtype=np.uint8)
+    reg = staging.attach_region(a, BLOCK)
+    agent = reg.agent
+    calls: list[list[str]] = [[], []]
+    try:
+        agent.copy(reg, list(range(n)), reg, list(range(n, 2 * n)))  # both lanes at work
+        assert np.array_equal(a[n * BLOCK :], a[: n * BLOCK])
+        assert any(t.name.startswith("p2pkv-staging") for t in threading.enumerate())
+        lane0, lane1 = reg.lanes
+        lane0.loop_dlist = _RefusedRelease(lane0.loop_dlist, calls[0])
+        lane0.local_dlist = _RefusedRelease(lane0.local_dlist, calls[0])
+        agent.lanes[0].agent = _RefusedRelease(agent.lanes[0].agent, calls[0])
+        lane1.loop_dlist = _RefusedRelease(lane1.loop_dlist, calls[1])
+    finally:
+        with caplog.at_level(logging.WARNING, logger="p2pkv.staging"):
+            reg.release()
+    assert calls == [["release", "release", "deregister"], ["release"]]
+    assert reg.lanes == [] and not lane1.local_dlist and not lane1.reg_descs
+    assert caplog.text.count("FAKE: NIXL refused") == 4
+    assert not staging.loopback_agent_exists() and agent.lanes == []
+    assert not any(t.name.startswith("p2pkv-staging") for t in threading.enumerate())
 
 
 @pytest.mark.nixl
