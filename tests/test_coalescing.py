@@ -8,6 +8,7 @@ the slots named. The NIXL side lives in ``test_nixl_transport.py``.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,6 +116,79 @@ def test_pieces_of_long_runs_are_never_longer_than_the_piece_length(
         (int(s) + k, int(d) + k) for s, d, n in zip(*pieces, strict=True) for k in range(int(n))
     ]
     assert covered == list(zip(local, remote, strict=True))
+
+
+_NL, _NR = 24, 20  # blocks of the regions below: ours, the peer's
+
+
+@st.composite
+def _crafted_pairs(draw: st.DrawFn) -> list[tuple[int, int]]:
+    """Pairs drawn as stretches of runs (random pairs rarely hold one), some repeated or
+    overlapping, in any order; maybe one slot out of range, past int32 or past int64."""
+    stretches = draw(
+        st.lists(st.tuples(st.integers(0, _NL - 1), st.integers(0, _NR - 1), st.integers(1, 5)))
+    )
+    pairs = [
+        (s + k, d + k) for s, d, n in stretches for k in range(n) if s + k < _NL and d + k < _NR
+    ]
+    shuffle, spoil, ours = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    if shuffle:
+        pairs = list(draw(st.permutations(pairs)))
+    if pairs and spoil:
+        bad = draw(st.sampled_from([-1, _NR, _NL, 2**31, 2**32 + 3, 2**62, -(2**40)]))
+        i = draw(st.integers(0, len(pairs) - 1))
+        pairs[i] = (bad, pairs[i][1]) if ours else (pairs[i][0], bad)
+    return pairs
+
+
+@given(
+    _crafted_pairs(),
+    st.sampled_from([16, local._SLICE_MIN_BYTES]),  # its gather path, its slice path
+    st.integers(1, 6),
+)
+def test_any_slot_list_is_refused_or_written_into_the_slots_named_only(
+    pairs: list[tuple[int, int]], block_len: int, max_len: int
+) -> None:
+    """Pairs as a caller may craft them (slots repeated on either side, in any order, out
+    of range, past int32 or int64): refused with nothing written if any slot is out of
+    range, else the in-process transport writes only into the remote slots named (either
+    of its copy paths), and the runs and their pieces, as listed or ordered, cover exactly
+    the pairs given, each as often as given (the NIXL post's descriptors are made of
+    them)."""
+    nl, nr = _NL, _NR
+    ours, theirs = [p[0] for p in pairs], [p[1] for p in pairs]
+    src_array = np.random.default_rng(1).integers(1, 256, nl * block_len, dtype=np.uint8)
+    dst_array = np.zeros(nr * block_len, dtype=np.uint8)
+    src = LocalTransport(
+        agent_name="any-src", region=src_array, layout=RegionLayout(0, nl, block_len)
+    )
+    dst = LocalTransport(
+        agent_name="any-dst", region=dst_array, layout=RegionLayout(0, nr, block_len)
+    )
+    try:
+        peer = src.add_remote_peer("any-dst", dst.metadata(), dst.layout)
+        if not all(0 <= s < nl for s in ours) or not all(0 <= s < nr for s in theirs):
+            with pytest.raises(TransportError):
+                src.post_write(peer, ours, theirs)
+            assert not dst_array.any()
+            return
+        src.release(src.post_write(peer, ours, theirs))
+    finally:
+        src.close()
+        dst.close()
+    named = Counter(theirs)
+    got, want = dst_array.reshape(nr, block_len), src_array.reshape(nl, block_len)
+    assert not got[[r for r in range(nr) if r not in named]].any()
+    for s, d in pairs:
+        if named[d] == 1:
+            assert (got[d] == want[s]).all()
+    as_listed = (np.array(ours, dtype=np.int64), np.array(theirs, dtype=np.int64))
+    for ordered in (as_listed, run_order(*as_listed)):
+        pieces = split_runs(*contiguous_runs(*ordered), max_len)
+        covered = Counter(
+            (int(s) + k, int(d) + k) for s, d, n in zip(*pieces, strict=True) for k in range(int(n))
+        )
+        assert covered == Counter(pairs)
 
 
 class CountingArray(np.ndarray):
