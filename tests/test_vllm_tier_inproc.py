@@ -1539,6 +1539,54 @@ def test_a_partial_load_names_the_keys_that_landed_and_a_store_succeeds_at_once(
     assert [(r.job_id, r.success) for r in done] == [(9, True)]
 
 
+def test_a_result_vllm_raises_on_loses_none_behind_it_and_repeats_none(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM raising while it walks the tier's finished jobs (a step's poll; its tier-poll
+    thread logs the error and polls on): the jobs behind the one it raised on are
+    reported at the next call, each once (a repeat would trip its assertion). They were
+    lost: taken off the tier with the one it raised on, never reported, and the chunks
+    they pinned stayed pinned for good. A walk abandoned midway loses none either."""
+    eng = engines(poll_s=0)  # no tier-poll thread: the steps here make every poll
+    ctxs = [ReqContext(req_id=f"walk-{i}") for i in range(3)]
+    with eng.mgr.lock:
+        stores = []
+        for i, ctx in enumerate(ctxs):  # prepare_store polls: all three first
+            eng.mgr.on_new_request(ctx)
+            stores.append(eng.mgr.prepare_store(make_keys(1, f"walk{i}"), ctx))
+        for ctx, out in zip(ctxs, stores, strict=True):  # one store job each, reported at once
+            assert out is not None
+            eng.mgr.complete_store(out.keys_to_store, ctx)
+            eng.mgr.on_request_finished(ctx)
+        eng.mgr.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+    assert eng.jobs() == 3 and pinned_chunks(eng) == 3
+    real, seen = eng.mgr._metrics.on_job_finished, []
+
+    def raising_on_the_first(job_metadata: Any, result: Any) -> None:  # FAKE vLLM fault
+        seen.append(result.job_id)
+        if len(seen) == 1:
+            raise RuntimeError("vLLM failed a finished job")
+        real(job_metadata, result)
+
+    monkeypatch.setattr(eng.mgr._metrics, "on_job_finished", raising_on_the_first)
+    with pytest.raises(RuntimeError, match="vLLM failed a finished job"):
+        eng.idle_step()
+    settle(eng)  # (the step after vLLM raised skips its poll: vLLM's once-a-step gate)
+    assert len(seen) == len(set(seen)) == 3  # the one vLLM raised on it took itself
+    assert pinned_chunks(eng) == 1  # the one vLLM raised on: vLLM's to unpin
+    # A walk abandoned after its first result leaves the rest for the next call.
+    for i in range(3):
+        eng.tier.submit_store(
+            TransferJob(100 + i, [], np.array([], np.int32), False, ReqContext(req_id="s"))
+        )
+    with eng.mgr.lock:
+        walk = iter(eng.tier.get_finished_jobs())
+        assert next(walk).job_id == 100
+        del walk
+        assert [r.job_id for r in eng.tier.get_finished_jobs()] == [101, 102]
+        assert list(eng.tier.get_finished_jobs()) == []
+
+
 def test_shutdown_twice_is_harmless_and_leaves_no_engine_thread(
     engines: Callable[..., Engine],
 ) -> None:

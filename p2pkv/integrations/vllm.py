@@ -398,7 +398,8 @@ class P2PTier:
         )
 
     def get_finished_jobs(self) -> list[JobResult]:
-        """Loads that finished since the last call (runs :meth:`step` first)."""
+        """Loads that finished since the last call (runs :meth:`step` first). The list is
+        the caller's: they are not reported again, whatever becomes of it."""
         self.step()
         done, self._finished = self._finished, []
         return done

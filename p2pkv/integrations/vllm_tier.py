@@ -55,7 +55,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -438,7 +439,7 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         self._serve_share = _Share(self.SERVE_SHARE)
         self._unfinished_ctx: list[ReqContext] = []  # drained before parent was at hand
         self._loads: dict[int, float] = {}  # load job id -> when vLLM submitted it
-        self._done: list[JobResult] = []
+        self._done: deque[JobResult] = deque()  # results not yet handed to vLLM
         self._stats: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._shut = False
         log.info("p2pkv tier %s listening on %s:%d", cfg.peer_id, *node.address)
@@ -522,13 +523,21 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         # vLLM's tier-poll thread calls this every millisecond: idle, it costs ~1 us.
         if not self._done and not self._pins.any_released() and self._core.idle():
             return ()
-        out, self._done = self._done, []
         for res in self._core.get_finished_jobs():
-            out.append(self._load_result(res))
+            self._done.append(self._load_result(res))
         for token in self._pins.released():
             assert isinstance(token, tuple)
-            out.extend(JobResult(job_id, True) for job_id in token)
-        return out
+            self._done.extend(JobResult(job_id, True) for job_id in token)
+        return self._hand_over()
+
+    def _hand_over(self) -> Iterator[JobResult]:
+        """The queued results, each taken off the queue as it is handed to vLLM: if vLLM
+        raises on one (its tier-poll thread logs that and polls on) or stops walking,
+        those behind it stay queued for the next call, so each job is reported once.
+        Handed over as a list, they went with the one vLLM raised on, never reported,
+        and the chunks they pinned stayed pinned."""
+        while self._done:
+            yield self._done.popleft()
 
     def _load_result(self, res: LoadResult) -> JobResult:
         submitted = self._loads.pop(res.job_id, None)
