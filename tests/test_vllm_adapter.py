@@ -842,6 +842,41 @@ def test_a_request_finished_with_its_lookup_in_flight_gives_the_answers_pins_bac
     tier.shutdown()
 
 
+def test_a_request_finished_right_after_its_load_leaves_the_load_its_rounds(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """vLLM finishing (aborting) a request just after it submitted the request's load:
+    the rounds the load was given are not released from under it. Both posts used to
+    reach the engine in one batch (its thread busy: here, wedged), which Trio starts in
+    either order: one time in two the release went first and closed the round, and the
+    fetch looked its keys up again (a round trip, or a failed load had the source
+    evicted them meanwhile). Eight requests: the old code passes once in 256 runs. A
+    round the load was given and did not use is released once the load has ended."""
+    src = nodes("src", lease=3600.0)
+    dst = nodes("dst", lease=3600.0)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    connected(tier, dst, RequestInfo("r-dial", source_params(src)))
+    peer = tier._sources[src.address].peer
+    assert peer is not None
+    for i in range(8):
+        keys = fill(src.store, 3, BLOCK)
+        req = RequestInfo(f"r{i}", source_params(src))
+        hits(tier, req, keys[:2])
+        hits(tier, req, keys[2:])  # a second round, which the load does not use
+        activity = dst.session_activity(peer)
+        release = wedge(dst)  # the engine takes both posts in one batch
+        try:
+            tier.submit_load(LoadJob(i, req.request_id, keys[:2]))
+            tier.on_request_finished(req)
+        finally:
+            release.set()
+        done = finished_jobs(tier)
+        assert [(r.job_id, r.success) for r in done] == [(i, True)]
+        assert dst.session_activity(peer) == activity, f"request {i}: looked up again"
+        wait_for(lambda: src.statistics().pinned_slots == 0)  # an hour's lease otherwise
+    tier.shutdown()
+
+
 def test_an_answer_that_comes_in_mid_scan_is_seen_by_the_whole_batch_next_step(
     nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -419,18 +419,24 @@ class P2PTier:
     def on_request_finished(self, request: RequestLike) -> None:
         """Forget the request: its open batch is dropped, its lookups in flight are
         ignored, loads still waiting for a connection fail. Loads already submitted
-        still report. The request's own lookup rounds that no load used are given back to
-        the source at once (``submit_release``) instead of staying pinned there until the
-        lease ends; so are the rounds of its lookups still in flight, once they answer.
-        Other requests' rounds are untouched, even where they hold the same keys."""
+        still report. The request's own lookup rounds that no load was given are given
+        back to the source at once (``submit_release``) instead of staying pinned there
+        until the lease ends; so are the rounds of its lookups still in flight, once they
+        answer, and those its loads in flight were given, once the last of them ends
+        (its fetch may not have claimed them yet). Other requests' rounds are untouched,
+        even where they hold the same keys."""
         st = self._requests.pop(request.request_id, None)
         if st is None:
             return
         if st.source is not None:
             st.source.used_at = time.monotonic()
-        if st.rounds and st.source is not None and st.source.peer is not None:
-            self._orphans.add(self.node.submit_release(st.source.peer, st.rounds))
-        st.rounds = []
+        # A load's fetch claims the rounds it uses when the engine starts it, which may
+        # be after this release: both posts can reach the engine in one batch, which Trio
+        # starts in either order, and a round released first made the fetch look its
+        # keys up again. So rounds a load in flight was given wait for it (_load_ended).
+        lent = {id(r) for ld in self._loads.values() if ld.request is st for r in ld.rounds}
+        self._release_rounds(st, [r for r in st.rounds if id(r) not in lent])
+        st.rounds = [r for r in st.rounds if id(r) in lent]
         if self._batching is st:
             self._batching = None
         self._open.pop(st.request_id, None)
@@ -442,6 +448,22 @@ class P2PTier:
         for load in st.waiting_loads:
             self._fail_job(load.job, load.keys, "request finished")
         st.waiting_loads.clear()
+
+    def _release_rounds(self, st: _Request, rounds: list[LookupRound]) -> None:
+        if rounds and st.source is not None and st.source.peer is not None:
+            self._orphans.add(self.node.submit_release(st.source.peer, rounds))
+
+    def _load_ended(self, load: _Load) -> None:
+        """A load left ``_loads``: if its request is finished and this was its last load
+        in flight, give back the rounds its loads were given (those their fetches used
+        are closed already; the rest would stay pinned at the source)."""
+        st = load.request
+        if not st.rounds or self._requests.get(st.request_id) is st:
+            return  # none kept, or the request goes on (its own finish releases them)
+        if any(ld.request is st for ld in self._loads.values()):
+            return
+        rounds, st.rounds = st.rounds, []
+        self._release_rounds(st, rounds)
 
     def drain(self, timeout: float) -> bool:
         """Block (the only call that does) until every load submitted so far is reported
@@ -851,6 +873,7 @@ class P2PTier:
                 outcome = self.node.poll(ticket)
             except Exception as exc:
                 del self._loads[ticket]
+                self._load_ended(load)
                 st = self._live(load)
                 reason = str(exc) or type(exc).__name__
                 src = load.request.source
@@ -868,10 +891,12 @@ class P2PTier:
             if outcome is None:
                 if load.slots is None and now >= load.deadline:
                     del self._loads[ticket]
+                    self._load_ended(load)
                     self._orphans.add(ticket)
                     self._fail_job(load.job, load.keys, "load timed out")
                 continue
             del self._loads[ticket]
+            self._load_ended(load)
             assert isinstance(outcome, FetchResult)
             loaded = set(outcome.loaded)
             failed = {k: outcome.failed.get(k, "not loaded") for k in load.keys if k not in loaded}
