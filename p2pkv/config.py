@@ -6,6 +6,7 @@ import hashlib
 import numbers
 import operator
 import os
+import sys
 from typing import Any, Literal
 
 import attrs
@@ -233,11 +234,24 @@ class NodeConfig:
     def __attrs_post_init__(self) -> None:
         # Plain Python numbers from here on: a NumPy number passes the checks above but
         # behaves differently later (np.float32 deadlines stay float32 on Trio's clock).
+        # A float field is a float: an int past a float's range would raise OverflowError
+        # wherever a deadline is computed from it (Trio's clock, a sum of deadlines), once
+        # the node is running.
         for field in attrs.fields(NodeConfig):
             value = getattr(self, field.name)
             kind = str(field.type).split(" | ")[0]
-            if kind in ("int", "float") and value is not None and type(value) not in (int, float):
-                plain = operator.index(value) if kind == "int" else float(value)
+            if value is None:
+                continue
+            if kind == "int" and type(value) is not int:
+                object.__setattr__(self, field.name, operator.index(value))
+            elif kind == "float" and type(value) is not float:
+                try:
+                    plain = float(value)
+                except OverflowError:
+                    raise ConfigError(
+                        f"{field.name} must be at most {sys.float_info.max:.2g} (a float), "
+                        f"got a larger {type(value).__name__}"
+                    ) from None
                 object.__setattr__(self, field.name, plain)
         if not self.peer_id or len(self.peer_id) > 128:
             raise ConfigError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")

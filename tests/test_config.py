@@ -75,6 +75,13 @@ from .helpers import fill
             "quarantine .* must exceed abort_timeout",
         ),
         ({"block_len": 4096, "max_inflight_bytes": 4095}, "less than one block"),
+        # An int past a float's range, where seconds or a share are asked: it passed every
+        # check, then raised OverflowError on Trio's clock (lease, the connect deadline) or
+        # out of the constructor itself (landing_margin, summed with abort_timeout).
+        ({"lease": 10**400}, r"lease must be at most 1.8e\+308 \(a float\), got a larger int"),
+        ({"connect_timeout": 1 << 1024}, "connect_timeout must be at most 1.8e"),
+        ({"landing_margin": 10**400}, "landing_margin must be at most 1.8e"),
+        ({"max_pinned_share": 10**5000}, "max_pinned_share must be at most 1.8e"),
     ],
     ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
 )
