@@ -13,6 +13,7 @@ import attrs
 
 from ._switch import MIN_INTERVAL
 from .errors import ConfigError
+from .wire import U64_MAX
 
 # The smallest max_frame_size: room for any hello (its fields within their limits, ~1.5 KB
 # at most, plus NIXL's metadata: ~300 B and 44 B a registered region).
@@ -253,6 +254,13 @@ class NodeConfig:
                         f"got a larger {type(value).__name__}"
                     ) from None
                 object.__setattr__(self, field.name, plain)
+            if kind == "int" and getattr(self, field.name) > U64_MAX:
+                # The hello carries such counts as unsigned 64-bit ints (max_open_requests):
+                # past it no hello of ours could be built, and every session crashed.
+                raise ConfigError(
+                    f"{field.name} must be at most 2**64 - 1, got an int of "
+                    f"{getattr(self, field.name).bit_length()} bits"
+                )
         if not self.peer_id or len(self.peer_id) > 128:
             raise ConfigError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
         # What the hello carries, within its limits (wire.Hello): past them every

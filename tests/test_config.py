@@ -82,6 +82,14 @@ from .helpers import fill
         ({"connect_timeout": 1 << 1024}, "connect_timeout must be at most 1.8e"),
         ({"landing_margin": 10**400}, "landing_margin must be at most 1.8e"),
         ({"max_pinned_share": 10**5000}, "max_pinned_share must be at most 1.8e"),
+        # Past what the hello carries (an unsigned 64-bit int): the node started, then
+        # every session crashed building its hello.
+        ({"max_open_requests": 1 << 64}, r"max_open_requests must be at most 2\*\*64 - 1"),
+        # Too long for an error message to show (Python's limit on int digits).
+        (
+            {"num_blocks": 10**5000, "max_peer_blocks": 10**5000},
+            r"num_blocks must be at most 2\*\*64 - 1, got an int of 16610 bits",
+        ),
     ],
     ids=lambda v: "-".join(map(str, v)) if isinstance(v, dict) else None,
 )
@@ -107,6 +115,7 @@ def test_a_bad_value_is_a_config_error_naming_it(kw: dict[str, Any], match: str)
         {"heartbeat_interval": 5.0, "idle_timeout": 5.5},
         {"quarantine": 3.5, "abort_timeout": 2.0, "landing_margin": 1.0},
         {"landing_margin": 0.0},
+        {"max_open_requests": (1 << 64) - 1},
     ],
     ids=lambda v: "-".join(map(str, v.items())),
 )
