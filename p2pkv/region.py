@@ -19,6 +19,7 @@ the core package must not depend on it.
 from __future__ import annotations
 
 import mmap
+import re
 import sys
 from typing import Any, Final
 
@@ -75,6 +76,8 @@ def host_bytes(region: object) -> npt.NDArray[np.uint8]:
             raise TypeError(f"region must be a buffer, got {type(region).__name__}") from None
         if not mv.c_contiguous:
             raise ValueError("region must be C-contiguous")
+        if _holds_objects(mv):
+            raise ValueError("region must not hold Python objects")
         flat = np.frombuffer(mv.cast("B"), dtype=np.uint8)
     if not flat.flags.writeable:
         raise ValueError("region must be writable")
@@ -130,6 +133,17 @@ def _as_uint8(flat: Any) -> Any:
         raise ValueError(f"cannot view tensor as bytes: {exc}") from exc
 
 
+def _holds_objects(mv: memoryview) -> bool:
+    """The buffer's items are (or contain) Python object pointers: format code ``O``, as
+    a NumPy object array or a ctypes ``py_object`` array exports (``'O'``, ``'<O'``,
+    ``'T{O:a:i:b:}'``). Field names, between colons, are not codes."""
+    fmt = mv.format
+    return "O" in fmt and "O" in _FIELD_NAMES.sub("", fmt)
+
+
+_FIELD_NAMES: Final = re.compile(r":[^:]*:")
+
+
 def _is_torch_tensor(obj: object) -> bool:
     # Never import torch here: a host that hands us a tensor has already imported it.
     return hasattr(obj, "data_ptr") and any(
@@ -165,6 +179,10 @@ def block_source(data: object, block_len: int) -> npt.NDArray[np.uint8]:
         mv = memoryview(data)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"data must be a buffer, got {type(data).__name__}") from None
+    if _holds_objects(mv):
+        # Its bytes are the objects' addresses: a block of them would hand peers pointers
+        # into this process (and hold no reference to what they point at).
+        raise ValueError("data must not hold Python objects")
     if mv.nbytes != block_len:
         raise ValueError(f"data is {mv.nbytes} bytes, block_len is {block_len}")
     if not mv.c_contiguous:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import queue
 import threading
 import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -93,6 +95,29 @@ def test_put_of_the_wrong_length_raises_and_stores_nothing(length: int) -> None:
     store = BlockStore(2, L)
     with pytest.raises(ValueError, match="block_len"):
         store.put(b"k", bytes(length))
+    assert b"k" not in store and store.statistics().free == 2
+
+
+_PTR = ctypes.sizeof(ctypes.py_object)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        np.array([object()] * (L // _PTR), dtype=object),
+        np.zeros(L // (_PTR + 8), dtype=[("a", "O"), ("b", "<i8")]),
+        (ctypes.py_object * (L // _PTR))(),
+        np.array([b"x"] * (L // _PTR), dtype=object).data,
+    ],
+    ids=["object-numpy", "object-field", "ctypes-objects", "object-memoryview"],
+)
+def test_put_of_python_objects_raises_and_stores_nothing(data: Any) -> None:
+    """A buffer of object pointers has block_len bytes, but they are addresses in this
+    process: stored, they were served to any peer that fetched the key."""
+    assert memoryview(data).nbytes == L
+    store = BlockStore(2, L)
+    with pytest.raises(ValueError, match="must not hold Python objects"):
+        store.put(b"k", data)
     assert b"k" not in store and store.statistics().free == 2
 
 
@@ -687,8 +712,20 @@ def test_torch_region_must_be_contiguous_and_on_the_cpu() -> None:
         np.frombuffer(bytes(4 * L), dtype=np.uint8),  # read-only
         np.empty(4 * L, dtype=object),
         memoryview(bytearray(8 * L))[::2],  # a buffer, but not contiguous
+        # Object pointers as a plain buffer: a peer's write would overwrite them.
+        (ctypes.py_object * (4 * L // ctypes.sizeof(ctypes.py_object)))(),
+        np.empty(4 * L, dtype=object).data,
     ],
-    ids=["bytes", "small", "strided", "readonly-numpy", "object-numpy", "strided-buffer"],
+    ids=[
+        "bytes",
+        "small",
+        "strided",
+        "readonly-numpy",
+        "object-numpy",
+        "strided-buffer",
+        "ctypes-objects",
+        "object-memoryview",
+    ],
 )
 def test_unusable_region_is_rejected(region: object) -> None:
     """Memory that cannot be viewed in place is refused with ValueError, a strided buffer
