@@ -558,6 +558,13 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
         (["demo", "--seed", str(1 << 63)], None, "must fit in 64 bits"),
         (["serve", "--port", "65536"], None, "must be 0..65535"),
         (["serve", "--config", "{cfg}"], None, "No such file"),
+        # JSON keeps the last of a setting given twice, where TOML refuses the file.
+        (["serve", "--config", "{cfg}.json"], '{"port": 1, "port": "x"}', "port is given twice"),
+        (
+            ["serve", "--config", "{cfg}.json"],
+            '{"peer_id": "a", "secret": "one", "fill": 1, "secret": []}',
+            "secret is given twice",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_error_not_a_traceback(

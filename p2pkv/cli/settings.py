@@ -78,10 +78,16 @@ def load_config(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise P2PKVError(f"{path}: not UTF-8 text: {exc}") from exc
     try:
-        data: Any = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        data: Any = (
+            tomllib.loads(text)
+            if path.suffix == ".toml"
+            else json.loads(text, object_pairs_hook=_once_each)
+        )
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         kind = "TOML" if path.suffix == ".toml" else "JSON (a .toml file is read as TOML)"
         raise P2PKVError(f"{path}: not valid {kind}: {exc}") from exc
+    except _Twice as exc:
+        raise P2PKVError(f"{path}: {exc.args[0]} is given twice") from None
     if not isinstance(data, dict):
         raise P2PKVError(f"{path}: expected a table of settings")
     known = {a.name for a in attrs.fields(NodeConfig)} | {"fill", "seed"}
@@ -94,6 +100,22 @@ def load_config(path: Path) -> dict[str, Any]:
     for name in _PATH_FIELDS & set(data):
         if isinstance(data[name], str):
             data[name] = os.fspath(path.parent / data[name])
+    return data
+
+
+class _Twice(Exception):
+    """A JSON object names one member twice (its name in ``args[0]``)."""
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict; :class:`_Twice` for a name given twice. ``json`` keeps the
+    last silently, where TOML refuses the file: which of two secrets, ports or stores
+    the user meant is not ours to guess."""
+    data: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in data:
+            raise _Twice(name)
+        data[name] = value
     return data
 
 
