@@ -272,6 +272,17 @@ class NodeConfig:
         ):
             if len(getattr(self, name)) > limit:
                 raise ConfigError(f"{name} must be at most {limit} {unit} (the hello's limit)")
+        for name in ("peer_id", "fingerprint", "hash_algo", "host"):
+            try:
+                getattr(self, name).encode()
+            except UnicodeEncodeError as exc:
+                # A lone surrogate (what an undecodable byte of a command line or a file
+                # name becomes): no hello carries it, so every session would crash (and
+                # no address lookup takes it).
+                raise ConfigError(
+                    f"{name} must be text UTF-8 can carry, got {getattr(self, name)!r} "
+                    f"({exc.reason} at {exc.start})"
+                ) from None
         if self.secret is not None and not self.secret:
             # An empty key turns the HMAC handshake on and proves nothing: any peer holds
             # it. A host that read its secret from an unset variable would believe itself

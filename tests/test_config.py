@@ -82,6 +82,12 @@ from .helpers import fill
         ({"connect_timeout": 1 << 1024}, "connect_timeout must be at most 1.8e"),
         ({"landing_margin": 10**400}, "landing_margin must be at most 1.8e"),
         ({"max_pinned_share": 10**5000}, "max_pinned_share must be at most 1.8e"),
+        # A lone surrogate (an undecodable byte of argv, under surrogateescape): the node
+        # started, then every session crashed encoding its hello.
+        ({"peer_id": "a\udcff"}, r"peer_id must be text UTF-8 can carry, got 'a\\udcff'"),
+        ({"fingerprint": "\ud800"}, "fingerprint must be text UTF-8 can carry"),
+        ({"hash_algo": "sha\udc80"}, "hash_algo must be text UTF-8 can carry"),
+        ({"host": "\udcff"}, "host must be text UTF-8 can carry"),
         # Past what the hello carries (an unsigned 64-bit int): the node started, then
         # every session crashed building its hello.
         ({"max_open_requests": 1 << 64}, r"max_open_requests must be at most 2\*\*64 - 1"),
