@@ -23,7 +23,16 @@ class P2PKVError(Exception):
             where.append(f"peer={self.peer}")
         if self.op is not None:
             where.append(f"op={self.op}")
-        return f"{self.message} ({', '.join(where)})" if where else self.message
+        text = f"{self.message} ({', '.join(where)})" if where else self.message
+        return text if text.isprintable() else _printable(text)
+
+
+def _printable(text: str) -> str:
+    """``text`` with each character that is not printable (a newline, an escape, a
+    control character) written as its escape sequence. What a peer says (a bye's reason,
+    the peer id its hello claims) reaches error messages, and through them logs and
+    terminals: it must not start a line of its own, or drive the terminal."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 class ProtocolError(P2PKVError):

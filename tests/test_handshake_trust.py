@@ -9,6 +9,7 @@ Trio's autojump clock with the FAKE inline offload (no real threads with autojum
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -17,7 +18,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import P2PKVError, PeerUnavailable, open_node
+from p2pkv import HandshakeRejected, P2PKVError, PeerUnavailable, open_node
 from p2pkv.node import _REGISTRATION_IDS, Node
 from p2pkv.session.protocol import (
     ByeReceived,
@@ -1072,3 +1073,35 @@ async def test_a_newcomer_waits_out_the_old_sessions_teardown_bound_then_is_refu
             assert trio.current_time() - start == pytest.approx(5.0, abs=0.3)
             await first.aclose()
             await second.aclose()
+
+
+FORGED = "no\n2026-12-05 p2pkv.node ERROR forged line\r\x1b[2J\x00\u2028"
+
+
+async def test_what_a_peer_says_reaches_an_error_message_on_one_line_and_inert() -> None:
+    """A bye's reason (or the peer id a hello claims) is the peer's text: in an error's
+    message, logged or printed by the CLI, a newline forged a line of the log and an
+    escape drove the terminal. Each character that is not printable is shown escaped."""
+
+    async def says_bye(stream: trio.SocketStream) -> None:
+        await stream.send_all(encode(Bye(code="handshake", reason=FORGED)))
+        await stream.send_eof()
+        with trio.move_on_after(5):
+            while await stream.receive_some():
+                pass
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, open_node(config("a")) as a:
+            serve = functools.partial(trio.serve_tcp, says_bye, 0, host="127.0.0.1")
+            listeners = await nursery.start(serve)
+            port = listeners[0].socket.getsockname()[1]
+            with pytest.raises(P2PKVError) as info:
+                await a.connect(("127.0.0.1", port))
+            nursery.cancel_scope.cancel()
+    text = str(info.value)
+    assert text.isprintable(), text
+    assert r"no\n2026-12-05 p2pkv.node ERROR forged line\r\x1b[2J\x00\u2028" in text
+    # The same for a peer id, whatever the error.
+    for exc in (P2PKVError("m", peer=FORGED), HandshakeRejected("r", peer=FORGED, remote=True)):
+        assert str(exc).isprintable() and r"peer=no\n2026" in str(exc)
+    assert str(P2PKVError("plain é ✓", peer="b", op="x")) == "plain é ✓ (peer=b, op=x)"
