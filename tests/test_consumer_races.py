@@ -653,6 +653,37 @@ async def test_releasing_one_round_keeps_another_rounds_pins_on_the_same_key() -
             assert_settled(dst)
 
 
+@pytest.mark.parametrize("call", ["release", "fetch", "fetch_into"])
+async def test_a_rounds_argument_holding_something_not_a_handle_is_refused_before_anything(
+    call: str,
+) -> None:
+    """A caller's mistake in ``rounds`` (an item midway that is not a LookupRound) is
+    refused as a whole with LocalProtocolError before anything is done: no round before
+    it closed and none after it left open, no round claimed, the region not lent. (Found
+    by a review, 2026-12-05: release closed the rounds before the item, left those after
+    it open and unflushed, and raised AttributeError; fetch and fetch_into raised it too,
+    fetch_into after handing the region to the caller.)"""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 3, BLOCK)
+            peer = await dst.connect(src.address)
+            rounds = [await dst.lookup_round(peer, [k]) for k in keys]
+            bad: list[Any] = [rounds[0], "not a round", rounds[1]]
+            with pytest.raises(LocalProtocolError, match=r"rounds\[1\].*LookupRound"):
+                if call == "release":
+                    await dst.release(peer, bad)
+                elif call == "fetch":
+                    await dst.fetch(peer, keys[:2], rounds=bad)
+                else:
+                    await dst.fetch_into(peer, keys[:2], [0, 1], rounds=bad)
+            assert not dst.store.lent_to_caller
+            assert src.statistics().pinned_slots == 3
+            # Every round is still the caller's, whole: each is closed now, exactly once.
+            assert await dst.release(peer, rounds + rounds) == 3
+            await wait_unpinned(src)
+            assert_settled(dst)
+
+
 async def test_a_fetch_never_uses_a_round_another_caller_holds() -> None:
     with trio.fail_after(BOUND):
         async with pair() as (src, dst):

@@ -649,9 +649,10 @@ class ConsumerSide(SessionParts):
         """Close the open rounds of ``rounds`` without fetching: the producer releases
         their pins now instead of at the lease's end. Rounds a fetch already used (or
         that ended otherwise), and handles of another session, are skipped. Returns how
-        many rounds were closed."""
+        many rounds were closed. Raises :class:`LocalProtocolError`, before any round is
+        closed, if an item is not a :class:`LookupRound`."""
         closed = 0
-        for handle in rounds:
+        for handle in self._handles(rounds, "release"):
             if handle.session_token is not self.token:
                 continue
             for req in handle.req_ids:
@@ -661,6 +662,25 @@ class ConsumerSide(SessionParts):
         if closed:
             await self._flush()
         return closed
+
+    def _handles(self, rounds: Iterable[LookupRound], op: str) -> list[LookupRound]:
+        """``rounds`` as a list, every item checked before anything is done with any: a
+        caller's mistake is refused as a whole (:class:`LocalProtocolError`), never
+        after the rounds before it were closed or claimed."""
+        try:
+            handles = rounds if type(rounds) is list else list(rounds)
+        except TypeError:
+            raise LocalProtocolError(
+                "rounds must be an iterable of LookupRound", peer=self.peer_id, op=op
+            ) from None
+        for i, h in enumerate(handles):
+            if not isinstance(h, LookupRound):
+                raise LocalProtocolError(
+                    f"rounds[{i}] is a {type(h).__name__}, not a LookupRound",
+                    peer=self.peer_id,
+                    op=op,
+                )
+        return handles
 
     def _close_round(self, req: int) -> None:
         """Close a round nobody fetched (empty fetch): the producer releases its pins."""
@@ -677,7 +697,8 @@ class ConsumerSide(SessionParts):
         """Fetch ``keys`` into the local store. Uses the open rounds of the handles in
         ``rounds`` and the anonymous open rounds where they hold a key, waits for keys
         another fetch is bringing in right now, and looks the rest up first. Never raises
-        for per-key failures (:class:`LocalProtocolError` only for an unhashable key).
+        for per-key failures (:class:`LocalProtocolError` only for an unhashable key or an
+        item of ``rounds`` that is not a :class:`LookupRound`).
         A key the other fetch gave up on because its caller cancelled it is fetched here
         (``again``: once), so one caller's cancel never fails another's keys.
         :class:`SlotsInUse` if ``fetch_into`` handed the region to the caller."""
@@ -685,6 +706,7 @@ class ConsumerSide(SessionParts):
             wanted = list(dict.fromkeys(keys))
         except TypeError:
             raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
+        rounds = self._handles(rounds, "fetch")  # read twice if a shared key comes back
         if self.node.store.lent_to_caller:  # before anything is sent
             raise region_lent_error("fetch")
         outcome = _Outcome()
@@ -702,8 +724,6 @@ class ConsumerSide(SessionParts):
                     shared.setdefault(other, []).append(k)
                 else:
                     mine.append(k)
-        if shared:
-            rounds = list(rounds)  # read twice if a shared key must be fetched here after all
         # From here to the first checkpoint: claim the keys and the rounds.
         claim = _Claim(mine)
         self._add_claim(claim)
@@ -782,11 +802,13 @@ class ConsumerSide(SessionParts):
         comes by ``within + quarantine`` at the latest, whatever had to be looked up
         again; the keys cut short fail "timed out". Raises :class:`LocalProtocolError`,
         before anything is sent, for mismatched lengths, a slot that is not an integer or
-        out of the region, a slot named twice or in use by another ``fetch_into``, or a
-        repeated key; :class:`SlotsInUse` if the node's store holds anything (the region is
+        out of the region, a slot named twice or in use by another ``fetch_into``, a
+        repeated key, or an item of ``rounds`` that is not a :class:`LookupRound`;
+        :class:`SlotsInUse` if the node's store holds anything (the region is
         the store's or the caller's, never both: the first ``fetch_into`` hands it to the
         caller, and the store's ``put`` and ``fetch`` refuse from then on)."""
         keys = list(keys)
+        rounds = self._handles(rounds, "fetch")
         try:  # integers only (numpy's too): a float or a string is never rounded to a slot
             dst_slots = [operator.index(s) for s in slots]
         except TypeError:
