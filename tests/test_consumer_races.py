@@ -50,6 +50,7 @@ from .helpers import (
     fill,
     inline_offload,
     pair,
+    until,
     until_sessions,
     wait_for,
 )
@@ -681,6 +682,29 @@ async def test_a_rounds_argument_holding_something_not_a_handle_is_refused_befor
             # Every round is still the caller's, whole: each is closed now, exactly once.
             assert await dst.release(peer, rounds + rounds) == 3
             await wait_unpinned(src)
+            assert_settled(dst)
+
+
+async def test_a_release_cancelled_before_its_send_still_tells_the_producer_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A release whose caller is cancelled already (a facade call whose timeout passed
+    while the engine was busy) closes the rounds here, and their empty fetches still go
+    out at once: a session task sends them. They used to wait in the outbox for whatever
+    sent next (the keepalive's ping, a heartbeat later), the producer holding the pins
+    meanwhile (found by a review, 2026-12-05)."""
+    with trio.fail_after(100):
+        async with pair(virtual=True) as (src, dst):
+            keys = fill(src.store, 2, BLOCK)
+            peer = await dst.connect(src.address)
+            held = await dst.lookup_round(peer, keys)
+            assert src.statistics().pinned_slots == 2
+            with trio.CancelScope() as cs:
+                cs.cancel()
+                await dst.release(peer, held)
+            assert await dst.release(peer, held) == 0  # closed here
+            with trio.fail_after(dst.config.heartbeat_interval / 10):
+                await until(lambda: src.statistics().pinned_slots == 0)
             assert_settled(dst)
 
 

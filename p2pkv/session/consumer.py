@@ -660,7 +660,7 @@ class ConsumerSide(SessionParts):
                     self._close_round(req)
                     closed += 1
         if closed:
-            await self._flush()
+            await self._send_closes()
         return closed
 
     def _handles(self, rounds: Iterable[LookupRound], op: str) -> list[LookupRound]:
@@ -681,6 +681,16 @@ class ConsumerSide(SessionParts):
                     op=op,
                 )
         return handles
+
+    async def _send_closes(self) -> None:
+        """Send the empty fetches just queued (:meth:`_close_round`). A caller cancelled
+        before they went out leaves them to a session task: the producer holds the
+        rounds' pins until it hears, and nothing else may be sent for a heartbeat."""
+        try:
+            await self._flush()
+        except BaseException:
+            self._flush_soon()
+            raise
 
     def _close_round(self, req: int) -> None:
         """Close a round nobody fetched (empty fetch): the producer releases its pins."""
@@ -1014,7 +1024,7 @@ class ConsumerSide(SessionParts):
             return False
         if not keys:
             self._close_round(req)
-            await self._flush()
+            await self._send_closes()
             return True
         try:
             slots = landing.reserve(req, keys, grant)
@@ -1024,14 +1034,14 @@ class ConsumerSide(SessionParts):
             self._close_round(req)
             why = f"store full: {exc}" if isinstance(exc, StoreFull) else f"region lent: {exc}"
             outcome.update((k, why) for k in keys)
-            await self._flush()
+            await self._send_closes()
             return False
         rest: list[bytes] = []
         if len(slots) < len(keys):  # past the peer's share of our store (shares.py)
             keys, rest, whole = keys[: len(slots)], keys[len(slots) :], False
             if not keys:
                 self._close_round(req)
-                await self._flush()
+                await self._send_closes()
                 return await self._fetch_in_parts(rest, outcome, landing, lim, again=again)
         if not await self._fetch_reserved(p, keys, slots, outcome, landing, lim, whole, again):
             # The first part failed: the rest, never asked for, fails as it did.
