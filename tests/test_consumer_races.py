@@ -28,6 +28,7 @@ from p2pkv import (
     Node,
     NodeConfig,
     P2PKVError,
+    PeerUnavailable,
     SessionClosed,
     open_node,
 )
@@ -1131,4 +1132,49 @@ async def test_a_request_in_flight_when_its_producer_restarts_fails_at_once(
                 assert failed == [] and result.loaded == []
                 assert all("restarted" in why for why in result.failed.values()), result.failed
                 assert dst.statistics().quarantined_slots == 2  # its writes may yet land
+            await raw.aclose()
+
+
+async def test_a_split_lookup_woken_by_a_producer_restart_gives_back_its_request_slots(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup split into two rounds waits for two request slots (of the producer's two)
+    while another lookup holds one; the producer restarts, which ends that lookup and
+    hands both slots over, but the new incarnation is not ready: the split lookup fails
+    before it sends anything, and gives both slots back. (Removing that give-back
+    survived every test, found by a review on 2026-12-05: both slots were lost for the
+    session's life, and every later lookup waited out its deadline.)"""
+    with trio.fail_after(1200):  # virtual
+        raw = RawPeer("phoenix", max_keys_per_request=1, max_open_requests=2)
+        keys = [os.urandom(32) for _ in range(4)]
+        async with open_node(config("dst", lookup_timeout=60.0), offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            failed: list[BaseException] = []
+
+            async def lookup(ks: list[bytes]) -> None:
+                with pytest.raises(P2PKVError) as info:
+                    await dst.lookup(raw.peer_id, ks)
+                failed.append(info.value)
+
+            with trio.fail_after(30):  # virtual: far short of the lookups' deadlines
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(lookup, keys[:1])
+                    assert isinstance(await raw.next_event(), LookupRequested)
+                    nursery.start_soon(lookup, keys[1:3])  # waits for its two slots
+                    await trio.testing.wait_all_tasks_blocked()
+                    raw.proto = SessionProtocol(
+                        attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+                    )
+                    await raw.handshake()
+            assert {type(e) for e in failed} == {SessionClosed, PeerUnavailable}, failed
+            # Both slots are free again: a lookup of two rounds goes out at once.
+            with trio.fail_after(10):  # virtual: far short of lookup_timeout
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(dst.lookup, raw.peer_id, keys[2:])
+                    for _ in range(2):
+                        ev = await raw.next_event()
+                        assert isinstance(ev, LookupRequested)
+                        raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60)
+                    await raw.flush()
             await raw.aclose()
