@@ -1178,3 +1178,40 @@ async def test_a_split_lookup_woken_by_a_producer_restart_gives_back_its_request
                         raw.proto.send_lookup_resp(ev.req_id, [True], trio.current_time(), 60)
                     await raw.flush()
             await raw.aclose()
+
+
+async def test_a_split_lookup_over_the_limit_a_restarted_producer_lowers_fails_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup split into four rounds waits for four request slots while another lookup
+    holds one; the producer restarts advertising two: the split lookup can never be
+    served and fails at once with LocalProtocolError, as it would have before it
+    waited, not at its deadline (found by a review, 2026-12-05)."""
+    with trio.fail_after(1200):  # virtual
+        raw = RawPeer("phoenix", max_keys_per_request=1, max_open_requests=4)
+        keys = [os.urandom(32) for _ in range(5)]
+        async with open_node(config("dst", lookup_timeout=60.0), offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            failed: list[BaseException] = []
+
+            async def lookup(ks: list[bytes]) -> None:
+                with pytest.raises(P2PKVError) as info:
+                    await dst.lookup(raw.peer_id, ks)
+                failed.append(info.value)
+
+            with trio.fail_after(30):  # virtual: far short of the lookups' deadline
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(lookup, keys[:1])
+                    assert isinstance(await raw.next_event(), LookupRequested)
+                    nursery.start_soon(lookup, keys[1:])  # waits for its four slots
+                    await trio.testing.wait_all_tasks_blocked()
+                    local = attrs.evolve(
+                        raw.proto.local, epoch=raw.proto.local.epoch + 1, max_open_requests=2
+                    )
+                    raw.proto = SessionProtocol(local)
+                    await raw.handshake()
+            over = [e for e in failed if isinstance(e, LocalProtocolError)]
+            assert len(failed) == 2 and len(over) == 1, failed
+            assert "more than the 2 that may be open" in str(over[0])
+            await raw.aclose()

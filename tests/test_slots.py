@@ -150,3 +150,29 @@ async def test_a_raised_limit_lets_waiters_in_at_once() -> None:
             await trio.testing.wait_all_tasks_blocked()
             slots.set_limit(3)
     assert got == [2] and slots.free == 0
+
+
+async def test_a_waiter_for_more_than_a_lowered_limit_is_refused_and_blocks_nobody() -> None:
+    """The peer restarts and advertises fewer open requests than a split lookup waits
+    for: that lookup can never be served, so it is refused at once (False), taking
+    nothing, and the single take behind it gets the next slot given back. It used to
+    stay at the head of the queue until its deadline, and every take behind it too."""
+    slots = RequestSlots(4)
+    assert slots.take_nowait(2)
+    got: list[tuple[str, bool]] = []
+
+    async def take(name: str, n: int) -> None:
+        got.append((name, await slots.take(n)))
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(take, "three", 3)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(take, "one", 1)  # behind it
+            await trio.testing.wait_all_tasks_blocked()
+            slots.set_limit(2)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == [("three", False)]
+            slots.give_back(2)
+    assert got == [("three", False), ("one", True)] and slots.free == 1
+    assert not slots.waiting

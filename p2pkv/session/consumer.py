@@ -597,22 +597,25 @@ class ConsumerSide(SessionParts):
         if (self._requests.free < n or self._requests.waiting) and self._acks_overdue():
             self.close(ACKS_OVERDUE, "timeout")
             raise SessionClosed(ACKS_OVERDUE, peer=self.peer_id, op="lookup")
-        if n > self._requests.limit:
-            raise LocalProtocolError(
-                f"a lookup of {n} requests (split by the key limits) is more than the "
-                f"{self._requests.limit} that may be open at this peer",
-                peer=self.peer_id,
-                op="lookup",
-            )
-        try:
-            with trio.fail_at(end):
-                await self._requests.take(n)
-        except trio.TooSlowError:
-            raise P2PKVTimeout(
-                f"no request slot free within the lookup deadline ({self._requests.limit} open)",
-                peer=self.peer_id,
-                op="lookup",
-            ) from None
+        if n <= self._requests.limit:
+            try:
+                with trio.fail_at(end):
+                    if await self._requests.take(n):
+                        return
+            except trio.TooSlowError:
+                raise P2PKVTimeout(
+                    f"no request slot free within the lookup deadline "
+                    f"({self._requests.limit} open)",
+                    peer=self.peer_id,
+                    op="lookup",
+                ) from None
+        # Refused at once, or while it waited: the peer's new hello lowered the limit.
+        raise LocalProtocolError(
+            f"a lookup of {n} requests (split by the key limits) is more than the "
+            f"{self._requests.limit} that may be open at this peer",
+            peer=self.peer_id,
+            op="lookup",
+        )
 
     def _acks_overdue(self) -> bool:
         now = trio.current_time()
