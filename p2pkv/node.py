@@ -642,7 +642,8 @@ class Node:
     ) -> FetchResult:
         """Pull ``keys`` into :attr:`store`. Per-key failures (misses, timeouts, a peer that
         died, an invalid key) are in ``result.failed``; raises only if the peer is not
-        connected (``PeerUnavailable``) or a key is unhashable (``LocalProtocolError``).
+        connected (``PeerUnavailable``), or a key is unhashable or an item of ``rounds`` is
+        not a :class:`LookupRound` (``LocalProtocolError``, before anything is sent).
         ``rounds``: handles from :meth:`lookup_round` whose rounds this fetch
         may use (besides anonymous rounds from :meth:`lookup`)."""
         return await self._session(peer, "fetch").fetch(check_keys(keys), self._handles(rounds))
@@ -725,6 +726,8 @@ class Node:
         """Give back the pins of the rounds of ``rounds`` (from :meth:`lookup_round`) that
         no fetch used, e.g. when the request that looked them up is finished. Returns how
         many rounds were closed; 0 if the peer's session is gone (its rounds went with it).
+        ``LocalProtocolError``, with no round closed, if an item is not a
+        :class:`LookupRound`.
         """
         pid = check_peer(peer)
         session = self._by_peer.get(pid)
