@@ -1135,6 +1135,34 @@ async def test_a_request_in_flight_when_its_producer_restarts_fails_at_once(
             await raw.aclose()
 
 
+async def restart_while_a_split_lookup_waits(
+    dst: Node, raw: RawPeer, first: list[bytes], split: list[bytes], **changes: Any
+) -> list[BaseException]:
+    """Connect ``raw``, look ``first`` up (its one round held unanswered), then ``split``
+    (a round per key, waiting for request slots), and restart ``raw`` on its connection
+    with a new epoch and ``changes`` to its hello. Returns what both lookups raised: the
+    restart ends the first, and whatever the second then meets."""
+    await raw.connect(dst.address)
+    await raw.handshake()
+    failed: list[BaseException] = []
+
+    async def lookup(ks: list[bytes]) -> None:
+        with pytest.raises(P2PKVError) as info:
+            await dst.lookup(raw.peer_id, ks)
+        failed.append(info.value)
+
+    with trio.fail_after(30):  # virtual: far short of the lookups' deadlines
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lookup, first)
+            assert isinstance(await raw.next_event(), LookupRequested)
+            nursery.start_soon(lookup, split)  # waits for its slots
+            await trio.testing.wait_all_tasks_blocked()
+            local = attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1, **changes)
+            raw.proto = SessionProtocol(local)
+            await raw.handshake()
+    return failed
+
+
 async def test_a_split_lookup_woken_by_a_producer_restart_gives_back_its_request_slots(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -1148,25 +1176,7 @@ async def test_a_split_lookup_woken_by_a_producer_restart_gives_back_its_request
         raw = RawPeer("phoenix", max_keys_per_request=1, max_open_requests=2)
         keys = [os.urandom(32) for _ in range(4)]
         async with open_node(config("dst", lookup_timeout=60.0), offload=VirtualOffload()) as dst:
-            await raw.connect(dst.address)
-            await raw.handshake()
-            failed: list[BaseException] = []
-
-            async def lookup(ks: list[bytes]) -> None:
-                with pytest.raises(P2PKVError) as info:
-                    await dst.lookup(raw.peer_id, ks)
-                failed.append(info.value)
-
-            with trio.fail_after(30):  # virtual: far short of the lookups' deadlines
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(lookup, keys[:1])
-                    assert isinstance(await raw.next_event(), LookupRequested)
-                    nursery.start_soon(lookup, keys[1:3])  # waits for its two slots
-                    await trio.testing.wait_all_tasks_blocked()
-                    raw.proto = SessionProtocol(
-                        attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
-                    )
-                    await raw.handshake()
+            failed = await restart_while_a_split_lookup_waits(dst, raw, keys[:1], keys[1:3])
             assert {type(e) for e in failed} == {SessionClosed, PeerUnavailable}, failed
             # Both slots are free again: a lookup of two rounds goes out at once.
             with trio.fail_after(10):  # virtual: far short of lookup_timeout
@@ -1191,26 +1201,9 @@ async def test_a_split_lookup_over_the_limit_a_restarted_producer_lowers_fails_a
         raw = RawPeer("phoenix", max_keys_per_request=1, max_open_requests=4)
         keys = [os.urandom(32) for _ in range(5)]
         async with open_node(config("dst", lookup_timeout=60.0), offload=VirtualOffload()) as dst:
-            await raw.connect(dst.address)
-            await raw.handshake()
-            failed: list[BaseException] = []
-
-            async def lookup(ks: list[bytes]) -> None:
-                with pytest.raises(P2PKVError) as info:
-                    await dst.lookup(raw.peer_id, ks)
-                failed.append(info.value)
-
-            with trio.fail_after(30):  # virtual: far short of the lookups' deadline
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(lookup, keys[:1])
-                    assert isinstance(await raw.next_event(), LookupRequested)
-                    nursery.start_soon(lookup, keys[1:])  # waits for its four slots
-                    await trio.testing.wait_all_tasks_blocked()
-                    local = attrs.evolve(
-                        raw.proto.local, epoch=raw.proto.local.epoch + 1, max_open_requests=2
-                    )
-                    raw.proto = SessionProtocol(local)
-                    await raw.handshake()
+            failed = await restart_while_a_split_lookup_waits(
+                dst, raw, keys[:1], keys[1:], max_open_requests=2
+            )
             over = [e for e in failed if isinstance(e, LocalProtocolError)]
             assert len(failed) == 2 and len(over) == 1, failed
             assert "more than the 2 that may be open" in str(over[0])
