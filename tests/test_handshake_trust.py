@@ -12,6 +12,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import attrs
 import pytest
@@ -1105,3 +1106,55 @@ async def test_what_a_peer_says_reaches_an_error_message_on_one_line_and_inert()
     for exc in (P2PKVError("m", peer=FORGED), HandshakeRejected("r", peer=FORGED, remote=True)):
         assert str(exc).isprintable() and r"peer=no\n2026" in str(exc)
     assert str(P2PKVError("plain é ✓", peer="b", op="x")) == "plain é ✓ (peer=b, op=x)"
+
+
+async def test_a_restart_as_the_old_registration_finishes_acks_only_the_new_one(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first incarnation's registration finishes, and before its task runs again the
+    reader takes the peer's new-epoch hello (both woken in one scheduler batch: its wait
+    returns, the cancel of its scope comes too late). That task must not ack: the ack
+    would go to the new incarnation, not yet registered, and the new incarnation's own
+    ack then found no hello pending and crashed the session (LocalProtocolError)."""
+    from p2pkv.registrar import RegistrationJob
+
+    real_wait = RegistrationJob.wait
+    first_done, restart_taken = trio.Event(), trio.Event()
+    jobs: list[RegistrationJob] = []
+
+    async def late_wait(job: RegistrationJob) -> Any:
+        """FAULT INJECTION: the first job's waiter returns only after the reader took the
+        restart's hello, as when both were woken in one batch in that order."""
+        peer = await real_wait(job)
+        jobs.append(job)
+        if len(jobs) == 1:
+            first_done.set()
+            with trio.CancelScope(shield=True):
+                await restart_taken.wait()
+        return peer
+
+    monkeypatch.setattr(RegistrationJob, "wait", late_wait)
+    with trio.fail_after(60):
+        async with node("a", handshake_timeout=10.0) as a:
+            keys = fill(a.store, 1, 4096)
+            raw = RawPeer("r")
+            await raw.connect(a.address)
+            raw.proto.start()
+            await raw.flush()
+            assert isinstance(await raw.next_event(), HelloReceived)
+            await first_done.wait()
+            session = a._by_peer["r"]
+            on_hello = session._handlers[HelloReceived]
+
+            def took(ev: HelloReceived) -> None:
+                on_hello(ev)
+                restart_taken.set()
+
+            session._handlers[HelloReceived] = took
+            await restart_on_same_connection(raw, epoch=8)
+            assert len(jobs) == 2, "acked before the new incarnation was registered"
+            assert session.alive and a.is_connected("r")
+            assert (await raw.lookup(keys))[1] == [True]
+            stats = a.statistics().registrations
+            assert stats.live == 1 and stats.retired == 1
+            await raw.aclose()

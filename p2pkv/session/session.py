@@ -971,12 +971,20 @@ class PeerSession(ProducerSide, ConsumerSide):
         )
 
     async def _register(self, inc: Incarnation, *, restarted: bool) -> None:
+        # A wait below may return after the peer's next hello replaced ``inc`` (woken in
+        # the batch in which the reader took that hello: the cancel of ``inc.scope`` came
+        # too late). The protocol's handshake is then the new incarnation's: ``inc`` must
+        # neither ack it nor fail it (its job is retired by ``_forget``).
         h = inc.hello
         try:
             await self.node.admit(self, h, restarted=restarted)
         except HandshakeRejected as exc:
+            if inc is not self.incarnation:
+                return
             code = "duplicate" if isinstance(exc, DuplicateSession) else "handshake"
             self._fail(exc, f"handshake rejected: {exc.reason}", code)
+            return
+        if inc is not self.incarnation:
             return
         self.proto.lift_frame_limit()  # admitted: no longer a stranger
         inc.job = self.node.registrar.submit(
@@ -986,12 +994,16 @@ class PeerSession(ProducerSide, ConsumerSide):
             with trio.fail_after(self.cfg.registration_timeout):
                 inc.remote = await inc.job.wait()
         except (P2PKVError, trio.TooSlowError) as exc:
+            if inc is not self.incarnation:
+                return
             reason = str(exc) or "registration timed out"
             log.warning("registering %s failed: %s", h.peer_id, reason)
             self.error = HandshakeRejected(f"registration failed: {reason}", peer=h.peer_id)
             self.error.__cause__ = exc
             self.proto.registration_failed(reason)
             self.close(f"registration failed: {reason}", "handshake")
+            return
+        if inc is not self.incarnation:
             return
         ready = self.proto.registration_succeeded()
         if ready is not None:
