@@ -20,6 +20,7 @@ import trio.testing
 
 import p2pkv.session.session as session_module
 from p2pkv import Node, StoreFull, open_node
+from p2pkv.errors import TransportError
 from p2pkv.session.producer import checksums
 from p2pkv.session.protocol import (
     AbortAcknowledged,
@@ -96,6 +97,55 @@ async def test_abort_ack_waits_until_an_unsettled_write_can_no_longer_land(
             assert trio.current_time() - aborted_at == pytest.approx(21.0, abs=0.25)
             assert src.statistics().pinned_slots == 0
             assert hanging.transport.releases == 1
+            await raw.aclose()
+
+
+def hang_and_refuse_one_release(t: FaultTransport) -> None:
+    """FAULT INJECTION: writes never settle, and the data plane refuses the first release
+    (``_release_all`` raises it once every handle was tried)."""
+    t.hang = True
+    real = t.release
+
+    def release(handle: TransferHandle) -> None:
+        if not handle.released and t.releases == 0:
+            t.releases += 1
+            raise TransportError("release refused by the fault script", op="release")
+        real(handle)
+
+    t.release = release  # type: ignore[method-assign]
+
+
+async def test_a_cut_write_whose_release_is_refused_is_still_quarantined_and_acked(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A write cut short whose handle the data plane will not release: the write task's
+    end still runs whole. Its round is held for the quarantine (the write may land, its
+    handle unreleased), the abort_ack comes after it, the peer's bytes in flight are given
+    back and the session goes on. The refusal used to leave the shielded end half done:
+    no abort_ack ever, the bytes in flight and the write's entry kept, its done event
+    never set (a restart of the peer then waited for it for ever), and the error took the
+    whole session down, unpinning the sources the data plane could still read."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        refusing = FaultFactory(hang_and_refuse_one_release)
+        async with node("src", factory=refusing, abort_timeout=1.0, quarantine=20.0) as src:
+            keys = fill(src.store, 4, 4096)
+            raw, session = await connected(src)
+            req, _ = await raw.lookup(keys)
+            raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
+            await raw.flush()
+            await trio.sleep(1.0)  # virtual: the write is posted, and hangs
+            assert refusing.transport.posts == 1
+            raw.proto.send_abort(req)
+            await raw.flush()
+            aborted_at = trio.current_time()
+            await trio.sleep(5.0)
+            assert session.alive and not session._writes and session.inflight_bytes == 0
+            assert src.statistics().pinned_slots == 4  # the sources are held
+            ack = await raw.next_event()
+            assert isinstance(ack, AbortAcknowledged) and ack.req_id == req
+            assert trio.current_time() - aborted_at == pytest.approx(21.0, abs=0.25)
+            assert src.statistics().pinned_slots == 0
+            assert session.alive and src.is_connected(raw.peer_id)
             await raw.aclose()
 
 

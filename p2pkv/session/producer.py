@@ -366,7 +366,14 @@ class ProducerSide(SessionParts):
         finally:
             quiet = False
             with trio.CancelScope(shield=True):
-                quiet = await self._settle(posted, settled, outcomes)
+                try:
+                    quiet = await self._settle(posted, settled, outcomes)
+                except Exception:
+                    # The data plane refused a release (or a bug): a handle may still be
+                    # in flight, so the round is held as an unsettled one, and the rest of
+                    # this end runs all the same (the reply, the bytes in flight, the done
+                    # event a restart of the peer waits for).
+                    log.exception("settling the writes of round %d to %s failed", req, self.peer_id)
                 if cfg.verify_checksums and sums is None and _OK in outcomes:
                     # Cut (or failed) before its sums were made: a consumer that verifies
                     # would fail a landed key OK without its sum as suspect and quarantine
