@@ -1158,3 +1158,29 @@ async def test_a_restart_as_the_old_registration_finishes_acks_only_the_new_one(
             stats = a.statistics().registrations
             assert stats.live == 1 and stats.retired == 1
             await raw.aclose()
+
+
+async def test_a_restart_on_the_connection_unpins_the_old_incarnations_rounds_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The peer's rounds of its old incarnation, answered and never fetched nor closed,
+    go with it: their pins are released at the restart, before the new incarnation is
+    served. Nothing of the new one can fetch or close them, so kept they would stay
+    pinned until their lease ran out, or for the session's life (the protocol forgot
+    them: no lease expiry would name them either)."""
+    with trio.fail_after(60):
+        async with node("a", lease=300.0) as a:
+            keys = fill(a.store, 3, 4096)
+            raw = RawPeer("p", epoch=7)
+            await raw.connect(a.address)
+            await raw.handshake()
+            assert (await raw.lookup(keys[:2]))[1] == [True, True]
+            assert (await raw.lookup(keys[2:]))[1] == [True]
+            session = a._by_peer["p"]
+            assert a.statistics().pinned_slots == 3
+            await restart_on_same_connection(raw, epoch=8)
+            assert a.statistics().pinned_slots == 0
+            assert session._pinned == {} and session.proto.open_rounds() == []
+            assert (await raw.lookup(keys))[1] == [True] * 3  # the new incarnation's own
+            assert a.statistics().pinned_slots == 3
+            await raw.aclose()
