@@ -247,6 +247,36 @@ async def test_a_restarted_peer_does_not_get_a_fresh_cap_beside_its_old_quaranti
             await raw.aclose()
 
 
+async def test_an_old_incarnations_quarantine_ending_leaves_the_new_round_of_its_id_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A restart on the connection while a write hangs: the old round waits out its
+    quarantine. The new incarnation's request ids start again at 1, so its round being
+    written when that quarantine ends has the old one's id. The quarantine's end releases
+    the old round's pins and nothing else: the new round keeps its entry and its pins, and
+    gets no reply (a transfer_done with the old round's outcomes would tell the peer its
+    write was over while it is still in flight)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
+        async with node("src", factory=hanging, abort_timeout=1.0, quarantine=20.0) as src:
+            keys = fill(src.store, 4, 4096)
+            raw, session = await connected(src, peer_id="phoenix")
+            await hang_a_write(raw, keys[:2])
+            raw.proto = SessionProtocol(
+                attrs.evolve(raw.proto.local, epoch=raw.proto.local.epoch + 1)
+            )
+            await raw.handshake()  # the old round is cut and quarantined
+            await hang_a_write(raw, keys[2:])  # the new incarnation's round 1, hanging too
+            new = session._pinned[1]
+            assert src.statistics().pinned_slots == 4
+            with trio.move_on_after(30.0):  # past the old round's quarantine
+                early = await raw.next_event()
+                pytest.fail(f"{early!r} for a round still being written")
+            assert session._pinned.get(1) is new and 1 in session._writes
+            assert src.statistics().pinned_slots == 2  # the old round's pins went
+            await raw.aclose()
+
+
 async def test_a_written_rounds_pins_go_as_its_reply_is_queued_behind_a_full_outbox(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
