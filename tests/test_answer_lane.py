@@ -530,3 +530,30 @@ async def test_two_lookups_of_the_same_keys_and_a_replayed_answer_read_in_the_la
             assert session.close_reason is not None
             assert session.close_reason.startswith("protocol error")
             assert node.statistics().peers == 0
+
+
+async def test_an_answer_then_a_hello_the_reader_refuses_ends_the_wait_in_the_lane() -> None:
+    """The answer, then the peer's hello again with the same epoch (a protocol error), in
+    one write: the lane's task takes the answer and waits for the reader to act on the
+    hello. The reader refuses it and the session ends, the hello never acted on: the
+    session's end ends that wait (nothing else would), and the lookup returns its
+    answer."""
+    with trio.fail_after(BOUND):
+        async with open_node(config("n")) as node, raw_peer_of(node) as (raw, session):
+            got: list[object] = []
+            async with trio.open_nursery() as nursery:
+
+                async def lookup() -> None:
+                    got.append(await node.lookup(raw.peer_id, [os.urandom(32)]))
+
+                nursery.start_soon(lookup)
+                ev = await next_lookup(raw)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._lane_parked
+                answer(raw, ev)
+                again = SessionProtocol(raw.proto.local)  # the same epoch
+                again.start()
+                await raw.send_raw(raw.proto.data_to_send() + again.data_to_send())
+            assert session._lane_reads == 1  # the lane's task read both frames
+            assert got == [[True]]
+            assert not session.alive and "same epoch" in (session.close_reason or "")
