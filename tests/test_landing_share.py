@@ -169,6 +169,32 @@ async def test_keys_past_the_share_of_a_session_that_just_ended_fail_at_once(
             assert second.failed == dict.fromkeys(keys[8:], "session closed: the peer is gone")
 
 
+async def test_a_fetch_waiting_for_room_ends_when_its_session_ends(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch waits for room in the peer's share (full of quarantined slots), and the
+    session ends meanwhile: the session's end cancels the wait, and the keys fail "session
+    closed" at once, not when the wait would have given up, ``fetch_timeout`` later, as
+    over the share (removing that cancel survived the suite: the session review)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with share_quarantined() as (_, _, dst, peer, keys):
+            session = dst._by_peer["bad"]
+            got: list[Any] = []
+
+            async def second_fetch() -> None:
+                got.append(await dst.fetch(peer, keys[8:]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(second_fetch)
+                await trio.sleep(0.5)  # virtual: far short of the wait's 4 s
+                assert session._share_waits, "the fetch does not wait for room"
+                closed_at = trio.current_time()
+                session.close("the peer is gone")
+            assert trio.current_time() - closed_at < 1.0
+            [second] = got
+            assert second.failed == dict.fromkeys(keys[8:], "session closed: the peer is gone")
+
+
 async def test_a_fetch_waiting_for_room_goes_on_when_the_quarantine_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
