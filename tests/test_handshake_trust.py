@@ -1184,3 +1184,38 @@ async def test_a_restart_on_the_connection_unpins_the_old_incarnations_rounds_at
             assert (await raw.lookup(keys))[1] == [True] * 3  # the new incarnation's own
             assert a.statistics().pinned_slots == 3
             await raw.aclose()
+
+
+async def test_a_restarted_incarnation_that_never_acks_ends_at_its_own_handshake_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A restart on the connection after the first handshake, then no ack, only pings
+    (which a session takes once our ack is out, and which keep it from being idle): the
+    new incarnation's own handshake deadline ends the session, and its registration is
+    released. Removing that deadline survived every test (the session review): such a
+    peer then held its half-made session and registration for as long as it pinged."""
+    with trio.fail_after(60):
+        async with node("a", handshake_timeout=3.0, idle_timeout=10.0) as a:
+            raw = RawPeer("r")
+            await raw.connect(a.address)
+            await raw.handshake()
+            session = a._by_peer["r"]
+            raw.proto = SessionProtocol(attrs.evolve(raw.proto.local, epoch=99))
+            raw.proto.start()
+            await raw.flush()
+            restarted_at = trio.current_time()
+            async with trio.open_nursery() as nursery:
+
+                async def ping() -> None:
+                    for nonce in range(1, 1000):
+                        await trio.sleep(1.0)
+                        await raw.send_raw(encode(Ping(nonce=nonce)))
+
+                nursery.start_soon(ping)
+                bye = await raw.expect_close()  # we take a's hello and ack, never ack
+                nursery.cancel_scope.cancel()
+            assert bye is not None and bye.reason == "handshake timed out", bye
+            assert trio.current_time() - restarted_at == pytest.approx(3.0, abs=0.5)
+            await session.finished.wait()
+            assert a.statistics().registrations.live == 0
+            await raw.aclose()
