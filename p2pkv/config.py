@@ -263,6 +263,10 @@ class NodeConfig:
                 )
         if not self.peer_id or len(self.peer_id) > 128:
             raise ConfigError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
+        if not self.peer_id.isprintable():
+            # Peers refuse a hello whose id is not (it reaches their logs and NIXL's agent
+            # names): a node with such an id could connect to nobody.
+            raise ConfigError(f"peer_id must be printable text, got {self.peer_id!r}")
         # What the hello carries, within its limits (wire.Hello): past them every
         # connection failed, the node having started and listened without a word.
         for name, limit, unit in (

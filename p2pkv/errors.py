@@ -24,14 +24,16 @@ class P2PKVError(Exception):
         if self.op is not None:
             where.append(f"op={self.op}")
         text = f"{self.message} ({', '.join(where)})" if where else self.message
-        return text if text.isprintable() else _printable(text)
+        return printable(text)
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """``text`` with each character that is not printable (a newline, an escape, a
     control character) written as its escape sequence. What a peer says (a bye's reason,
     the peer id its hello claims) reaches error messages, and through them logs and
     terminals: it must not start a line of its own, or drive the terminal."""
+    if text.isprintable():
+        return text
     return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 

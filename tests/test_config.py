@@ -84,7 +84,11 @@ from .helpers import fill
         ({"max_pinned_share": 10**5000}, "max_pinned_share must be at most 1.8e"),
         # A lone surrogate (an undecodable byte of argv, under surrogateescape): the node
         # started, then every session crashed encoding its hello.
-        ({"peer_id": "a\udcff"}, r"peer_id must be text UTF-8 can carry, got 'a\\udcff'"),
+        ({"peer_id": "a\udcff"}, r"peer_id must be printable text, got 'a\\udcff'"),
+        # Peers refuse a hello whose id is not printable (it reaches their logs and NIXL's
+        # agent names): such a node could connect to nobody.
+        ({"peer_id": "a\nb"}, r"peer_id must be printable text, got 'a\\nb'"),
+        ({"peer_id": "a\x00"}, "peer_id must be printable text"),
         ({"fingerprint": "\ud800"}, "fingerprint must be text UTF-8 can carry"),
         ({"hash_algo": "sha\udc80"}, "hash_algo must be text UTF-8 can carry"),
         ({"host": "\udcff"}, "host must be text UTF-8 can carry"),

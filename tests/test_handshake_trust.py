@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import HandshakeRejected, P2PKVError, PeerUnavailable, open_node
+from p2pkv import ConfigError, HandshakeRejected, P2PKVError, PeerUnavailable, open_node
 from p2pkv.node import _REGISTRATION_IDS, Node
 from p2pkv.session.protocol import (
     ByeReceived,
@@ -1219,3 +1219,30 @@ async def test_a_restarted_incarnation_that_never_acks_ends_at_its_own_handshake
             await session.finished.wait()
             assert a.statistics().registrations.live == 0
             await raw.aclose()
+
+
+async def test_a_hello_whose_peer_id_is_not_printable_is_refused_and_logged_escaped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A peer id reaches log lines (each session's, as who it is) and NIXL's agent names:
+    one with a newline forged log lines, one with a NUL cut its agent name short. A hello
+    claiming such an id is refused (no config can give a node one either), and the line
+    that logs the refusal shows the claimed id escaped."""
+    claimed = "evil\n2026-12-05 p2pkv.node ERROR forged\x00"
+    with pytest.raises(ConfigError, match="printable"):
+        config(claimed)
+    with trio.fail_after(10):
+        async with open_node(config("a")) as a:
+            raw = RawPeer(claimed)
+            await raw.connect(a.address)
+            raw.proto.start()
+            await raw.flush()
+            bye = await raw.next_event()
+            if isinstance(bye, HelloReceived):  # the node's own hello may come first
+                bye = await raw.next_event()
+            await raw.aclose()
+    assert isinstance(bye, ByeReceived) and "not printable" in bye.reason, bye
+    assert bye.reason.isprintable(), bye
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("p2pkv")]
+    assert any("not printable" in line for line in lines), lines
+    assert all(line.isprintable() for line in lines), lines

@@ -568,6 +568,10 @@ class SessionProtocol:
             return f"peer id {h.peer_id!r} is our own"
         if not h.peer_id:
             return "empty peer id"
+        if not h.peer_id.isprintable():
+            # Ids reach log lines and NIXL's agent names: a newline forged a log line, a
+            # NUL cut the agent's name short.
+            return f"peer id {h.peer_id!r} is not printable text"
         if h.agent_name != h.peer_id:
             # A peer's data-plane identity is its peer id: it can never name, register or
             # replace another peer's agent.

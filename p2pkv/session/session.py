@@ -54,6 +54,7 @@ from ..errors import (
     P2PKVTimeout,
     RemoteProtocolError,
     SessionClosed,
+    printable,
 )
 from ..transport.base import RegionLayout, RemotePeer
 from ..wire import AbortAck, Bye, Hello, LookupResp, Pong, TransferDone
@@ -688,7 +689,9 @@ class PeerSession(ProducerSide, ConsumerSide):
             except RemoteProtocolError as exc:
                 self._protocol_error(exc)
             except HandshakeRejected as exc:
-                log.warning("handshake with %s rejected: %s", exc.peer or self.who, exc.reason)
+                # Escaped: the reason may be the peer's own bye, the id the one its hello claimed.
+                who, why = printable(exc.peer or self.who), printable(exc.reason)
+                log.warning("handshake with %s rejected: %s", who, why)
                 self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
             # What the events queued goes out first: the peer waits for it, and nothing
             # below is on its path.
