@@ -433,7 +433,7 @@ class P2PTier:
         # A load's fetch claims the rounds it uses when the engine starts it, which may
         # be after this release: both posts can reach the engine in one batch, which Trio
         # starts in either order, and a round released first made the fetch look its
-        # keys up again. So rounds a load in flight was given wait for it (_load_ended).
+        # keys up again. So rounds a load in flight was given wait for it (_end_load).
         lent = {id(r) for ld in self._loads.values() if ld.request is st for r in ld.rounds}
         self._release_rounds(st, [r for r in st.rounds if id(r) not in lent])
         st.rounds = [r for r in st.rounds if id(r) in lent]
@@ -453,10 +453,11 @@ class P2PTier:
         if rounds and st.source is not None and st.source.peer is not None:
             self._orphans.add(self.node.submit_release(st.source.peer, rounds))
 
-    def _load_ended(self, load: _Load) -> None:
-        """A load left ``_loads``: if its request is finished and this was its last load
-        in flight, give back the rounds its loads were given (those their fetches used
-        are closed already; the rest would stay pinned at the source)."""
+    def _end_load(self, ticket: int, load: _Load) -> None:
+        """Take ``load`` out of ``_loads``; if its request is finished and this was its
+        last load in flight, give back the rounds its loads were given (those their
+        fetches used are closed already; the rest would stay pinned at the source)."""
+        del self._loads[ticket]
         st = load.request
         if not st.rounds or self._requests.get(st.request_id) is st:
             return  # none kept, or the request goes on (its own finish releases them)
@@ -872,8 +873,7 @@ class P2PTier:
             try:
                 outcome = self.node.poll(ticket)
             except Exception as exc:
-                del self._loads[ticket]
-                self._load_ended(load)
+                self._end_load(ticket, load)
                 st = self._live(load)
                 reason = str(exc) or type(exc).__name__
                 src = load.request.source
@@ -890,13 +890,11 @@ class P2PTier:
                 continue
             if outcome is None:
                 if load.slots is None and now >= load.deadline:
-                    del self._loads[ticket]
-                    self._load_ended(load)
+                    self._end_load(ticket, load)
                     self._orphans.add(ticket)
                     self._fail_job(load.job, load.keys, "load timed out")
                 continue
-            del self._loads[ticket]
-            self._load_ended(load)
+            self._end_load(ticket, load)
             assert isinstance(outcome, FetchResult)
             loaded = set(outcome.loaded)
             failed = {k: outcome.failed.get(k, "not loaded") for k in load.keys if k not in loaded}
