@@ -55,12 +55,14 @@ class RequestSlots:
         """A new limit; slots taken stay taken (over a lowered limit, until given back).
         A waiter for more than ``limit`` slots is refused (see :meth:`take`)."""
         self._limit = limit
-        if any(w.n > limit for w in self._waiters):
-            for w in self._waiters:
-                if w.n > limit:
-                    w.refused = True
-                    w.taken.set()
-            self._waiters = collections.deque(w for w in self._waiters if not w.refused)
+        kept: collections.deque[_Waiter] = collections.deque()
+        for w in self._waiters:
+            if w.n > limit:
+                w.refused = True
+                w.taken.set()
+            else:
+                kept.append(w)
+        self._waiters = kept
         self._hand_over()
 
     def take_nowait(self, n: int = 1) -> bool:
