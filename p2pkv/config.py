@@ -276,7 +276,8 @@ class NodeConfig:
         ):
             if len(getattr(self, name)) > limit:
                 raise ConfigError(f"{name} must be at most {limit} {unit} (the hello's limit)")
-        for name in ("peer_id", "fingerprint", "hash_algo", "host"):
+        # (peer_id: its printable check above refuses a lone surrogate already.)
+        for name in ("fingerprint", "hash_algo", "host"):
             try:
                 getattr(self, name).encode()
             except UnicodeEncodeError as exc:
