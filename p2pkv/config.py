@@ -13,6 +13,7 @@ import attrs
 
 from ._switch import MIN_INTERVAL
 from .errors import ConfigError
+from .transport._nixl_agent import MAX_PARALLELISM
 from .wire import U64_MAX
 
 # The smallest max_frame_size: room for any hello (its fields within their limits, ~1.5 KB
@@ -67,6 +68,12 @@ def _positive(_inst: object, attr: attrs.Attribute[Any], value: float) -> None:
     _check_type(attr, value)
     if not value > 0:
         raise ConfigError(f"{attr.name} must be > 0, got {value!r}")
+
+
+def _copy_threads(_inst: object, attr: attrs.Attribute[Any], value: int | None) -> None:
+    _check_type(attr, value)
+    if value is not None and not 1 <= value <= MAX_PARALLELISM:
+        raise ConfigError(f"{attr.name} must be None or 1..{MAX_PARALLELISM}, got {value!r}")
 
 
 def _switch_interval(_inst: object, attr: attrs.Attribute[Any], value: float | None) -> None:
@@ -133,11 +140,9 @@ class NodeConfig:
     block_len: int = attrs.field(default=64 * 1024, validator=_positive)
     transport: Literal["local", "nixl"] = "local"
     # NIXL over host memory: threads copying one transfer (None: P2PKV_NIXL_COPY_THREADS,
-    # else one per 2 cores, at least 2 (1 on a single core), at most 8; see docs/design.md,
-    # "Data plane parallelism").
-    nixl_copy_threads: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_positive)
-    )
+    # else one per 2 cores, at least 2 (1 on a single core), at most 8; set by hand, at most
+    # MAX_PARALLELISM; see docs/design.md, "Data plane parallelism").
+    nixl_copy_threads: int | None = attrs.field(default=None, validator=_copy_threads)
     # While a node runs on its own engine thread (start_node, the vLLM integrations): the
     # interpreter's switch interval at most this (seconds), so that a host thread busy in
     # Python hands the GIL to the engine within it instead of Python's 5 ms; None leaves it

@@ -61,12 +61,17 @@ def test_worker_counts_come_from_the_argument_then_the_environment_then_the_core
     monkeypatch.setenv(env, "3")
     assert resolve() == 3
     assert resolve(2) == 2
-    for bad in ("0", "two"):
+    most = _nixl_agent.MAX_PARALLELISM
+    monkeypatch.setenv(env, str(most))
+    assert resolve() == most
+    assert resolve(most) == most
+    for bad in ("0", "two", str(most + 1), "100000"):
         monkeypatch.setenv(env, bad)
         with pytest.raises(TransportError):
             resolve()
-    with pytest.raises(TransportError):
-        resolve(0)
+    for number in (0, most + 1):
+        with pytest.raises(TransportError, match=f"1..{most}"):
+            resolve(number)
 
 
 def test_node_config_takes_copy_threads_or_none() -> None:
@@ -74,8 +79,12 @@ def test_node_config_takes_copy_threads_or_none() -> None:
 
     assert NodeConfig(peer_id="a").nixl_copy_threads is None
     assert NodeConfig(peer_id="a", nixl_copy_threads=3).nixl_copy_threads == 3
-    with pytest.raises(ValueError):
-        NodeConfig(peer_id="a", nixl_copy_threads=0)
+    most = _nixl_agent.MAX_PARALLELISM
+    assert NodeConfig(peer_id="a", nixl_copy_threads=most).nixl_copy_threads == most
+    # Each copy thread is an OS thread: a hand-set typo is refused before any is started.
+    for bad in (0, -1, most + 1, 10**6):
+        with pytest.raises(ValueError, match=f"1..{most}"):
+            NodeConfig(peer_id="a", nixl_copy_threads=bad)
 
 
 def _region(num_blocks: int, seed: int) -> tuple[Region, RegionLayout]:

@@ -121,6 +121,10 @@ COPY_THREADS_ENV = "P2PKV_NIXL_COPY_THREADS"
 CORES_PER_COPY_THREAD = 2
 MIN_AUTO_COPY_THREADS = 2
 MAX_AUTO_COPY_THREADS = 8
+# The most workers of a kind a caller or the environment may ask for: each is an OS thread
+# (copy threads) or a loopback agent with its own registrations (staging lanes), and past
+# the cores there is nothing to gain, so a typo such as 1000 is refused instead of started.
+MAX_PARALLELISM = 64
 SPLIT_DESCS_PER_THREAD = 4
 # With copy threads, runs are posted as pieces of at most this many bytes: a descriptor of
 # 16 MiB or more copies at single-thread speed even when split (measured: 4-5 GB/s with 8
@@ -200,7 +204,7 @@ def resolve_parallelism(
     """How many workers of a kind: ``requested``, else the ``env`` variable, else one per
     ``cores_each`` cores this process may run on (at least ``least`` but never more than
     those cores, at least 1, at most ``most``). TransportError for a value that is not a
-    number >= 1."""
+    number from 1 to ``MAX_PARALLELISM``."""
     if requested is None:
         text = os.environ.get(env, "").strip()
         if text:
@@ -211,8 +215,8 @@ def resolve_parallelism(
     if requested is None:
         cores = len(os.sched_getaffinity(0))
         return max(1, min(least, cores), min(most, cores // cores_each))
-    if requested < 1:
-        raise TransportError(f"{what} must be >= 1, got {requested}", op=op)
+    if not 1 <= requested <= MAX_PARALLELISM:
+        raise TransportError(f"{what} must be 1..{MAX_PARALLELISM}, got {requested}", op=op)
     return requested
 
 
