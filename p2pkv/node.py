@@ -328,6 +328,15 @@ class Node:
             for old in list(self._registered_at)[: len(self._registered_at) // 4]:
                 del self._registered_at[old]
 
+    def spend_restart(self, pid: str) -> None:
+        """A restart hello (a new epoch) came on an admitted session of ``pid``: one
+        registration of its budget, spent as the hello arrives, or
+        :class:`HandshakeRejected` past the budget. Not at admit: a restart that the next
+        one replaces before it gets there would spend nothing, and a peer sending new
+        epochs faster than they are torn down kept the session holding every one."""
+        self._check_registration_budget(pid)
+        self._spend_registration(pid)
+
     async def admit(self, session: PeerSession, hello: Hello, *, restarted: bool = False) -> None:
         """Make ``session`` the one live session of its peer id, or reject it (see the
         module docstring). Called only once the hello passed every check (including
@@ -335,10 +344,11 @@ class Node:
         ``max_peers``.
 
         The peer's registration budget is checked first and spent once admitted, for a
-        registration the peer asked for: a session it dialed, or its ``restarted`` hello
-        on any session. Our own dials are ours to make and spend nothing."""
+        session the peer dialed; its ``restarted`` hello on any session spent it already
+        as it came (:meth:`spend_restart`). Our own dials are ours to make and spend
+        nothing."""
         pid = hello.peer_id
-        budgeted = restarted or session not in self._dialed
+        budgeted = not restarted and session not in self._dialed
         lock = self._admitting.setdefault(pid, trio.Lock())
         try:
             async with lock:

@@ -1246,3 +1246,56 @@ async def test_a_hello_whose_peer_id_is_not_printable_is_refused_and_logged_esca
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("p2pkv")]
     assert any("not printable" in line for line in lines), lines
     assert all(line.isprintable() for line in lines), lines
+
+
+async def test_a_flood_of_restart_hellos_on_one_connection_is_held_to_the_budget(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each new epoch's hello on a connection starts an incarnation (its hello kept, a
+    task) that the old one's teardown must finish before it registers. A hello that a
+    later one replaced before it reached the node's admit used to spend nothing of the
+    budget, so a peer that sent new epochs faster than they were torn down made the
+    session keep every one of them (its hello, its metadata) for as long as it kept
+    sending. Each restart hello now counts as it arrives: past the budget the session
+    ends, and no more incarnations than that are ever made."""
+    import p2pkv.session.session as session_mod
+
+    made = 0
+    original = session_mod.Incarnation.__init__
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        nonlocal made
+        made += 1
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(session_mod.Incarnation, "__init__", counting)
+    with trio.fail_after(60):
+        async with node("a", max_peer_registrations=5, peer_registration_window=60.0) as a:
+            raw = RawPeer("flooder")
+            try:
+                await raw.connect(a.address)
+                await raw.handshake()  # registration 1
+                burst = []
+                for epoch in range(1000, 1300):
+                    p = SessionProtocol(attrs.evolve(raw.proto.local, epoch=epoch))
+                    p.start()
+                    burst.append(p.data_to_send())
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await raw.send_raw(b"".join(burst))
+                # What the node sends back (a hello per restart it took, then a bye),
+                # read as bytes up to its close.
+                got = b""
+                assert raw.stream is not None
+                while True:
+                    try:
+                        data = await raw.stream.receive_some(65536)
+                    except trio.BrokenResourceError:
+                        break
+                    if not data:
+                        break
+                    got += data
+                await until_sessions(a, lambda: a.statistics().peers == 0)
+            finally:
+                await raw.aclose()
+            assert b"max_peer_registrations" in got
+            assert made <= 5, made  # the first incarnation and four restarts

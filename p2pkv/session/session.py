@@ -940,6 +940,14 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _on_hello(self, ev: HelloReceived) -> None:
         tls.check_peer_id(self.stream, ev.hello.peer_id)  # before the node acts on the hello
+        if self.incarnation is not None:
+            # A restart spends the peer's registration budget as it comes (see
+            # Node.spend_restart): each one is kept until the one before is torn down.
+            try:
+                self.node.spend_restart(ev.hello.peer_id)
+            except HandshakeRejected as exc:
+                self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
+                return
         self._requests.set_limit(self.proto.open_requests_limit())
         assert self._nursery is not None
         old, inc = self.incarnation, Incarnation(ev.hello)
