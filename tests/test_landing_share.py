@@ -346,6 +346,24 @@ def test_the_ledger_counts_reserved_and_quarantined_until_the_deadline() -> None
     assert not shares._shares  # nothing kept for peers that hold nothing
 
 
+def test_the_ledger_forgets_peers_whose_quarantine_ended() -> None:
+    """A peer's entry went only at its next take, so every peer id a fetch ever gave up
+    on stayed for good once its quarantine ended: a fleet whose ids churn (a worker per
+    process start) grew the ledger by one entry per id, for as long as the node ran. Now
+    the ledger's next use drops each whose quarantine has ended and holds nothing else."""
+    shares = LandingShares()
+    for i in range(200):
+        peer = f"gone{i}"  # one fetch given up on, then never seen again
+        assert shares.take(peer, 2, cap=8, now=float(i)) == 2
+        shares.quarantine(peer, 2, until=i + 5.0)
+        assert len(shares._shares) <= 6, len(shares._shares)  # those still quarantined
+    assert shares.held("gone199", now=203.0) == 2
+    assert shares.take("new", 1, cap=8, now=300.0) == 1
+    assert set(shares._shares) == {"new"}
+    shares.settle("new", 1)
+    assert not shares._shares
+
+
 async def test_a_grant_gives_a_reservation_no_more_than_it_holds() -> None:
     """A part's reservation takes from the room granted to it, never more: the rest of
     its keys are not asked for, and the share is not passed."""

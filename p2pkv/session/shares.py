@@ -72,9 +72,14 @@ class LandingShares:
 
     def __init__(self) -> None:
         self._shares: dict[str, _Share] = {}
+        # (deadline, peer) of every quarantine, a heap: a peer whose quarantine ended and
+        # that takes nothing more is dropped at the ledger's next use (:meth:`_forget`),
+        # or a fleet whose peer ids churn would leave one entry per id for good.
+        self._ends: list[tuple[float, str]] = []
 
     def held(self, peer: str, now: float) -> int:
         """Slots ``peer``'s writes hold now."""
+        self._forget(now)
         share = self._shares.get(peer)
         if share is None:
             return 0
@@ -85,6 +90,7 @@ class LandingShares:
         """Reserve up to ``n`` slots for ``peer``'s writes without passing ``cap`` in all,
         and none while others wait for room; returns how many (0..n), counted as reserved
         from now on."""
+        self._forget(now)
         share = self._shares.get(peer)
         if share is None:
             share = self._shares[peer] = _Share()
@@ -115,6 +121,7 @@ class LandingShares:
         share.reserved -= n
         share.quarantined += n
         heapq.heappush(share.until, (until, n))
+        heapq.heappush(self._ends, (until, peer))
 
     async def wait_for_room(self, peer: str, n: int, cap: int, give_up_at: float) -> Grant:
         """Wait, in ``peer``'s queue, until its writes hold fewer than ``cap`` slots: a
@@ -152,6 +159,18 @@ class LandingShares:
                 share.waiters[0].woken.set()  # it may be first now, or room may be left
             elif share.idle() and self._shares.get(peer) is share:
                 del self._shares[peer]
+
+    def _forget(self, now: float) -> None:
+        """Drop the entries of peers whose quarantines ended by ``now`` and that hold
+        nothing else (each quarantine is looked at once, here)."""
+        ends = self._ends
+        while ends and ends[0][0] <= now:
+            peer = heapq.heappop(ends)[1]
+            share = self._shares.get(peer)
+            if share is not None:
+                self._expire(share, now)
+                if share.idle():
+                    del self._shares[peer]
 
     def _expire(self, share: _Share, now: float) -> None:
         heap = share.until
