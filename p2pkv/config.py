@@ -55,10 +55,17 @@ def _typed(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
 def check_seconds(value: object, name: str) -> float:
     """A caller's number of seconds (a timeout, a deadline), checked where it is passed:
     TypeError for what is not a real number (a bool neither), ValueError for a negative
-    one or NaN. ``math.inf`` is a number: "no limit of mine"."""
+    one or NaN, or one past a float's range (an int: ``float()`` raises OverflowError for
+    it). ``math.inf`` is a number: "no limit of mine"."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, got {value!r}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:
+        raise ValueError(
+            f"{name} must be at most {sys.float_info.max:.2g} seconds (a float), got a "
+            f"larger {type(value).__name__}"
+        ) from None
     if not seconds >= 0:  # NaN as well
         raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
     return seconds

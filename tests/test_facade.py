@@ -188,14 +188,17 @@ def test_a_bad_address_is_refused_in_the_callers_thread(
     assert dst.pending() == 0 and dst.peers() == []
 
 
-@pytest.mark.parametrize("bad", [-1.0, math.nan, "5", True])
+@pytest.mark.parametrize(
+    "bad", [-1.0, math.nan, "5", True, pytest.param(10**400, id="an-int-past-a-floats-range")]
+)
 def test_a_bad_timeout_is_refused_in_the_callers_thread_before_anything_is_posted(
     nodes: Callable[..., BlockingNode], bad: object
 ) -> None:
     """A negative, NaN or non-number timeout (or ``within``) is the caller's mistake: a
     TypeError or ValueError from the call itself, no ticket taken and nothing posted.
     It used to post the work: a submit's ticket then ended with Trio's own error, and a
-    blocking connect dialed, "timed out" at once and hung up."""
+    blocking connect dialed, "timed out" at once and hung up. An int past a float's
+    range escaped as OverflowError (from ``float()``), which no caller expects."""
     dst, src = nodes("dst"), nodes("src")
     peer = dst.connect(src.address, timeout=BOUND)
     error = TypeError if isinstance(bad, str | bool) else ValueError
