@@ -341,6 +341,8 @@ _K = [b"k" * 32, b"l" * 32]
         (lambda k: ([[1], [2]], [1, 2]), "keys must be bytes"),  # unhashable keys
         (lambda k: (k, [1.5, 2]), "slots must be integers"),  # never truncated to slot 1
         (lambda k: (k, ["1", 2]), "slots must be integers"),
+        # A mask passed for slots: True, False landed the keys in slots 1 and 0.
+        (lambda k: (k, [True, False]), "slots must be integers"),
     ],
     ids=[
         "lengths",
@@ -351,6 +353,7 @@ _K = [b"k" * 32, b"l" * 32]
         "unhashable",
         "float_slot",
         "str_slot",
+        "bool_slots",
     ],
 )
 async def test_bad_fetch_into_is_refused_before_anything_is_sent(

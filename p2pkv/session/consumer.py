@@ -822,8 +822,10 @@ class ConsumerSide(SessionParts):
         caller, and the store's ``put`` and ``fetch`` refuse from then on)."""
         keys = list(keys)
         rounds = self._handles(rounds, "fetch")
-        try:  # integers only (numpy's too): a float or a string is never rounded to a slot
-            dst_slots = [operator.index(s) for s in slots]
+        # Integers only (numpy's too): a float or a string is never rounded to a slot, and
+        # a bool is refused (a mask passed for slots landed True, False in slots 1 and 0).
+        try:
+            dst_slots = [_slot_index(s) for s in slots]
         except TypeError:
             raise LocalProtocolError(
                 "slots must be integers", peer=self.peer_id, op="fetch"
@@ -1221,6 +1223,13 @@ class ConsumerSide(SessionParts):
         if suspect:  # its word that the write settled is in doubt too (invariant 10)
             landing.quarantine(req, suspect, trio.current_time() + self.cfg.quarantine)
         p.slots = []
+
+
+def _slot_index(slot: object) -> int:
+    """A caller's slot as an int: TypeError for what is not an integer, a bool included."""
+    if isinstance(slot, bool):
+        raise TypeError(f"slot must be an int, got {slot!r}")
+    return operator.index(slot)  # type: ignore[arg-type]  # TypeError: not an integer
 
 
 def abort_ack_bound(cfg: NodeConfig) -> float:
