@@ -49,7 +49,7 @@ import functools
 import logging
 import math
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 import trio
@@ -263,7 +263,7 @@ class BlockingNode:
             self._node.fetch,
             check_peer(peer),
             check_keys(keys),
-            rounds,
+            _own_rounds(rounds),
             timeout=self._timeout("fetch", timeout),
         )
 
@@ -276,7 +276,10 @@ class BlockingNode:
     ) -> int:
         """:meth:`Node.release`: give back the pins of the handles' unfetched rounds."""
         return self._engine.call(
-            self._node.release, check_peer(peer), rounds, timeout=self._timeout("release", timeout)
+            self._node.release,
+            check_peer(peer),
+            _own_rounds(rounds),
+            timeout=self._timeout("release", timeout),
         )
 
     def release_unused_pins(self, *, cut_writes: bool = False, timeout: float | None = None) -> int:
@@ -365,7 +368,8 @@ class BlockingNode:
     ) -> int:
         """Start :meth:`Node.release` (give back the pins of the handles' unfetched
         rounds); returns a ticket (result: the number of rounds closed)."""
-        return self._submit(self._node.release, (check_peer(peer), rounds), "release", timeout)
+        args = (check_peer(peer), _own_rounds(rounds))
+        return self._submit(self._node.release, args, "release", timeout)
 
     def peer_count(self) -> int:
         """Sessions counted against ``max_peers`` right now, both directions: a snapshot
@@ -412,7 +416,7 @@ class BlockingNode:
         timeout: float | None = None,
     ) -> int:
         """Start :meth:`fetch` on the engine; returns a ticket (result: FetchResult)."""
-        args = (check_peer(peer), check_keys(keys), rounds)
+        args = (check_peer(peer), check_keys(keys), _own_rounds(rounds))
         return self._submit(self._node.fetch, args, "fetch", timeout)
 
     def submit_fetch_into(
@@ -436,7 +440,7 @@ class BlockingNode:
             within = check_seconds(within, "within")
             if timeout is None:
                 timeout = within + self._node.config.quarantine + _MARGIN
-        args = (check_peer(peer), check_keys(keys), list(slots), rounds)
+        args = (check_peer(peer), check_keys(keys), list(slots), _own_rounds(rounds))
         afn = self._node.fetch_into
         if within is not None:
             afn = functools.partial(afn, within=within)
@@ -484,6 +488,23 @@ class BlockingNode:
     @staticmethod
     def _quick(timeout: float | None) -> float:
         return _QUICK_CALL if timeout is None else check_seconds(timeout, "timeout")
+
+
+def _own_rounds(
+    rounds: LookupRound | Iterable[LookupRound] | None,
+) -> LookupRound | list[LookupRound] | None:
+    """The caller's ``rounds`` as a list of our own, read in the caller's thread as its
+    keys are: the engine reads them later, while the host may already be reusing (or
+    clearing) its list, and a generator would run on the engine's thread. Each item is
+    checked there (LocalProtocolError), as a whole."""
+    if rounds is None or isinstance(rounds, LookupRound):
+        return rounds
+    try:
+        return list(rounds)
+    except TypeError:
+        raise TypeError(
+            f"rounds must be a LookupRound or an iterable of them, got {rounds!r}"
+        ) from None
 
 
 async def _disconnect_idle(node: Node, peer: str, activity: tuple[int, int]) -> int:

@@ -300,6 +300,51 @@ def test_one_key_where_a_sequence_of_keys_is_expected_is_a_type_error(
     assert dst.lookup(peer, (key,), timeout=BOUND) == [False]  # any other sequence will do
 
 
+def test_a_submits_rounds_are_read_in_the_callers_thread_not_later_on_the_engine(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A submit copies its keys (and slots) before it returns, so the host may reuse its
+    lists at once; its ``rounds`` were handed to the engine as they were, and read there
+    whenever the task ran. A host that cleared its list of rounds after the submit (a
+    scheduler reusing its buffers) had the fetch run without them: it looked its keys
+    up again, and the round it named stayed pinned at the producer for the lease. Found
+    by a review of the public surface (2026-12-05)."""
+    src, dst = nodes("src", lease=600.0), nodes("dst")
+    keys = fill(src.store, 3, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    for submit in (
+        lambda rounds: dst.submit_fetch(peer, keys, rounds=rounds),
+        lambda rounds: dst.submit_release(peer, rounds),
+    ):
+        held = dst.lookup_round(peer, keys, timeout=BOUND)
+        assert src.statistics().pinned_slots == 3
+        requests = dst.session_activity(peer)
+        busy, go = threading.Event(), threading.Event()
+
+        def hold_the_engine(busy: threading.Event = busy, go: threading.Event = go) -> None:
+            busy.set()
+            assert go.wait(BOUND), "the test never let the engine go"
+
+        dst._engine.run_sync_soon(hold_the_engine)  # test seam: the engine is busy
+        assert busy.wait(BOUND)
+        rounds = [held]
+        ticket = submit(rounds)
+        rounds.clear()  # the host reuses its list; the submit has returned
+        go.set()
+        outcome = wait_ticket(dst, ticket)
+        assert not isinstance(outcome, BaseException), outcome
+        # No lookup of its own: the fetch used the round the submit named.
+        assert dst.session_activity(peer) == requests
+        if isinstance(outcome, FetchResult):
+            assert sorted(outcome.loaded) == sorted(keys)
+        else:
+            assert outcome == 1  # the one round the submit named was closed
+        wait_for(lambda: src.statistics().pinned_slots == 0)
+        for k in keys:
+            dst.store.evict(k)
+    assert dst.pending() == 0
+
+
 def test_a_ticket_of_another_node_is_unknown_and_leaves_that_nodes_own_alone(
     nodes: Callable[..., BlockingNode],
 ) -> None:
