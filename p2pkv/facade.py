@@ -62,6 +62,7 @@ from .node import (
     NodeStatistics,
     Peer,
     TransportFactory,
+    check_activity,
     check_address,
     check_keys,
     check_peer,
@@ -385,7 +386,7 @@ class BlockingNode:
     ) -> int:
         """Start :meth:`Node.disconnect_idle` on the engine; returns a ticket (result: 1
         if the session was closed or gone, 0 if it was in use)."""
-        args = (self._node, check_peer(peer), activity)
+        args = (self._node, check_peer(peer), check_activity(activity))
         return self._submit(_disconnect_idle, args, "disconnect", timeout)
 
     def submit_connect(self, address: tuple[str, int], *, timeout: float | None = None) -> int:

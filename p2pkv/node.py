@@ -160,6 +160,19 @@ def check_keys(keys: Iterable[bytes]) -> list[bytes]:
     return list(keys)
 
 
+def check_activity(activity: object) -> tuple[int, int]:
+    """``activity`` as the pair :meth:`Node.session_activity` returns: two ints (a list
+    of them is taken too, as JSON keeps them). TypeError for anything else, which could
+    never equal the session's and would keep it "in use" for ever."""
+    if isinstance(activity, str | bytes) or not isinstance(activity, Sequence):
+        raise TypeError(f"activity must be what session_activity() returned, got {activity!r}")
+    if len(activity) != 2 or not all(
+        isinstance(n, int) and not isinstance(n, bool) for n in activity
+    ):
+        raise TypeError(f"activity must be a pair of ints from session_activity(), got {activity!r}")
+    return int(activity[0]), int(activity[1])
+
+
 @attrs.frozen
 class NodeStatistics:
     peer_id: str
@@ -694,7 +707,9 @@ class Node:
         """Close the session with ``peer_id`` only if it is idle both ways: no request
         open, ours or the peer's, and none made since :meth:`session_activity` read
         ``activity``. True if it was closed (or there was none), False if it was in use:
-        a peer that fetches from us over the session we no longer need keeps it."""
+        a peer that fetches from us over the session we no longer need keeps it.
+        TypeError for an ``activity`` that is not such a pair of ints."""
+        activity = check_activity(activity)
         session = self._by_peer.get(peer_id)
         if session is None:
             return True

@@ -345,6 +345,27 @@ def test_a_submits_rounds_are_read_in_the_callers_thread_not_later_on_the_engine
     assert dst.pending() == 0
 
 
+def test_an_activity_that_session_activity_never_returned_is_refused_at_the_submit(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """``submit_disconnect_idle`` compared the caller's ``activity`` with the session's
+    tuple as it was: anything else (None, a string, the same two counts as a list, as a
+    host that kept them in JSON has them) never equalled it, so the ticket said "in use"
+    (0) for ever and the idle session was never closed. A pair of ints is taken as it
+    is; anything else is a TypeError from the submit, no ticket taken."""
+    dst, src = nodes("dst"), nodes("src")
+    peer = dst.connect(src.address, timeout=BOUND)
+    for bad in (None, "x", (1,), (1, 2, 3), (1.0, 0), (True, 0)):
+        with pytest.raises(TypeError, match="activity"):
+            dst.submit_disconnect_idle(peer, bad)  # type: ignore[arg-type]
+    assert dst.pending() == 0 and dst.is_connected(peer)
+    activity = dst.session_activity(peer)
+    assert activity is not None
+    ticket = dst.submit_disconnect_idle(peer, list(activity))  # type: ignore[arg-type]
+    assert wait_ticket(dst, ticket) == 1
+    assert not dst.is_connected(peer)
+
+
 def test_a_ticket_of_another_node_is_unknown_and_leaves_that_nodes_own_alone(
     nodes: Callable[..., BlockingNode],
 ) -> None:
