@@ -64,6 +64,7 @@ from .node import (
     TransportFactory,
     check_activity,
     check_address,
+    check_config,
     check_keys,
     check_peer,
     open_node,
@@ -113,6 +114,7 @@ def start_node(
     Close the node (or use it as a context manager) to stop the thread; one still
     running at interpreter exit is closed then.
     """
+    check_config(cfg)
     start_timeout = check_seconds(start_timeout, "start_timeout")
     board: TicketBoard[TicketResult] = TicketBoard()
 

@@ -160,6 +160,14 @@ def check_keys(keys: Iterable[bytes]) -> list[bytes]:
     return list(keys)
 
 
+def check_config(config: object) -> NodeConfig:
+    """``config`` if it is a :class:`NodeConfig`; TypeError naming the argument for
+    anything else (a dict of settings was ``AttributeError`` on ``peer_id``)."""
+    if not isinstance(config, NodeConfig):
+        raise TypeError(f"config must be a NodeConfig, got {type(config).__name__}")
+    return config
+
+
 def check_activity(activity: object) -> tuple[int, int]:
     """``activity`` as the pair :meth:`Node.session_activity` returns: two ints (a list
     of them is taken too, as JSON keeps them). TypeError for anything else, which could
@@ -1025,6 +1033,7 @@ async def open_node(
     map is then unused. ``transport`` and ``offload`` are for tests (a fault-injecting
     transport; a Trio-native offload on the autojump clock).
     """
+    check_config(config)
     store = BlockStore(config.num_blocks, config.block_len, region)
     span = _claim_region(store)
     try:

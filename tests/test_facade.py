@@ -556,6 +556,19 @@ def test_a_node_that_cannot_start_raises_portal_closed_with_the_cause() -> None:
     assert info.value.__cause__ is refused
 
 
+@pytest.mark.parametrize("bad", [None, {"peer_id": "a"}, "a"])
+async def test_a_config_that_is_not_a_node_config_is_a_type_error(bad: object) -> None:
+    """``start_node`` (and ``open_node``) read ``cfg.peer_id`` first: a dict of settings,
+    None or a peer id passed for the config was ``AttributeError: 'dict' object has no
+    attribute 'peer_id'``, naming no argument. A TypeError that names it now, and no
+    engine thread is started (the autouse fixture checks)."""
+    with pytest.raises(TypeError, match="NodeConfig"):
+        start_node(bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="NodeConfig"):
+        async with open_node(bad):  # type: ignore[arg-type]
+            pass
+
+
 def test_a_port_in_use_says_so_once_in_the_error_itself(
     nodes: Callable[..., BlockingNode], caplog: pytest.LogCaptureFixture
 ) -> None:
