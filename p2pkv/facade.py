@@ -50,7 +50,7 @@ import logging
 import math
 import warnings
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, TypeAlias, TypeVar, overload
 
 import trio
 
@@ -493,6 +493,12 @@ class BlockingNode:
         return _QUICK_CALL if timeout is None else check_seconds(timeout, "timeout")
 
 
+@overload
+def _own_rounds(rounds: None) -> None: ...
+@overload
+def _own_rounds(
+    rounds: LookupRound | Iterable[LookupRound],
+) -> LookupRound | list[LookupRound]: ...
 def _own_rounds(
     rounds: LookupRound | Iterable[LookupRound] | None,
 ) -> LookupRound | list[LookupRound] | None:

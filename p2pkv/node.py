@@ -177,7 +177,9 @@ def check_activity(activity: object) -> tuple[int, int]:
     if len(activity) != 2 or not all(
         isinstance(n, int) and not isinstance(n, bool) for n in activity
     ):
-        raise TypeError(f"activity must be a pair of ints from session_activity(), got {activity!r}")
+        raise TypeError(
+            f"activity must be a pair of ints from session_activity(), got {activity!r}"
+        )
     return int(activity[0]), int(activity[1])
 
 

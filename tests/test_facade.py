@@ -312,10 +312,11 @@ def test_a_submits_rounds_are_read_in_the_callers_thread_not_later_on_the_engine
     src, dst = nodes("src", lease=600.0), nodes("dst")
     keys = fill(src.store, 3, BLOCK)
     peer = dst.connect(src.address, timeout=BOUND)
-    for submit in (
+    submits: list[Callable[[list[Any]], int]] = [
         lambda rounds: dst.submit_fetch(peer, keys, rounds=rounds),
         lambda rounds: dst.submit_release(peer, rounds),
-    ):
+    ]
+    for submit in submits:
         held = dst.lookup_round(peer, keys, timeout=BOUND)
         assert src.statistics().pinned_slots == 3
         requests = dst.session_activity(peer)
