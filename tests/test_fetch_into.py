@@ -412,6 +412,40 @@ async def test_a_fetch_into_naming_a_slot_another_fetch_into_lands_in_is_refused
             assert_left_no_trace(dst)
 
 
+async def test_a_cancelled_fetch_into_keeps_its_slots_in_use_until_no_write_can_land(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A caller cancelled while the producer's writes are under way: its slots stay in use
+    until the quarantine's end, so a second ``fetch_into`` naming them is refused meanwhile
+    (a late write of the first would land over what the second reported loaded)."""
+    hold = trio.Event()
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with hand_served({"quarantine": 6.0}, virtual=True, hold=hold) as (dst, producer):
+            keys = list(producer.blocks)
+            peer = producer.raw.peer_id
+            with trio.CancelScope() as scope:
+
+                async def first() -> None:
+                    await dst.fetch_into(peer, keys[:2], [1, 2])
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(first)
+                    await producer.fetched.wait()  # its writes are under way: they may land
+                    cut = trio.current_time()
+                    scope.cancel()
+            assert dst.caller_slots == {1, 2}
+            with pytest.raises(LocalProtocolError, match="free"):
+                await dst.fetch_into(peer, keys[2:], [2, 3])
+            while dst.caller_slots:
+                await trio.sleep(0.5)
+            # Given back at the quarantine's end, not before.
+            assert trio.current_time() >= cut + 6.0
+            hold.set()
+            r = await dst.fetch_into(peer, keys[2:], [2, 3])
+            assert r.loaded == keys[2:]
+            assert slot_bytes(dst, 2) == producer.blocks[keys[2]]
+
+
 # ---------------------------------------------------------------- held until no write can land
 
 

@@ -809,8 +809,9 @@ class ConsumerSide(SessionParts):
         Returns only once no write into ``slots`` can land any more: at once when the
         producer's ``transfer_done`` is in; after a give-up (deadline, session lost), only
         ``quarantine`` seconds later. So whatever the result says, the caller may reuse
-        every slot when it has it. Cancelled before that, it promises nothing: the caller
-        must keep the slots ``quarantine`` seconds. ``within``: give up (lookups, waits for
+        every slot when it has it. Cancelled before that, the caller must keep the slots
+        ``quarantine`` seconds (the node keeps them in use for its other ``fetch_into``
+        calls until no write can land). ``within``: give up (lookups, waits for
         a request slot and the fetch itself) that many seconds from now, so the result
         comes by ``within + quarantine`` at the latest, whatever had to be looked up
         again; the keys cut short fail "timed out". Raises :class:`LocalProtocolError`,
@@ -876,8 +877,23 @@ class ConsumerSide(SessionParts):
             # A write we gave up on may still land until the quarantine's end.
             await trio.sleep_until(landing.settle_at)
         finally:
-            taken.difference_update(dst_slots)
+            self._give_back_slots(dst_slots, landing.settle_at)
         return _result(keys, outcome)
+
+    def _give_back_slots(self, dst_slots: list[int], settle_at: float) -> None:
+        """``fetch_into``'s slots are free again for another ``fetch_into``: now, or, if it
+        was cancelled before a write it gave up on could no longer land, at the
+        quarantine's end. Freed at once, a second call naming them would be taken and a
+        late write of the first land over what the second reported loaded."""
+        taken = self.node.caller_slots
+        left = settle_at - trio.current_time()
+        if left > 0:
+            try:
+                self.node.defer(left, taken.difference_update, dst_slots)
+                return
+            except RuntimeError:  # the node's nursery is closed: the node is going away
+                pass
+        taken.difference_update(dst_slots)
 
     async def _fetch_all(
         self,
