@@ -303,3 +303,44 @@ async def test_a_fetch_cancelled_during_its_lookup_leaves_the_shared_keys_to_the
             for kk in keys:
                 assert bytes(dst.store.get(kk) or b"") == blocks[kk]
             assert dst.statistics().reserved_slots == 0
+
+
+async def test_a_key_the_host_puts_again_loads_as_its_round_pinned_it() -> None:
+    """Two consumers' rounds pin one key at the producer; the first releases its round,
+    then the producer's host puts the key again with new bytes. The second round's pin
+    still holds the block its lookup found: its fetch loads exactly those bytes (neither
+    the new ones nor a mix), the host's key has the new bytes, a fresh fetch gets them,
+    and the old block is freed once the last pin on it goes."""
+    k, old, new = os.urandom(32), os.urandom(BLOCK), os.urandom(BLOCK)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("src")) as src,
+            open_node(config("c1")) as c1,
+            open_node(config("c2")) as c2,
+        ):
+            src.store.put(k, old)
+            p1, p2 = await c1.connect(src.address), await c2.connect(src.address)
+            r1 = await c1.lookup_round(p1, [k])
+            r2 = await c2.lookup_round(p2, [k])
+            assert r1.hits == r2.hits == [True]
+            assert src.statistics().pinned_slots == 1  # one slot, a pin per round
+            assert await c1.release(p1, r1) == 1
+            # A round trip: the producer has handled the release by then.
+            assert await c1.lookup(p1, [os.urandom(32)]) == [False]
+            assert src.statistics().pinned_slots == 1  # c2's pin is still there
+            assert not src.store.evict(k)  # pinned: not evicted
+            src.store.put(k, new)  # the host, meanwhile: the key moves, the block stays
+            assert bytes(src.store.get(k) or b"") == new
+            # More puts: a slot freed by mistake would be the next one handed out.
+            others = fill(src.store, 2, BLOCK)
+            got = await c2.fetch(p2, [k], r2)
+            assert got.loaded == [k] and not got.failed
+            assert bytes(c2.store.get(k) or b"") == old
+            fresh = await c1.fetch(p1, [k])
+            assert fresh.loaded == [k] and not fresh.failed
+            assert bytes(c1.store.get(k) or b"") == new
+            assert await c2.lookup(p2, [os.urandom(32)]) == [False]
+            st = src.statistics()
+            assert st.pinned_slots == 0 and st.store.used == 3  # the old block was freed
+            assert bytes(src.store.get(k) or b"") == new
+            assert all(k2 in src.store for k2 in others)
