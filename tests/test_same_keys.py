@@ -344,3 +344,37 @@ async def test_a_key_the_host_puts_again_loads_as_its_round_pinned_it() -> None:
             assert st.pinned_slots == 0 and st.store.used == 3  # the old block was freed
             assert bytes(src.store.get(k) or b"") == new
             assert all(k2 in src.store for k2 in others)
+
+
+async def test_one_key_from_two_peers_at_once_one_copy_corrupt_keeps_the_good_bytes() -> None:
+    """One key fetched from two peers at once, checksums on; one peer's data plane writes
+    other bytes and reports DONE. Whichever lands first, that fetch fails "checksum
+    mismatch" with its slot quarantined, the other loads, and the store holds the good
+    block: a bad copy is never committed over or beside the good one."""
+    corrupting = FaultFactory(lambda t: setattr(t, "corrupt", True))
+    k, block = os.urandom(32), os.urandom(BLOCK)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("bad", verify_checksums=True), transport=corrupting) as bad,
+            open_node(config("good", verify_checksums=True)) as good,
+            open_node(config("dst", verify_checksums=True)) as dst,
+        ):
+            bad.store.put(k, block)
+            good.store.put(k, block)
+            a, b = await dst.connect(bad.address), await dst.connect(good.address)
+            results: dict[str, FetchResult] = {}
+
+            async def fetch(name: str, peer: Any) -> None:
+                results[name] = await dst.fetch(peer, [k])
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, "bad", a)
+                nursery.start_soon(fetch, "good", b)
+            assert results["good"].loaded == [k] and not results["good"].failed
+            assert results["bad"].loaded == [] and results["bad"].failed == {
+                k: "checksum mismatch"
+            }
+            assert bytes(dst.store.get(k) or b"") == block
+            st = dst.statistics()
+            assert st.reserved_slots == 0 and st.quarantined_slots == 1
+            assert st.store.used == 1
