@@ -371,9 +371,7 @@ async def test_one_key_from_two_peers_at_once_one_copy_corrupt_keeps_the_good_by
                 nursery.start_soon(fetch, "bad", a)
                 nursery.start_soon(fetch, "good", b)
             assert results["good"].loaded == [k] and not results["good"].failed
-            assert results["bad"].loaded == [] and results["bad"].failed == {
-                k: "checksum mismatch"
-            }
+            assert results["bad"].loaded == [] and results["bad"].failed == {k: "checksum mismatch"}
             assert bytes(dst.store.get(k) or b"") == block
             st = dst.statistics()
             assert st.reserved_slots == 0 and st.quarantined_slots == 1
