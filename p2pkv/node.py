@@ -441,6 +441,11 @@ class Node:
         if not old.finished.is_set():
             raise HandshakeRejected("the previous session of this peer did not close", peer=pid)
 
+    def admitted(self, session: PeerSession) -> bool:
+        """``session`` is the one live session of its peer id: the node admitted it."""
+        pid = session.peer_id
+        return pid is not None and self._by_peer.get(pid) is session
+
     def session_ready(self, session: PeerSession) -> None:
         self._peers_changed.unpark_all()
 

@@ -1299,3 +1299,55 @@ async def test_a_flood_of_restart_hellos_on_one_connection_is_held_to_the_budget
                 await raw.aclose()
             assert b"max_peer_registrations" in got
             assert made <= 5, made  # the first incarnation and four restarts
+
+
+async def test_restart_hellos_from_an_impostor_not_yet_admitted_spend_nothing_of_the_real_peers_budget(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A restart hello spends its peer id's budget as it arrives (the flood above). One
+    that came on a connection the node had not admitted yet, still probing the live
+    session of the id it claims, spent the *real* peer's budget: an impostor's hello and
+    a burst of new epochs behind it left the real peer unable to restart (or reconnect)
+    for the budget's window, though a claim on a live id must cost its owner nothing
+    (reading review, 2026-12-05). A new hello before the first was admitted is now
+    refused, and spends nothing."""
+    with trio.fail_after(60):
+        async with node("a", max_peer_registrations=2, peer_registration_window=30.0) as a:
+            real = RawPeer("real")
+            try:
+                await real.connect(a.address)
+                await real.handshake()  # registration 1 of 2
+                async with trio.open_nursery() as nursery:
+
+                    async def answer_probes() -> None:  # pings raise no event: flush pongs
+                        assert real.stream is not None
+                        while data := await real.stream.receive_some(65536):
+                            real.proto.receive_data(data)
+                            while real.proto.next_event() is not None:
+                                pass
+                            await real.flush()
+
+                    nursery.start_soon(answer_probes)
+                    fake = impostor("real", 50)
+                    try:
+                        await fake.connect(a.address)
+                        burst = []
+                        for epoch in range(50, 56):  # its hello, then five restarts
+                            p = SessionProtocol(attrs.evolve(fake.proto.local, epoch=epoch))
+                            p.start()
+                            burst.append(p.data_to_send())
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            await fake.send_raw(b"".join(burst))
+                        assert fake.stream is not None
+                        with contextlib.suppress(trio.BrokenResourceError):
+                            while await fake.stream.receive_some(65536):
+                                pass
+                    finally:
+                        await fake.aclose()
+                    await until_sessions(a, lambda: a.statistics().sessions == 1)
+                    nursery.cancel_scope.cancel()
+                assert a.statistics().peers == 1  # the real peer's session stayed
+                assert await restart_until_refused(real, 99) is None  # registration 2
+                assert a.statistics().peers == 1
+            finally:
+                await real.aclose()

@@ -941,6 +941,15 @@ class PeerSession(ProducerSide, ConsumerSide):
     def _on_hello(self, ev: HelloReceived) -> None:
         tls.check_peer_id(self.stream, ev.hello.peer_id)  # before the node acts on the hello
         if self.incarnation is not None:
+            if not self.node.admitted(self):
+                # A new hello before the node admitted the first: the id it claims may be
+                # another peer's, whose live session is being probed, so spending would
+                # spend that peer's budget, and not spending would let a stream of new
+                # epochs hold an incarnation each. A peer restarts only on a connection
+                # it was admitted on.
+                why = "a new hello before the first was admitted"
+                self._fail(HandshakeRejected(why, peer=ev.hello.peer_id), why, "handshake")
+                return
             # A restart spends the peer's registration budget as it comes (see
             # Node.spend_restart): each one is kept until the one before is torn down.
             try:
