@@ -523,3 +523,76 @@ async def test_a_key_the_producer_reports_failed_beside_an_ok_one_is_not_loaded(
                 assert dst.landing_shares.held(raw.peer_id, trio.current_time()) == 0
         finally:
             await raw.aclose()
+
+
+async def test_a_producers_write_into_another_producers_landing_slot_loads_no_wrong_bytes() -> None:
+    """Two producers serve one consumer at once. The liar is honest on its control
+    channel, but its data plane also writes into the slot the consumer named to the
+    *honest* producer for a key of its own fetch, after the honest write landed and
+    before its ``transfer_done``. The consumer never sees the data plane (anyone holding
+    its agent metadata can write into its region), so what the integrity rule promises is
+    per key: with checksums on, no key is committed with bytes other than those its own
+    producer summed. The honest producer's overwritten key fails "checksum mismatch" and
+    its slot is quarantined, never loaded with the liar's bytes; its other key and the
+    liar's own key load byte-exact (reading review, 2026-12-05: no test had two
+    producers' writes in one region)."""
+    with trio.fail_after(BOUND):
+        honest, liar = RawPeer("honest"), RawPeer("liar")
+        cfg = config("dst", verify_checksums=True)
+        try:
+            async with open_node(cfg) as dst:
+                for raw in (honest, liar):
+                    await raw.connect(dst.address)
+                    await raw.handshake()
+                region = dst.store.array
+                h_keys = [os.urandom(32) for _ in range(2)]
+                h_bytes = [os.urandom(BLOCK) for _ in range(2)]
+                l_key, l_bytes, junk = os.urandom(32), os.urandom(BLOCK), os.urandom(BLOCK)
+                victim_slot: list[int] = []
+                honest_wrote, liar_done = trio.Event(), trio.Event()
+
+                def land(slot: int, data: bytes) -> None:
+                    region[slot * BLOCK : (slot + 1) * BLOCK] = np.frombuffer(data, np.uint8)
+
+                async def write_then_wait_for_the_liar(ev: FetchRequested) -> None:
+                    for slot, data in zip(ev.slots, h_bytes, strict=True):
+                        land(slot, data)
+                    victim_slot.append(ev.slots[0])
+                    honest_wrote.set()
+                    await liar_done.wait()
+                    crcs = [zlib.crc32(b) for b in h_bytes]
+                    honest.proto.send_transfer_done(ev.req_id, [int(Outcome.OK)] * 2, crcs)
+
+                async def write_own_and_the_victims(ev: FetchRequested) -> None:
+                    await honest_wrote.wait()
+                    [slot] = ev.slots
+                    land(slot, l_bytes)
+                    land(victim_slot[0], junk)  # not a slot it was asked to write
+                    liar.proto.send_transfer_done(
+                        ev.req_id, [int(Outcome.OK)], [zlib.crc32(l_bytes)]
+                    )
+                    await liar.flush()
+                    liar_done.set()
+
+                results: dict[str, Any] = {}
+
+                async def fetch(name: str, keys: list[bytes]) -> None:
+                    results[name] = await dst.fetch(name, keys)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_serve_lookups_and, honest, write_then_wait_for_the_liar)
+                    nursery.start_soon(_serve_lookups_and, liar, write_own_and_the_victims)
+                    async with trio.open_nursery() as fetches:
+                        fetches.start_soon(fetch, "honest", h_keys)
+                        fetches.start_soon(fetch, "liar", [l_key])
+                    nursery.cancel_scope.cancel()
+                h, lr = results["honest"], results["liar"]
+                assert h.loaded == [h_keys[1]], h
+                assert h.failed == {h_keys[0]: "checksum mismatch"}
+                assert dst.store.get(h_keys[0]) is None
+                assert bytes(dst.store.get(h_keys[1]) or b"") == h_bytes[1]
+                assert lr.loaded == [l_key] and bytes(dst.store.get(l_key) or b"") == l_bytes
+                assert dst.statistics().store.quarantined == 1  # the overwritten slot
+        finally:
+            await honest.aclose()
+            await liar.aclose()
