@@ -1301,7 +1301,7 @@ async def test_a_flood_of_restart_hellos_on_one_connection_is_held_to_the_budget
             assert made <= 5, made  # the first incarnation and four restarts
 
 
-async def test_restart_hellos_from_an_impostor_not_yet_admitted_spend_nothing_of_the_real_peers_budget(
+async def test_an_impostors_restart_hellos_before_admission_spend_nothing_of_the_peers_budget(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A restart hello spends its peer id's budget as it arrives (the flood above). One
