@@ -28,9 +28,11 @@ import trio.testing
 from p2pkv import P2PKVError
 from p2pkv.session import session as session_mod
 from p2pkv.session.protocol import (
+    AbortRequested,
     ByeReceived,
     HelloReceived,
     LookupAnswered,
+    LookupRequested,
     Ready,
     SessionProtocol,
 )
@@ -387,3 +389,92 @@ async def test_a_reconnect_storm_leaves_everything_at_baseline(
             assert n._dialing == {} and n._dialed == set()
             assert n.transport.live == set()  # type: ignore[attr-defined]
             assert _fds() == fds0, (_fds(), fds0)
+
+
+async def test_a_lookup_that_finds_the_outbox_past_its_cap_ends_at_its_own_deadline(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past OUTBOX_CAP a caller waits for the socket itself (the backpressure), but a
+    lookup has one deadline, ``lookup_timeout``, for all of it (docs: "One deadline for the
+    whole lookup"). Lookups made once the outbox is past the cap, to a peer that has stopped
+    reading, must each end by their own deadline with P2PKVTimeout, not wait for the send
+    lock until the stuck send's ``idle_timeout`` ends the session (review 2026-12-05: they
+    ended at 30 s with lookup_timeout 5 s). Nothing sent is lost: the session stays up, and
+    its frames stay queued, until the send deadline."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        gate = SendGate(monkeypatch)
+        async with node("n", lookup_timeout=5.0, idle_timeout=30.0) as n:
+            raw, s = await connected(n)
+            gate.shut(s)
+            ended: dict[str, tuple[float, BaseException]] = {}
+            started: dict[str, float] = {}
+
+            async def look(name: str, keys: list[bytes]) -> None:
+                started[name] = trio.current_time()
+                try:
+                    await n.lookup(raw.peer_id, keys)
+                except P2PKVError as exc:
+                    ended[name] = (trio.current_time() - started[name], exc)
+
+            async with trio.open_nursery() as nursery:
+                for tag in range(12):
+                    nursery.start_soon(look, f"big{tag}", big_keys(tag))
+                await trio.sleep(0.1)
+                assert s.proto.bytes_to_send() > session_mod.OUTBOX_CAP
+                await trio.sleep(1.0)
+                for tag in range(12, 15):  # made later, past the cap too
+                    nursery.start_soon(look, f"late{tag}", big_keys(tag))
+                await trio.sleep(12.0)
+                assert s.alive  # only the send deadline (idle_timeout) may end it
+                nursery.cancel_scope.cancel()
+            # The peer reads again: every lookup and its abort arrive whole, in a stream
+            # that a cut send (a lookup's own, at its deadline) left intact.
+            gate.open.set()
+            raw.proto.lift_frame_limit()  # a RawPeer never admits: its frames are big
+            asked: set[int] = set()
+            aborted: set[int] = set()
+            while len(asked) < 15 or len(aborted) < 15:
+                ev = await raw.next_event()
+                assert ev is not None and not isinstance(ev, ByeReceived), ev
+                if isinstance(ev, LookupRequested):
+                    asked.add(ev.req_id)
+                elif isinstance(ev, AbortRequested):
+                    aborted.add(ev.req_id)
+            assert aborted == asked and s.alive
+            await raw.aclose()
+        assert len(ended) == 15, f"still waiting 12 s in: {sorted(set(started) - set(ended))}"
+        for name, (took, exc) in ended.items():
+            assert took <= 5.0 + 0.1, (name, took, exc)
+            assert isinstance(exc, P2PKVError) and "timed out" in str(exc), (name, exc)
+
+
+async def test_a_lookup_whose_own_frame_is_past_the_cap_is_cut_at_its_deadline_losing_nothing(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup whose own frame is over OUTBOX_CAP sends it itself (the lock is free) to a
+    peer that has stopped reading. At the lookup's deadline its send is cut (plain TCP):
+    the lookup raises P2PKVTimeout then, not at the send deadline (``idle_timeout``), and
+    the rest of its frame goes back to the front of the outbox, so once the peer reads
+    again it gets the lookup and its abort whole and the session stays up."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        gate = SendGate(monkeypatch)
+        async with node("n", lookup_timeout=5.0, idle_timeout=30.0) as n:
+            raw, s = await connected(n)
+            gate.shut(s)
+            t0 = trio.current_time()
+            with pytest.raises(P2PKVError, match="timed out"):
+                await n.lookup(raw.peer_id, big_keys(1, 40000))  # a ~5.4 MB frame
+            assert trio.current_time() - t0 == pytest.approx(5.0, abs=0.1)
+            assert s.alive
+            gate.open.set()
+            raw.proto.lift_frame_limit()  # a RawPeer never admits: its frames are big
+            seen: list[Any] = []
+            while len(seen) < 2:
+                ev = await raw.next_event()
+                assert ev is not None and not isinstance(ev, ByeReceived), ev
+                if isinstance(ev, (LookupRequested, AbortRequested)):
+                    seen.append(ev)
+            assert isinstance(seen[0], LookupRequested) and len(seen[0].keys) == 40000
+            assert isinstance(seen[1], AbortRequested) and seen[1].req_id == seen[0].req_id
+            assert s.alive
+            await raw.aclose()

@@ -45,5 +45,10 @@ class SessionParts:
         @property
         def remote(self) -> RemotePeer | None: ...
         async def _flush(
-            self, *, final: bool = False, drain: bool = False, background: bool = False
+            self,
+            *,
+            final: bool = False,
+            drain: bool = False,
+            background: bool = False,
+            until: float = ...,
         ) -> None: ...

@@ -522,7 +522,7 @@ class ConsumerSide(SessionParts):
                 req = self.proto.send_lookup(chunk, checked=checked)
                 p = self._pending[req] = _Pending(req)
                 sent.append(p)  # the slot is the request's from here on
-            await self._flush()
+            await self._flush(until=end)
             answered = []
             for p, chunk in zip(sent, chunks, strict=True):
                 await self._wait_for_answer(p, end - trio.current_time())
@@ -564,7 +564,7 @@ class ConsumerSide(SessionParts):
             raise
         p = self._pending[req] = _Pending(req)
         try:
-            await self._flush()
+            await self._flush(until=end)
             await self._wait_for_answer(p, end - trio.current_time())
         except BaseException:
             self._abort(p)

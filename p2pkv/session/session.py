@@ -387,7 +387,12 @@ class PeerSession(ProducerSide, ConsumerSide):
             pass
 
     async def _flush(
-        self, *, final: bool = False, drain: bool = False, background: bool = False
+        self,
+        *,
+        final: bool = False,
+        drain: bool = False,
+        background: bool = False,
+        until: float = math.inf,
     ) -> None:
         """Send what the protocol has queued. Once closing, only the shielded final flush
         sends: a send cut by cancellation would leave the stream undefined (and lose the
@@ -413,7 +418,14 @@ class PeerSession(ProducerSide, ConsumerSide):
         never waits for the socket, past the cap or not, or the deadlines it keeps would
         wait for a peer that reads nothing. Over TLS, where ``_send_now`` takes nothing,
         every flush goes through a drain task (one more trip through the scheduler per
-        send)."""
+        send).
+
+        ``until``: the caller's own deadline (a lookup's), which its wait for the socket
+        past the cap does not outlast: at ``until`` it stops waiting for the send lock and
+        returns, its frames left queued for the task sending. On a plain TCP stream its
+        own send is cut then too (its rest goes back to the front of the outbox for a
+        drain task, as :meth:`_send_rest` does on any cancel); over TLS a send once begun
+        is not cut (that would end the session). No scope is entered on the usual path."""
         if not final and not self.proto.has_data_to_send():
             return
         lock = self._send_lock
@@ -425,7 +437,13 @@ class PeerSession(ProducerSide, ConsumerSide):
         except trio.WouldBlock:
             if background or (not final and self.proto.bytes_to_send() <= OUTBOX_CAP):
                 return  # the sender sends it once its own send is through
-            await lock.acquire()
+            if until < math.inf:
+                with trio.move_on_at(until):
+                    await lock.acquire()
+                if lock.statistics().owner is not trio.lowlevel.current_task():
+                    return  # past the caller's deadline: the task sending sends its frames
+            else:
+                await lock.acquire()
             drain = True  # past the cap: this caller waits for the socket itself
         try:
             while not (self._send_broken or (self._cancel.cancel_called and not final)):
@@ -445,7 +463,14 @@ class PeerSession(ProducerSide, ConsumerSide):
                             self._drain_soon()
                             return
                         # Frames queued while this waits go out in the next pass.
-                        await self._send_rest(rest)
+                        if until < math.inf and self._raw is not None:
+                            with trio.move_on_at(until) as cut:
+                                await self._send_rest(rest)
+                            if cut.cancelled_caught:  # its rest is back in the outbox
+                                self._requeued = False
+                                return
+                        else:
+                            await self._send_rest(rest)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._send_broken = True
                     self._fail(exc, f"connection lost while sending: {exc}", "transport")
