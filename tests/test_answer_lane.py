@@ -32,6 +32,7 @@ from p2pkv import Node, open_node
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PeerUnavailable, SessionClosed
 from p2pkv.pins import HostPins
 from p2pkv.session.protocol import (
+    ByeReceived,
     HelloReceived,
     LookupAnswered,
     LookupRequested,
@@ -557,3 +558,32 @@ async def test_an_answer_then_a_hello_the_reader_refuses_ends_the_wait_in_the_la
             assert session._lane_reads == 1  # the lane's task read both frames
             assert got == [[True]]
             assert not session.alive and "same epoch" in (session.close_reason or "")
+
+
+async def test_a_peer_that_half_closes_while_we_wait_ends_its_lookup_only() -> None:
+    """A peer that shuts down its sending side (SHUT_WR) but keeps reading: our lookup
+    waiting on it in the lane ends at once with SessionClosed (not at its deadline), its
+    session ends and says bye to the side still reading, and another peer connected
+    meanwhile is served throughout."""
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("n", lookup_timeout=60.0)) as node,
+            raw_peer_of(node) as (other, _),
+        ):
+            async with raw_peer_of(node) as (raw, session):
+                async with trio.open_nursery() as nursery:
+                    got, _ = await lookup_in_background(nursery, node, raw)
+                    assert session._lane_parked
+                    assert raw.stream is not None
+                    await raw.stream.send_eof()
+                assert len(got) == 1 and isinstance(got[0], SessionClosed), got
+                await session.finished.wait()
+                while (ev := await raw.next_event()) is not None:  # it still reads
+                    if isinstance(ev, ByeReceived):
+                        break
+                assert isinstance(ev, ByeReceived), ev
+            async with trio.open_nursery() as nursery:
+                served, ev2 = await lookup_in_background(nursery, node, other)
+                answer(other, ev2)
+                await other.flush()
+            assert served == [[True]]
