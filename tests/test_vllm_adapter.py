@@ -272,6 +272,26 @@ def test_source_spec_accepts_both_spellings_and_rejects_junk() -> None:
     assert SourceSpec.from_params(top) == SourceSpec("h", 65535)
 
 
+def test_a_port_string_int_refuses_leaves_the_request_without_a_source(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A port that is a string of digits ``int`` cannot read (a superscript digit, which
+    ``str.isdigit`` admits; more digits than Python converts) comes from the request, not
+    from us: the request has no source and misses, never a ``ValueError`` out of the
+    tier's lookup into vLLM's scheduler."""
+    dst = nodes("dst")
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    for i, port in enumerate(("\u00b2", "7\u00b3", "9" * 5000)):
+        params = {"remote_kv_source": {"host": "h", "port": port}}
+        assert SourceSpec.from_params(params) is None, port[:8]
+        req = RequestInfo(f"r{i}", params)
+        tier.prepare(req)
+        assert tier.lookup(os.urandom(32), req) is False, port[:8]
+    tier.step()
+    assert not tier.has_pending_work()
+    tier.shutdown()
+
+
 def test_a_peer_id_no_peer_can_have_leaves_the_request_without_a_source(
     nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -173,7 +173,10 @@ class SourceSpec:
         host = src.get("host", src.get("remote_host"))
         port = src.get("port", src.get("remote_port"))
         if isinstance(port, str) and port.isdigit():
-            port = int(port)
+            try:
+                port = int(port)
+            except ValueError:  # "²" is a digit to isdigit; 4,301+ digits int refuses
+                return None
         if not isinstance(host, str) or not host or isinstance(port, bool):
             return None
         if not isinstance(port, int) or not 0 < port < 65536:
