@@ -50,6 +50,7 @@ from p2pkv.session.protocol import (
 from p2pkv.wire import (
     MAX_KEY_LEN,
     MAX_KEYS,
+    U64_MAX,
     Abort,
     AbortAck,
     Bye,
@@ -349,6 +350,41 @@ def test_a_region_whose_last_byte_is_the_top_of_the_address_space_is_accepted() 
     top = (1 << 64) - 1 - NUM_BLOCKS * BLOCK_LEN
     pair = ready_pair(make_info("a"), make_info("b", base_addr=top))
     assert pair.a.ready and pair.a.peer is not None and pair.a.peer.base_addr == top
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        pytest.param({"max_peer_blocks": NUM_BLOCKS}, {}, id="region_of_max_peer_blocks"),
+        pytest.param(
+            {}, {"max_keys_per_request": 1, "max_key_len": 1, "max_open_requests": 1}, id="ones"
+        ),
+        pytest.param(
+            {},
+            {"max_keys_per_request": U64_MAX, "max_key_len": U64_MAX, "max_open_requests": U64_MAX},
+            id="u64_max_limits",
+        ),
+        pytest.param({}, {"epoch": U64_MAX}, id="u64_max_epoch"),
+        pytest.param({}, {"epoch": 0}, id="zero_epoch"),
+    ],
+)
+def test_a_hello_at_each_numeric_edge_the_handshake_allows_is_accepted(
+    ours: dict[str, Any], theirs: dict[str, Any]
+) -> None:
+    """The other side of the refusals above: each number of a hello at the edge of what
+    is allowed completes the handshake (a bound one step too tight would refuse a peer
+    that works), and the peer's advertised limits only ever lower ours, never raise them
+    (a peer's U64_MAX leaves our own limits; its 1s become ours)."""
+    pair = ready_pair(make_info("a", **ours), make_info("b", **theirs))
+    a = pair.a
+    assert a.ready and a.peer is not None
+    assert a.peer.epoch == theirs.get("epoch", a.peer.epoch)
+    li, peer = a.local, a.peer
+    assert a.request_limits() == (
+        min(li.max_keys_per_request, peer.max_keys_per_request),
+        min(li.max_key_len, peer.max_key_len),
+    )
+    assert a.open_requests_limit() == min(li.max_open_requests, peer.max_open_requests or 1 << 64)
 
 
 def test_mismatched_configs_reject_on_both_sides_and_the_bye_carries_the_reason() -> None:
