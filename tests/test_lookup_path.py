@@ -26,7 +26,7 @@ from p2pkv.session.protocol import (
     TransferCompleted,
 )
 from p2pkv.session.session import RECEIVE_SIZE, PeerSession
-from p2pkv.wire import Fetch, Lookup, Outcome
+from p2pkv.wire import MAX_KEYS, U64_MAX, Fetch, Lookup, Outcome
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, count_calls, fill, pair, until
 from .protocol_helpers import decode_frames, make_info, ready_pair
@@ -206,6 +206,39 @@ async def test_request_limits_follow_each_hello_of_the_peer() -> None:
             assert (again.max_keys, again.max_key_len) == (100, 20)
             with pytest.raises(LocalProtocolError, match="key too long"):
                 await dst.lookup("small", [b"k" * 21])
+            await raw.aclose()
+
+
+async def test_a_peer_advertising_more_keys_than_the_wire_carries_gets_what_it_carries() -> None:
+    """A hello may advertise any u64 as its keys per request and open requests (a liar,
+    or a newer node), and our own config may allow more than the wire too: our requests
+    keep to the wire's ``MAX_KEYS`` all the same. A larger lookup goes as several rounds
+    the peer's decoder takes, never as one frame it must refuse and close the session
+    for (the session's limits skip the protocol's second check of the keys)."""
+    n = MAX_KEYS + 10
+    raw = RawPeer("big", max_keys_per_request=U64_MAX, max_open_requests=U64_MAX)
+    keys = [b"%08d" % i for i in range(n)]
+    cfg = config("dst", block_len=BL, max_keys_per_request=2 * MAX_KEYS, max_key_len=8)
+    with trio.fail_after(60):
+        async with open_node(cfg) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            sizes: list[int] = []
+
+            async def answer_lookups() -> None:
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        sizes.append(len(ev.keys))
+                        hits = [False] * len(ev.keys)
+                        raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
+                        await raw.flush()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(answer_lookups)
+                assert await dst.lookup("big", keys) == [False] * n
+                assert sizes == [MAX_KEYS, n - MAX_KEYS]
+                assert dst.is_connected("big")
+                nursery.cancel_scope.cancel()
             await raw.aclose()
 
 
