@@ -302,3 +302,57 @@ async def test_a_published_registration_superseded_without_a_retire_is_released(
             assert not t.live
             nursery.cancel_scope.cancel()
     src.transport.close()
+
+
+async def test_a_session_closed_as_its_registration_publishes_ends_without_crashing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The registration publishes, and before the waiting task runs again the reader takes
+    the peer's bye (both woken in one scheduler batch: the wait returns, the cancel of the
+    session's scope comes too late). The task must not ack a handshake the bye closed:
+    ``registration_succeeded`` on the closed protocol raised ``LocalProtocolError`` and
+    crashed the session (logged as a crash). Nothing is left: the registration is
+    released with the session."""
+    from p2pkv.registrar import RegistrationJob
+
+    real_wait = RegistrationJob.wait
+    published, bye_taken = trio.Event(), trio.Event()
+
+    async def late_wait(job: RegistrationJob) -> object:
+        """FAULT INJECTION: the waiter returns only after the reader took the peer's bye,
+        as when both were woken in one batch in that order."""
+        peer = await real_wait(job)
+        published.set()
+        with trio.CancelScope(shield=True):
+            await bye_taken.wait()
+        return peer
+
+    monkeypatch.setattr(RegistrationJob, "wait", late_wait)
+    factory = FaultFactory()
+    raw = RawPeer("r")
+    with trio.fail_after(20):
+        async with open_node(config("a"), transport=factory) as a:
+            await raw.connect(a.address)
+            raw.proto.start()
+            await raw.flush()
+            await published.wait()
+            session = a._by_peer["r"]
+            on_bye = session._handlers[ByeReceived]
+
+            def took(ev: ByeReceived) -> None:
+                on_bye(ev)
+                bye_taken.set()
+
+            session._handlers[ByeReceived] = took
+            raw.proto.send_bye("shutdown", "going away")
+            await raw.flush()
+            with trio.fail_after(5):
+                await session.finished.wait()
+            await wait_until(lambda: a.statistics().sessions == 0)
+            assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+            st = a.statistics().registrations
+            assert st.live == 0 and st.published == 1 and st.retired == 1
+            t = factory.transport
+            assert t.adds == 1 and t.removes == 1 and not t.live
+        await raw.aclose()
+    raw.transport.close()

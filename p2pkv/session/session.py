@@ -1019,7 +1019,10 @@ class PeerSession(ProducerSide, ConsumerSide):
         # A wait below may return after the peer's next hello replaced ``inc`` (woken in
         # the batch in which the reader took that hello: the cancel of ``inc.scope`` came
         # too late). The protocol's handshake is then the new incarnation's: ``inc`` must
-        # neither ack it nor fail it (its job is retired by ``_forget``).
+        # neither ack it nor fail it (its job is retired by ``_forget``). Likewise after
+        # the session began closing (the peer's bye taken in that batch, a close): the
+        # protocol is closed, and acking or failing it raised ``LocalProtocolError``,
+        # crashing the session (its job is retired by ``_close_down``).
         h = inc.hello
         try:
             await self.node.admit(self, h, restarted=restarted)
@@ -1029,7 +1032,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             code = "duplicate" if isinstance(exc, DuplicateSession) else "handshake"
             self._fail(exc, f"handshake rejected: {exc.reason}", code)
             return
-        if inc is not self.incarnation:
+        if inc is not self.incarnation or not self.alive:
             return
         self.proto.lift_frame_limit()  # admitted: no longer a stranger
         inc.job = self.node.registrar.submit(
@@ -1039,7 +1042,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             with trio.fail_after(self.cfg.registration_timeout):
                 inc.remote = await inc.job.wait()
         except (P2PKVError, trio.TooSlowError) as exc:
-            if inc is not self.incarnation:
+            if inc is not self.incarnation or not self.alive:
                 return
             reason = str(exc) or "registration timed out"
             log.warning("registering %s failed: %s", h.peer_id, reason)
@@ -1048,7 +1051,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             self.proto.registration_failed(reason)
             self.close(f"registration failed: {reason}", "handshake")
             return
-        if inc is not self.incarnation:
+        if inc is not self.incarnation or not self.alive:
             return
         ready = self.proto.registration_succeeded()
         if ready is not None:
