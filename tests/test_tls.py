@@ -642,3 +642,38 @@ async def test_a_peer_gone_silent_is_dropped_at_idle_timeout_over_tls_too(
             assert sa.finished.is_set(), "a silent peer was never dropped"
             assert sa.close_reason == "idle timeout"
             assert trio.current_time() - t0 <= 9.0 + 2.0
+
+
+async def test_a_session_closed_as_its_tls_handshake_finishes_ends_without_crashing(
+    pki: PKI, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The TLS handshake finishes, and before the session's task runs again it is closed
+    (the node shutting down, a stranger turned away: the close lands in the batch in
+    which the handshake's wait returned, too late to cancel it). The session must not
+    open its handshake on the closed protocol: ``start`` raised ``LocalProtocolError``
+    and crashed the session (logged as a crash)."""
+    from p2pkv import tls
+
+    real = tls.handshake
+    closed: list[object] = []
+
+    async def handshake(stream: trio.abc.Stream, seconds: float) -> None:
+        """FAULT INJECTION: the accepting side's session is closed as its handshake ends."""
+        await real(stream, seconds)
+        for s in list(a._sessions):
+            if s.stream is stream:
+                s.close("turned away", "busy")
+                closed.append(s)
+
+    monkeypatch.setattr(tls, "handshake", handshake)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a"))) as a,
+            open_node(config("b", **pki.tls("b"))) as b,
+        ):
+            with pytest.raises(P2PKVError):
+                await b.connect(a.address)
+            assert len(closed) == 1
+            while a._sessions:
+                await a._peers_changed.park()
+            assert not [r for r in caplog.records if "crashed" in r.getMessage()]

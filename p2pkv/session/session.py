@@ -283,7 +283,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         for the peer's faults (they end up in ``self.error``)."""
         try:
             with self._cancel:
-                if not await self._start_tls():
+                # Closed as the TLS handshake's wait returned (the cancel came too late):
+                # the protocol is closed, and opening its handshake would raise.
+                if not await self._start_tls() or not self.alive:
                     return
                 async with trio.open_nursery() as nursery:
                     self._nursery = nursery
