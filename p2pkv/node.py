@@ -260,6 +260,8 @@ class Node:
         self._strangers: dict[PeerSession, None] = {}
         self._turned_away = 0
         self._turned_away_logged = -math.inf
+        self._connection_warned = -math.inf  # see connection_warning
+        self._connection_warnings_left_out = 0
         self._admitting: dict[str, trio.Lock] = {}  # one admit decision at a time per peer
         # When each peer id started its recent registrations (oldest first): the budget of
         # max_peer_registrations per peer_registration_window. At most _REGISTRATION_IDS ids
@@ -468,6 +470,21 @@ class Node:
 
         assert self._nursery is not None
         self._nursery.start_soon(later)
+
+    def connection_warning(self, msg: str, *args: object) -> None:
+        """Log a WARNING about one connection (a failed TLS or p2pkv handshake, a protocol
+        error): anyone who can connect can cause one per connection, as fast as they
+        reconnect, so a flood of them is one line a second, the next saying how many were
+        left out."""
+        now = trio.current_time()
+        if now < self._connection_warned + 1.0:
+            self._connection_warnings_left_out += 1
+            return
+        if left_out := self._connection_warnings_left_out:
+            msg += " (%d such lines left out since the last)"
+            args = (*args, left_out)
+        log.warning(msg, *args)
+        self._connection_warned, self._connection_warnings_left_out = now, 0
 
     def wake_quarantine(self) -> None:
         self._wake_quarantine.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -1351,3 +1352,37 @@ async def test_an_impostors_restart_hellos_before_admission_spend_nothing_of_the
                 assert a.statistics().peers == 1
             finally:
                 await real.aclose()
+
+
+async def test_a_stranger_reconnecting_cannot_log_a_warning_per_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Anyone who can connect could make a node log a WARNING per connection: a protocol
+    error, a refused hello (or a failed TLS handshake), one line each, as fast as it could
+    reconnect, filling the host's disk and log pipeline. Such lines are now at most one a
+    second, the next one saying how many were left out. Found by a review (2026-12-05)."""
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    n = 20
+    with trio.fail_after(30):
+        async with open_node(config("a")) as a:
+            t0 = trio.current_time()
+            for i in range(n):
+                if i % 2:
+                    stream = await trio.open_tcp_stream(*a.address)
+                    await stream.send_all(b"GET / HTTP/1.1\r\n\r\n")
+                    with contextlib.suppress(trio.BrokenResourceError):
+                        while await stream.receive_some(4096):
+                            pass
+                    await stream.aclose()
+                else:
+                    raw = RawPeer("evil\n")
+                    await raw.connect(a.address)
+                    raw.proto.start()
+                    await raw.flush()
+                    await raw.expect_close()
+                    await raw.aclose()
+            await until(lambda: not a._sessions)
+            elapsed = trio.current_time() - t0
+    lines = [r for r in caplog.records if r.name.startswith("p2pkv")]
+    assert lines, "the first one is still logged"
+    assert len(lines) <= 1 + elapsed, [r.getMessage() for r in lines]

@@ -305,7 +305,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         try:
             await tls.handshake(self.stream, self.cfg.handshake_timeout)
         except P2PKVError as exc:
-            log.warning("TLS handshake with %s failed: %s", self.address, exc)
+            self.node.connection_warning("TLS handshake with %s failed: %s", self.address, exc)
             self._send_broken = True
             self._fail(exc, exc.message, "handshake")
             return False
@@ -718,7 +718,7 @@ class PeerSession(ProducerSide, ConsumerSide):
             except HandshakeRejected as exc:
                 # Escaped: the reason may be the peer's own bye, the id the one its hello claimed.
                 who, why = printable(exc.peer or self.who), printable(exc.reason)
-                log.warning("handshake with %s rejected: %s", who, why)
+                self.node.connection_warning("handshake with %s rejected: %s", who, why)
                 self._fail(exc, f"handshake rejected: {exc.reason}", "handshake")
             # What the events queued goes out first: the peer waits for it, and nothing
             # below is on its path.
@@ -730,7 +730,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._fail(exc, f"connection lost: {exc}", "transport")
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
-        log.warning("protocol error from %s: %s", self.who, exc)
+        self.node.connection_warning("protocol error from %s: %s", self.who, exc)
         self._fail(exc, f"protocol error: {exc.message}")
 
     def _frames_arrived(self) -> None:
