@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import threading
@@ -160,6 +161,31 @@ async def test_failed_posts_are_per_key_failures_and_slots_are_freed() -> None:
             # once, and a fetch_into would return at once (docs/design.md).
             assert dst.statistics().quarantined_slots == 0
             assert src.statistics().pinned_slots == 0
+
+
+async def test_a_peer_whose_writes_the_data_plane_refuses_is_warned_of_once_a_session(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every fetch the peer sent whose writes the data plane refused (a peer whose data
+    plane metadata NIXL cannot write to, say) logged a WARNING, one a chunk: a peer
+    could make us log at its request rate. The first of a session is a WARNING, the
+    rest are DEBUG. Found by a review (2026-12-05)."""
+    caplog.set_level(logging.DEBUG, logger="p2pkv")
+    failing = FaultFactory()
+    with trio.fail_after(20):
+        async with (
+            open_node(config("src"), transport=failing) as src,
+            open_node(config("dst")) as dst,
+        ):
+            keys = fill(src.store, 4, 4096)
+            peer = await dst.connect(src.address)
+            failing.transport.post_error = p2pkv.TransportError("refused")
+            for _ in range(10):
+                result = await dst.fetch(peer, keys)
+                assert set(result.failed.values()) == {"transfer_failed"}
+    posts = [r for r in caplog.records if "posting writes" in r.getMessage()]
+    assert len(posts) >= 10, posts
+    assert [r.levelno for r in posts if r.levelno > logging.DEBUG] == [logging.WARNING]
 
 
 async def test_connect_refused_is_peer_unavailable() -> None:

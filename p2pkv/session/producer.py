@@ -130,6 +130,7 @@ class ProducerSide(SessionParts):
 
     if TYPE_CHECKING:  # provided by PeerSession
         inflight_bytes: int
+        posts_refused: int
         _pinned: dict[int, HeldRound]
         _writes: dict[int, WriteScope]
         _write_done: dict[int, trio.Event]
@@ -346,8 +347,10 @@ class ProducerSide(SessionParts):
                     )
                     for part, dp, h in run.posted:
                         posted.append((plan_idx[part], h, dp))
-                    for exc in run.refused:
-                        log.warning("posting writes to %s failed: %s", self.peer_id, exc)
+                    for exc in run.refused:  # each fetch of the peer's may: once a WARNING
+                        level = logging.DEBUG if self.posts_refused else logging.WARNING
+                        self.posts_refused += 1
+                        log.log(level, "posting writes to %s failed: %s", self.peer_id, exc)
                     if run.error is not None:
                         raise run.error
                     del parts[: run.tried]

@@ -149,6 +149,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self.close_reason: str | None = None
         self.error: BaseException | None = None
         self.inflight_bytes = 0
+        self.posts_refused = 0  # the data plane refused our writes to the peer (logged once)
         self._cancel = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
         self._requeued = False  # a cancelled send put its rest back in the outbox
