@@ -7,6 +7,7 @@ These use real worker threads and the real clock; blocking registrations are gat
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import attrs
@@ -356,3 +357,35 @@ async def test_a_session_closed_as_its_registration_publishes_ends_without_crash
             assert t.adds == 1 and t.removes == 1 and not t.live
         await raw.aclose()
     raw.transport.close()
+
+
+async def test_peers_whose_registration_fails_cannot_log_a_warning_per_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without a secret anyone who connects is registered, so a stranger whose hello
+    carries metadata the data plane refuses, reconnecting under a new id each time (each
+    id has a budget of its own), made one "registering ... failed" WARNING per connection.
+    Like the other per-connection warnings it is at most one line a second now, the next
+    saying how many were left out."""
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    factory = FaultFactory(lambda t: setattr(t, "registration_error", rejected_registration()))
+    n = 12
+    with trio.fail_after(30):
+        async with open_node(config("src"), transport=factory) as src:
+            t0 = trio.current_time()
+            for i in range(n):
+                raw = RawPeer(f"stranger{i}")
+                try:
+                    await raw.connect(src.address)
+                    raw.proto.start()
+                    await raw.flush()
+                    await raw.expect_close()
+                finally:
+                    await raw.aclose()
+                    raw.transport.close()
+            await wait_until(lambda: src.statistics().sessions == 0)
+            elapsed = trio.current_time() - t0
+            assert src.statistics().registrations.failed == n  # each one was tried
+    lines = [r.getMessage() for r in caplog.records if "registering" in r.getMessage()]
+    assert lines, "the first one is still logged"
+    assert len(lines) <= 1 + elapsed, lines

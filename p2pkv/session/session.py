@@ -1048,7 +1048,8 @@ class PeerSession(ProducerSide, ConsumerSide):
             if inc is not self.incarnation or not self.alive:
                 return
             reason = str(exc) or "registration timed out"
-            log.warning("registering %s failed: %s", h.peer_id, reason)
+            # Without a secret a stranger is registered, so one per connection: rate-limited.
+            self.node.connection_warning("registering %s failed: %s", h.peer_id, reason)
             self.error = HandshakeRejected(f"registration failed: {reason}", peer=h.peer_id)
             self.error.__cause__ = exc
             self.proto.registration_failed(reason)
