@@ -754,6 +754,34 @@ def test_a_closed_child_leaves_none_of_its_pipes_open() -> None:
     assert child.proc.stdout is not None and child.proc.stdout.closed
 
 
+@pytest.mark.parametrize("with_error", [False, True])
+def test_ctrl_c_landing_in_one_of_the_engines_tasks_exits_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], with_error: bool
+) -> None:
+    """Trio raises a ^C in whichever task is running: one of the engine's (a session saying
+    its hello) carries it out of the node's nursery inside an exception group, with what
+    the other tasks raised as they were cut short (the dial's ``PeerUnavailable``). That
+    is a ^C too: 130, no traceback (seen once in a suite run of the subprocess test
+    below, where the ^C landed in the session's task)."""
+    import p2pkv.cli as cli
+    from p2pkv import PeerUnavailable
+
+    def interrupted(_args: object) -> int:
+        others = [PeerUnavailable("session ended", op="connect")] if with_error else []
+        raise BaseExceptionGroup("from the node's nursery", [KeyboardInterrupt(), *others])
+
+    monkeypatch.setattr(cli, "cmd_fetch", interrupted)
+    assert cli.main(["fetch", "127.0.0.1:1", *SMALL]) == 130
+    assert "Traceback" not in capsys.readouterr().err
+
+    def failed(_args: object) -> int:  # no ^C in it: not taken for one
+        raise BaseExceptionGroup("from the node's nursery", [ValueError("a bug")])
+
+    monkeypatch.setattr(cli, "cmd_fetch", failed)
+    with pytest.raises(BaseExceptionGroup):
+        cli.main(["fetch", "127.0.0.1:1", *SMALL])
+
+
 def test_ctrl_c_during_a_fetch_exits_130_without_a_traceback() -> None:
     """^C while ``fetch`` waits on its peer (here a listener that never answers) is an exit
     status of 130 (mutation review: without it, a traceback). The child gets Python's

@@ -271,6 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BaseExceptionGroup as group:
+        # Trio raises a ^C in whichever task runs: one of the engine's carries it out of
+        # the node's nursery in a group, beside what the others raised as they were cut.
+        if group.subgroup(KeyboardInterrupt) is not None:
+            return 130
+        raise
     return code
 
 
