@@ -382,18 +382,29 @@ class EngineThread(Generic[V]):
         self._posts.append((fn, args))
         if not self._drain_scheduled:
             self._drain_scheduled = True
+            # Between the flag and the wake, Ctrl-C (any exception raised asynchronously in
+            # this thread) must not leave the flag set with nobody woken: every later post
+            # would see it and wake nobody either. Such an exception lands only at a
+            # call's entry or after a call returns, so the waker's release is the first
+            # call after the flag (no contextlib.suppress: entering it is a call), and the
+            # run_sync_soon path takes the flag back if its call is interrupted.
             if self._waker is not None:
                 if self._loop_idle:
-                    # Already released (posters raced past the flag): a wake is pending.
-                    with contextlib.suppress(RuntimeError):
+                    try:
                         self._wake_lock.release()
+                    except RuntimeError:
+                        pass  # Already released (posters raced past the flag): a wake is pending.
                 return
-            assert self._token is not None  # set before started(); start() waited for it
+            token = self._token
+            assert token is not None  # set before started(); start() waited for it
             try:
-                self._token.run_sync_soon(self._drain_posts)
+                token.run_sync_soon(self._drain_posts)
             except trio.RunFinishedError:
                 self._drain_scheduled = False  # or every later post would pass silently
                 raise self._closed_error(op) from None
+            except BaseException:
+                self._drain_scheduled = False  # interrupted: the next post wakes the loop
+                raise
 
     # ---------------------------------------------------------------- foreign-thread helpers
 

@@ -15,6 +15,7 @@ import math
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -1029,3 +1030,73 @@ def test_a_child_forked_beside_a_live_nixl_node_exits_cleanly_or_is_told_to_spaw
     if child == "after-close":  # no live agent at the fork: the child's own NIXL works
         want.insert(0, "FETCH True")
     assert lines == want, done.stdout + done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- the host thread interrupted
+#
+# Ctrl-C (or any exception raised asynchronously in the host thread: a signal handler's,
+# PyThreadState_SetAsyncExc, pytest-timeout's thread method) lands where the interpreter
+# checks for them: at a function's entry and after a call. A profile hook raises it at
+# the entry (or the return) of a chosen call inside p2pkv, so the moment is certain.
+
+
+@contextlib.contextmanager
+def interrupt_at(event: str, name: str, caller: str) -> Iterator[list[bool]]:
+    """Raise KeyboardInterrupt in this thread at the first ``event`` ("call" or
+    "c_return") of a function ``name`` made from a function ``caller``; yields a list
+    that holds True once it has."""
+    landed: list[bool] = []
+
+    def hook(frame: Any, ev: str, arg: Any) -> None:
+        if landed or ev != event:
+            return
+        if event == "call":
+            here, code_name = frame.f_back, frame.f_code.co_name
+        else:
+            here, code_name = frame, getattr(arg, "__name__", "")
+        if code_name == name and here is not None and here.f_code.co_name == caller:
+            landed.append(True)
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        yield landed
+    finally:
+        sys.setprofile(None)
+
+
+def test_ctrl_c_inside_a_submit_as_it_wakes_the_engine_leaves_later_submits_served(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A submit to an idle loop flags "drain scheduled", then wakes the waker thread. A
+    Ctrl-C between the two (at the entry of the contextlib.suppress the wake was made in)
+    left the flag set and nobody woken: every later submit saw the flag and woke nobody
+    either, so no ticket was served until something else woke the loop (review
+    2026-12-05: still in flight after 5 s). The wake now makes no call between the flag
+    and the release, so there is nowhere for the interrupt to land; the hook raises it at
+    any call made there."""
+    a = nodes("a")
+    engine = a._engine
+    wait_for(lambda: engine._loop_idle and not engine._drain_scheduled)
+    landed: list[bool] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        back = frame.f_back
+        if event == "call" and back is not None and back.f_code.co_name == "_post":
+            if engine._drain_scheduled and not landed:
+                landed.append(True)
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        first = a.submit_lookup("nobody", [b"k"])
+    except KeyboardInterrupt:
+        first = None
+    finally:
+        sys.setprofile(None)
+    assert isinstance(wait_ticket(a, a.submit_lookup("nobody", [b"k"])), PeerUnavailable)
+    if first is not None:
+        assert isinstance(wait_ticket(a, first), PeerUnavailable)
+

@@ -464,6 +464,34 @@ def test_spawn_soon_starts_every_task() -> None:
     assert got == list(range(100))
 
 
+def test_ctrl_c_as_a_post_wakes_the_loop_leaves_later_posts_run() -> None:
+    """A post to an engine without a waker thread flags "drain scheduled", then calls
+    ``TrioToken.run_sync_soon``. A Ctrl-C at that call's entry left the flag set and the
+    loop not woken: every later post saw the flag and woke nobody (review 2026-12-05).
+    The flag is taken back when the wake does not happen."""
+    landed: list[bool] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        back = frame.f_back
+        if event == "call" and frame.f_code.co_name == "run_sync_soon" and back is not None:
+            if back.f_code.co_name == "_post" and not landed:
+                landed.append(True)
+                sys.setprofile(None)
+                raise KeyboardInterrupt
+
+    done = threading.Event()
+    with start() as engine:
+        sys.setprofile(hook)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                engine.run_sync_soon(lambda: None)
+        finally:
+            sys.setprofile(None)
+        assert landed
+        engine.run_sync_soon(done.set)
+        assert done.wait(BOUND), "a post after the interrupted one never ran"
+
+
 # ---------------------------------------------------------------- TicketBoard
 
 
