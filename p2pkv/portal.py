@@ -251,7 +251,6 @@ class EngineThread(Generic[V]):
                 op="close",
             )
         try:
-            first = not self._closing
             self._closing = True
             pending = list(self._pending)
             token = self._token
@@ -259,7 +258,10 @@ class EngineThread(Generic[V]):
             self._lock.release()
         for fut in pending:
             _settle_exc(fut, PortalClosed("engine closed while the call was pending", op="call"))
-        if first and token is not None:
+        # Asked by every close, not only the first: a Ctrl-C may have ended an earlier
+        # one between marking the engine closing and asking (_begin_close is idempotent),
+        # and main would then be cancelled after 3/4 of this timeout, never closed.
+        if token is not None:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._begin_close)
         self._thread.join(_wait_bound(max(0.0, timeout * _GRACEFUL_SHARE)))

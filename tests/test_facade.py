@@ -1100,3 +1100,18 @@ def test_ctrl_c_inside_a_submit_as_it_wakes_the_engine_leaves_later_submits_serv
     if first is not None:
         assert isinstance(wait_ticket(a, first), PeerUnavailable)
 
+
+def test_ctrl_c_inside_close_leaves_a_later_close_graceful(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """close() marks the engine closing, then asks main to tear down. A Ctrl-C between the
+    two (as it let go of its lock) left the engine closing with nobody asking main
+    to stop, and a later close() saw it was not the first and asked nothing either: it
+    waited out three quarters of its timeout, then cancelled the engine, so main never
+    closed its sessions gracefully (review 2026-12-05). A later close() asks again."""
+    a = nodes("a")
+    with pytest.raises(KeyboardInterrupt), interrupt_at("c_return", "release", "close"):
+        a.close(timeout=BOUND)
+    a.close(timeout=BOUND)  # bounded by its own timeout
+    assert not a.alive
+    assert not a._engine._cancel_requested, "main was cancelled instead of closing"
