@@ -45,6 +45,7 @@ node listens, so reading them needs no hop either.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -56,7 +57,7 @@ import trio
 
 from . import _switch
 from .config import NodeConfig, check_seconds
-from .errors import P2PKVTimeout, PortalClosed
+from .errors import P2PKVError, P2PKVTimeout, PortalClosed
 from .node import (
     Node,
     NodeStatistics,
@@ -157,8 +158,15 @@ def start_node(
         on_forked=board.fail_all_in_forked_child,
         wake_thread=True,  # a submit never gives the GIL away (see EngineThread._post)
     )
-    node = BlockingNode(engine, board)
-    node._owns_engine = True  # the one facade whose loss stops the engine (see __del__)
+    try:
+        node = BlockingNode(engine, board)
+        node._owns_engine = True  # the one facade whose loss stops the engine (see __del__)
+    except BaseException:
+        # Ctrl-C (any asynchronous exception) before the caller has a node to close: stop
+        # the engine here, as EngineThread.start does when interrupted earlier.
+        with contextlib.suppress(P2PKVError):
+            engine.close(2 * cfg.close_timeout + _MARGIN)
+        raise
     return node
 
 

@@ -1043,7 +1043,8 @@ def test_a_child_forked_beside_a_live_nixl_node_exits_cleanly_or_is_told_to_spaw
 @contextlib.contextmanager
 def interrupt_at(event: str, name: str, caller: str) -> Iterator[list[bool]]:
     """Raise KeyboardInterrupt in this thread at the first ``event`` ("call" or
-    "c_return") of a function ``name`` made from a function ``caller``; yields a list
+    "c_return") of a function ``name`` (qualified, for "call") made from a function
+    ``caller``; yields a list
     that holds True once it has."""
     landed: list[bool] = []
 
@@ -1051,7 +1052,7 @@ def interrupt_at(event: str, name: str, caller: str) -> Iterator[list[bool]]:
         if landed or ev != event:
             return
         if event == "call":
-            here, code_name = frame.f_back, frame.f_code.co_name
+            here, code_name = frame.f_back, frame.f_code.co_qualname
         else:
             here, code_name = frame, getattr(arg, "__name__", "")
         if code_name == name and here is not None and here.f_code.co_name == caller:
@@ -1115,3 +1116,21 @@ def test_ctrl_c_inside_close_leaves_a_later_close_graceful(
     a.close(timeout=BOUND)  # bounded by its own timeout
     assert not a.alive
     assert not a._engine._cancel_requested, "main was cancelled instead of closing"
+
+
+def test_ctrl_c_as_start_node_wraps_a_started_engine_leaves_no_engine_behind() -> None:
+    """start_node started the engine, then made the BlockingNode. A Ctrl-C in between (at
+    the entry of BlockingNode.__init__) left an engine listening, with its threads and
+    port, that no caller could close: no node was returned, and the half-made one did
+    not own the engine (review 2026-12-05; only the interpreter's exit closed it). The
+    engine is closed there, as after a start that was interrupted earlier."""
+    with (
+        pytest.raises(KeyboardInterrupt),
+        interrupt_at("call", "BlockingNode.__init__", "start_node") as landed,
+    ):
+        start_node(config("ctrl-c"))
+    assert landed
+    engines = [t for t in threading.enumerate() if t.name.startswith("p2pkv-engine-ctrl-c")]
+    for t in engines:
+        t.join(BOUND)
+    assert not [t for t in engines if t.is_alive()], "the engine outlived the interrupted start"
