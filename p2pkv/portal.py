@@ -392,10 +392,11 @@ class EngineThread(Generic[V]):
             # run_sync_soon path takes the flag back if its call is interrupted.
             if self._waker is not None:
                 if self._loop_idle:
-                    try:
+                    # Already released (posters raced past the flag): a wake is pending.
+                    try:  # noqa: SIM105 (contextlib.suppress: entering it is a call)
                         self._wake_lock.release()
                     except RuntimeError:
-                        pass  # Already released (posters raced past the flag): a wake is pending.
+                        pass
                 return
             token = self._token
             assert token is not None  # set before started(); start() waited for it

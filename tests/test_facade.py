@@ -1084,11 +1084,11 @@ def test_ctrl_c_inside_a_submit_as_it_wakes_the_engine_leaves_later_submits_serv
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         back = frame.f_back
-        if event == "call" and back is not None and back.f_code.co_name == "_post":
-            if engine._drain_scheduled and not landed:
-                landed.append(True)
-                sys.setprofile(None)
-                raise KeyboardInterrupt
+        in_post = event == "call" and back is not None and back.f_code.co_name == "_post"
+        if in_post and engine._drain_scheduled and not landed:
+            landed.append(True)
+            sys.setprofile(None)
+            raise KeyboardInterrupt
 
     sys.setprofile(hook)
     try:

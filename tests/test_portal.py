@@ -473,11 +473,11 @@ def test_ctrl_c_as_a_post_wakes_the_loop_leaves_later_posts_run() -> None:
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         back = frame.f_back
-        if event == "call" and frame.f_code.co_name == "run_sync_soon" and back is not None:
-            if back.f_code.co_name == "_post" and not landed:
-                landed.append(True)
-                sys.setprofile(None)
-                raise KeyboardInterrupt
+        in_post = back is not None and back.f_code.co_name == "_post"
+        if event == "call" and frame.f_code.co_name == "run_sync_soon" and in_post and not landed:
+            landed.append(True)
+            sys.setprofile(None)
+            raise KeyboardInterrupt
 
     done = threading.Event()
     with start() as engine:
