@@ -151,7 +151,9 @@ async def test_peer_killed_mid_transfer_fails_its_keys_in_time_while_others_are_
     # progress, so the source can be caught mid-transfer for sure.
     tcp = {"UCX_TLS": UCX_TCP}
     monkeypatch.setenv("UCX_TLS", UCX_TCP)
-    fetch_timeout, doomed_seed, own_seed = 5.0, 21, 22
+    # The fetch's deadline is far off: only the kill can end it early, and a fetch that
+    # waited it out instead fails its keys with "timeout" (checked below).
+    fetch_timeout, doomed_seed, own_seed = 60.0, 21, 22
     n = 512  # 32 MiB: far more than socket buffers hold
     with trio.fail_after(90):
         doomed = await children.start(
@@ -204,8 +206,12 @@ async def test_peer_killed_mid_transfer_fails_its_keys_in_time_while_others_are_
             assert await doomed.proc.wait() == -signal.SIGKILL
 
             result = outcome[0]
-            assert took < fetch_timeout, f"fetch took {took:.2f} s after the kill"
             assert result.loaded == [] and sorted(result.failed) == sorted(keys)
+            # The kill ended the fetch, not its deadline: no key failed by "timeout", and
+            # it returned long before that deadline (a "did not hang" guard, not a speed
+            # target: this takes milliseconds; how fast is bench's business).
+            assert "timeout" not in result.failed.values(), result.failed
+            assert took < fetch_timeout / 3, f"fetch took {took:.2f} s after the kill"
             assert not any(k in hub.store for k in keys)
             print(
                 f"failed keys surfaced {took * 1000:.0f} ms after SIGKILL: "
