@@ -28,7 +28,10 @@ pytestmark = [
     pytest.mark.skipif(H.vllm_missing() is not None, reason=str(H.vllm_missing())),
 ]
 
-STEP_LIMIT_S = 0.25  # no step may hold vLLM's lock longer (a 2-core shared machine)
+# Only "did not hang", never a speed target (how long a step takes is bench's business):
+# a step that waited on the network would hold vLLM's lock for a whole lookup or load
+# deadline (2 s, vllm_harness.p2pkv_tier); a step that did not takes milliseconds.
+STEP_LIMIT_S = 1.0
 SEED = 7
 
 
@@ -90,7 +93,7 @@ def vllm_nodes(forkserver: Any, tier: Tier) -> Iterator[Nodes]:
 
 def assert_steps_fast(node: H.VllmNode, since: int) -> None:
     worst = node.stats(since=since)["max_step_s"]
-    assert worst < STEP_LIMIT_S, f"a step held vLLM's lock {worst:.3f} s"
+    assert worst < STEP_LIMIT_S, f"a step held vLLM's lock {worst:.3f} s: it waited on something"
 
 
 def assert_clean_shutdown(node: H.VllmNode) -> None:
