@@ -141,8 +141,9 @@ class FaultTransport(LocalTransport):
 
 
 class FaultFactory:
-    """A transport factory for ``open_node(transport=...)`` that keeps what it built
-    (``kind``: a subclass of FaultTransport with faults of its own)."""
+    """FAKE data-plane factory for ``open_node(transport=...)``: builds FAKE
+    :class:`FaultTransport` s and keeps what it built (``kind``: a subclass of
+    FaultTransport with faults of its own)."""
 
     def __init__(
         self,

@@ -226,6 +226,8 @@ def test_the_demos_source_stops_by_itself_when_the_demo_goes_away(
     seen: list[list[str]] = []
 
     class Recorder:
+        """FAKE ``Child``: records its argv and fails to start."""
+
         def __init__(self, argv: list[str], *, name: str) -> None:
             seen.append(list(argv))
             raise ChildFailed("recorded, not started")

@@ -108,6 +108,8 @@ class WritesHeldUntil(FaultTransport):
 
 
 class GatedFactory:
+    """FAKE data-plane factory: builds FAKE :class:`GatedTransport` s, keeps what it built."""
+
     def __init__(self, configure: Callable[[GatedTransport], None] | None = None) -> None:
         self.configure = configure
         self.built: list[GatedTransport] = []

@@ -510,6 +510,8 @@ def test_two_threads_claiming_one_region_at_once_get_one_claim(
     scanning = threading.Barrier(2)
 
     class MeetingTable(dict[int, tuple[int, int, str]]):
+        """FAKE live-region table whose scan waits (up to 1 s) for a second scan."""
+
         def values(self) -> Any:
             seen = list(super().values())  # what this scan sees
             with contextlib.suppress(threading.BrokenBarrierError):

@@ -63,6 +63,9 @@ class _GatedFuture(Future[None]):
 
 
 class _GatedPool:
+    """FAKE thread pool for the staging lanes: each job runs on a thread of its own, and
+    only once run_parts has asked for its future's outcome."""
+
     def __init__(self) -> None:
         self.futures: list[_GatedFuture] = []
         self.threads: list[threading.Thread] = []

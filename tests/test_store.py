@@ -135,6 +135,8 @@ def test_a_key_committed_while_a_host_put_copies_it_ends_as_the_puts_block(
     engine: list[int] = []
 
     class CommitsFirst:
+        """FAKE block source: an engine commits the key while the put copies from it."""
+
         def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
             (slot,) = store.reserve("f", 1)
             store.array[slot * L : (slot + 1) * L] = np.frombuffer(blk(1), np.uint8)
@@ -174,6 +176,8 @@ def test_a_put_whose_copy_raises_frees_its_slot_and_drops_the_half_written_key(
         pass
 
     class FailingCopy:
+        """FAKE block source whose copy raises midway."""
+
         def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
             raise Interrupted
 

@@ -407,6 +407,8 @@ def test_a_scalar_path_call_interrupted_waiting_for_the_lock_holds_no_lock(how: 
     real = store._lock
 
     class InterruptedLock:
+        """FAKE store lock: its first acquire raises (an interrupt), then the real one."""
+
         def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
             store._lock = real  # once
             raise Interrupted

@@ -223,6 +223,8 @@ def test_a_shutdown_on_the_progress_thread_hands_itself_to_another_thread(
     closers: list[threading.Thread] = []
 
     class Recorded(threading.Thread):
+        """SPY thread class: a real thread, noted as it starts."""
+
         def start(self) -> None:
             closers.append(self)
             super().start()

@@ -74,7 +74,8 @@ class Finished:
 
 
 class Scheduler:
-    """vLLM's scheduler thread, reduced to what a secondary tier sees (module docstring)."""
+    """FAKE vLLM scheduler thread, reduced to what a secondary tier sees (module
+    docstring)."""
 
     def __init__(self, tier: P2PTier) -> None:
         self.tier = tier
