@@ -516,11 +516,12 @@ async def test_a_peer_reconnecting_in_a_loop_is_refused_until_its_window_passes(
 async def test_a_node_remembers_the_registrations_of_a_bounded_number_of_peer_ids() -> None:
     """Without a secret, peer ids cost an attacker nothing: the budget's memory is bounded
     (the least recently registered ids are forgotten first), and the newest is kept."""
-    async with node("a") as a:
-        for i in range(3 * _REGISTRATION_IDS):
-            a._spend_registration(f"id{i}")
-        assert len(a._registered_at) <= _REGISTRATION_IDS
-        assert f"id{3 * _REGISTRATION_IDS - 1}" in a._registered_at
+    with trio.fail_after(20):
+        async with node("a") as a:
+            for i in range(3 * _REGISTRATION_IDS):
+                a._spend_registration(f"id{i}")
+            assert len(a._registered_at) <= _REGISTRATION_IDS
+            assert f"id{3 * _REGISTRATION_IDS - 1}" in a._registered_at
 
 
 def impostor(victim: str, epoch: int) -> RawPeer:
@@ -796,12 +797,13 @@ class Stranger:
 async def test_the_stranger_turned_away_is_the_oldest_of_the_busiest_source(
     hosts: list[str | None], newcomer: str, turned_away: int
 ) -> None:
-    async with node("a") as a:
-        strangers = [Stranger(h) for h in hosts]
-        a._strangers = dict.fromkeys(strangers)  # type: ignore[arg-type]
-        picked: object = a._stranger_to_turn_away(newcomer)
-        assert picked is strangers[turned_away]
-        a._strangers = {}
+    with trio.fail_after(20):
+        async with node("a") as a:
+            strangers = [Stranger(h) for h in hosts]
+            a._strangers = dict.fromkeys(strangers)  # type: ignore[arg-type]
+            picked: object = a._stranger_to_turn_away(newcomer)
+            assert picked is strangers[turned_away]
+            a._strangers = {}
 
 
 async def test_a_stranger_speaking_another_protocol_is_logged_by_its_address_and_told_so(

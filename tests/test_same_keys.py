@@ -128,39 +128,45 @@ async def test_a_fetch_waiting_for_room_fails_at_once_when_its_session_ends(
     the keys fail "session closed", as the waits for request slots do. (Nothing woke it:
     it sat out ``fetch_timeout`` and then blamed the peer's share.)"""
     hang = FaultFactory(lambda t: setattr(t, "hang", True))
-    async with pair(
-        {"abort_timeout": 1.0, "quarantine": 600.0},
-        {"num_blocks": 8, "max_landing_share": 0.5, "fetch_timeout": 300.0, "quarantine": 600.0},
-        src_transport=hang,
-        virtual=True,
-    ) as (src, dst):
-        keys = fill(src.store, 8, BLOCK)
-        peer = await dst.connect(src.address)
-        results: dict[str, FetchResult] = {}
-        b_done = trio.Event()
+    with trio.fail_after(BOUND):
+        async with pair(
+            {"abort_timeout": 1.0, "quarantine": 600.0},
+            {
+                "num_blocks": 8,
+                "max_landing_share": 0.5,
+                "fetch_timeout": 300.0,
+                "quarantine": 600.0,
+            },
+            src_transport=hang,
+            virtual=True,
+        ) as (src, dst):
+            keys = fill(src.store, 8, BLOCK)
+            peer = await dst.connect(src.address)
+            results: dict[str, FetchResult] = {}
+            b_done = trio.Event()
 
-        async def fetch(name: str, ks: list[bytes]) -> None:
-            results[name] = await dst.fetch(peer, ks)
-            if name == "b":
-                b_done.set()
+            async def fetch(name: str, ks: list[bytes]) -> None:
+                results[name] = await dst.fetch(peer, ks)
+                if name == "b":
+                    b_done.set()
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fetch, "a", keys[:4])  # holds the whole share; never lands
-            await trio.testing.wait_all_tasks_blocked()
-            assert hang.transport.posts == 1
-            nursery.start_soon(fetch, "b", keys[4:])  # waits for room
-            await trio.testing.wait_all_tasks_blocked()
-            assert "b" not in results
-            closed_at = trio.current_time()
-            await dst.disconnect(peer)
-            with trio.move_on_after(10.0):  # virtual seconds: far past any close
-                await b_done.wait()
-            waited = trio.current_time() - closed_at
-            nursery.cancel_scope.cancel()
-        assert "b" in results, "the fetch waiting for room outlived its session by 10 s+"
-        assert waited < 10.0
-        assert set(results["b"].failed) == set(keys[4:])
-        assert all("over the peer's share" not in why for why in results["b"].failed.values())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, "a", keys[:4])  # holds the whole share; never lands
+                await trio.testing.wait_all_tasks_blocked()
+                assert hang.transport.posts == 1
+                nursery.start_soon(fetch, "b", keys[4:])  # waits for room
+                await trio.testing.wait_all_tasks_blocked()
+                assert "b" not in results
+                closed_at = trio.current_time()
+                await dst.disconnect(peer)
+                with trio.move_on_after(10.0):  # virtual seconds: far past any close
+                    await b_done.wait()
+                waited = trio.current_time() - closed_at
+                nursery.cancel_scope.cancel()
+            assert "b" in results, "the fetch waiting for room outlived its session by 10 s+"
+            assert waited < 10.0
+            assert set(results["b"].failed) == set(keys[4:])
+            assert all("over the peer's share" not in why for why in results["b"].failed.values())
 
 
 async def test_disconnect_idle_leaves_a_session_a_fetch_waits_on_for_room(
