@@ -533,6 +533,17 @@ def impostor(victim: str, epoch: int) -> RawPeer:
     return raw
 
 
+async def answer_probes(raw: RawPeer) -> None:
+    """Keep ``raw`` answering the node's probes of its live session: pings raise no
+    event, so every frame is taken and the pongs flushed, until the connection ends."""
+    assert raw.stream is not None
+    while data := await raw.stream.receive_some(65536):
+        raw.proto.receive_data(data)
+        while raw.proto.next_event() is not None:
+            pass
+        await raw.flush()
+
+
 async def test_hellos_claiming_a_live_peers_id_spend_nothing_of_its_budget(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -546,16 +557,7 @@ async def test_hellos_claiming_a_live_peers_id_spend_nothing_of_its_budget(
                 await real.connect(a.address)
                 await real.handshake()  # registration 1 of 2
                 async with trio.open_nursery() as nursery:
-
-                    async def answer_probes() -> None:  # pings raise no event: flush pongs
-                        assert real.stream is not None
-                        while data := await real.stream.receive_some(65536):
-                            real.proto.receive_data(data)
-                            while real.proto.next_event() is not None:
-                                pass
-                            await real.flush()
-
-                    nursery.start_soon(answer_probes)
+                    nursery.start_soon(answer_probes, real)
                     for epoch in range(50, 55):
                         fake = impostor("real", epoch)
                         try:
@@ -1321,16 +1323,7 @@ async def test_an_impostors_restart_hellos_before_admission_spend_nothing_of_the
                 await real.connect(a.address)
                 await real.handshake()  # registration 1 of 2
                 async with trio.open_nursery() as nursery:
-
-                    async def answer_probes() -> None:  # pings raise no event: flush pongs
-                        assert real.stream is not None
-                        while data := await real.stream.receive_some(65536):
-                            real.proto.receive_data(data)
-                            while real.proto.next_event() is not None:
-                                pass
-                            await real.flush()
-
-                    nursery.start_soon(answer_probes)
+                    nursery.start_soon(answer_probes, real)
                     fake = impostor("real", 50)
                     try:
                         await fake.connect(a.address)
