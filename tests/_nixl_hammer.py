@@ -1,11 +1,11 @@
 """Hammer one shared NIXL agent from several threads; exit 0 unless something broke.
 
 Run in a subprocess by ``test_nixl_transport.py`` (a segfault must fail one test, not kill
-the test run): ``python _nixl_hammer.py SECONDS``. Threads, all on the agent of transport A
-(and of A2, a second transport over A's region, as a reconfiguration builds):
+the test run): ``python _nixl_hammer.py SECONDS [EARLY]``. Threads, all on the agent of
+transport A (and of A2, a second transport over A's region, as a reconfiguration builds):
 
-* two writers: post writes to A's current peers, poll until done, release (sometimes
-  while still in flight);
+* two writers: post writes to A's current peers, poll until done, release (a share EARLY
+  of them, 0.1 unless given, while still in flight);
 * a registrar: re-adds peers (same metadata), removes registrations, releases departed
   peers by agent name;
 * a reconfigurer: creates A2 over A's region (same shared agent), registers a peer there
@@ -46,7 +46,7 @@ def region(num_blocks: int) -> tuple[np.ndarray[tuple[int], np.dtype[np.uint8]],
     return array, RegionLayout(array.ctypes.data, num_blocks, BLOCK_LEN)
 
 
-def main(seconds: float) -> int:
+def main(seconds: float, early_share: float = 0.1) -> int:
     counts: Counter[str] = Counter()
     failures: list[BaseException] = []
     lock = threading.Lock()
@@ -94,7 +94,7 @@ def main(seconds: float) -> int:
                 count("post_refused")  # stale or released registration: expected here
                 continue
             count("posted")
-            early = rng.random() < 0.1
+            early = rng.random() < early_share
             deadline = time.monotonic() + 2.0
             while not early and time.monotonic() < deadline:
                 state = a.poll(handle)
@@ -180,4 +180,5 @@ def main(seconds: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(float(sys.argv[1]) if len(sys.argv) > 1 else 2.0))
+    args = [float(a) for a in sys.argv[1:3]]
+    sys.exit(main(*args))

