@@ -1009,9 +1009,9 @@ def test_hammering_one_shared_agent_from_threads_does_not_crash(
     """Not the one combination NIXL 1.5.1 itself cannot take: with two copy threads, a
     transfer released in flight (its parts cancelled from this thread while the copy
     workers' own threads progress them) made a later teardown of the agent abort the
-    process in UCX (``ucs_arbiter_group_is_empty``) in about 2 % of 2-second runs here
-    (7 of 355 short runs; none of 200 with one copy thread, none of 200 with no release in
-    flight). That hazard is recorded in docs/design.md ("Data plane parallelism"), not
+    process in UCX (``ucs_arbiter_group_is_empty``): 7 of 355 runs of 0.3 s here, none
+    of 200 with one copy thread, none of 200 with no release in flight (and one suite
+    run in ten). That hazard is recorded in docs/design.md ("Data plane parallelism"), not
     fixed: letting such a transfer run to its end instead would let its bytes land
     whenever a stalled peer resumed."""
     result = subprocess.run(
