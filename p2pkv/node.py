@@ -183,6 +183,25 @@ def check_activity(activity: object) -> tuple[int, int]:
     return int(activity[0]), int(activity[1])
 
 
+class _OncePerSecond:
+    """A log line that anyone who can connect may cause as often as they like: at most one
+    a second goes out, saying how many there were."""
+
+    def __init__(self) -> None:
+        self._last = -math.inf
+        self._count = 0
+
+    def tick(self) -> int | None:
+        """One more event: the events since the last line went out, this one included, if
+        a line may go out now (the count starts again); else None."""
+        self._count += 1
+        now = trio.current_time()
+        if now < self._last + 1.0:
+            return None
+        count, self._last, self._count = self._count, now, 0
+        return count
+
+
 @attrs.frozen
 class NodeStatistics:
     peer_id: str
@@ -258,10 +277,8 @@ class Node:
         # Sessions accepted whose peer is not admitted yet, oldest first (a dict as an
         # ordered set); what a flood of them cost is logged once a second.
         self._strangers: dict[PeerSession, None] = {}
-        self._turned_away = 0
-        self._turned_away_logged = -math.inf
-        self._connection_warned = -math.inf  # see connection_warning
-        self._connection_warnings_left_out = 0
+        self._turned_away = _OncePerSecond()
+        self._connection_warnings = _OncePerSecond()  # see connection_warning
         self._admitting: dict[str, trio.Lock] = {}  # one admit decision at a time per peer
         # When each peer id started its recent registrations (oldest first): the budget of
         # max_peer_registrations per peer_registration_window. At most _REGISTRATION_IDS ids
@@ -476,15 +493,13 @@ class Node:
         error): anyone who can connect can cause one per connection, as fast as they
         reconnect, so a flood of them is one line a second, the next saying how many were
         left out."""
-        now = trio.current_time()
-        if now < self._connection_warned + 1.0:
-            self._connection_warnings_left_out += 1
+        count = self._connection_warnings.tick()
+        if count is None:
             return
-        if left_out := self._connection_warnings_left_out:
+        if left_out := count - 1:
             msg += " (%d such lines left out since the last)"
             args = (*args, left_out)
         log.warning(msg, *args)
-        self._connection_warned, self._connection_warnings_left_out = now, 0
 
     def wake_quarantine(self) -> None:
         self._wake_quarantine.set()
@@ -520,15 +535,13 @@ class Node:
                 f"turned away: {self.config.max_peers} connections (max_peers) are handshaking",
                 "busy",
             )
-            self._turned_away += 1
-            now = trio.current_time()
-            if now >= self._turned_away_logged + 1.0:  # a flood of them is one line a second
+            # A flood of them is one line a second.
+            if (count := self._turned_away.tick()) is not None:
                 log.warning(
                     "turned away %d connections still handshaking (max_peers: %d)",
-                    self._turned_away,
+                    count,
                     self.config.max_peers,
                 )
-                self._turned_away_logged, self._turned_away = now, 0
         self._strangers[session] = None
         try:
             await self._supervise(session)
