@@ -198,7 +198,8 @@ class NodeConfig:
     # quarantined after we gave up on one (a write may still land there). Keys of a
     # fetch past it fail locally, nothing asked for them, so a producer that says "hit"
     # and never writes cannot make fetches from other peers meet StoreFull. A fetch
-    # larger than this share of the store from one peer loads only its first part.
+    # larger than this share of the store from one peer loads in parts, one after the
+    # other, each waiting for the last one's slots to settle (docs/design.md).
     max_landing_share: float = attrs.field(default=0.5, validator=_positive)
     max_inflight_bytes: int = attrs.field(default=8 << 30, validator=_positive)
     max_frame_size: int = attrs.field(default=16 << 20, validator=_positive)
