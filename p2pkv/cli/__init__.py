@@ -123,7 +123,7 @@ def _add_blocks(p: argparse.ArgumentParser, *, blocks: int, from_config: bool = 
     )
     p.add_argument(
         "--fingerprint",
-        help="compatibility fingerprint (default: none)",
+        help=f"compatibility fingerprint (default: {file}none)",
         **default(""),
     )
     p.add_argument("--corrupt-for-test", action="store_true", help=argparse.SUPPRESS)
