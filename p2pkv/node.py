@@ -710,8 +710,9 @@ class Node:
     ) -> FetchResult:
         """Pull ``keys`` into :attr:`store`. Per-key failures (misses, timeouts, a peer that
         died, an invalid key) are in ``result.failed``; raises only if the peer is not
-        connected (``PeerUnavailable``), or a key is unhashable or an item of ``rounds`` is
-        not a :class:`LookupRound` (``LocalProtocolError``, before anything is sent).
+        connected (``PeerUnavailable``), a key is unhashable or an item of ``rounds`` is
+        not a :class:`LookupRound` (``LocalProtocolError``, before anything is sent), or
+        :meth:`fetch_into` has handed the region to its callers (``SlotsInUse``).
         ``rounds``: handles from :meth:`lookup_round` whose rounds this fetch
         may use (besides anonymous rounds from :meth:`lookup`)."""
         return await self._session(peer, "fetch").fetch(check_keys(keys), self._handles(rounds))
