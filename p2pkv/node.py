@@ -62,7 +62,7 @@ from .errors import (
 )
 from .pins import PinSource
 from .registrar import Offload, Registrar, RegistrarStatistics, RegistrationJob, to_thread
-from .session.consumer import FRAME_OVERHEAD, KEY_OVERHEAD
+from .session.consumer import FRAME_OVERHEAD, KEY_OVERHEAD, check_rounds
 from .session.protocol import LocalInfo
 from .session.session import FetchResult, LookupRound, PeerSession
 from .session.shares import LandingShares
@@ -740,23 +740,23 @@ class Node:
         session = self._session(peer, "fetch")
         return await session.fetch_into(check_keys(keys), slots, self._handles(rounds), within)
 
-    def session_activity(self, peer_id: str) -> tuple[int, int] | None:
-        """What the session with ``peer_id`` has been used for so far, both ways (see
+    def session_activity(self, peer: Peer | str) -> tuple[int, int] | None:
+        """What the session with ``peer`` has been used for so far, both ways (see
         :meth:`disconnect_idle`); None if there is no live session. Safe to read from
         another thread: a dict lookup and attribute reads, each atomic."""
-        session = self._by_peer.get(peer_id)
+        session = self._by_peer.get(check_peer(peer))
         if session is None or not session.alive:
             return None
         return session.proto.activity
 
-    async def disconnect_idle(self, peer_id: str, activity: tuple[int, int]) -> bool:
-        """Close the session with ``peer_id`` only if it is idle both ways: no request
+    async def disconnect_idle(self, peer: Peer | str, activity: tuple[int, int]) -> bool:
+        """Close the session with ``peer`` only if it is idle both ways: no request
         open, ours or the peer's, and none made since :meth:`session_activity` read
         ``activity``. True if it was closed (or there was none), False if it was in use:
         a peer that fetches from us over the session we no longer need keeps it.
         TypeError for an ``activity`` that is not such a pair of ints."""
         activity = check_activity(activity)
-        session = self._by_peer.get(peer_id)
+        session = self._by_peer.get(check_peer(peer))
         if session is None:
             return True
         if not session.unused_since(activity):
@@ -769,10 +769,10 @@ class Node:
         another thread: one ``len``)."""
         return len(self._by_peer)
 
-    def is_connected(self, peer_id: str) -> bool:
-        """A session with ``peer_id`` is established (safe to read from another thread:
+    def is_connected(self, peer: Peer | str) -> bool:
+        """A session with ``peer`` is established (safe to read from another thread:
         one dict lookup and two attribute reads, each atomic)."""
-        session = self._by_peer.get(peer_id)
+        session = self._by_peer.get(check_peer(peer))
         return session is not None and session.alive and session.ready.is_set()
 
     def unpin(self, owner: object) -> None:
@@ -801,18 +801,21 @@ class Node:
         :class:`LookupRound`.
         """
         pid = check_peer(peer)
+        handles = check_rounds(self._handles(rounds), pid, "release")
         session = self._by_peer.get(pid)
         if session is None or not session.alive:
             return 0
-        return await session.release(self._handles(rounds))
+        return await session.release(handles)
 
     @staticmethod
-    def _handles(rounds: LookupRound | Iterable[LookupRound] | None) -> list[LookupRound]:
+    def _handles(rounds: LookupRound | Iterable[LookupRound] | None) -> Iterable[LookupRound]:
+        """One handle as a list of one; anything else as given, for the session to check
+        (``check_rounds``: LocalProtocolError for what is not an iterable of handles)."""
         if rounds is None:
             return []
         if isinstance(rounds, LookupRound):
             return [rounds]
-        return list(rounds)
+        return rounds
 
     async def disconnect(self, peer: Peer | str) -> None:
         """Close the session with ``peer``; returns once it is torn down (its writes

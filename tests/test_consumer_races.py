@@ -686,6 +686,42 @@ async def test_a_rounds_argument_holding_something_not_a_handle_is_refused_befor
             assert_settled(dst)
 
 
+async def test_a_release_is_checked_whether_or_not_the_peer_is_connected() -> None:
+    """``release`` refuses a ``rounds`` holding something not a LookupRound with
+    LocalProtocolError also once the peer's session is gone (it used to return 0 then: the
+    caller's mistake went unseen until a peer happened to be connected; found by a
+    review, 2026-12-05)."""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 1, BLOCK)
+            peer = await dst.connect(src.address)
+            rnd = await dst.lookup_round(peer, keys)
+            await dst.disconnect(peer)
+            bad: list[Any] = [rnd, b"not a round"]
+            with pytest.raises(LocalProtocolError, match=r"rounds\[1\].*LookupRound"):
+                await dst.release(peer, bad)
+            with pytest.raises(LocalProtocolError, match="iterable of LookupRound"):
+                await dst.release("src", 7)  # type: ignore[arg-type]
+            assert await dst.release(peer, rnd) == 0  # its round went with its session
+
+
+async def test_a_peer_object_names_its_session_in_every_node_call() -> None:
+    """``is_connected``, ``session_activity`` and ``disconnect_idle`` take the Peer that
+    ``connect`` returned as the other calls do. Given one, they used to look it up as a
+    peer id and find nothing: not connected, no activity, and ``disconnect_idle`` said
+    "closed" while the session stayed up (found by a review, 2026-12-05)."""
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            peer = await dst.connect(src.address)
+            assert dst.is_connected(peer) and dst.is_connected(peer.peer_id)
+            activity = dst.session_activity(peer)
+            assert activity is not None and activity == dst.session_activity(peer.peer_id)
+            assert await dst.disconnect_idle(peer, activity) is True
+            assert not dst.is_connected(peer) and dst.session_activity(peer) is None
+            with pytest.raises(TypeError, match="an address"):
+                dst.is_connected(src.address)  # type: ignore[arg-type]
+
+
 async def test_a_release_cancelled_before_its_send_still_tells_the_producer_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

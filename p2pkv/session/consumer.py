@@ -345,6 +345,23 @@ _Landing = _StoreLanding | _CallerSlots
 _Groups = dict[int, tuple[list[bytes], bool]]
 
 
+def check_rounds(rounds: Iterable[LookupRound], peer_id: str | None, op: str) -> list[LookupRound]:
+    """``rounds`` as a list, every item a :class:`LookupRound`, else
+    :class:`LocalProtocolError` (naming the first item that is not)."""
+    try:
+        handles = rounds if type(rounds) is list else list(rounds)
+    except TypeError:
+        raise LocalProtocolError(
+            "rounds must be an iterable of LookupRound", peer=peer_id, op=op
+        ) from None
+    for i, h in enumerate(handles):
+        if not isinstance(h, LookupRound):
+            raise LocalProtocolError(
+                f"rounds[{i}] is a {type(h).__name__}, not a LookupRound", peer=peer_id, op=op
+            )
+    return handles
+
+
 class ConsumerSide(SessionParts):
     """Mixin of :class:`~p2pkv.session.session.PeerSession`: the consumer's calls."""
 
@@ -670,20 +687,7 @@ class ConsumerSide(SessionParts):
         """``rounds`` as a list, every item checked before anything is done with any: a
         caller's mistake is refused as a whole (:class:`LocalProtocolError`), never
         after the rounds before it were closed or claimed."""
-        try:
-            handles = rounds if type(rounds) is list else list(rounds)
-        except TypeError:
-            raise LocalProtocolError(
-                "rounds must be an iterable of LookupRound", peer=self.peer_id, op=op
-            ) from None
-        for i, h in enumerate(handles):
-            if not isinstance(h, LookupRound):
-                raise LocalProtocolError(
-                    f"rounds[{i}] is a {type(h).__name__}, not a LookupRound",
-                    peer=self.peer_id,
-                    op=op,
-                )
-        return handles
+        return check_rounds(rounds, self.peer_id, op)
 
     async def _send_closes(self) -> None:
         """Send the empty fetches just queued (:meth:`_close_round`). A caller cancelled
