@@ -1022,18 +1022,28 @@ def test_a_key_misses_by_its_lookup_deadline_though_its_request_asks_new_keys_ev
     tier.shutdown()
 
 
-def test_a_slot_load_naming_a_key_twice_or_a_slot_short_fails_at_once(
+def test_a_slot_load_naming_a_key_or_a_slot_twice_or_a_slot_short_fails_at_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:
-    """Nothing is posted for such a job, so no write can land: it is reported at once."""
+    """Nothing is posted for such a job, so no write can land: it is reported at once,
+    and the request's other loads are untouched. (A slot named twice used to reach
+    fetch_into, whose refusal the tier held for a quarantine, 5 s, and then failed the
+    whole request; found by a review, 2026-12-05.)"""
     src, dst = nodes("src"), nodes("dst")
     keys = fill(src.store, 2, BLOCK)
     tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
     req = RequestInfo("r1", source_params(src))
     tier.submit_load(LoadJob(1, "r1", [keys[0], keys[1], keys[0]], request=req, slots=[1, 2, 3]))
     tier.submit_load(LoadJob(2, "r1", keys, request=req, slots=[1]))
+    tier.submit_load(LoadJob(3, "r1", keys, request=req, slots=[4, 4]))
     done = tier.get_finished_jobs()
-    assert [(r.job_id, r.success, r.loaded) for r in done] == [(1, False, []), (2, False, [])]
+    assert [(r.job_id, r.success, r.loaded) for r in done] == [
+        (1, False, []),
+        (2, False, []),
+        (3, False, []),
+    ]
+    tier.submit_load(LoadJob(4, "r1", keys, request=req, slots=[4, 5]))
+    assert [(r.job_id, r.success) for r in finished_jobs(tier)] == [(4, True)]
     tier.shutdown()
 
 

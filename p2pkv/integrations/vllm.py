@@ -330,8 +330,12 @@ class P2PTier:
         now = time.monotonic()
         keys = list(dict.fromkeys(job.keys))
         slots = None if job.slots is None else [int(c) for c in job.slots]
-        if slots is not None and (len(slots) != len(job.keys) or len(keys) != len(job.keys)):
-            self._fail_job(job, keys, "keys must be distinct, one slot per key")
+        if slots is not None and (
+            len(slots) != len(job.keys)
+            or len(keys) != len(job.keys)
+            or len(set(slots)) != len(slots)
+        ):
+            self._fail_job(job, keys, "keys and slots must be distinct, one slot per key")
             return
         if self._closed:
             self._fail_job(job, keys, "tier shut down")
