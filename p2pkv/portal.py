@@ -96,7 +96,7 @@ class EngineThread(Generic[V]):
 
     Non-daemon, so that an engine is never killed mid-write at interpreter exit; in
     exchange it must always end: ``close()`` joins it, and engines still running when the
-    interpreter exits are closed before Python joins non-daemon threads (see
+    interpreter exits are closed then, once every other non-daemon thread has ended (see
     ``_close_all_at_exit``).
     """
 
@@ -651,7 +651,9 @@ def _unwrap(exc: BaseException) -> BaseException:
 # Engines still running at interpreter exit. Python joins non-daemon threads *before*
 # atexit handlers run, so a plain atexit handler would never get its turn; threading's
 # private _register_atexit hook (which concurrent.futures uses for the same reason) runs
-# before that join.
+# before that join. It runs as the main thread returns, which is not the program's end
+# while another non-daemon thread runs (a host's serving thread): the engines are closed
+# once those have ended (see _close_all_at_exit).
 _live: weakref.WeakSet[EngineThread[Any]] = weakref.WeakSet()
 _exit_hook_lock = threading.Lock()
 _exit_hook_registered = False
@@ -668,6 +670,34 @@ os.register_at_fork(after_in_child=_orphan_all_in_child)
 
 
 def _close_all_at_exit() -> None:
+    """Threading's exit hook: close every engine still running, once the program ends.
+
+    It runs as the main thread returns; Python then waits for the non-daemon threads. While
+    one of those (other than the engines') still runs, the program goes on, and so may its
+    use of a node: the engines are closed by a daemon thread once every such thread has
+    ended (Python waits for them anyway), not under them."""
+    if not _host_threads():
+        _close_engines()
+        return
+    threading.Thread(target=_close_after_hosts, name="p2pkv-exit", daemon=True).start()
+
+
+def _host_threads() -> list[threading.Thread]:
+    """The non-daemon threads Python's exit waits for, other than the engines and this one
+    (and the main thread, which has returned: it runs the hook, then waits)."""
+    ours = {engine._thread for engine in list(_live)}
+    ours.update((threading.main_thread(), threading.current_thread()))
+    return [t for t in threading.enumerate() if not t.daemon and t not in ours]
+
+
+def _close_after_hosts() -> None:
+    while hosts := _host_threads():  # a host may start another before it ends
+        for thread in hosts:
+            thread.join()
+    _close_engines()
+
+
+def _close_engines() -> None:
     for engine in list(_live):
         try:
             engine.close(timeout=_EXIT_CLOSE_TIMEOUT)

@@ -435,6 +435,46 @@ def test_interpreter_exit_closes_a_forgotten_engine() -> None:
     assert "closed gracefully" in proc.stdout
 
 
+def test_an_engine_outlives_the_main_thread_while_a_non_daemon_host_thread_runs() -> None:
+    """Python runs its exit hooks as the main thread returns, then waits for the
+    non-daemon threads: a program whose main thread only starts its serving thread (a
+    non-daemon host, as ``threading.Thread(target=serve).start()`` makes) is not exiting.
+    The exit hook closed every engine there and then, so the serving thread's node died
+    under it: its next call was ``PortalClosed`` (review 2026-12-06). The engines are closed
+    once the other non-daemon threads have ended, and the program still exits."""
+    script = textwrap.dedent(
+        """
+        import threading
+        from p2pkv.portal import EngineThread
+
+        async def main(ctx):
+            ctx.started()
+            await ctx.wait_closing()
+            print("closed gracefully", flush=True)
+
+        async def echo(value):
+            return value
+
+        engine = EngineThread.start(main)
+
+        def host():
+            threading.main_thread().join()  # returns once the exit hooks have run
+            print("host got", engine.call(echo, 42, timeout=10), flush=True)
+
+        threading.Thread(target=host).start()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parent.parent,  # the repository root: p2pkv importable
+        capture_output=True,
+        text=True,
+        timeout=3 * BOUND,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["host got 42", "closed gracefully"], proc.stderr
+
+
 # ---------------------------------------------------------------- the hot path
 
 
