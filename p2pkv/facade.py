@@ -486,11 +486,19 @@ class BlockingNode:
         timeout: float | None,
     ) -> int:
         limit = self._timeout(op, timeout)  # refused before a ticket is taken
-        ticket = self._board.new_ticket()
+        # The number first, then the ticket inside the try: a Ctrl-C (any exception raised
+        # asynchronously in this thread) lands at a call's entry or after it returns, and
+        # one after the ticket was taken must find the handler that withdraws it, or the
+        # ticket the caller never gets stays in flight (pending()) until close().
+        ticket = self._board.number()
         try:
+            self._board.new_ticket(ticket)
             self._engine.spawn_soon(_serve_ticket, self._board, ticket, afn, args, op, limit)
         except PortalClosed as exc:
             self._board.publish(ticket, exc)
+        except BaseException:
+            self._board.withdraw(ticket)
+            raise
         return ticket
 
     def _timeout(self, op: str, timeout: float | None) -> float:

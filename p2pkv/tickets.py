@@ -50,9 +50,17 @@ class TicketBoard(Generic[T]):
         self._finished: dict[int, T | BaseException] = {}
         self._sealed: Callable[[], BaseException] | None = None
 
-    def new_ticket(self) -> int:
+    @staticmethod
+    def number() -> int:
+        """A ticket number for :meth:`new_ticket`, unique in the process. Nothing is held
+        for it: a caller interrupted before it took the ticket has nothing to undo."""
+        return next(_numbers)
+
+    def new_ticket(self, ticket: int | None = None) -> int:
+        """Hand out a ticket (``ticket``, from :meth:`number`, or a new number)."""
         with self._lock:
-            ticket = next(_numbers)
+            if ticket is None:
+                ticket = next(_numbers)
             self._unpublished.add(ticket)
             if self._sealed is not None:
                 self._finished[ticket] = self._sealed()
@@ -73,6 +81,16 @@ class TicketBoard(Generic[T]):
                 self._unpublished.discard(ticket)
                 return False
         raise KeyError(ticket)
+
+    def withdraw(self, ticket: int) -> None:
+        """Forget a ticket whose submit was interrupted (Ctrl-C) before the caller got it:
+        no longer in flight, its outcome (if any) gone, a later publish ignored. Its work
+        may have been posted and still run; nobody can read its outcome."""
+        with self._lock:
+            self._in_flight.discard(ticket)
+            self._finished.pop(ticket, None)
+            # Unpublished, it stays so: a publish may still come (ignored), or none (the
+            # post never happened) and the number stays there, never counted or read.
 
     def poll(self, ticket: int) -> T | None:
         """None while in flight; then the result (or raise the published exception), once."""

@@ -1044,16 +1044,16 @@ def test_a_child_forked_beside_a_live_nixl_node_exits_cleanly_or_is_told_to_spaw
 
 @contextlib.contextmanager
 def interrupt_at(event: str, name: str, caller: str) -> Iterator[list[bool]]:
-    """Raise KeyboardInterrupt in this thread at the first ``event`` ("call" or
-    "c_return") of a function ``name`` (qualified, for "call") made from a function
-    ``caller``; yields a list
+    """Raise KeyboardInterrupt in this thread at the first ``event`` ("call", "return"
+    or "c_return") of a function ``name`` (qualified, for "call" and "return") made from
+    a function ``caller``; yields a list
     that holds True once it has."""
     landed: list[bool] = []
 
     def hook(frame: Any, ev: str, arg: Any) -> None:
         if landed or ev != event:
             return
-        if event == "call":
+        if event in ("call", "return"):
             here, code_name = frame.f_back, frame.f_code.co_qualname
         else:
             here, code_name = frame, getattr(arg, "__name__", "")
@@ -1136,3 +1136,30 @@ def test_ctrl_c_as_start_node_wraps_a_started_engine_leaves_no_engine_behind() -
     for t in engines:
         t.join(BOUND)
     assert not [t for t in engines if t.is_alive()], "the engine outlived the interrupted start"
+
+
+@pytest.mark.parametrize(
+    ("event", "name"),
+    [
+        ("return", "TicketBoard.new_ticket"),  # the ticket taken, nothing posted
+        ("call", "EngineThread.spawn_soon"),  # the same, at the post's entry
+        ("return", "EngineThread.spawn_soon"),  # posted: its work runs
+    ],
+)
+def test_ctrl_c_inside_a_submit_leaves_no_ticket_the_host_never_got(
+    nodes: Callable[..., BlockingNode], event: str, name: str
+) -> None:
+    """A submit takes a ticket, then posts its work. A Ctrl-C in between left the ticket
+    in flight until close(): ``pending()`` counted it for ever, though nothing would ever
+    finish it; one after the post left its outcome on the board for ``get_finished`` under
+    a number the host never got (review 2026-12-06; design.md listed it as left). The
+    interrupted submit now withdraws its ticket: not counted, and a late outcome of its
+    work is dropped."""
+    a = nodes("a")
+    with pytest.raises(KeyboardInterrupt), interrupt_at(event, name, "_submit") as landed:
+        a.submit_lookup("nobody", [b"k"])
+    assert landed
+    assert a.pending() == 0, "the interrupted submit's ticket is still counted in flight"
+    later = a.submit_lookup("nobody", [b"k"])
+    assert isinstance(wait_ticket(a, later), PeerUnavailable)
+    assert a.get_finished() == []
