@@ -316,12 +316,14 @@ class EngineThread(Generic[V]):
                 op="call",
             )
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            if self._closing or self._finished:
-                raise self._closed_error("call")
-            self._pending.add(fut)
-            token = self._token
         try:
+            # Registered inside the try: a Ctrl-C as the lock is let go must find the
+            # finally that takes the future back.
+            with self._lock:
+                if self._closing or self._finished:
+                    raise self._closed_error("call")
+                self._pending.add(fut)
+                token = self._token
             assert token is not None  # set before started(), and start() waited for that
             try:
                 token.run_sync_soon(self._spawn_call, afn, args, fut)

@@ -9,6 +9,7 @@ broken portal fails the test instead of hanging the run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import queue
 import subprocess
@@ -720,3 +721,42 @@ def test_ticket_board_two_threads_every_ticket_seen_exactly_once() -> None:
     assert seen == {t: 2 * t for t in issued}
     assert board.pending() == 0
     assert board.drain_finished() == []
+
+
+def test_ctrl_c_as_a_call_registers_its_future_leaves_none_pending() -> None:
+    """A blocking call registers its future (for close() to settle), then enters the
+    ``try`` whose ``finally`` takes it back. A Ctrl-C between the two (as the lock was let
+    go) left the future registered for good: one more per interrupt, until close()
+    (review 2026-12-06). Registered inside the ``try`` now."""
+    engine = start()
+    try:
+        with (
+            pytest.raises(KeyboardInterrupt),
+            _interrupt_at_c_return("__exit__", "call") as landed,
+        ):
+            engine.call(functools.partial(trio.sleep, 0), timeout=BOUND)
+        assert landed
+        assert engine._pending == set()
+    finally:
+        engine.close(BOUND)
+
+
+@contextlib.contextmanager
+def _interrupt_at_c_return(name: str, caller: str) -> Iterator[list[bool]]:
+    """KeyboardInterrupt in this thread as the first C function ``name`` called from a
+    function ``caller`` returns (where an asynchronous exception lands)."""
+    landed: list[bool] = []
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if landed or event != "c_return" or frame.f_code.co_name != caller:
+            return
+        if getattr(arg, "__name__", "") == name:
+            landed.append(True)
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        yield landed
+    finally:
+        sys.setprofile(None)
