@@ -28,6 +28,7 @@ import contextvars
 import functools
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -146,6 +147,12 @@ class Registrar:
         self._generation: dict[str, int] = {}
         self._last_generation = 0
         self._live: dict[str, tuple[int, RemotePeer]] = {}
+        # The transport that made each published registration: a reconfiguration swaps
+        # ``transport``, and a registration it did not carry over (its session was
+        # closing, or the peer restarted) is released by the transport that made it.
+        self._made_by: weakref.WeakKeyDictionary[RemotePeer, DataTransport] = (
+            weakref.WeakKeyDictionary()
+        )
         self._started = self._published = self._failed = 0
         self._released_stale = self._retired = 0
         self._running = False
@@ -197,26 +204,34 @@ class Registrar:
         entry = self._live.get(job.agent_name)
         if entry is None or entry[0] != job.generation:
             return False
+        self._made_by.pop(entry[1], None)  # stale: its transport releases it as it closes
         self._live[job.agent_name] = (job.generation, peer)
+        self._made_by[peer] = self.transport
         job.peer = peer
         return True
 
     async def release(self, peer: RemotePeer | None) -> None:
-        """Release a registration off the Trio thread; shielded, so it always happens."""
+        """Release a registration off the Trio thread; shielded, so it always happens. On
+        the transport that made it, which a reconfiguration may have replaced since (the
+        new one refuses, NIXL with an error, a registration it did not make)."""
         if peer is None:
             return
+        transport = self._made_by.pop(peer, None) or self.transport
         with trio.CancelScope(shield=True):
             try:
-                await self._offload(self.transport.remove_remote_peer, peer, limiter=self.limiter)
+                await self._offload(transport.remove_remote_peer, peer, limiter=self.limiter)
             except Exception:
                 log.exception("releasing the registration of %s failed", peer.agent_name)
 
-    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
+    def add_remote_peer(
+        self, agent_name: str, metadata: bytes, layout: RegionLayout
+    ) -> tuple[DataTransport, RemotePeer]:
         """Register on the current transport; in the worker, with the limiter held. The
         transport is read only then: a reconfiguration swaps it while holding the limiter,
         and a registration that waited for the limiter meanwhile belongs on the new one,
-        not on the transport being retired."""
-        return self.transport.add_remote_peer(agent_name, metadata, layout)
+        not on the transport being retired. Returns that transport with the registration."""
+        transport = self.transport
+        return transport, transport.add_remote_peer(agent_name, metadata, layout)
 
     async def drain(self) -> None:
         """Wait until no registration thread runs (shutdown, tests)."""
@@ -231,7 +246,7 @@ class Registrar:
             self._started += 1
             self._running = True
             try:
-                peer = await self._offload(
+                made_by, peer = await self._offload(
                     self.add_remote_peer,
                     job.agent_name,
                     job.metadata,
@@ -263,12 +278,14 @@ class Registrar:
             if self._generation.get(job.agent_name) == job.generation and not job.done.is_set():
                 old = self._live.pop(job.agent_name, None)
                 self._live[job.agent_name] = (job.generation, peer)
+                self._made_by[peer] = made_by
                 self._published += 1
                 job.peer = peer
                 job.done.set()
                 if old is not None:  # superseded without a retire: already stale in the
                     await self.release(old[1])  # transport (re-add drops it); free its state
             else:
+                self._made_by[peer] = made_by
                 await self.release(peer)
                 self._released_stale += 1
                 log.info(

@@ -7,6 +7,7 @@ virtual time would jump past a real worker thread.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import HandshakeRejected, Node, P2PKVTimeout, Peer
+from p2pkv import HandshakeRejected, Node, P2PKVError, P2PKVTimeout, Peer
 from p2pkv.session.protocol import (
     AbortRequested,
     LookupRequested,
@@ -26,7 +27,7 @@ from p2pkv.session.protocol import (
 from p2pkv.transport.base import TransferHandle, TransferState
 from p2pkv.wire import Bye, FrameDecoder, Outcome, Ping
 
-from .helpers import FaultFactory, FaultTransport, RawPeer, fill, until
+from .helpers import FaultFactory, FaultTransport, RawPeer, fill, until, until_sessions
 from .helpers import virtual_node as node
 
 # Virtual seconds on the autojump clock: "this did not hang", never an expected duration;
@@ -579,6 +580,42 @@ async def test_a_node_closed_while_a_replaced_transport_retires_closes_that_tran
                 assert not old._closed  # retiring: its write is still in flight
                 await src.aclose()
             assert old._closed and factory.built[1]._closed
+
+
+async def test_a_session_ending_across_a_reconfiguration_releases_its_registration_where_made(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A session already closing when a reconfiguration swaps the data plane (its hung
+    write still settling, so not re-registered) retires its registration after the swap.
+    That registration was made by the replaced transport and must be released there.
+    (Found by a review: the registrar released it on the transport current at release
+    time, the new one; NIXL refuses a registration another transport made, so the
+    release failed with an ERROR logged and the peer stayed registered in the shared
+    agent after its session had ended, until the replaced transport closed.)"""
+    factory = FaultFactory(lambda t: setattr(t, "hang", not factory.built))  # the first
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("dst") as dst, node("src", factory=factory) as src:
+            keys = fill(src.store, 2, 4096)
+            peer = await dst.connect(src.address)
+            old = factory.built[0]
+            assert len(old.live) == 1  # dst's registration, made by the first transport
+
+            async def fetch() -> None:
+                with contextlib.suppress(P2PKVError):
+                    await dst.fetch(peer, keys)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await trio.testing.wait_all_tasks_blocked()
+                assert old.posts == 1  # the write is in flight (PROC)
+                # The session ends; its write settles for abort_timeout before it retires
+                # its registration, so the reconfiguration below swaps in between.
+                src._by_peer["dst"].close("test: the peer went away")
+                await src.reconfigure(["dst"])
+                assert src.transport is factory.built[1]
+                await until_sessions(src, lambda: not src._by_peer)
+            assert old.live == set(), "dst stayed registered after its session ended"
+            assert factory.built[1].live == set()
 
 
 async def test_a_registration_queued_behind_a_reconfiguration_goes_to_the_new_transport(
