@@ -764,7 +764,10 @@ class BlockStore:
         self._settle(owner, slots, until)
 
     def release_quarantined(self, now: float) -> int:
-        """Free every quarantined slot whose deadline is ``<= now``; returns how many."""
+        """Free every quarantined slot whose deadline is ``<= now``; returns how many.
+        ValueError, nothing freed, if ``now`` is not a number (NaN included: it compares
+        false with every deadline, so none would count as not yet due)."""
+        _check_until(now, "now")
         released = 0
         more = True
         with _Serial(self):
@@ -1827,9 +1830,9 @@ def _check_key(key: object) -> None:
         raise ValueError("key must not be empty")
 
 
-def _check_until(until: float) -> None:
+def _check_until(until: float, name: str = "until") -> None:
     if not isinstance(until, int | float) or math.isnan(until):
-        raise ValueError(f"until must be a number, got {until!r}")
+        raise ValueError(f"{name} must be a number, got {until!r}")
 
 
 def _torch() -> Any:

@@ -1311,3 +1311,25 @@ def test_quarantines_confirmed_one_by_one_leave_a_bounded_deadline_heap() -> Non
         store.unquarantine(slots)
     assert len(store._deadlines) <= 65
     assert store.next_quarantine_deadline() is None and store.statistics().free == 1
+
+
+# ------------------------- found by a reading review of states and counts (2026-12-06)
+
+
+def test_release_quarantined_refuses_a_nan_time_and_frees_nothing() -> None:
+    """``release_quarantined`` frees the slots whose deadline is ``<= now``; NaN compares
+    false with every deadline, so the heap's "not yet" test (``deadline > now``) never
+    stopped it and every quarantined slot was freed at once, for reuse while a write may
+    still land in it (invariant 2). It is refused, as a NaN deadline is."""
+    store = BlockStore(4, L)
+    slots = store.reserve("s", 3)
+    store.quarantine("s", slots, until=10.0)
+    with pytest.raises(ValueError):
+        store.release_quarantined(float("nan"))
+    stats = store.statistics()
+    assert (stats.quarantined, stats.free) == (3, 1)
+    assert store.next_quarantine_deadline() == 10.0
+    with pytest.raises(StoreFull):
+        store.reserve("t", 2)
+    assert store.release_quarantined(10.0) == 3
+    store._check_invariants()
