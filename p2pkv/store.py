@@ -617,9 +617,10 @@ class BlockStore:
     def reserve(self, owner: Hashable, n: int) -> list[int]:
         """``n`` slots for incoming writes, all or nothing: free slots first, then
         evicting least recently used unpinned blocks. StoreFull, nothing changed, if the
-        store cannot supply ``n``."""
+        store cannot supply ``n`` (TypeError, nothing changed, for an unhashable owner)."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be a non-negative int, got {n!r}")
+        hash(owner)  # TypeError now: the owner is looked up only once its slots are taken
         if self._lent:
             raise region_lent_error("reserve")
         if n <= self._small_keys:

@@ -1333,3 +1333,17 @@ def test_release_quarantined_refuses_a_nan_time_and_frees_nothing() -> None:
         store.reserve("t", 2)
     assert store.release_quarantined(10.0) == 3
     store._check_invariants()
+
+
+@pytest.mark.parametrize("n", [2, SMALL_KEYS + 1])
+def test_reserve_for_an_unhashable_owner_raises_and_changes_nothing(n: int) -> None:
+    """``reserve`` took its slots (evicting for them) before it looked the owner up; an
+    owner that cannot be a dict key then raised TypeError with the slots off the free
+    list and the evicted keys gone, held by nobody: lost for good, on both paths."""
+    store = filled(SMALL_KEYS + 2, keys=SMALL_KEYS + 1)  # one slot free: n evicts too
+    before = snapshot(store)
+    with pytest.raises(TypeError):
+        store.reserve(["not", "hashable"], n)  # type: ignore[arg-type]
+    assert snapshot(store) == before
+    store._check_invariants()
+    assert len(store.reserve("s", SMALL_KEYS + 2)) == SMALL_KEYS + 2
