@@ -319,7 +319,7 @@ def test_vllm_builds_the_tier_from_its_config_alone(engines: Callable[..., Engin
         ({"transport": "carrier-pigeon"}, "transport"),
         (  # a configuration vLLM builds a detector from: the tier refuses it
             {"backpressure": {"backpressure_cls": "EMABackpressureDetector"}},
-            "does not take a backpressure",
+            "does not take a backpressure.*top-level 'backpressure'.*each tier that needs it",
         ),
         ({"tls_cert": 5, "tls_key": "k.pem", "tls_ca": "ca.pem"}, "tls_cert must be a path"),
     ],

@@ -364,7 +364,14 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         **kwargs: Any,
     ) -> None:
         if backpressure_detector is not None:
-            raise ValueError("the p2pkv tier does not take a backpressure configuration")
+            # vLLM builds a detector from the tier's own "backpressure" or from the top-level
+            # one in kv_connector_extra_config, which it gives every tier: say where to
+            # move the latter, or a user setting it for another tier cannot tell why.
+            raise ValueError(
+                "the p2pkv tier does not take a backpressure configuration (its stores "
+                "finish at once). vLLM gives every tier the top-level 'backpressure' of "
+                "kv_connector_extra_config too: set it on each tier that needs it instead"
+            )
         super().__init__(offloading_spec, primary_kv_view, tier_type, None)
         locality = kwargs.get("locality")
         if locality is not None:
