@@ -619,15 +619,23 @@ def run(args: argparse.Namespace) -> int:
             continue
         cmd = [sys.executable, str(bench.script), *bench.argv(args.quick), "--json", str(out)]
         print(f"run  {bench.command(args.quick)}", file=sys.stderr, flush=True)
+        # The JSON is the proof that this run finished: an earlier run's must not pass for
+        # it (it would be published under this run's date and command).
+        out.unlink(missing_ok=True)
         t0 = time.monotonic()
         with open(folder / f"{bench.name}.txt", "w") as log:
-            done = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, timeout=bench.timeout_s, check=False
-            )
+            try:
+                done = subprocess.run(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, timeout=bench.timeout_s, check=False
+                )
+                status = f"exit {done.returncode}"
+            except subprocess.TimeoutExpired:  # killed; the other benches still run
+                status = f"timed out after {bench.timeout_s:g} s"
+                out.unlink(missing_ok=True)  # whatever it left half-written
         took = time.monotonic() - t0
         if not out.exists():  # a bench exits 1 when it misses a target; no JSON is a failure
             failed += 1
-            skipped[bench.name] = f"failed (exit {done.returncode}); see {bench.name}.txt"
+            skipped[bench.name] = f"failed ({status}); see {bench.name}.txt"
             print(f"FAIL {bench.name} after {took:.0f} s", file=sys.stderr)
             continue
         result = json.loads(out.read_text())

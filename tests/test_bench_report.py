@@ -196,3 +196,51 @@ def test_a_run_of_some_benches_keeps_the_skip_reasons_of_the_others(
     assert report.run(args) == 0
     skipped = json.loads((report.RESULTS / "m" / "_skipped.json").read_text())
     assert skipped == {"vllm_tier": "cannot be carried", "gpu": "no CUDA device"}
+
+
+def fake_bench(
+    report: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: str, **kw: Any
+) -> None:
+    """``report.BENCHES`` is one FAKE bench, ``bench/fake.py`` under ``tmp_path``, whose
+    body is ``code`` (``path`` is the ``--json`` argument)."""
+    (tmp_path / "bench").mkdir()
+    script = "import sys\npath = sys.argv[sys.argv.index('--json') + 1]\n" + code
+    (tmp_path / "bench" / "fake.py").write_text(script)
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    bench = report.Bench("fake", "Fake", lambda quick: [], lambda res, machine: "table", **kw)
+    monkeypatch.setattr(report, "BENCHES", [bench])
+
+
+def test_a_bench_that_fails_leaves_no_earlier_result_behind(
+    report: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A bench that dies before writing its JSON is a failure of this run: the JSON of an
+    earlier run must not pass for it (it was kept and stamped with the new date and
+    command, so the document published old figures as new)."""
+    fake_bench(report, monkeypatch, tmp_path, "sys.exit(1)\n")
+    write_machine(report, "m", {"fake": {"stale": True, "_run": {"date": "last week"}}})
+    args = report.argparse.Namespace(only=None, machine="m", quick=False)
+    assert report.run(args) == 1
+    assert not (report.RESULTS / "m" / "fake.json").exists()
+    skipped = json.loads((report.RESULTS / "m" / "_skipped.json").read_text())
+    assert skipped["fake"] == "failed (exit 1); see fake.txt"
+    assert report.main(["render"]) == 0
+    assert "No results (m: failed (exit 1); see fake.txt)" in report.DOC.read_text()
+
+
+def test_a_bench_that_times_out_is_a_failure_and_the_run_goes_on(
+    report: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A bench past its time limit is killed and counts as failed, even with a JSON written
+    before it hung; the run still writes the machine and the skip reasons (the timeout
+    used to end the whole run there)."""
+    code = "open(path, 'w').write('{}')\nimport threading\nthreading.Event().wait()\n"
+    fake_bench(report, monkeypatch, tmp_path, code, timeout_s=0.5)
+    write_machine(report, "m", {})
+    (report.RESULTS / "m" / "_machine.json").unlink()
+    args = report.argparse.Namespace(only=None, machine="m", quick=False)
+    assert report.run(args) == 1
+    assert not (report.RESULTS / "m" / "fake.json").exists()
+    assert (report.RESULTS / "m" / "_machine.json").exists()
+    skipped = json.loads((report.RESULTS / "m" / "_skipped.json").read_text())
+    assert skipped["fake"] == "failed (timed out after 0.5 s); see fake.txt"
