@@ -9,6 +9,8 @@ Reproduce::
 ``run`` calls each benchmark script with ``--json`` and files the result under
 ``bench/results/<machine>/<bench>.json`` next to ``_machine.json`` (cores, CPU model, GPU,
 load average before and after, date), so every table says which machine it came from.
+``_machine.json`` is rewritten by every run, ``--only`` runs too, so each result also keeps
+the load average around its own bench (``_run``), and its section prints that.
 A bench that fails or is not available here (vLLM not installed, no GPU) is skipped with its
 reason in ``_skipped.json``; nothing stale is kept for it. ``--machine NAME`` names the
 folder (default: ``<cores>core-<gpu or cpu>``), which is how results from the GPU machine
@@ -602,6 +604,7 @@ def run(args: argparse.Namespace) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in BENCHES if not args.only or b.name in args.only.split(",")]
     info["load_before"] = os.getloadavg()
+    info["benches"] = [b.name for b in chosen]  # whose run the load average above is
     # A run of some benches keeps the skip reasons of the others (their results stay too).
     skipped: Json = {}
     kept = folder / "_skipped.json"
@@ -622,6 +625,7 @@ def run(args: argparse.Namespace) -> int:
         # The JSON is the proof that this run finished: an earlier run's must not pass for
         # it (it would be published under this run's date and command).
         out.unlink(missing_ok=True)
+        load_before = os.getloadavg()[0]
         t0 = time.monotonic()
         with open(folder / f"{bench.name}.txt", "w") as log:
             try:
@@ -633,6 +637,7 @@ def run(args: argparse.Namespace) -> int:
                 status = f"timed out after {bench.timeout_s:g} s"
                 out.unlink(missing_ok=True)  # whatever it left half-written
         took = time.monotonic() - t0
+        load_after = os.getloadavg()[0]
         if not out.exists():  # a bench exits 1 when it misses a target; no JSON is a failure
             failed += 1
             skipped[bench.name] = f"failed ({status}); see {bench.name}.txt"
@@ -643,6 +648,9 @@ def run(args: argparse.Namespace) -> int:
             "command": bench.command(args.quick),
             "seconds": took,
             "date": time.strftime("%Y-%m-%d %H:%M"),
+            # This bench's own: _machine.json's is the last run's, which --only may not be.
+            "load_before": load_before,
+            "load_after": load_after,
         }
         out.write_text(json.dumps(result, indent=1))
         print(f"done {bench.name} in {took:.0f} s", file=sys.stderr)
@@ -662,6 +670,8 @@ def describe(info: Json) -> str:
         out += (
             f"; load average {info['load_before'][0]:.2f} before, {info['load_after'][0]:.2f} after"
         )
+        if info.get("benches"):  # the last run's; each section says its own bench's
+            out += f" the last `run` ({', '.join(info['benches'])})"
     return out + (f"; {info['note']}" if info.get("note") else "")
 
 
@@ -712,12 +722,18 @@ def render(args: argparse.Namespace) -> int:
         for m, path in found:
             res = json.loads(path.read_text())
             run_info = res.get("_run", {})
+            load = (
+                f"; load average {run_info['load_before']:.2f} before, "
+                f"{run_info['load_after']:.2f} after"
+                if "load_before" in run_info
+                else ""  # results from before 2026-12-05 kept only the machine's
+            )
             parts += [
                 f"### {m.name}",
                 "",
                 f"`{run_info.get('command', bench.command(False))}` "
                 f"(via `bench/report.py run`; {run_info.get('date', '?')}, "
-                f"{run_info.get('seconds', 0):.0f} s)",
+                f"{run_info.get('seconds', 0):.0f} s{load})",
                 "",
                 bench.render(res, m.name),
                 "",

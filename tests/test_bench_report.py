@@ -244,3 +244,24 @@ def test_a_bench_that_times_out_is_a_failure_and_the_run_goes_on(
     assert (report.RESULTS / "m" / "_machine.json").exists()
     skipped = json.loads((report.RESULTS / "m" / "_skipped.json").read_text())
     assert skipped["fake"] == "failed (timed out after 0.5 s); see fake.txt"
+
+
+def test_each_section_says_the_load_average_its_own_bench_ran_under(
+    report: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``run --only`` rewrites ``_machine.json``, so the machine line's load average is the
+    last run's, not that of the sections kept from runs before: each bench's result keeps
+    the load average around its own run, and its section prints it; the machine line says
+    which benches its figure belongs to."""
+    fake_bench(report, monkeypatch, tmp_path, "open(path, 'w').write('{}')\n")
+    loads = iter([(0.25, 0, 0), (1.25, 0, 0), (2.5, 0, 0), (3.75, 0, 0)])
+    monkeypatch.setattr(report.os, "getloadavg", lambda: next(loads))
+    write_machine(report, "m", {})
+    assert report.run(report.argparse.Namespace(only=None, machine="m", quick=False)) == 0
+    run_info = json.loads((report.RESULTS / "m" / "fake.json").read_text())["_run"]
+    assert run_info["load_before"] == 1.25 and run_info["load_after"] == 2.5
+    assert report.main(["render"]) == 0
+    doc = report.DOC.read_text()
+    section = doc.split("## Fake")[1]
+    assert "s; load average 1.25 before, 2.50 after)" in section
+    assert "load average 0.25 before, 3.75 after the last `run` (fake)" in doc
