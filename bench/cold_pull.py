@@ -16,7 +16,7 @@ consumer. Per repetition and in rotating order it measures, on the same bytes:
   agent) the source has never seen: handshake and registration on both sides included.
 
 Each kind runs with the source idle and busy. The target (DESIGN.md) is
-``cold, busy <= 1.3 x warm, idle`` (medians), for both busy modes. Consumer regions are
+``cold, busy <= 1.2 x warm, idle`` (medians), for both busy modes. Consumer regions are
 allocated page-aligned (like the store's default) and touched before timing (a worker's KV
 tier is), so page faults on fresh memory are not timed.
 """
@@ -42,7 +42,7 @@ import p2pkv
 from p2pkv.cli import Child, demo_keys, emit, fill_store, set_env_defaults, verify_blocks
 from p2pkv.node import Node, Peer
 
-TARGET = 1.3
+TARGET = 1.2  # DESIGN.md, "Performance targets"
 MiB = 1 << 20
 
 
