@@ -116,11 +116,13 @@ async def node_main(args: argparse.Namespace) -> None:
                 t, cpu = time.perf_counter() - t0, cpu_s() - c0
                 if op == "fetch" and cmd.get("verify"):
                     done -= len(verify_blocks(node.store, keys))
-                emit({"t": t, "cpu": cpu, "n": done})
                 if op == "fetch":  # highest slot first: the next fetch gets ascending slots
+                    # Before the reply, untimed: done after it, these evictions (~7 ms for
+                    # 4,096 keys on 2 cores) overlapped the next timed write, bare or not.
                     slots = sorted(((node.store.slot_of(k) or 0, k) for k in keys), reverse=True)
                     for _slot, key in slots:
                         node.store.evict(key)
+                emit({"t": t, "cpu": cpu, "n": done})
 
 
 # --- bare NIXL roles ----------------------------------------------------------------------
