@@ -377,6 +377,37 @@ async def test_registration_deadline_rejects_and_the_late_registration_is_releas
             assert factory.transport.adds == factory.transport.removes == 1
 
 
+async def test_a_handshake_waiting_on_a_slow_registration_is_not_cut_as_idle(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Nobody pings during a handshake (its own deadline, ``handshake_timeout``, bounds
+    it), so while one side registers the other, neither hears a frame. The keepalive's
+    idle deadline used to apply all the same: with ``handshake_timeout`` and
+    ``registration_timeout`` above ``idle_timeout``, a registration slower than
+    ``idle_timeout`` ended both sides as "idle timeout" (connect raised "peer silent"),
+    though every deadline the user set for the handshake still had time to run."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        slow: dict[str, Any] = {
+            "handshake_timeout": 60.0,
+            "registration_timeout": 60.0,
+            "idle_timeout": 30.0,
+        }
+        async with (
+            node("src", delays={"add_remote_peer": 42.0}, **slow) as src,
+            node("dst", **slow) as dst,
+        ):
+            start = trio.current_time()
+            peer = await dst.connect(src.address)
+            assert trio.current_time() - start == pytest.approx(42.0, abs=1.0)
+            # src heard nothing since dst's ack, 42 s ago: its quiet counts from its own
+            # ack (the handshake's end), and dst's heartbeats keep the session from there.
+            await trio.sleep(10.0)
+            assert dst.is_connected(peer) and src.is_connected("dst")
+            keys = fill(src.store, 2, 4096)
+            result = await dst.fetch(peer, keys)
+            assert sorted(result.loaded) == sorted(keys), result.failed
+
+
 async def test_abort_of_a_pinned_round_is_acked_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -892,15 +892,19 @@ class PeerSession(ProducerSide, ConsumerSide):
         while True:
             now = trio.current_time()
             quiet = now - self._last_rx
-            if quiet >= idle:
+            ready = self.proto.ready
+            if ready and quiet >= idle:
                 self._fail(
                     P2PKVTimeout(f"peer silent for {quiet:.1f} s", peer=self.peer_id, op="idle"),
                     "idle timeout",
                     "timeout",
                 )
                 return
-            if not self.proto.ready:
-                # No pings before the handshake is through: look again in a while.
+            if not ready:
+                # No pings before the handshake is through, and no idle deadline either:
+                # nobody sends a frame while one side registers the other, and the
+                # handshake's own deadline bounds it (the session's for the first
+                # incarnation, each restart's its own). Look again in a while.
                 next_ping = now + hb
             elif quiet >= quiet_before_ping - early and now - last_ping >= hb - early:
                 self.proto.send_ping()
@@ -913,7 +917,8 @@ class PeerSession(ProducerSide, ConsumerSide):
             # that arrives meanwhile pushes the wake-up back (the reader moves the scope's
             # deadline, which wakes nobody), so a live peer's frames cost this task nothing.
             self._quiet_after = min(quiet_before_ping, idle)
-            self._quiet = trio.CancelScope(deadline=min(next_ping, self._last_rx + idle))
+            wake = min(next_ping, self._last_rx + idle) if ready else next_ping
+            self._quiet = trio.CancelScope(deadline=wake)
             with self._quiet:
                 await trio.sleep_forever()
             self._quiet = None
@@ -1092,6 +1097,9 @@ class PeerSession(ProducerSide, ConsumerSide):
 
     def _on_ready(self, ev: Ready) -> None:
         assert self.incarnation is not None
+        # The peer's quiet counts from here: while our registration of it ran, it waited
+        # for our ack and had nothing to send (see _keepalive).
+        self._heard_from()
         self.incarnation.ready.set()
         self.handshaken.set()
         self.node.session_ready(self)
