@@ -932,7 +932,12 @@ class Node:
                     RegionLayout(h.base_addr, h.num_blocks, h.block_len),
                     limiter=limiter,
                 )
-            except P2PKVError as exc:
+            except Exception as exc:
+                # Any error, typed or not (a bug, the library underneath): this peer's, as
+                # the registrar takes it. Raised, it failed the whole reconfiguration and
+                # closed every peer re-registered before this one.
+                if not isinstance(exc, P2PKVError):
+                    log.exception("re-registering %r failed", h.agent_name)
                 session.close(f"re-registration failed: {exc}", "reconfigure")
                 continue
             swaps.append((session, job, rp))

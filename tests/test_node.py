@@ -870,6 +870,51 @@ async def test_a_stale_registration_that_fails_to_release_costs_the_others_nothi
             assert hub.peers() == []
 
 
+class ReregisterBug(FaultTransport):
+    """FAKE (fault injection): ``add_remote_peer`` raises ``error`` (an untyped one, as a
+    bug or a library's own exception would) for the agent named ``broken``."""
+
+    broken: str | None = None
+    error: Exception = KeyError("a bug in the data plane")
+
+    def add_remote_peer(self, agent_name: str, metadata: bytes, layout: RegionLayout) -> RemotePeer:
+        if agent_name == self.broken:
+            raise self.error
+        return super().add_remote_peer(agent_name, metadata, layout)
+
+
+async def test_a_peer_whose_re_registration_raises_untyped_costs_the_others_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reconfiguration whose re-registration of one peer raises something other than a
+    P2PKVError (a bug, an exception from the library underneath) closes that peer's
+    session, logged with its traceback, and swaps the others in, as a typed refusal does.
+    It failed the whole reconfiguration instead, closing every peer re-registered before
+    that one."""
+
+    def arm(t: FaultTransport) -> None:
+        if factory.built and isinstance(t, ReregisterBug):  # the reconfiguration's
+            t.broken = "p2"
+
+    factory = FaultFactory(arm, kind=ReregisterBug)
+    with trio.fail_after(20):
+        async with (
+            open_node(config("hub"), transport=factory, offload=VirtualOffload()) as hub,
+            open_node(config("p1")) as p1,
+            open_node(config("p2")) as p2,
+            open_node(config("p3")) as p3,
+        ):
+            for spoke in (p1, p2, p3):
+                await spoke.connect(hub.address)
+            await hub.reconfigure(["p1", "p2", "p3"])
+            assert hub.transport is factory.transport
+            assert sorted(p.peer_id for p in hub.peers()) == ["p1", "p3"]
+            assert "re-registering 'p2' failed" in caplog.text and "KeyError" in caplog.text
+            for spoke in (p1, p3):
+                keys = fill(hub.store, 2, 4096)
+                assert sorted((await spoke.fetch("hub", keys)).loaded) == sorted(keys)
+
+
 async def test_release_gives_back_pins_of_an_unfetched_round() -> None:
     with trio.fail_after(20):
         async with open_node(config("src")) as src, open_node(config("dst")) as dst:
