@@ -17,7 +17,9 @@ Real TCP on loopback; FAKE offload and transport (``tests.helpers``), autojump c
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from typing import Any
 
 import attrs
@@ -36,6 +38,7 @@ from p2pkv.session.protocol import (
     Ready,
     SessionProtocol,
 )
+from p2pkv.session.session import PeerSession
 
 from .helpers import RawPeer, SendGate, fill, until
 from .helpers import virtual_node as node
@@ -478,3 +481,40 @@ async def test_a_lookup_whose_own_frame_is_past_the_cap_is_cut_at_its_deadline_l
             assert isinstance(seen[1], AbortRequested) and seen[1].req_id == seen[0].req_id
             assert s.alive
             await raw.aclose()
+
+
+@pytest.mark.parametrize("closed_first", [False, True], ids=["first-send", "closed-first"])
+async def test_a_session_out_of_descriptors_ends_typed_and_closes_its_socket(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    closed_first: bool,
+) -> None:
+    """The process is out of descriptors (EMFILE) as a session takes the duplicate its
+    sends use, at its first send (its hello), or at its final flush when it was closed
+    before it sent anything (a stranger turned away, a connect given up at once, the
+    node closing). The reader's and the answer lane's duplicates took that as a lost
+    connection; the sends' raised the OSError: the session was logged as crashed, and
+    closed before its first send it never closed its socket nor set ``finished``."""
+
+    def no_descriptor(self: PeerSession) -> socket.socket | None:
+        """FAKE: no descriptor left for the duplicate."""
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("n") as n:
+            ours, theirs = trio.socket.socketpair()
+            other = trio.SocketStream(theirs)
+            session = PeerSession(n, trio.SocketStream(ours))
+            if closed_first:
+                session.close("turned away", "busy")
+            with monkeypatch.context() as m:
+                m.setattr(PeerSession, "_dup", no_descriptor)
+                await n._supervise(session)  # as the node runs each session
+            assert session.finished.is_set() and not n._sessions
+            assert isinstance(session.error, trio.BrokenResourceError)
+            assert "crashed" not in caplog.text
+            with trio.fail_after(5):  # its socket is closed: the other end reads its end
+                while await other.receive_some(1 << 16):
+                    pass
+            await other.aclose()

@@ -589,9 +589,14 @@ class PeerSession(ProducerSide, ConsumerSide):
         session ends; None for TLS (and any other kind of stream) or a closed one. Sends
         use it; the reader and the answer lane each have their own
         (:meth:`_reader_socket`, :meth:`_lane_socket`), so that a wake-up meant for one
-        (``notify_closing``) never reaches a task waiting on another."""
+        (``notify_closing``) never reaches a task waiting on another. Out of
+        descriptors, the connection is lost to us, as for the reader's
+        (``BrokenResourceError``, which every send takes as that)."""
         if self._raw is None:
-            self._raw = self._dup()
+            try:
+                self._raw = self._dup()
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"send failed: {exc}") from exc
         return self._raw
 
     def _reader_socket(self) -> socket.socket | None:
