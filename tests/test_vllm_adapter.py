@@ -1047,6 +1047,37 @@ def test_a_slot_load_naming_a_key_or_a_slot_twice_or_a_slot_short_fails_at_once(
     tier.shutdown()
 
 
+def test_a_slot_load_whose_slots_are_not_integers_fails_at_once_and_lands_nothing(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """``submit_load`` took each slot through ``int()``, so a mask passed for the slots
+    (``[True, False]``) landed the keys in slots 1 and 0, a float chunk id was truncated
+    and a string parsed, where ``fetch_into`` refuses all three (found by the slots
+    review, 2026-12-05). Such a job fails at once, nothing is sent, the region is
+    untouched; NumPy integers are still slots."""
+    np = pytest.importorskip("numpy")
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
+    req = RequestInfo("r1", source_params(src))
+    before = bytes(dst.store.array)
+    bad: list[Sequence[Any]] = [[True, False], [1.0, 2.0], [1.7, 2.2], ["1", "2"]]
+    for job_id, slots in enumerate(bad, 1):
+        tier.submit_load(LoadJob(job_id, "r1", keys, request=req, slots=slots))
+    done = tier.get_finished_jobs()
+    assert [(r.job_id, r.success, r.loaded) for r in done] == [
+        (i, False, []) for i in range(1, len(bad) + 1)
+    ]
+    assert all(set(r.failed.values()) == {"slots must be integers"} for r in done)
+    assert dst.pending() == 0  # nothing was submitted to the engine
+    assert bytes(dst.store.array) == before
+    tier.submit_load(LoadJob(9, "r1", keys, request=req, slots=np.array([4, 5])))
+    assert [(r.job_id, r.success) for r in finished_jobs(tier)] == [(9, True)]
+    for k, s in zip(keys, (4, 5), strict=True):
+        assert bytes(dst.store.array[s * BLOCK : (s + 1) * BLOCK]) == bytes(src.store.get(k) or b"")
+    tier.shutdown()
+
+
 def test_a_load_of_no_keys_is_reported_done_at_once(nodes: Callable[..., BlockingNode]) -> None:
     src, dst = nodes("src"), nodes("dst")
     tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)

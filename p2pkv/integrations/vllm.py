@@ -85,6 +85,7 @@ owned node, the constructor takes ``owns_node`` (default False: the caller close
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -137,6 +138,14 @@ class LoadJob:
     keys: Sequence[bytes]
     request: RequestLike | None = None
     slots: Sequence[int] | None = None
+
+
+def _slot(chunk: object) -> int:
+    """A job's slot as an int: TypeError for what is not an integer (NumPy's are), a
+    bool included."""
+    if isinstance(chunk, bool):
+        raise TypeError(f"slot must be an integer, got {chunk!r}")
+    return operator.index(chunk)  # type: ignore[arg-type]  # TypeError: not an integer
 
 
 @attrs.frozen
@@ -329,7 +338,13 @@ class P2PTier:
         comes out of :meth:`get_finished_jobs` as a :class:`JobResult`."""
         now = time.monotonic()
         keys = list(dict.fromkeys(job.keys))
-        slots = None if job.slots is None else [int(c) for c in job.slots]
+        try:
+            # Integers only, as fetch_into takes them: int() made a mask [True, False]
+            # slots 1 and 0, truncated a float and parsed a string.
+            slots = None if job.slots is None else [_slot(c) for c in job.slots]
+        except TypeError:
+            self._fail_job(job, keys, "slots must be integers")
+            return
         if slots is not None and (
             len(slots) != len(job.keys)
             or len(keys) != len(job.keys)
