@@ -1022,13 +1022,13 @@ def test_a_key_misses_by_its_lookup_deadline_though_its_request_asks_new_keys_ev
     tier.shutdown()
 
 
-def test_a_slot_load_naming_a_key_or_a_slot_twice_or_a_slot_short_fails_at_once(
+def test_a_slot_load_naming_a_key_or_a_slot_twice_a_slot_short_or_out_of_range_fails_at_once(
     nodes: Callable[..., BlockingNode],
 ) -> None:
     """Nothing is posted for such a job, so no write can land: it is reported at once,
-    and the request's other loads are untouched. (A slot named twice used to reach
-    fetch_into, whose refusal the tier held for a quarantine, 5 s, and then failed the
-    whole request; found by a review, 2026-12-05.)"""
+    and the request's other loads are untouched. (A slot named twice, or one outside the
+    region, used to reach fetch_into, whose refusal the tier held for a quarantine, 5 s,
+    and then failed the whole request; found by reviews, 2026-12-05.)"""
     src, dst = nodes("src"), nodes("dst")
     keys = fill(src.store, 2, BLOCK)
     tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND)
@@ -1036,11 +1036,16 @@ def test_a_slot_load_naming_a_key_or_a_slot_twice_or_a_slot_short_fails_at_once(
     tier.submit_load(LoadJob(1, "r1", [keys[0], keys[1], keys[0]], request=req, slots=[1, 2, 3]))
     tier.submit_load(LoadJob(2, "r1", keys, request=req, slots=[1]))
     tier.submit_load(LoadJob(3, "r1", keys, request=req, slots=[4, 4]))
+    past = dst.config.num_blocks
+    tier.submit_load(LoadJob(5, "r1", keys, request=req, slots=[4, past]))
+    tier.submit_load(LoadJob(6, "r1", keys, request=req, slots=[-1, 4]))
     done = tier.get_finished_jobs()
     assert [(r.job_id, r.success, r.loaded) for r in done] == [
         (1, False, []),
         (2, False, []),
         (3, False, []),
+        (5, False, []),
+        (6, False, []),
     ]
     tier.submit_load(LoadJob(4, "r1", keys, request=req, slots=[4, 5]))
     assert [(r.job_id, r.success) for r in finished_jobs(tier)] == [(4, True)]

@@ -352,6 +352,11 @@ class P2PTier:
         ):
             self._fail_job(job, keys, "keys and slots must be distinct, one slot per key")
             return
+        if slots and not 0 <= min(slots) <= max(slots) < self.node.config.num_blocks:
+            # fetch_into would refuse it too, nothing sent, but the tier would hold that
+            # refusal for a quarantine like a failed load's and fail the request.
+            self._fail_job(job, keys, f"slots must be in 0..{self.node.config.num_blocks - 1}")
+            return
         if self._closed:
             self._fail_job(job, keys, "tier shut down")
             return
