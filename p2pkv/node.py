@@ -728,12 +728,13 @@ class Node:
     ) -> FetchResult:
         """Pull ``keys[i]`` into region slot ``slots[i]``, bypassing :attr:`store`'s key
         map: for a host that owns allocation and presence itself (vLLM's primary tier).
-        Returns only once no write into ``slots`` can land any more (after a give-up,
-        ``quarantine`` seconds later). ``within``: give up that many seconds from now,
-        lookups included, so the result comes by ``within + quarantine`` (keys cut short
-        fail "timed out"); None: each request keeps the configured deadlines. Per-key
-        failures are in ``result.failed``; raises ``PeerUnavailable`` if the peer is not
-        connected and ``LocalProtocolError`` for bad arguments (see
+        Returns only once no write into ``slots`` can land any more (after a give-up, or
+        a key reported OK that fails its checksum, ``quarantine`` seconds later).
+        ``within``: give up that many seconds from now, lookups included, so the result
+        comes by ``within + quarantine`` (keys cut short fail "timed out"); None: each
+        request keeps the configured deadlines. Per-key failures are in
+        ``result.failed``; raises ``PeerUnavailable`` if the peer is not connected and
+        ``LocalProtocolError`` for bad arguments (see
         :meth:`~p2pkv.session.session.PeerSession.fetch_into`)."""
         if within is not None:
             within = check_seconds(within, "within")

@@ -69,8 +69,10 @@ Where blocks land. A :class:`LoadJob` without ``slots`` lands in the node's
 the producer's bytes. With ``slots`` (vLLM's chunk ids; the host owns that memory:
 :mod:`p2pkv.integrations.vllm_tier`), ``keys[i]`` lands in region slot ``slots[i]``
 (``fetch_into``) and the job is reported only once no write of it can land any more: at
-once if the source said every write settled, else ``quarantine`` seconds after the give-up,
-since the host reuses a failed slot at once. The give-up comes by the load's deadline, a
+once if the source said every write settled, else ``quarantine`` seconds after the give-up
+(or after the checksum check, with ``verify_checksums``, where a key the source reported
+OK failed it: the source's word is in doubt then), since the host reuses a failed slot at
+once. The give-up comes by the load's deadline, a
 lookup the fetch had to make first included (``fetch_into``'s ``within``). A failed load
 fails its request: every later key of it misses (a host that frees failed slots asks
 again, and must not loop).

@@ -26,8 +26,9 @@ unused: vLLM's primary tier owns which blocks exist, where, and their pins.
   for a miss, and for every later key of a request once anything of it failed (vLLM frees a
   failed key and asks again: without that, the request would loop). A load is reported only
   once no write of it can land any more: at once when the source said every write settled,
-  otherwise ``quarantine_s`` after p2pkv gave up on it, since vLLM reuses a failed chunk at
-  once.
+  otherwise ``quarantine_s`` after p2pkv gave up on it (or, with ``verify_checksums``, after
+  a chunk the source reported written failed its checksum), since vLLM reuses a failed
+  chunk at once.
 * Source. A peer's lookup reaches vLLM's primary tier through :class:`~p2pkv.pins.HostPins`:
   the engine posts it, ``serve_external_requests`` (vLLM's tier-poll thread, under vLLM's
   lock) asks ``parent.lookup`` per key, pins the hits with ``parent.create_store_job`` in

@@ -811,7 +811,9 @@ class ConsumerSide(SessionParts):
         not ask twice for a key it is already bringing in).
 
         Returns only once no write into ``slots`` can land any more: at once when the
-        producer's ``transfer_done`` is in; after a give-up (deadline, session lost), only
+        producer's ``transfer_done`` is in; after a give-up (deadline, session lost), or
+        when a key it reported OK fails its checksum (or comes without one, with
+        ``verify_checksums`` on: its word that the write settled is in doubt too), only
         ``quarantine`` seconds later. So whatever the result says, the caller may reuse
         every slot when it has it. Cancelled before that, the caller must keep the slots
         ``quarantine`` seconds (the node keeps them in use for its other ``fetch_into``
