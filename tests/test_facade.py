@@ -1152,7 +1152,7 @@ def test_ctrl_c_inside_a_submit_leaves_no_ticket_the_host_never_got(
     """A submit takes a ticket, then posts its work. A Ctrl-C in between left the ticket
     in flight until close(): ``pending()`` counted it for ever, though nothing would ever
     finish it; one after the post left its outcome on the board for ``get_finished`` under
-    a number the host never got (review 2026-12-06; design.md listed it as left). The
+    a number the host never got (review 2026-12-05; design.md listed it as left). The
     interrupted submit now withdraws its ticket: not counted, and a late outcome of its
     work is dropped."""
     a = nodes("a")

@@ -441,7 +441,7 @@ def test_an_engine_outlives_the_main_thread_while_a_non_daemon_host_thread_runs(
     non-daemon threads: a program whose main thread only starts its serving thread (a
     non-daemon host, as ``threading.Thread(target=serve).start()`` makes) is not exiting.
     The exit hook closed every engine there and then, so the serving thread's node died
-    under it: its next call was ``PortalClosed`` (review 2026-12-06). The engines are closed
+    under it: its next call was ``PortalClosed`` (review 2026-12-05). The engines are closed
     once the other non-daemon threads have ended, and the program still exits."""
     script = textwrap.dedent(
         """
@@ -727,7 +727,7 @@ def test_ctrl_c_as_a_call_registers_its_future_leaves_none_pending() -> None:
     """A blocking call registers its future (for close() to settle), then enters the
     ``try`` whose ``finally`` takes it back. A Ctrl-C between the two (as the lock was let
     go) left the future registered for good: one more per interrupt, until close()
-    (review 2026-12-06). Registered inside the ``try`` now."""
+    (review 2026-12-05). Registered inside the ``try`` now."""
     engine = start()
     try:
         with (

@@ -1313,7 +1313,7 @@ def test_quarantines_confirmed_one_by_one_leave_a_bounded_deadline_heap() -> Non
     assert store.next_quarantine_deadline() is None and store.statistics().free == 1
 
 
-# ------------------------- found by a reading review of states and counts (2026-12-06)
+# ------------------------- found by a reading review of states and counts (2026-12-05)
 
 
 def test_release_quarantined_refuses_a_nan_time_and_frees_nothing() -> None:
