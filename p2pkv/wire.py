@@ -421,12 +421,24 @@ def from_wire(obj: object) -> Message:
     tag = obj.get("t")
     cls = MESSAGE_TYPES.get(tag) if type(tag) is str else None
     if cls is None:
-        raise RemoteProtocolError(f"unknown message type {tag!r}")
+        raise RemoteProtocolError(f"unknown message type {_shown(tag)}")
     try:
         msg: Message = _converter.structure(obj, cls)
     except (TypeError, ValueError, KeyError, cattrs.BaseValidationError) as exc:
         raise RemoteProtocolError(f"invalid {tag}: {_describe(exc)}") from exc
     return msg
+
+
+_SHOWN: Final = 64  # characters of a peer's value an error message shows
+
+
+def _shown(value: object) -> str:
+    """A value the peer sent (a tag, a field name), as an error message shows it: its
+    repr, cut short. Such a str may be as long as the frame (megabytes), and the message
+    becomes a WARNING line, the bye and the session's close reason: the rate limit of
+    those lines (one a second) must bound their bytes too."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
 def _describe(exc: BaseException) -> str:
@@ -553,7 +565,7 @@ def _unpack_body(body: bytes) -> object:
             if type(key) is not str:
                 raise RemoteProtocolError("undecodable frame: a map key is not a str")
             if key in fields:
-                raise RemoteProtocolError(f"undecodable frame: field {key!r} twice")
+                raise RemoteProtocolError(f"undecodable frame: field {_shown(key)} twice")
             if key not in _KNOWN_FIELDS:
                 u.skip()
                 fields[key] = None  # only to catch it twice; from_wire ignores it

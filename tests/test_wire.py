@@ -247,6 +247,25 @@ def test_a_hello_sized_frame_of_empty_containers_is_refused_before_it_is_built(
     assert peak < 3 * len(body), f"decoding a {len(body)}-byte frame peaked at {peak} bytes"
 
 
+@pytest.mark.parametrize("what", ["tag", "field_twice"])
+def test_a_peers_long_name_is_cut_short_in_the_refusal(what: str) -> None:
+    """A tag or field name is whatever str the peer sends (up to a frame's size: 1 MiB
+    from a stranger before its hello passed). The refusal's text goes to a WARNING line,
+    the bye and the session's close reason, so it shows the start of the name only:
+    the rate limit of protocol-error lines (one a second) must also bound their bytes."""
+    name = "x" * 200_000
+    pairs = [("t", name), ("nonce", 1)] if what == "tag" else [("t", "ping"), (name, 1), (name, 2)]
+    body = bytes([0x80 | len(pairs)]) + b"".join(
+        msgpack.packb(k, use_bin_type=True) + msgpack.packb(v, use_bin_type=True) for k, v in pairs
+    )
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(RemoteProtocolError, match=r"unknown message type|twice") as info:
+        dec.next_message()
+    assert "'xxxxxxxx" in str(info.value)
+    assert len(str(info.value)) < 200, len(str(info.value))
+
+
 @pytest.mark.parametrize("name", ["nonce", "added_in_1_1"])
 def test_a_field_named_twice_is_refused(name: str) -> None:
     """msgpack maps may repeat a key; which value a peer meant is unknowable (the hot
