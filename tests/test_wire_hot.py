@@ -10,6 +10,7 @@ type and its words) is the general path's.
 from __future__ import annotations
 
 import enum
+import struct
 from typing import Any
 
 import msgpack
@@ -391,3 +392,188 @@ def test_key_lengths_ok_answers_exactly_what_the_walk_answers(
 ) -> None:
     """The receive-side bound on decoded keys (bytes already) agrees with the plain walk."""
     assert wire.key_lengths_ok(value, limit) is all(0 < len(k) <= limit for k in value)
+
+
+# --- the bytes themselves: every msgpack spelling of a field, hostile ones too -----------
+# ``msgpack.packb`` writes one spelling of each value (the shortest); a peer may write any.
+# These frames spell a hot message's map by hand, each int, str, bin, list and map header
+# in any width msgpack allows, and spoil some of them with what a hostile peer sends
+# (another type, an ext or timestamp, NaN, invalid UTF-8, a field twice or unknown, a
+# missing one, trailing or missing bytes). Both decoders must give one verdict: the hot
+# path takes a frame only where the general path builds the equal message of the same
+# element types, and the frame decoder (small frames copied, large ones decoded in place)
+# answers what the general path answers.
+
+
+@st.composite
+def spelled_int(draw: st.DrawFn, v: int) -> bytes:
+    forms: list[bytes] = []
+    if 0 <= v < 0x80 or -32 <= v < 0:
+        forms.append(struct.pack(">b" if v < 0 else ">B", v))
+    for code, fmt, lo, hi in (
+        (0xCC, ">B", 0, 1 << 8),
+        (0xCD, ">H", 0, 1 << 16),
+        (0xCE, ">I", 0, 1 << 32),
+        (0xCF, ">Q", 0, 1 << 64),
+        (0xD0, ">b", -(1 << 7), 1 << 7),
+        (0xD1, ">h", -(1 << 15), 1 << 15),
+        (0xD2, ">i", -(1 << 31), 1 << 31),
+        (0xD3, ">q", -(1 << 63), 1 << 63),
+    ):
+        if lo <= v < hi:
+            forms.append(bytes([code]) + struct.pack(fmt, v))
+    return draw(st.sampled_from(forms))
+
+
+@st.composite
+def spelled_str(draw: st.DrawFn, raw: bytes) -> bytes:
+    n = len(raw)
+    forms = [b"\xdb" + struct.pack(">I", n), b"\xda" + struct.pack(">H", n)] if n < 1 << 16 else []
+    forms += [b"\xd9" + bytes([n])] if n < 256 else []
+    forms += [bytes([0xA0 | n])] if n < 32 else []
+    return draw(st.sampled_from(forms or [b"\xdb" + struct.pack(">I", n)])) + raw
+
+
+@st.composite
+def spelled_bin(draw: st.DrawFn, raw: bytes) -> bytes:
+    n = len(raw)
+    forms = [b"\xc6" + struct.pack(">I", n), b"\xc5" + struct.pack(">H", n)]
+    forms += [b"\xc4" + bytes([n])] if n < 256 else []
+    return draw(st.sampled_from(forms)) + raw
+
+
+def container_header(draw: st.DrawFn, n: int, fix: int, h16: int, h32: int) -> bytes:
+    """Mostly the short form (the hot path reads only a fixmap), any other sometimes."""
+    if n < 16 and draw(st.integers(0, 3)):
+        return bytes([fix | n])
+    return draw(
+        st.sampled_from([bytes([h32]) + struct.pack(">I", n), bytes([h16]) + struct.pack(">H", n)])
+    )
+
+
+# What a hostile peer puts where a value belongs (one msgpack object each).
+hostile_scalars = st.sampled_from(
+    [
+        b"\xc0",  # nil
+        b"\xc2",  # false
+        b"\xc3",  # true
+        b"\xff",  # -1
+        b"\xd3" + struct.pack(">q", -(1 << 63)),
+        b"\xca" + struct.pack(">f", float("nan")),
+        b"\xcb" + struct.pack(">d", float("nan")),
+        b"\xcb" + struct.pack(">d", 1.0),
+        b"\xa1k",  # a str where bytes belong
+        b"\xa2\xc3\x28",  # a str of invalid UTF-8
+        b"\xc4\x00",  # empty bin
+        b"\xc5\x04\x01" + b"k" * (MAX_KEY_LEN + 1),  # one byte over the key limit
+        b"\xd4\x01\x00",  # fixext 1
+        b"\xd6\xff\x00\x00\x00\x01",  # a timestamp (ext -1)
+        b"\xc7\x00\x05",  # empty ext 8
+        b"\x90",  # empty list
+        b"\x91\x01",  # a list
+        b"\x80",  # empty map
+        b"\x81\xa1a\x01",  # a map
+        b"\xc1",  # never used
+    ]
+)
+
+
+@st.composite
+def spelled_value(draw: st.DrawFn, v: Any) -> bytes:
+    if v is None:
+        return b"\xc0"
+    if type(v) is bool:
+        return b"\xc3" if v else b"\xc2"
+    if type(v) is int:
+        return draw(spelled_int(v))
+    if type(v) is str:
+        return draw(spelled_str(v.encode()))
+    if type(v) is bytes:
+        return draw(spelled_bin(v))
+    assert type(v) is list
+    return spelled_list(draw, [draw(spelled_value(e)) for e in v])
+
+
+def spelled_list(draw: st.DrawFn, items: list[bytes]) -> bytes:
+    return container_header(draw, len(items), 0x90, 0xDC, 0xDD) + b"".join(items)
+
+
+@st.composite
+def near_miss(draw: st.DrawFn, v: Any) -> bytes:
+    """``v`` as another type a lenient decoder would take for it (an int as a float or a
+    bool, a bool as an int, bytes as a str or an ext, a str as bin), or any hostile
+    value."""
+    forms: list[bytes] = [draw(hostile_scalars)]
+    if type(v) is bool:
+        forms.append(draw(spelled_int(int(v))))
+    elif type(v) is int:
+        forms += [b"\xcb" + struct.pack(">d", float(v)), b"\xca" + struct.pack(">f", float(v))]
+        forms += [b"\xc3" if v else b"\xc2"] if v in (0, 1) else []
+    elif type(v) is bytes:
+        forms.append(b"\xc7" + struct.pack(">Bb", len(v), 1) + v if len(v) < 256 else b"\xc1")
+        forms += [draw(spelled_str(v))] if v.isascii() else []
+    elif type(v) is str:
+        forms.append(draw(spelled_bin(v.encode())))
+    return draw(st.sampled_from(forms))
+
+
+SPOILS = ["value", "element", "length", "twice", "unknown", "drop", "bin_name", "bad_name"]
+
+
+@st.composite
+def spelled_hot_frames(draw: st.DrawFn) -> bytes:
+    """A valid hot message spelled in any widths, in any field order; or the same with
+    one thing spoiled as a hostile peer would."""
+    fields = list(to_wire(draw(hot_messages())).items())
+    if ("checksums", None) in fields and draw(st.booleans()):  # absent: None as well
+        fields.remove(("checksums", None))
+    if draw(st.booleans()):  # the order of a map's fields is the sender's
+        fields = draw(st.permutations(fields))
+    pairs = [(draw(spelled_str(k.encode())), draw(spelled_value(v))) for k, v in fields]
+    spoil = draw(st.sampled_from(["none", *SPOILS, "more", "less"]))
+    i = draw(st.integers(0, len(pairs) - 1))
+    name, value = fields[i]
+    if spoil == "value":
+        pairs[i] = (pairs[i][0], draw(near_miss(value)))
+    elif spoil in ("element", "length") and type(value) is list and value:
+        items = [draw(spelled_value(e)) for e in value]
+        if spoil == "element":
+            j = draw(st.integers(0, len(items) - 1))
+            items[j] = draw(near_miss(value[j]))
+        else:  # one element too few or too many
+            items = items[:-1] if draw(st.booleans()) else [*items, items[0]]
+        pairs[i] = (pairs[i][0], spelled_list(draw, items))
+    elif spoil == "twice":
+        pairs.insert(draw(st.integers(0, len(pairs))), (pairs[i][0], draw(spelled_value(value))))
+    elif spoil == "unknown":
+        extra = draw(st.sampled_from([b"x", b"slots", b"hits", b"checksums", b"t\x00"]))
+        pairs.insert(i, (draw(spelled_str(extra)), draw(hostile_scalars)))
+    elif spoil == "drop":
+        del pairs[i]
+    elif spoil == "bin_name":  # a field's name as bin, not str
+        pairs[i] = (draw(spelled_bin(name.encode())), pairs[i][1])
+    elif spoil == "bad_name":  # a name of invalid UTF-8
+        pairs[i] = (b"\xa2\xc3\x28", pairs[i][1])
+    header = container_header(draw, len(pairs), 0x80, 0xDE, 0xDF)
+    body = header + b"".join(k + v for k, v in pairs)
+    if spoil == "more":
+        body += draw(hostile_scalars)
+    elif spoil == "less":
+        body = body[: draw(st.integers(1, len(body) - 1))]
+    return body
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=spelled_hot_frames())
+def test_every_spelling_of_a_hot_frame_gets_one_verdict_from_both_decoders(body: bytes) -> None:
+    expected = general_outcome(body)
+    hot = wire._decode_hot(body)
+    if hot is not None:
+        assert not isinstance(expected, tuple), expected
+        assert hot == expected
+        assert_same_types(hot, expected)
+    got = decoder_outcome(body)
+    assert got == expected
+    if not isinstance(expected, tuple):
+        assert not isinstance(got, tuple)
+        assert_same_types(got, expected)
