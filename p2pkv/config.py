@@ -16,8 +16,10 @@ from .errors import ConfigError
 from .transport._nixl_agent import MAX_PARALLELISM
 from .wire import U64_MAX
 
-# The smallest max_frame_size: room for any hello (its fields within their limits, ~1.5 KB
-# at most, plus NIXL's metadata: ~300 B and 44 B a registered region).
+# The smallest max_frame_size: room for a hello whose texts are ASCII (its fields within
+# their limits, ~1.5 KB at most, plus NIXL's metadata: ~300 B and 44 B a registered
+# region). The limits count characters, not bytes: a non-ASCII fingerprint of 1,024
+# characters alone takes up to 4 KB, which a peer at this smallest size refuses (typed).
 MIN_FRAME_SIZE = 4096
 
 PROTOCOL_MAJOR = 1
