@@ -329,7 +329,9 @@ class LoopbackAgent:
         timeout: float = 30.0,
     ) -> None:
         """Copy block ``src_slots[i]`` of ``src`` into block ``dst_slots[i]`` of ``dst``;
-        returns once every byte has landed. Blocking: not on the Trio thread."""
+        returns once every byte has landed. Blocking: not on the Trio thread. Within one
+        region (``src is dst``) no slot may be both a source and a destination: the
+        pairs are copied at once, in no order (``TransportError``)."""
         if src.block_len != dst.block_len:
             raise TransportError("source and destination block_len differ", op="stage")
         s = _checked(src_slots, src.num_blocks, "source")
@@ -339,6 +341,11 @@ class LoopbackAgent:
         if len(np.unique(d)) != len(d):
             # Which source would land there is up to the lanes' timing.
             raise TransportError("a destination slot is named twice", op="stage")
+        if src is dst and np.intersect1d(s, d).size:
+            # NIXL merges adjacent pairs into overlapping descriptors and the lanes copy
+            # in any order: the blocks would come out smeared (slot i -> i + 1 made every
+            # block the first).
+            raise TransportError("a slot is both read and written by one copy", op="stage")
         with self.lock:
             # Under the lock: a release between a check outside it and here would leave
             # the region without lanes (an IndexError below).
