@@ -155,7 +155,8 @@ class LoopbackRegion:
         return self.num_blocks * self.block_len
 
     def release(self) -> None:
-        """Drop one reference; the last one deregisters the region from every lane."""
+        """Drop one reference; the last one deregisters the region from every lane. Once
+        that has happened, a further call does nothing."""
         self.agent.detach(self)
 
 
@@ -301,6 +302,10 @@ class LoopbackAgent:
     def detach(self, reg: LoopbackRegion) -> None:
         global _agent
         with _agent_lock, self.lock:
+            if reg.refs <= 0:
+                # Released already: the lanes may hold the same bytes attached anew since
+                # (another object under the same key), which this must not drop.
+                return
             reg.refs -= 1
             if reg.refs > 0:
                 return

@@ -563,3 +563,31 @@ def test_a_copy_within_one_region_that_reads_a_slot_it_writes_is_refused() -> No
     finally:
         region.release()
     assert not staging.loopback_agent_exists()
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_releasing_a_released_region_again_leaves_its_next_attachment_alone() -> None:
+    """A second ``release`` of a region whose last reference is gone does nothing. It
+    used to take the count below zero and drop the lanes' entry for the same memory
+    attached anew since: a third attach then registered those bytes a second time in
+    every lane, and without one the lanes were dropped under the live attachment."""
+    rng = np.random.default_rng(13)
+    a = rng.integers(0, 256, 4 * BLOCK, dtype=np.uint8)
+    b = np.zeros(4 * BLOCK, np.uint8)
+    other = staging.attach_region(b, BLOCK)  # keeps the lanes alive
+    stale = staging.attach_region(a, BLOCK)
+    stale.release()
+    live = staging.attach_region(a, BLOCK)
+    try:
+        stale.release()  # the caller's bug: released twice
+        again = staging.attach_region(a, BLOCK)
+        assert again is live, "the same bytes were registered a second time"
+        again.release()
+        other.release()
+        assert staging.loopback_agent_exists(), "the lanes went under a live attachment"
+        live.agent.copy(live, [3, 0], live, [1, 2])
+        assert np.array_equal(a[BLOCK : 2 * BLOCK], a[3 * BLOCK :])
+    finally:
+        live.release()
+    assert not staging.loopback_agent_exists()
