@@ -66,6 +66,7 @@ import numpy.typing as npt
 from .errors import TransportError
 from .region import device_bytes, host_bytes, is_device_region, region_memory
 from .transport._nixl_agent import (
+    FORKED,
     block_descs,
     keep_in_child,
     load_nixl,
@@ -156,7 +157,8 @@ class LoopbackRegion:
 
     def release(self) -> None:
         """Drop one reference; the last one deregisters the region from every lane. Once
-        that has happened, a further call does nothing."""
+        that has happened, a further call does nothing, as does a call in a child forked
+        from the process that attached it (the child's copy of the lanes is abandoned)."""
         self.agent.detach(self)
 
 
@@ -250,6 +252,9 @@ class LoopbackAgent:
         count = resolve_lanes(lanes)
         refuse_if_forked("stage")
         api = load_nixl().api
+        # The process whose lanes these are: a forked child has copies of them whose
+        # loopback endpoints name this process (see _refuse_if_inherited).
+        self.pid = os.getpid()
         self.lock = threading.RLock()
         self.regions: dict[tuple[int, int], LoopbackRegion] = {}
         prefix = f"p2pkv-loopback-{os.getpid()}-{next(_serial)}"
@@ -268,6 +273,7 @@ class LoopbackAgent:
     def attach(self, region: object, block_len: int) -> LoopbackRegion:
         """Register ``region`` (cut into ``block_len`` slots) once per lane; count a
         reference."""
+        self._refuse_if_inherited()
         base, nbytes, view = _span(region)
         if block_len <= 0 or nbytes < block_len:
             raise TransportError(f"region of {nbytes} bytes has no {block_len}-byte block")
@@ -301,6 +307,8 @@ class LoopbackAgent:
 
     def detach(self, reg: LoopbackRegion) -> None:
         global _agent
+        if self.pid != os.getpid():
+            return  # a forked child's copy: abandoned, never touched (_abandon_in_child)
         with _agent_lock, self.lock:
             if reg.refs <= 0:
                 # Released already: the lanes may hold the same bytes attached anew since
@@ -337,6 +345,7 @@ class LoopbackAgent:
         returns once every byte has landed. Blocking: not on the Trio thread. Within one
         region (``src is dst``) no slot may be both a source and a destination: the
         pairs are copied at once, in no order (``TransportError``)."""
+        self._refuse_if_inherited()
         if src.block_len != dst.block_len:
             raise TransportError("source and destination block_len differ", op="stage")
         s = _checked(src_slots, src.num_blocks, "source")
@@ -368,6 +377,14 @@ class LoopbackAgent:
                 for i, (lane, part) in enumerate(zip(self.lanes, parts, strict=False))
             ]
             run_parts(jobs, self._pool)
+
+    def _refuse_if_inherited(self) -> None:
+        """In a child forked from the process that made these lanes: TransportError.
+        Their loopback endpoints name the parent's process: a copy here was reported done
+        and its bytes landed in the parent's memory, never the child's (measured over
+        host memory); and their lock may have been held by a thread the fork left behind."""
+        if self.pid != os.getpid():
+            raise TransportError(FORKED, op="stage")
 
 
 def _job(

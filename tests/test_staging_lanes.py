@@ -591,3 +591,54 @@ def test_releasing_a_released_region_again_leaves_its_next_attachment_alone() ->
     finally:
         live.release()
     assert not staging.loopback_agent_exists()
+
+
+# A child forked while staging lanes live copies and releases through them (run in a
+# child of the test: it forks with NIXL live).
+_FORK_CHILD = r"""
+import os, sys, warnings
+import numpy as np
+from p2pkv import staging
+from p2pkv.errors import TransportError
+B = 4096
+a, b = np.full(4 * B, 7, np.uint8), np.zeros(4 * B, np.uint8)
+src, dst = staging.attach_region(a, B), staging.attach_region(b, B)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    pid = os.fork()
+if pid == 0:
+    try:
+        src.agent.copy(src, [0], dst, [0], timeout=5)
+        print("CHILD copied", int(b[0]), flush=True)
+    except TransportError as exc:
+        print("CHILD REFUSED", "spawn" in str(exc), flush=True)
+    dst.release()
+    src.release()
+    print("CHILD released", flush=True)
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("CHILD", os.waitstatus_to_exitcode(status), flush=True)
+print("PARENT untouched", not b.any(), flush=True)
+src.agent.copy(src, [1], dst, [1])
+dst.release()
+src.release()
+print("PARENT ok", int(b[B]), staging.loopback_agent_exists(), flush=True)
+"""
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13")
+def test_a_forked_child_cannot_copy_through_its_parents_lanes() -> None:
+    """A child forked while staging lanes lived copied through its copy of them: the copy
+    reported done, the child's memory stayed as it was, and the bytes landed in the
+    parent's memory (the loopback endpoint names the parent's process). The child now
+    refuses such a copy (``TransportError`` naming spawn), its release of an inherited
+    region touches nothing, and the parent's lanes work on, its memory untouched."""
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
+    result = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD], env=env, capture_output=True, text=True, timeout=120
+    )
+    want = ["CHILD REFUSED True", "CHILD released", "CHILD 0", "PARENT untouched True"]
+    want.append("PARENT ok 7 False")
+    assert result.stdout.splitlines() == want, result.stdout + result.stderr[-3000:]
+    assert result.returncode == 0, result.stderr[-3000:]
