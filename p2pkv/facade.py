@@ -165,7 +165,7 @@ def start_node(
         # Ctrl-C (any asynchronous exception) before the caller has a node to close: stop
         # the engine here, as EngineThread.start does when interrupted earlier.
         with contextlib.suppress(P2PKVError):
-            engine.close(2 * cfg.close_timeout + _MARGIN)
+            engine.close(_close_bound(cfg) + _MARGIN)
         raise
     return node
 
@@ -195,7 +195,7 @@ class BlockingNode:
                 ("fetch_into", c.lookup_timeout + c.fetch_timeout + c.quarantine),
                 ("disconnect", c.close_timeout),
                 ("release", c.close_timeout),
-                ("close", 2 * c.close_timeout),
+                ("close", _close_bound(c)),
             )
         }
 
@@ -320,7 +320,9 @@ class BlockingNode:
         with ``PortalClosed`` if the engine stopped first; either way every one finishes,
         and a ticket taken after the close is born ``PortalClosed``. Raises
         ``P2PKVTimeout`` if the engine thread is wedged in a blocking call and does not end
-        in time (a later close() may try again).
+        in time (a later close() may try again). ``timeout=None``: ``2 * close_timeout +
+        abort_timeout`` plus a second (a write the close cuts may take ``abort_timeout``
+        to settle before its session's teardown).
         """
         # Refused on the engine thread before anything is sealed: the node stays usable.
         self._engine._refuse_reentry("close")
@@ -576,6 +578,15 @@ def _unwrap(exc: Exception) -> Exception:
     while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
+
+
+def _close_bound(cfg: NodeConfig) -> float:
+    """How long the engine may take to close: the sessions' close (``close_timeout``),
+    a write each cuts and waits up to ``abort_timeout`` to settle (shielded: its pins
+    and the region stay until then), then the session's bye and stream (a second each at
+    most, ``close_timeout`` if less). ``2 * close_timeout`` alone was short of it wherever
+    ``close_timeout`` is below ``abort_timeout`` + 2 s."""
+    return 2 * cfg.close_timeout + cfg.abort_timeout
 
 
 def _not_finished() -> PortalClosed:

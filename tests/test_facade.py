@@ -1163,3 +1163,28 @@ def test_ctrl_c_inside_a_submit_leaves_no_ticket_the_host_never_got(
     later = a.submit_lookup("nobody", [b"k"])
     assert isinstance(wait_ticket(a, later), PeerUnavailable)
     assert a.get_finished() == []
+
+
+def test_close_by_default_outlasts_a_write_draining_for_its_abort_timeout(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """Review 2026-12-05 (clocks): ``close()``'s default bound was ``2 * close_timeout``
+    plus a second, but closing a node that writes to a peer cuts the write, waits up to
+    ``abort_timeout`` for it to settle (shielded: the pins under it must stay until then)
+    and only then tears the session down. With ``close_timeout`` below ``abort_timeout``
+    a close during a stuck write raised ``P2PKVTimeout`` ("engine thread did not stop")
+    while the engine was only keeping its own bound, and the vLLM tier's shutdown raised
+    with it, before the region could safely go. The writes here never settle (FAKE
+    transport) until released: the close waits out ``abort_timeout`` (2 s) and returns."""
+    hanging = GatedFactory(lambda t: setattr(t, "hang", True))
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
+    dst = nodes("dst")
+    keys = fill(src.store, 4, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    in_flight = dst.submit_fetch(peer, keys)  # the producer's writes never settle
+    assert hanging.transport.posted.wait(BOUND)
+    src.close()  # the default bound
+    assert not src.alive
+    assert hanging.transport.releases >= 1  # the write was cut, not left behind
+    outcome = wait_ticket(dst, in_flight)
+    assert isinstance(outcome, FetchResult) and not outcome.loaded
