@@ -94,7 +94,7 @@ class HostPins:
         (None: no bound but the per-peer one); a lookup past it gets misses for the
         keys over it, counted pessimistically (a request's keys count until the host
         answers, then its hits, until the round's pins are released)."""
-        if answer_within <= 0:
+        if not answer_within > 0:  # NaN too: Trio's deadline refuses it at a peer's lookup
             raise ValueError("answer_within must be positive")
         if max_blocks is not None and max_blocks < 0:
             raise ValueError("max_blocks must be >= 0")

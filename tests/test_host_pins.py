@@ -9,6 +9,7 @@ real clock, gated by events and bounded by ``trio.fail_after``.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -291,6 +292,14 @@ async def test_a_request_taken_when_the_engine_stops_waiting_releases_its_late_t
 def test_answer_within_must_be_positive() -> None:
     with pytest.raises(ValueError, match="answer_within"):
         HostPins(8, answer_within=0.0)
+
+
+def test_an_answer_within_of_nan_is_refused_at_construction() -> None:
+    """Review 2026-12-05 (clocks): ``answer_within <= 0`` let NaN through (it compares
+    false with everything), and the engine met it only at a peer's first lookup, where
+    Trio's ``move_on_after`` raised a bare ``ValueError`` inside the producer's reader."""
+    with pytest.raises(ValueError, match="answer_within"):
+        HostPins(8, answer_within=math.nan)
 
 
 # ---------------------------------------------------------------- a node whose host pins
