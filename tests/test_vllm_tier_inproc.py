@@ -65,7 +65,7 @@ pytestmark = pytest.mark.vllm
 CHUNK = 64 * 1024
 CHUNKS = 64
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
-QUARANTINE = 1.2
+QUARANTINE = 2.0  # > abort_timeout_s + landing_margin_s + serve_timeout_s below
 _ids = itertools.count()
 
 FAST = {  # test deadlines
@@ -79,7 +79,7 @@ FAST = {  # test deadlines
 
 
 def tier_config(**kw: Any) -> dict[str, Any]:
-    return {
+    cfg = {
         "type": "p2pkv",
         "module_path": "p2pkv.integrations.vllm_tier",
         "host": "127.0.0.1",
@@ -88,6 +88,12 @@ def tier_config(**kw: Any) -> dict[str, Any]:
         **FAST,
         **kw,
     }
+    if "quarantine_s" not in kw:  # the tier's rule: past abort + margin + serve_timeout
+        floor = sum(
+            float(cfg[k]) for k in ("abort_timeout_s", "landing_margin_s", "serve_timeout_s")
+        )
+        cfg["quarantine_s"] = max(QUARANTINE, floor + 0.2)
+    return cfg
 
 
 def offloading_config(
@@ -322,6 +328,10 @@ def test_vllm_builds_the_tier_from_its_config_alone(engines: Callable[..., Engin
             "does not take a backpressure.*top-level 'backpressure'.*each tier that needs it",
         ),
         ({"tls_cert": 5, "tls_key": "k.pem", "tls_ca": "ca.pem"}, "tls_cert must be a path"),
+        (  # 0.4 + 0.4 + 1.0: a source busy answering may act on an abort that late
+            {"quarantine_s": 1.5},
+            r"quarantine_s \(1.5\) must exceed .*serve_timeout_s \(1\)",
+        ),
     ],
 )
 def test_a_bad_configuration_is_refused_naming_the_key(
@@ -331,6 +341,19 @@ def test_a_bad_configuration_is_refused_naming_the_key(
     with pytest.raises(Exception, match=match):
         engines(**bad)
     assert engine_threads() == before  # nothing started, or it was stopped again
+
+
+def test_the_default_quarantine_outlasts_an_abort_a_busy_source_acts_on_late() -> None:
+    """A source whose reader waits for its engine's answer to a lookup (the host pins, up
+    to serve_timeout_s) acts on an abort that much late, then may take abort_timeout_s to
+    cut the write and landing_margin_s more for the bytes to stop: the consumer's
+    quarantine must outlast all three. The default (5) covered only the last two, so a
+    cut write could land in a chunk vLLM had reused (found by a review, 2026-12-05)."""
+    s = vllm_tier.TierSettings.from_kwargs({})
+    assert s.quarantine_s > s.abort_timeout_s + s.landing_margin_s + s.serve_timeout_s
+    with pytest.raises(ValueError, match="serve_timeout_s"):
+        vllm_tier.TierSettings.from_kwargs({"quarantine_s": 5.0, "serve_timeout_s": 2.0})
+    assert vllm_tier.TierSettings.from_kwargs({"serve_timeout_s": 1.0, "quarantine_s": 4.5})
 
 
 @pytest.mark.parametrize("name", vllm_tier.TierSettings._SECONDS)
@@ -971,7 +994,7 @@ def test_reset_cache_at_a_source_whose_write_to_a_peer_hangs_reports_every_job(
     would hold its pins until the peer gives up, then abort_timeout and a quarantine:
     past drain_jobs' bound, and vLLM's reset_cache asserts that no job is left. The drain
     cuts the write itself; the peer's fetch fails, loading nothing."""
-    times = {"abort_timeout_s": 1.0, "quarantine_s": 2.0}
+    times = {"abort_timeout_s": 1.0, "quarantine_s": 2.6}
     src, factory = hanging_source(engines, monkeypatch, **times)
     keys = make_keys(4, "hang")
     src.fill(keys)

@@ -117,7 +117,8 @@ def p2pkv_tier(port: int, **deadlines: float) -> dict[str, Any]:
         "port": port,
         "load_timeout_s": 2.0,
         "lookup_timeout_s": 2.0,
-        "quarantine_s": 1.5,
+        # > abort + margin + serve_timeout_s (its default, 2): the tier's rule
+        "quarantine_s": 3.2,
         "abort_timeout_s": 0.5,
         "landing_margin_s": 0.5,
     }

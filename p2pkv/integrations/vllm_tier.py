@@ -141,7 +141,8 @@ class TierSettings:
     ``tls_cert``/``tls_key``/``tls_ca``, ``verify_checksums``, ``transport`` (``nixl`` or
     ``local`` for in-process tests), the deadlines in seconds ``load_timeout_s`` (30, as
     the built-in), ``lookup_timeout_s`` (5), ``connect_timeout_s`` (10),
-    ``quarantine_s`` (5), ``abort_timeout_s`` (2), ``landing_margin_s`` (1),
+    ``quarantine_s`` (6; more than ``abort_timeout_s`` + ``landing_margin_s`` +
+    ``serve_timeout_s``, checked), ``abort_timeout_s`` (2), ``landing_margin_s`` (1),
     ``serve_timeout_s`` (how long a peer's lookup may wait for this engine's answer; 2),
     ``reconnect_backoff_s`` (5), ``idle_source_timeout_s`` (300: a source no request has
     named for that long is forgotten and its session closed, as the built-in tier's
@@ -164,7 +165,7 @@ class TierSettings:
     load_timeout_s: float = 30.0
     lookup_timeout_s: float = 5.0
     connect_timeout_s: float = 10.0
-    quarantine_s: float = 5.0
+    quarantine_s: float = 6.0  # > abort + landing margin + serve_timeout (checked)
     abort_timeout_s: float = 2.0
     landing_margin_s: float = 1.0
     serve_timeout_s: float = 2.0
@@ -261,7 +262,21 @@ class TierSettings:
         unknown = sorted(set(kw) - cls._IGNORED)
         if unknown:
             raise ValueError(f"p2pkv tier: unknown configuration keys {unknown}")
-        return cls(**out)
+        settings = cls(**out)
+        # A consumer's slots stay quarantined until no write of a fetch it gave up can land:
+        # the source acts on the abort only once its reader is free, and a reader waiting
+        # for this engine's answer to a lookup (the host pins, serve_timeout_s) is not, so
+        # the source's abort deadline may start that much late (equal settings assumed, as
+        # a fleet's are). NodeConfig checks the rest (quarantine > abort + margin).
+        s = settings
+        if not s.quarantine_s > s.abort_timeout_s + s.landing_margin_s + s.serve_timeout_s:
+            raise ValueError(
+                f"p2pkv tier: quarantine_s ({s.quarantine_s:g}) must exceed abort_timeout_s "
+                f"({s.abort_timeout_s:g}) + landing_margin_s ({s.landing_margin_s:g}) + "
+                f"serve_timeout_s ({s.serve_timeout_s:g}): a source busy answering a lookup "
+                "acts on an abort up to serve_timeout_s late"
+            )
+        return settings
 
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})
