@@ -209,6 +209,24 @@ def _describe(cause: BaseException | None) -> str:
     return str(cause) if cause is not None else "connection closed"
 
 
+REFUSED_HINT = (
+    "the peer closed the connection after the TLS handshake, before its first frame: under "
+    "TLS 1.3 that is how a node refuses our certificate (its log says why)"
+)
+
+
+def describe_loss(stream: trio.abc.Stream, exc: BaseException, *, heard: bool) -> str:
+    """Why ``stream`` was lost, for the session's error: ``exc``'s text, or (a TLS
+    stream's BrokenResourceError has none) its cause's. On a connection we dialed over TLS
+    on which the peer sent no frame (``heard`` False), also what such a close means: a
+    TLS 1.3 client's handshake ends before the server has judged its certificate, and a
+    refusal then reaches it as a bare close."""
+    why = str(exc) or _describe(exc.__cause__)
+    if isinstance(stream, trio.SSLStream) and not stream.server_side and not heard:
+        why = f"{why}; {REFUSED_HINT}"
+    return why
+
+
 def check_peer_id(stream: trio.abc.Stream, peer_id: str) -> None:
     """Hold the peer's hello to its certificate: on a TLS stream, the certificate must name
     ``peer_id`` and no other. Raises :class:`HandshakeRejected` (nothing to check on a
@@ -233,6 +251,7 @@ __all__ = [
     "TLSContexts",
     "cert_peer_ids",
     "check_peer_id",
+    "describe_loss",
     "handshake",
     "load_contexts",
     "peer_uri",

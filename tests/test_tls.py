@@ -28,7 +28,14 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from p2pkv import HandshakeRejected, NodeConfig, P2PKVError, P2PKVTimeout, open_node
+from p2pkv import (
+    HandshakeRejected,
+    NodeConfig,
+    P2PKVError,
+    P2PKVTimeout,
+    PeerUnavailable,
+    open_node,
+)
 from p2pkv.cli import build_parser
 from p2pkv.cli.settings import fetch_settings, serve_settings
 from p2pkv.tls import cert_file_peer_id, cert_peer_ids, peer_uri
@@ -405,6 +412,28 @@ async def test_refused_clients_leave_the_listener_serving_its_good_peer(
             async with open_node(config("c", **pki.tls("c"))) as c:
                 late = await c.connect(a.address)
                 assert sorted((await c.fetch(late, keys)).loaded) == sorted(keys)
+
+
+async def test_a_dialer_whose_certificate_is_refused_is_told_what_the_close_means(
+    pki: PKI,
+) -> None:
+    """Under TLS 1.3 a dialer's side of the handshake ends before the listener judges its
+    certificate, and the listener's refusal reaches it as a bare close (no alert goes
+    out). Its error said "connection lost: " and nothing more: a TLS stream's
+    BrokenResourceError has no text of its own (its cause has). It now says what a
+    close before the peer's first frame means, as the design does (review 2026-12-05)."""
+    stranger = pki.tls("m", issuer=pki.stranger, trust=pki.ca)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a", **pki.tls("a"))) as a,
+            open_node(config("m", **stranger)) as m,
+        ):
+            with pytest.raises(PeerUnavailable) as info:
+                await m.connect(a.address)
+            assert "connection lost: " in info.value.message
+            assert not info.value.message.endswith(": ")
+            assert "refuses our certificate" in info.value.message
+            assert a.peers() == [] and m.peers() == []
 
 
 async def test_the_dialer_checks_the_listeners_certificate_too(pki: PKI) -> None:

@@ -476,7 +476,8 @@ class PeerSession(ProducerSide, ConsumerSide):
                             await self._send_rest(rest)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                     self._send_broken = True
-                    self._fail(exc, f"connection lost while sending: {exc}", "transport")
+                    why = tls.describe_loss(self.stream, exc, heard=self._heard())
+                    self._fail(exc, f"connection lost while sending: {why}", "transport")
                 except BaseException as exc:
                     if isinstance(exc, trio.Cancelled) and self._requeued:
                         self._requeued = False  # the rest waits in the outbox: stream whole
@@ -733,7 +734,12 @@ class PeerSession(ProducerSide, ConsumerSide):
                 self._frames_arrived()
 
     def _connection_lost(self, exc: BaseException) -> None:
-        self._fail(exc, f"connection lost: {exc}", "transport")
+        why = tls.describe_loss(self.stream, exc, heard=self._heard())
+        self._fail(exc, f"connection lost: {why}", "transport")
+
+    def _heard(self) -> bool:
+        """The peer sent at least one whole frame on this connection."""
+        return self.proto.frames_received > 0
 
     def _protocol_error(self, exc: RemoteProtocolError) -> None:
         self.node.connection_warning("protocol error from %s: %s", self.who, exc)
