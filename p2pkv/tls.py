@@ -16,7 +16,9 @@ The TLS handshake runs in the session's own task, under ``handshake_timeout``
 (:func:`handshake`), never in the accept loop: a slow or silent client costs only its own
 connection. A failed TLS handshake is that connection's :class:`HandshakeRejected` (a
 timeout its :class:`P2PKVTimeout`). A peer that speaks plain p2pkv to a TLS node gets a
-plaintext ``bye`` saying that TLS is required, so its error says what is wrong.
+plaintext ``bye`` saying that TLS is required, so its error says what is wrong; except a
+plain dialer with a secret, which says nothing until it is challenged: both sides then
+wait, and each ends at its handshake deadline with a :class:`P2PKVTimeout`.
 
 TLS protects the control connection only (hellos, lookups, fetch requests, outcomes,
 checksums). The NIXL data plane moves block bytes over UCX (shared memory, TCP, RDMA) in

@@ -476,6 +476,36 @@ async def test_plain_peer_and_tls_node_refuse_each_other_with_a_clear_error(pki:
             assert a.peers() == [] and plain.peers() == []
 
 
+async def test_a_plain_peer_with_a_secret_and_a_tls_node_time_out_typed(
+    pki: PKI, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A guard for what the docs now say (review 2026-12-05): a plain dialer with a secret
+    waits for the challenge and says nothing, and the TLS listener waits for a
+    ClientHello, so no plaintext bye can tell it that TLS is required: both sides end at
+    their handshake deadline with a P2PKVTimeout, and the listener serves on."""
+    kw: dict[str, Any] = {"handshake_timeout": 3.0}
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(
+                config("a", **kw, **pki.tls("a")),
+                offload=VirtualOffload(),
+                transport=FaultFactory(),
+            ) as a,
+            open_node(
+                config("p", secret=b"k" * 32, **kw),
+                offload=VirtualOffload(),
+                transport=FaultFactory(),
+            ) as plain,
+            open_node(
+                config("b", **pki.tls("b")), offload=VirtualOffload(), transport=FaultFactory()
+            ) as b,
+        ):
+            with pytest.raises(P2PKVTimeout, match="handshake timed out"):
+                await plain.connect(a.address)
+            assert [p.peer_id for p in (await b.connect(a.address),)] == ["a"]
+            assert [p.peer_id for p in a.peers()] == ["b"]
+
+
 # --- deadlines -----------------------------------------------------------------------------
 
 
