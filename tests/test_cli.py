@@ -599,6 +599,52 @@ def test_fetch_takes_an_ipv6_address_in_brackets() -> None:
         assert build_parser().parse_args(["fetch", text]).address == ("::1", 5710)
 
 
+def without(stream: int, *argv: str) -> list[str]:
+    """``argv`` run with standard descriptor ``stream`` closed, as ``>&-`` or a supervisor
+    that closes them starts it: Python then has ``sys.stdout`` (or ``sys.stdin``) None."""
+    return ["sh", "-c", f'exec "$0" "$@" {stream}>&-', *argv]
+
+
+def test_serve_started_without_a_stdout_serves_and_gives_its_descriptor_to_dev_null() -> None:
+    """``p2pkv serve >&-`` (its stdout closed) was an AttributeError traceback from the
+    listening line, exit 1; the next descriptor opened took number 1, for any library
+    that writes to stdout (UCX logs there) to write into (review 2026-12-05, CLI). A
+    stream the process lacks is /dev/null now, as for a daemon."""
+    argv = [sys.executable, "-m", "p2pkv", "--log-level", "INFO", "serve", "--exit-on-eof"]
+    argv += ["--transport", "local", "--blocks", "8", "--block-len", "4096"]
+    with subprocess.Popen(
+        without(1, *argv), stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    ) as proc:
+        try:
+            assert proc.stderr is not None and proc.stdin is not None
+            seen = []
+            for line in proc.stderr:  # the INFO line that says it listens
+                seen.append(line)
+                if " listening on " in line:
+                    break
+            assert " listening on " in seen[-1], "".join(seen)
+            assert os.readlink(f"/proc/{proc.pid}/fd/1") == os.devnull
+            proc.stdin.close()  # --exit-on-eof
+            assert proc.wait(timeout=20) == 0
+            rest = proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "Traceback" not in rest and "stdin closed, closing" in rest, rest
+
+
+def test_serve_exit_on_eof_started_without_a_stdin_stops_as_at_eof() -> None:
+    """``serve --exit-on-eof <&-`` (no stdin at all) was an AttributeError traceback, exit
+    1 (review 2026-12-05, CLI): no parent can hold a stdin it lacks, so it stops as it
+    does at EOF (its stdin /dev/null, as /dev/null itself does)."""
+    argv = [sys.executable, "-m", "p2pkv", "--log-level", "INFO", "serve", "--exit-on-eof"]
+    argv += ["--transport", "local", "--blocks", "8", "--block-len", "4096"]
+    done = subprocess.run(without(0, *argv), capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "stdin closed, closing" in done.stderr
+    assert json.loads(done.stdout.splitlines()[0])["event"] == "listening"
+
+
 def test_serve_ignores_a_line_on_stdin_that_is_not_json() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "p2pkv", "serve", "--transport", "local", "--exit-on-eof"],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -254,7 +255,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _lacking_streams_to_devnull() -> None:
+    """A standard stream the process was started without (its descriptor closed: ``>&-``,
+    a supervisor that closes them) is /dev/null, as a daemon's are. Python leaves
+    ``sys.stdout`` (``sys.stdin``, ``sys.stderr``) None then: ``serve``'s listening line
+    and ``--exit-on-eof`` were AttributeError tracebacks. And the next descriptor opened
+    takes the free number, for a library that writes to stdout (UCX logs there) to write
+    into an epoll descriptor or a socket."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:  # closed: /dev/null takes its number
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, mode, encoding="utf-8", closefd=False))  # noqa: SIM115
+        else:  # its number was taken since (not ours to close): a /dev/null of its own
+            setattr(sys, name, open(os.devnull, mode, encoding="utf-8"))  # noqa: SIM115
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _lacking_streams_to_devnull()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level,
