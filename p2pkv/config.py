@@ -45,8 +45,11 @@ def _check_type(attr: attrs.Attribute[Any], value: object) -> None:
     ok = isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
     if not ok:
         hint = " (e.g. 'text'.encode())" if bytes in allowed and isinstance(value, str) else ""
+        # A field kept out of the repr (the secret) is kept out of its errors too: they
+        # reach logs (a config file's secret written as a number was printed whole).
+        shown = f" {value!r}" if attr.repr else ""
         raise ConfigError(
-            f"{attr.name} must be {declared}{hint}, got {type(value).__name__} {value!r}"
+            f"{attr.name} must be {declared}{hint}, got {type(value).__name__}{shown}"
         )
 
 

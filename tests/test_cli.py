@@ -592,6 +592,27 @@ def test_bad_input_is_a_one_line_error_not_a_traceback(
     assert code in (1, 2) and message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(
+    "secret", ["84729194731", '["hunter2-of-the-fleet"]', "{ key = 'hunter2-of-the-fleet' }"]
+)
+def test_a_secret_of_the_wrong_type_is_named_not_printed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], secret: str
+) -> None:
+    """A config whose secret was not a string (a TOML number, a list) was refused with its
+    value in the message ("secret must be bytes | None, got int 84729194731"), on stderr
+    and so in the journal or the pod's logs: the key the operator meant, in the clear
+    (review 2026-12-05, CLI). NodeConfig keeps ``secret`` out of its repr; its errors
+    keep it out too, naming the field and the type."""
+    from p2pkv.cli import main
+
+    conf = tmp_path / "node.toml"
+    conf.write_text(f'peer_id = "a"\nsecret = {secret}\n')
+    assert main(["serve", "--transport", "local", "--config", str(conf)]) == 1
+    err = capsys.readouterr().err
+    assert "secret must be bytes | None" in err, err
+    assert "84729194731" not in err and "hunter2" not in err, err
+
+
 def test_fetch_takes_an_ipv6_address_in_brackets() -> None:
     from p2pkv.cli import build_parser
 
