@@ -567,6 +567,18 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
             '{"peer_id": "a", "secret": "one", "fill": 1, "secret": []}',
             "secret is given twice",
         ),
+        # A lone surrogate JSON may spell, where bytes are wanted: UnicodeEncodeError
+        # traceback (review 2026-12-05, CLI).
+        (
+            ["serve", "--config", "{cfg}.json"],
+            '{"peer_id": "a", "secret": "s3cret\\ud800"}',
+            "secret must be text UTF-8 can carry",
+        ),
+        (
+            ["serve", "--config", "{cfg}.json"],
+            '{"peer_id": "a", "hash_seed": "\\udcff"}',
+            "hash_seed must be text UTF-8 can carry",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_error_not_a_traceback(

@@ -96,7 +96,13 @@ def load_config(path: Path) -> dict[str, Any]:
         raise P2PKVError(f"{path}: unknown settings {', '.join(unknown)}")
     for name in _BYTES_FIELDS & set(data):
         if isinstance(data[name], str):
-            data[name] = data[name].encode()
+            try:
+                data[name] = data[name].encode()
+            except UnicodeEncodeError as exc:  # a lone surrogate, which JSON may spell
+                # Where, not what: the value may be the secret.
+                raise P2PKVError(
+                    f"{path}: {name} must be text UTF-8 can carry ({exc.reason} at {exc.start})"
+                ) from None
     for name in _PATH_FIELDS & set(data):
         if isinstance(data[name], str):
             data[name] = os.fspath(path.parent / data[name])
