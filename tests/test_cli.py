@@ -254,7 +254,13 @@ def listening(proc: subprocess.Popen[str]) -> dict[str, Any]:
     return hello
 
 
-def test_serve_prints_its_address_and_stops_cleanly_on_sigterm() -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_serve_prints_its_address_and_stops_cleanly_on_sigterm_or_sighup(
+    signum: signal.Signals,
+) -> None:
+    """SIGHUP (the session or terminal gone) stops it as gracefully as SIGTERM: it used to
+    take the default action, the process killed with no bye to its peers (found by a
+    review, 2026-12-05)."""
     argv = [
         sys.executable,
         "-m",
@@ -277,7 +283,7 @@ def test_serve_prints_its_address_and_stops_cleanly_on_sigterm() -> None:
         assert hello["blocks"] == 4 and hello["pid"] == proc.pid
         host, port = hello["address"]
         socket.create_connection((host, port), timeout=5).close()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         assert proc.wait(timeout=20) == 0
 
 

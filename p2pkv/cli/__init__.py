@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_p = sub.add_parser(
         "serve",
-        help="run a node until SIGINT/SIGTERM",
+        help="run a node until SIGINT/SIGTERM/SIGHUP",
         description="Run a node from flags and/or a config file until interrupted. When "
         "listening it prints one JSON line on stdout: "
         '{"event": "listening", "address": [host, port], ...}. Flags override the file.',

@@ -44,8 +44,10 @@ async def wait_for_stop(signals: AsyncIterator[int], *, exit_on_eof: bool) -> st
 
 
 async def serve(cfg: NodeConfig, *, fill: int, seed: int, exit_on_eof: bool) -> None:
-    # Catch the signals before saying we listen: a parent may stop us right after.
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # Catch the signals before saying we listen: a parent may stop us right after. SIGHUP
+    # (the terminal or session went away) stops us as gracefully: left to its default, it
+    # ended the process with no bye to the peers and writes cut wherever they were.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
         async with open_node(cfg) as node:
             if fill:
                 t0 = time.perf_counter()
