@@ -260,7 +260,7 @@ def test_anything_but_ping_before_the_peers_ack_is_a_protocol_error(msg: Message
     ],
     ids=lambda m: type(m).__name__,
 )
-@pytest.mark.parametrize("stage", ["before_any_hello", "before_our_ack"])
+@pytest.mark.parametrize("stage", ["before_any_hello", "before_our_ack", "after_the_peers_ack"])
 def test_anything_but_handshake_before_our_ack_is_a_protocol_error(
     msg: Message, stage: str
 ) -> None:
@@ -270,6 +270,12 @@ def test_anything_but_handshake_before_our_ack_is_a_protocol_error(
         a.data_to_send()
     else:
         a, _ = half_open()  # the peer's hello is in, our registration is still running
+    if stage == "after_the_peers_ack":
+        # The peer registered us first and acked: its requests still wait for our ack
+        # (invariant 3: a fetch served now would write to a peer not registered yet).
+        # Mutation testing: dropping the check of our own ack from the hot dispatch path
+        # went unnoticed without this stage.
+        assert events_of(a, encode(HelloAck(peer_id="b", epoch=a.local.epoch))) == []
     assert_protocol_error(a, encode(msg), "before our hello_ack")
 
 
