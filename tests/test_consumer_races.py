@@ -895,6 +895,61 @@ async def test_a_fetch_from_a_producer_with_a_shorter_lease_looks_the_keys_up_ag
             assert src.statistics().pinned_slots == 0
 
 
+async def test_a_key_whose_lease_expired_retry_is_cancelled_is_not_loaded_for_a_sharer() -> None:
+    """A fetch lands one key and gets ``lease_expired`` for the other, looks that one up
+    again, and its caller cancels it during that lookup; a second fetch waiting for the
+    key on the first one's claim must not be told it loaded (invariant 1: nothing is
+    reported loaded that is not). Mutation testing: a landing that counted the keys it
+    did not commit as landed survived the suite (the later reason hid it, until the
+    ``lease_expired`` retry cleared that reason and the cancel left the key undecided).
+    The producer is FAKE: a hand-driven peer."""
+    raw = RawPeer()
+    k1, k2 = os.urandom(32), os.urandom(32)
+    retry_asked = trio.Event()
+    lookups = 0
+    with trio.fail_after(20):
+        async with open_node(config("dst")) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+
+            async def producer() -> None:
+                nonlocal lookups
+                while (ev := await raw.next_event()) is not None:
+                    if isinstance(ev, LookupRequested):
+                        lookups += 1
+                        if lookups == 2:  # the first fetch's retry of k2: held unanswered
+                            retry_asked.set()
+                            continue
+                        hits = [lookups == 1] * len(ev.keys)  # the second fetch's: a miss
+                        raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60)
+                    elif isinstance(ev, FetchRequested):
+                        ok, expired = int(Outcome.OK), int(Outcome.LEASE_EXPIRED)
+                        raw.proto.send_transfer_done(ev.req_id, [ok, expired])
+                    await raw.flush()
+
+            second: list[FetchResult] = []
+            answered = trio.Event()
+
+            async def fetch_k2() -> None:
+                second.append(await dst.fetch(raw.peer_id, [k2]))
+                answered.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer)
+                async with trio.open_nursery() as first:
+                    first.start_soon(dst.fetch, raw.peer_id, [k1, k2])
+                    await retry_asked.wait()
+                    nursery.start_soon(fetch_k2)
+                    await trio.testing.wait_all_tasks_blocked()  # it waits on the claim
+                    first.cancel_scope.cancel()
+                await answered.wait()
+                nursery.cancel_scope.cancel()
+            (r,) = second
+            assert k2 not in dst.store
+            assert r.loaded == [] and r.failed == {k2: "miss"}, r
+    await raw.aclose()
+
+
 async def test_keys_whose_lease_expires_again_fail_after_one_more_try(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
