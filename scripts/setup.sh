@@ -4,7 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# A .venv that an interrupted run left half-built (Ctrl-C during `python -m venv` leaves
+# bin/python without pip or bin/activate, which venv writes last), or whose Python is gone,
+# is made again from scratch; a complete one is kept.
+if ! { [ -f .venv/bin/activate ] && .venv/bin/python -c "import pip" 2>/dev/null; }; then
+  [ ! -e .venv ] || echo "setup.sh: .venv is incomplete (an interrupted run?): rebuilding .venv" >&2
+  "$PY" -m venv --clear .venv
+fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 stamp=.venv/.p2pkv-setup

@@ -1,0 +1,122 @@
+"""``scripts/setup.sh`` on an unlucky machine, run as a user runs it.
+
+Each test runs a copy of the script and of ``pyproject.toml`` in a clone of its own under
+``tmp_path`` (its path has a space in it), never this checkout's ``.venv``. Hermetic: pip
+has no index and no configuration (``PIP_NO_INDEX``, ``PIP_CONFIG_FILE=/dev/null``), so
+any install fails at once; the tests look at what the script decided before that, what it
+left behind and what it said. The script runs in a child process with a timeout
+(``subprocess.run`` kills and reaps it on timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE_PYTHON = Path(getattr(sys, "_base_executable", sys.executable))
+TOOLS = ("bash", "cat", "cut", "dirname", "sha256sum")
+
+
+@pytest.fixture
+def clone(tmp_path: Path) -> Path:
+    root = tmp_path / "a clone"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "setup.sh", root / "scripts")
+    shutil.copy(ROOT / "pyproject.toml", root)
+    return root
+
+
+def setup_sh(
+    root: Path, *, path: Path | None = None, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run the clone's ``scripts/setup.sh`` with pip cut off from any index."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV", "P2PKV_"))
+    }
+    base.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", P2PKV_VLLM="0")
+    if path is not None:
+        base["PATH"] = str(path)
+    base.update(env)
+    return subprocess.run(
+        [shutil.which("bash") or "/bin/bash", str(root / "scripts" / "setup.sh")],
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root.parent,
+    )
+
+
+def bin_with(tmp_path: Path, pythons: dict[str, str | Path]) -> Path:
+    """A PATH directory holding the script's tools and the given pythons: a str is the
+    version a FAKE python reports (and nothing else), a Path the real interpreter."""
+    directory = tmp_path / "bin"
+    directory.mkdir()
+    for tool in TOOLS:
+        found = shutil.which(tool)
+        assert found is not None, tool
+        (directory / tool).symlink_to(found)
+    for name, python in pythons.items():
+        if isinstance(python, Path):
+            (directory / name).symlink_to(python)
+        else:
+            fake = directory / name
+            fake.write_text(f"#!/bin/sh\necho {python}\n")
+            fake.chmod(0o755)
+    return directory
+
+
+def make_venv(root: Path) -> Path:
+    """A complete venv at ``root/.venv``, stamped as set up for this pyproject.toml."""
+    venv = root / ".venv"
+    subprocess.run([str(BASE_PYTHON), "-m", "venv", str(venv)], check=True, timeout=300)
+    stamp = subprocess.run(
+        ["sha256sum", str(root / "pyproject.toml")],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.split()[0]
+    (venv / ".p2pkv-setup").write_text(stamp + "\n")
+    return venv
+
+
+def fake_dist(site: Path, name: str, requires: list[str]) -> None:
+    """A FAKE installed distribution: only its metadata, naming its requirements."""
+    info = site / f"{name}-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", "Version: 0.1.0"]
+    lines += [f"Requires-Dist: {r}" for r in requires]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+
+
+def site_packages(venv: Path) -> Path:
+    (site,) = (venv / "lib").glob("python3.*/site-packages")
+    return site
+
+
+def test_a_venv_left_half_built_by_an_interrupted_run_is_rebuilt(clone: Path) -> None:
+    """An interrupt during ``python -m venv`` leaves ``.venv/bin/python`` and nothing else
+    (no pip, no activate). Every later run trusted it and failed at once with
+    ``.venv/bin/activate: No such file or directory``, for good."""
+    (clone / ".venv" / "bin").mkdir(parents=True)
+    (clone / ".venv" / "bin" / "python").symlink_to(BASE_PYTHON)
+    done = setup_sh(clone, PYTHON=str(BASE_PYTHON))
+    assert (clone / ".venv" / "bin" / "activate").is_file(), done.stderr
+    pip = subprocess.run(
+        [str(clone / ".venv" / "bin" / "python"), "-m", "pip", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert pip.returncode == 0, pip.stderr
+    assert "rebuilding .venv" in done.stderr
+    assert done.returncode != 0  # no index: the install itself fails, and says so
