@@ -3,12 +3,33 @@
 # tools and a lean vLLM 0.33.0. Re-runs are quick: each step has its own stamp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+# The Python of .venv: $PYTHON if set, else the first of python3, python3.14 ... python3.11
+# that is 3.11 or newer (python3 may be older where a newer one is installed beside it).
+version='import sys; print("%d.%d.%d" % sys.version_info[:3])'
+new_enough() {  # prints the version of Python $1; true if it is >= 3.11
+  local v
+  v=$("$1" -c "$version" 2>/dev/null) || return 1
+  echo "$v"
+  [[ $v =~ ^3\.([0-9]+)\. ]] && [ "${BASH_REMATCH[1]}" -ge 11 ]
+}
+pick_python() {
+  local c v found=""
+  if [ -n "${PYTHON:-}" ]; then set -- "$PYTHON"; else set -- python3 python3.14 python3.13 python3.12 python3.11; fi
+  for c in "$@"; do
+    command -v "$c" >/dev/null 2>&1 || continue
+    if v=$(new_enough "$c"); then PY=$c; return 0; fi
+    found+="${found:+, }$c is ${v:-unusable}"
+  done
+  echo "setup.sh: p2pkv needs Python >= 3.11; ${found:-no python3 found} (PYTHON=/path/to/python3.x names one)" >&2
+  exit 1
+}
 # A .venv that an interrupted run left half-built (Ctrl-C during `python -m venv` leaves
-# bin/python without pip or bin/activate, which venv writes last), or whose Python is gone,
-# is made again from scratch; a complete one is kept.
-if ! { [ -f .venv/bin/activate ] && .venv/bin/python -c "import pip" 2>/dev/null; }; then
-  [ ! -e .venv ] || echo "setup.sh: .venv is incomplete (an interrupted run?): rebuilding .venv" >&2
+# bin/python without pip or bin/activate, which venv writes last), whose Python is gone or
+# older than 3.11, is made again from scratch; a complete one is kept.
+if ! { [ -f .venv/bin/activate ] \
+  && .venv/bin/python -c 'import pip, sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; }; then
+  pick_python
+  [ ! -e .venv ] || echo "setup.sh: .venv is incomplete or its Python too old: rebuilding .venv with $PY" >&2
   "$PY" -m venv --clear .venv
 fi
 # shellcheck disable=SC1091

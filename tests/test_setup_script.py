@@ -120,3 +120,30 @@ def test_a_venv_left_half_built_by_an_interrupted_run_is_rebuilt(clone: Path) ->
     assert pip.returncode == 0, pip.stderr
     assert "rebuilding .venv" in done.stderr
     assert done.returncode != 0  # no index: the install itself fails, and says so
+
+
+def test_no_python_new_enough_is_named_and_leaves_no_venv(tmp_path: Path, clone: Path) -> None:
+    """``python3`` older than 3.11 and no other: the script made a 3.10 ``.venv`` (here the
+    FAKE made none and the script failed on ``activate``), which every later run kept even
+    with ``PYTHON`` naming a newer one. It now says what it needs and what it found."""
+    done = setup_sh(clone, path=bin_with(tmp_path, {"python3": "3.10.13"}))
+    assert done.returncode != 0
+    assert "Python >= 3.11" in done.stderr and "python3 is 3.10.13" in done.stderr
+    assert not (clone / ".venv").exists()
+
+
+def test_an_older_python3_is_passed_over_for_a_newer_python3_x(tmp_path: Path, clone: Path) -> None:
+    minor = f"python3.{sys.version_info.minor}"
+    path = bin_with(tmp_path, {"python3": "3.10.13", minor: BASE_PYTHON})
+    done = setup_sh(clone, path=path)
+    cfg = (clone / ".venv" / "pyvenv.cfg").read_text()
+    assert f"version = 3.{sys.version_info.minor}." in cfg, done.stderr
+    assert done.returncode != 0  # no index
+
+
+def test_a_python_named_by_python_that_is_too_old_is_refused(tmp_path: Path, clone: Path) -> None:
+    fake = bin_with(tmp_path, {"old-python": "3.9.18"}) / "old-python"
+    done = setup_sh(clone, PYTHON=str(fake))
+    assert done.returncode != 0
+    assert "Python >= 3.11" in done.stderr and "3.9.18" in done.stderr
+    assert not (clone / ".venv").exists()
