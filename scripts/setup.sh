@@ -36,7 +36,36 @@ fi
 . .venv/bin/activate
 stamp=.venv/.p2pkv-setup
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+# The stamp says only that an install once finished: what p2pkv[nixl,test] needs, all the
+# way down (torch included), must still be there; a package removed since (pip uninstall,
+# an interrupted upgrade) is installed again instead of failing the demo on an ImportError.
+missing=$(python - 2>/dev/null <<'PY'
+import importlib.metadata as md
+
+from pip._vendor.packaging.requirements import Requirement
+
+todo, seen, missing = [("p2pkv", ("nixl", "test"))], set(), []
+while todo:
+    name, extras = todo.pop()
+    if name.lower().replace("_", "-") in seen:
+        continue
+    seen.add(name.lower().replace("_", "-"))
+    try:
+        requires = md.distribution(name).requires or []
+    except md.PackageNotFoundError:
+        missing.append(name)
+        continue
+    for text in requires:
+        req = Requirement(text)
+        if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in extras or ("",)):
+            todo.append((req.name, tuple(req.extras)))
+print(" ".join(sorted(missing)))
+PY
+) || missing="(its packages could not be listed)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ -n "$missing" ]; then
+  if [ -n "$missing" ] && [ -f "$stamp" ]; then
+    echo "setup.sh: .venv lacks $missing: installing again" >&2
+  fi
   echo "setting up .venv (first run: about a minute)" >&2
   python -m pip install -q --upgrade pip
   # nixl-cu13 requires torch: install the CPU build first, so that no CUDA build (with its

@@ -147,3 +147,23 @@ def test_a_python_named_by_python_that_is_too_old_is_refused(tmp_path: Path, clo
     assert done.returncode != 0
     assert "Python >= 3.11" in done.stderr and "3.9.18" in done.stderr
     assert not (clone / ".venv").exists()
+
+
+def test_a_package_gone_from_a_stamped_venv_is_installed_again(clone: Path) -> None:
+    """The stamp says only that an install once finished. A package removed since (``pip
+    uninstall msgspec``) was never put back: the script exited 0 and ``demo.sh`` failed on
+    ``ModuleNotFoundError: No module named 'msgspec'``. Here p2pkv is a FAKE distribution
+    (metadata only) whose ``msgspec`` is missing; the script must try to install again
+    (and fail: no index) and say what was missing."""
+    venv = make_venv(clone)
+    fake_dist(site_packages(venv), "p2pkv", ["msgspec>=0.19", 'pytest>=9; extra == "test"'])
+    done = setup_sh(clone)
+    assert done.returncode != 0, done.stderr
+    assert "msgspec" in done.stderr and "pytest" in done.stderr
+
+
+def test_a_stamped_venv_without_p2pkv_is_set_up_again(clone: Path) -> None:
+    make_venv(clone)
+    done = setup_sh(clone)
+    assert done.returncode != 0, done.stderr
+    assert "lacks p2pkv" in done.stderr
