@@ -3,6 +3,10 @@
 # tools and a lean vLLM 0.33.0. Re-runs are quick: each step has its own stamp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# .venv is this checkout's alone: a PYTHONPATH or PYTHONHOME of the caller's (another
+# environment's site-packages, another checkout) would count as installed to pip and
+# to the checks below, and leave .venv without what it holds.
+unset PYTHONPATH PYTHONHOME
 # The Python of .venv: $PYTHON if set, else the first of python3, python3.14 ... python3.11
 # that is 3.11 or newer (python3 may be older where a newer one is installed beside it).
 version='import sys; print("%d.%d.%d" % sys.version_info[:3])'

@@ -3,6 +3,9 @@
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# This checkout in its .venv: a caller's PYTHONPATH (another checkout, another
+# environment's packages or pytest plugins) would shadow it.
+unset PYTHONPATH PYTHONHOME
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check

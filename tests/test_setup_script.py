@@ -167,3 +167,19 @@ def test_a_stamped_venv_without_p2pkv_is_set_up_again(clone: Path) -> None:
     done = setup_sh(clone)
     assert done.returncode != 0, done.stderr
     assert "lacks p2pkv" in done.stderr
+
+
+def test_a_pythonpath_of_the_caller_does_not_count_as_installed(
+    tmp_path: Path, clone: Path
+) -> None:
+    """A ``PYTHONPATH`` naming another environment's site-packages made pip take what it
+    held as installed: the first run left ``.venv`` with almost nothing in it, stamped,
+    and the demo ran on the other environment's packages. Here msgspec is a FAKE
+    distribution on the ``PYTHONPATH`` only: the script must see it missing."""
+    venv = make_venv(clone)
+    fake_dist(site_packages(venv), "p2pkv", ["msgspec>=0.19"])
+    elsewhere = tmp_path / "elsewhere"
+    fake_dist(elsewhere, "msgspec", [])
+    done = setup_sh(clone, PYTHONPATH=str(elsewhere))
+    assert done.returncode != 0, done.stderr
+    assert "lacks msgspec" in done.stderr
