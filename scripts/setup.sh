@@ -7,6 +7,9 @@ cd "$(dirname "$0")/.."
 # environment's site-packages, another checkout) would count as installed to pip and
 # to the checks below, and leave .venv without what it holds.
 unset PYTHONPATH PYTHONHOME
+# Ctrl-C stops the set-up: pip exits 1 on it, not by the signal, which bash alone goes past
+# (the torch install below took it for "no such build" and went on to the fallback index).
+trap 'echo "setup.sh: interrupted (the next run starts where this one stopped)" >&2; exit 130' INT
 # The Python of .venv: $PYTHON if set, else the first of python3, python3.14 ... python3.11
 # that is 3.11 or newer (python3 may be older where a newer one is installed beside it).
 version='import sys; print("%d.%d.%d" % sys.version_info[:3])'

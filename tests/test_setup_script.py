@@ -33,9 +33,13 @@ def clone(tmp_path: Path) -> Path:
 
 
 def setup_sh(
-    root: Path, *, path: Path | None = None, **env: str
+    root: Path, *, path: Path | None = None, interruptible: bool = False, **env: str
 ) -> subprocess.CompletedProcess[str]:
-    """Run the clone's ``scripts/setup.sh`` with pip cut off from any index."""
+    """Run the clone's ``scripts/setup.sh`` with pip cut off from any index.
+
+    ``interruptible``: SIGINT at its default in the script (the test runner may have it
+    ignored, and a child inherits that), and the script in a process group of its own, as
+    a terminal runs a command, so that a SIGINT to its group reaches only it."""
     base = {
         k: v
         for k, v in os.environ.items()
@@ -45,13 +49,19 @@ def setup_sh(
     if path is not None:
         base["PATH"] = str(path)
     base.update(env)
+    argv = [shutil.which("bash") or "/bin/bash", str(root / "scripts" / "setup.sh")]
+    if interruptible:
+        default_sigint = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+        default_sigint += "os.execv(sys.argv[1], sys.argv[1:])"
+        argv = [sys.executable, "-c", default_sigint, *argv]
     return subprocess.run(
-        [shutil.which("bash") or "/bin/bash", str(root / "scripts" / "setup.sh")],
+        argv,
         env=base,
         capture_output=True,
         text=True,
         timeout=300,
         cwd=root.parent,
+        start_new_session=interruptible,
     )
 
 
@@ -183,3 +193,20 @@ def test_a_pythonpath_of_the_caller_does_not_count_as_installed(
     done = setup_sh(clone, PYTHONPATH=str(elsewhere))
     assert done.returncode != 0, done.stderr
     assert "lacks msgspec" in done.stderr
+
+
+def test_ctrl_c_during_the_torch_install_stops_the_script(clone: Path) -> None:
+    """pip exits 1 on Ctrl-C, not by the signal, so bash went on: the interrupted torch
+    install was taken for "no such build" and the fallback index tried, then the rest of
+    the install ran to its end. Here a FAKE ``.pth`` file in the venv sends SIGINT to the
+    script's whole process group (as a terminal's Ctrl-C does) when pip starts the torch
+    install, and that python exits 1. The script must stop there, with 130."""
+    venv = make_venv(clone)
+    (venv / ".p2pkv-setup").unlink()
+    (site_packages(venv) / "zz_fake_ctrl_c.pth").write_text(
+        "import os, signal, sys; 'torch==2.13.0+cpu' in sys.argv and os.killpg(0, signal.SIGINT)\n"
+    )
+    done = setup_sh(clone, interruptible=True)
+    assert done.returncode == 130, done.stderr
+    assert "No matching distribution found for torch==2.13.0" not in done.stderr
+    assert "interrupted" in done.stderr
