@@ -80,9 +80,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || [ -n "$missing" ]; then
   # "+cpu" build serves it as it is; PyPI has none (its Linux torch is the CUDA build), so
   # then it comes from PyTorch's CPU index (P2PKV_TORCH_INDEX overrides that index).
   if ! python -c "import torch" 2>/dev/null; then
+    torch_index=${P2PKV_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
     python -m pip install -q "torch==2.13.0+cpu" 2>/dev/null \
-      || python -m pip install -q --index-url "${P2PKV_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
-        "torch==2.13.0"
+      || python -m pip install -q --index-url "$torch_index" "torch==2.13.0" || {
+        echo "setup.sh: torch 2.13.0 (CPU) came from neither pip's configured index nor" \
+          "$torch_index: is the index reachable? (P2PKV_TORCH_INDEX names another)" >&2
+        exit 1
+      }
   fi
   python -m pip install -q -e ".[nixl,test]"
   echo "$want" > "$stamp"

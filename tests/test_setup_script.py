@@ -210,3 +210,12 @@ def test_ctrl_c_during_the_torch_install_stops_the_script(clone: Path) -> None:
     assert done.returncode == 130, done.stderr
     assert "No matching distribution found for torch==2.13.0" not in done.stderr
     assert "interrupted" in done.stderr
+
+
+def test_no_torch_anywhere_says_which_indexes_were_asked(clone: Path) -> None:
+    """With no index reachable pip's last words were "No matching distribution found for
+    torch==2.13.0" (the first try's messages hidden), as if that build did not exist."""
+    make_venv(clone)
+    done = setup_sh(clone, P2PKV_TORCH_INDEX="http://127.0.0.1:9/cpu")
+    assert done.returncode != 0
+    assert "http://127.0.0.1:9/cpu" in done.stderr and "reachable" in done.stderr
