@@ -648,3 +648,30 @@ BAD_SLOTS: list[Any] = [
         id="uint64-that-would-wrap",
     ),
 ]
+
+
+@contextlib.contextmanager
+def interrupt_at(event: str, name: str, caller: str) -> Iterator[list[bool]]:
+    """Raise KeyboardInterrupt in this thread at the first ``event`` ("call", "return"
+    or "c_return") of a function ``name`` (qualified, for "call" and "return") made from
+    a function ``caller``; yields a list
+    that holds True once it has."""
+    landed: list[bool] = []
+
+    def hook(frame: Any, ev: str, arg: Any) -> None:
+        if landed or ev != event:
+            return
+        if event in ("call", "return"):
+            here, code_name = frame.f_back, frame.f_code.co_qualname
+        else:
+            here, code_name = frame, getattr(arg, "__name__", "")
+        if code_name == name and here is not None and here.f_code.co_name == caller:
+            landed.append(True)
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    sys.setprofile(hook)
+    try:
+        yield landed
+    finally:
+        sys.setprofile(None)

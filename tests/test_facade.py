@@ -48,6 +48,7 @@ from .helpers import (
     config,
     fill,
     in_thread,
+    interrupt_at,
     leftover_threads,
     wait_for,
 )
@@ -143,6 +144,22 @@ def wait_ticket(node: BlockingNode, ticket: int) -> object:
             return result
         assert time.monotonic() < deadline, "ticket never finished"
         time.sleep(0.001)
+
+
+def stuck_fetch(
+    nodes: Callable[..., BlockingNode],
+) -> tuple[GatedFactory, BlockingNode, BlockingNode, Peer, list[bytes], int]:
+    """A source whose writes never settle (FAKE transport: a stalled NIC) and a consumer
+    whose fetch of its four keys is in flight on it: (the source's factory, source,
+    consumer, the consumer's peer, the keys, the fetch's ticket)."""
+    hanging = GatedFactory(lambda t: setattr(t, "hang", True))
+    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
+    dst = nodes("dst")
+    keys = fill(src.store, 4, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    in_flight = dst.submit_fetch(peer, keys)  # the producer's writes never settle
+    assert hanging.transport.posted.wait(BOUND)
+    return hanging, src, dst, peer, keys, in_flight
 
 
 def assert_same_bytes(dst: BlockingNode, src: BlockingNode, keys: Sequence[bytes]) -> None:
@@ -521,13 +538,7 @@ def test_a_close_that_cannot_take_the_engines_lock_leaves_the_node_and_its_ticke
 def test_engine_death_fails_calls_and_tickets_with_portal_closed_and_the_cause(
     nodes: Callable[..., BlockingNode],
 ) -> None:
-    hanging = GatedFactory(lambda t: setattr(t, "hang", True))
-    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
-    dst = nodes("dst")
-    keys = fill(src.store, 4, BLOCK)
-    peer = dst.connect(src.address, timeout=BOUND)
-    in_flight = dst.submit_fetch(peer, keys)  # the producer's writes never settle
-    assert hanging.transport.posted.wait(BOUND)
+    _hanging, _src, dst, peer, keys, in_flight = stuck_fetch(nodes)
     planted = EngineBroke("a bug in the engine")
 
     def bug() -> None:
@@ -1042,33 +1053,6 @@ def test_a_child_forked_beside_a_live_nixl_node_exits_cleanly_or_is_told_to_spaw
 # the entry (or the return) of a chosen call inside p2pkv, so the moment is certain.
 
 
-@contextlib.contextmanager
-def interrupt_at(event: str, name: str, caller: str) -> Iterator[list[bool]]:
-    """Raise KeyboardInterrupt in this thread at the first ``event`` ("call", "return"
-    or "c_return") of a function ``name`` (qualified, for "call" and "return") made from
-    a function ``caller``; yields a list
-    that holds True once it has."""
-    landed: list[bool] = []
-
-    def hook(frame: Any, ev: str, arg: Any) -> None:
-        if landed or ev != event:
-            return
-        if event in ("call", "return"):
-            here, code_name = frame.f_back, frame.f_code.co_qualname
-        else:
-            here, code_name = frame, getattr(arg, "__name__", "")
-        if code_name == name and here is not None and here.f_code.co_name == caller:
-            landed.append(True)
-            sys.setprofile(None)
-            raise KeyboardInterrupt
-
-    sys.setprofile(hook)
-    try:
-        yield landed
-    finally:
-        sys.setprofile(None)
-
-
 def test_ctrl_c_inside_a_submit_as_it_wakes_the_engine_leaves_later_submits_served(
     nodes: Callable[..., BlockingNode],
 ) -> None:
@@ -1176,13 +1160,7 @@ def test_close_by_default_outlasts_a_write_draining_for_its_abort_timeout(
     while the engine was only keeping its own bound, and the vLLM tier's shutdown raised
     with it, before the region could safely go. The writes here never settle (FAKE
     transport) until released: the close waits out ``abort_timeout`` (2 s) and returns."""
-    hanging = GatedFactory(lambda t: setattr(t, "hang", True))
-    src = nodes("src", transport=hanging, close_timeout=0.5, quarantine=3.5)
-    dst = nodes("dst")
-    keys = fill(src.store, 4, BLOCK)
-    peer = dst.connect(src.address, timeout=BOUND)
-    in_flight = dst.submit_fetch(peer, keys)  # the producer's writes never settle
-    assert hanging.transport.posted.wait(BOUND)
+    hanging, src, dst, _peer, _keys, in_flight = stuck_fetch(nodes)
     src.close()  # the default bound
     assert not src.alive
     assert hanging.transport.releases >= 1  # the write was cut, not left behind

@@ -9,7 +9,6 @@ broken portal fails the test instead of hanging the run.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import queue
 import subprocess
@@ -29,7 +28,7 @@ from p2pkv import portal
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PortalClosed
 from p2pkv.portal import EngineContext, EngineThread, TicketBoard
 
-from .helpers import check_no_leaked_threads, in_thread, leftover_threads, wait_for
+from .helpers import check_no_leaked_threads, in_thread, interrupt_at, leftover_threads, wait_for
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SHORT = 0.2  # seconds: a timeout that is the behaviour under test
@@ -410,6 +409,17 @@ def test_a_failing_posted_callable_kills_the_engine_with_its_exception() -> None
     engine.close()
 
 
+def run_script(script: str) -> subprocess.CompletedProcess[str]:
+    """``script`` run by a Python of its own from the repository root (p2pkv importable)."""
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=3 * BOUND,
+    )
+
+
 def test_interpreter_exit_closes_a_forgotten_engine() -> None:
     # The thread is non-daemon (never killed mid-write), so without the exit hook a host
     # that forgets close() would hang forever at interpreter exit.
@@ -425,13 +435,7 @@ def test_interpreter_exit_closes_a_forgotten_engine() -> None:
         EngineThread.start(main)
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=Path(__file__).resolve().parent.parent,  # the repository root: p2pkv importable
-        capture_output=True,
-        text=True,
-        timeout=3 * BOUND,
-    )
+    proc = run_script(script)
     assert proc.returncode == 0, proc.stderr
     assert "closed gracefully" in proc.stdout
 
@@ -465,13 +469,7 @@ def test_an_engine_outlives_the_main_thread_while_a_non_daemon_host_thread_runs(
         threading.Thread(target=host).start()
         """
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=Path(__file__).resolve().parent.parent,  # the repository root: p2pkv importable
-        capture_output=True,
-        text=True,
-        timeout=3 * BOUND,
-    )
+    proc = run_script(script)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["host got 42", "closed gracefully"], proc.stderr
 
@@ -732,31 +730,10 @@ def test_ctrl_c_as_a_call_registers_its_future_leaves_none_pending() -> None:
     try:
         with (
             pytest.raises(KeyboardInterrupt),
-            _interrupt_at_c_return("__exit__", "call") as landed,
+            interrupt_at("c_return", "__exit__", "call") as landed,
         ):
             engine.call(functools.partial(trio.sleep, 0), timeout=BOUND)
         assert landed
         assert engine._pending == set()
     finally:
         engine.close(BOUND)
-
-
-@contextlib.contextmanager
-def _interrupt_at_c_return(name: str, caller: str) -> Iterator[list[bool]]:
-    """KeyboardInterrupt in this thread as the first C function ``name`` called from a
-    function ``caller`` returns (where an asynchronous exception lands)."""
-    landed: list[bool] = []
-
-    def hook(frame: Any, event: str, arg: Any) -> None:
-        if landed or event != "c_return" or frame.f_code.co_name != caller:
-            return
-        if getattr(arg, "__name__", "") == name:
-            landed.append(True)
-            sys.setprofile(None)
-            raise KeyboardInterrupt
-
-    sys.setprofile(hook)
-    try:
-        yield landed
-    finally:
-        sys.setprofile(None)
