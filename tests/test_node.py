@@ -800,6 +800,36 @@ async def test_a_close_that_raises_leaves_no_other_data_plane_open() -> None:
     assert hub._closed.is_set() and not hub._retired_transports
 
 
+async def test_a_close_after_one_that_raised_does_nothing_again() -> None:
+    """Closing is idempotent after a close that raised too: the data plane's close raised
+    once, to the first caller; the closes after it (the caller's next, ``open_node``'s own
+    at the block's end) neither close it again nor raise that error a second time."""
+    factory = FaultFactory(kind=CountingClose)
+    with trio.fail_after(20):
+        async with open_node(config("a"), transport=factory) as a:
+            t = factory.transport
+            assert isinstance(t, CountingClose)
+            t.close_error = p2pkv.TransportError("the close failed")
+            with pytest.raises(p2pkv.TransportError, match="the close failed"):
+                await a.aclose()
+            await a.aclose()
+    assert t.closes == 1 and a._closed.is_set()
+
+
+class CountingClose(FaultTransport):
+    """FAKE (fault injection): counts its close() calls, and close() raises
+    ``close_error`` once that is set (a close that failed)."""
+
+    close_error: Exception | None = None
+    closes = 0
+
+    def close(self) -> None:
+        self.closes += 1
+        if self.close_error is not None:
+            raise self.close_error
+        super().close()
+
+
 async def test_a_replaced_data_plane_whose_close_raises_leaves_the_node_running() -> None:
     """A retired transport's close raising, once its writes settled, is logged: the node
     and its peers go on (it was raised in the node's nursery and took the node down)."""

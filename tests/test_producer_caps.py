@@ -219,6 +219,34 @@ async def test_pins_in_quarantine_count_against_the_peers_cap_after_its_session_
             await other.aclose()
 
 
+async def test_closing_a_node_ends_a_quarantine_hold_and_leaves_no_pin(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A round held for its quarantine (a write that never settled) when the node closes:
+    the hold ends with the node (its deferred end runs at shutdown, not only at the
+    quarantine's end), so the sources are unpinned and the peer's orphan count is gone.
+    Invariant 6: closing a node leaves nothing behind. Without it the pins outlived the
+    node (a host's pin source never got its token back)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
+        async with node("src", factory=hanging, abort_timeout=1.0, quarantine=60.0) as src:
+            keys = fill(src.store, 4, 4096)
+            raw, _ = await connected(src, peer_id="held")
+            req, hits = await raw.lookup(keys)
+            assert hits == [True] * 4
+            raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
+            await raw.flush()
+            await trio.sleep(0.5)  # virtual: the write is posted, and hangs
+            raw.proto.send_abort(req)
+            await raw.flush()
+            await trio.sleep(2.0)  # past abort_timeout: the round is held for 60 s
+            assert src.statistics().pinned_slots == 4
+            await src.aclose()  # well inside the quarantine
+            assert src.statistics().pinned_slots == 0
+            assert src.orphan_pins == {}
+            await raw.aclose()
+
+
 async def test_a_restarted_peer_does_not_get_a_fresh_cap_beside_its_old_quarantine(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -808,3 +808,23 @@ async def test_a_reconfiguration_cancelled_midway_completes_and_leaves_nothing_b
                 result = await p.fetch("hub", keys)
                 assert sorted(result.loaded) == sorted(keys)
         assert all(t._closed for t in factory.built)  # closing releases its registrations
+
+
+async def test_the_quarantine_timer_frees_each_slot_at_its_own_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Invariant 10: a quarantined slot is freed at its own deadline, never earlier, even
+    when the node's quarantine timer wakes for another slot's deadline just before it
+    (a wake frees only what is due then: a write may still land until the deadline)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with node("dst") as dst:
+            owner = object()
+            first, second = dst.store.reserve(owner, 2)
+            t0 = trio.current_time()
+            dst.store.quarantine(owner, [first], until=t0 + 10.0)
+            dst.store.quarantine(owner, [second], until=t0 + 10.5)
+            dst.wake_quarantine()
+            await trio.sleep(10.1)  # virtual: the timer woke at the first deadline
+            assert dst.statistics().quarantined_slots == 1  # the second is not due yet
+            await trio.sleep(0.5)
+            assert dst.statistics().quarantined_slots == 0
