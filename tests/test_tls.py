@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -736,3 +737,97 @@ async def test_a_session_closed_as_its_tls_handshake_finishes_ends_without_crash
             while a._sessions:
                 await a._peers_changed.park()
             assert not [r for r in caplog.records if "crashed" in r.getMessage()]
+
+
+@asynccontextmanager
+async def choking_proxy(
+    target: tuple[str, int], budget: dict[str, int]
+) -> AsyncIterator[tuple[str, int]]:
+    """A TCP relay to ``target``, its socket to ``target`` with a 4 KiB receive buffer
+    from before it connects. Once ``budget["left"]`` is set (bytes), it relays only that
+    many more bytes from ``target`` and then stops reading it, while the other direction
+    flows: to ``target``, a peer that reads a little and then no more, yet still sends."""
+
+    async def relay(client: trio.SocketStream) -> None:
+        sock = trio.socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await sock.connect(target)
+        server = trio.SocketStream(sock)
+        async with client, server, trio.open_nursery() as nursery:
+
+            async def upstream() -> None:
+                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    while data := await client.receive_some(1 << 16):
+                        await server.send_all(data)
+                nursery.cancel_scope.cancel()
+
+            async def downstream() -> None:
+                with suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    while True:
+                        left = budget.get("left")
+                        if left == 0:
+                            await trio.sleep_forever()  # reads no more
+                        data = await server.receive_some(min(left or 1 << 16, 1 << 16))
+                        if not data:
+                            break
+                        if left is not None:
+                            budget["left"] = left - len(data)
+                        await client.send_all(data)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(upstream)
+            nursery.start_soon(downstream)
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, relay, listeners)
+        yield ("127.0.0.1", port)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_tls_peer_that_stops_reading_mid_frame_is_dropped_though_it_still_pings(
+    pki: PKI, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Over TLS a big frame goes out in pieces, the send deadline moved after each: a
+    peer that took the first piece and then read nothing more, while it went on pinging
+    us (so it never went quiet), must lose its session once a piece has made no headway
+    for ``idle_timeout``. Had the deadline been dropped after the first piece, our send,
+    and the send lock with everything queued behind it, waited as long as the peer chose
+    (here: until its own, longer, idle timeout gave up on our stuck pongs)."""
+    with trio.fail_after(120):
+        async with (
+            open_node(
+                config("a", heartbeat_interval=2.0, idle_timeout=9.0, **pki.tls("a")),
+                offload=VirtualOffload(),
+            ) as a,
+            open_node(
+                config("b", heartbeat_interval=2.0, idle_timeout=60.0, **pki.tls("b")),
+                offload=VirtualOffload(),
+            ) as b,
+        ):
+            budget: dict[str, int] = {}
+            async with choking_proxy(a.address, budget) as address:
+                await b.connect(address)
+                while not a.peers():
+                    await trio.sleep(0.01)
+                (sa,) = a._by_peer.values()
+                assert isinstance(sa.stream, trio.SSLStream)
+                raw = sa.stream.transport_stream
+                assert isinstance(raw, trio.SocketStream)
+                raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                # A lookup of 4,096 keys (~150 KB, three TLS pieces): the first gets through.
+                budget["left"] = 80_000
+                keys = [i.to_bytes(4, "big") * 8 for i in range(4096)]
+
+                async def lookup() -> None:
+                    with suppress(P2PKVError):
+                        await a.lookup("b", keys)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(lookup)
+                    with trio.move_on_after(40):
+                        await sa.finished.wait()
+                    nursery.cancel_scope.cancel()
+                assert budget["left"] == 0  # it read the first piece, then stopped
+                assert sa.close_reason == "peer stopped reading", sa.close_reason
