@@ -87,7 +87,6 @@ owned node, the constructor takes ``owns_node`` (default False: the caller close
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -95,9 +94,10 @@ from typing import Any, Protocol
 import attrs
 
 from ..config import NodeConfig
-from ..errors import PeerUnavailable, PortalClosed
+from ..errors import LocalProtocolError, PeerUnavailable, PortalClosed
 from ..facade import BlockingNode, start_node
 from ..node import Peer
+from ..session.consumer import check_caller_slots
 from ..session.session import FetchResult, LookupRound
 
 __all__ = ["JobResult", "LoadJob", "P2PTier", "RequestInfo", "RequestLike", "SourceSpec"]
@@ -140,14 +140,6 @@ class LoadJob:
     keys: Sequence[bytes]
     request: RequestLike | None = None
     slots: Sequence[int] | None = None
-
-
-def _slot(chunk: object) -> int:
-    """A job's slot as an int: TypeError for what is not an integer (NumPy's are), a
-    bool included."""
-    if isinstance(chunk, bool):
-        raise TypeError(f"slot must be an integer, got {chunk!r}")
-    return operator.index(chunk)  # type: ignore[arg-type]  # TypeError: not an integer
 
 
 @attrs.frozen
@@ -340,25 +332,19 @@ class P2PTier:
         comes out of :meth:`get_finished_jobs` as a :class:`JobResult`."""
         now = time.monotonic()
         keys = list(dict.fromkeys(job.keys))
-        try:
-            # Integers only, as fetch_into takes them: int() made a mask [True, False]
-            # slots 1 and 0, truncated a float and parsed a string.
-            slots = None if job.slots is None else [_slot(c) for c in job.slots]
-        except TypeError:
-            self._fail_job(job, keys, "slots must be integers")
-            return
-        if slots is not None and (
-            len(slots) != len(job.keys)
-            or len(keys) != len(job.keys)
-            or len(set(slots)) != len(slots)
-        ):
-            self._fail_job(job, keys, "keys and slots must be distinct, one slot per key")
-            return
-        if slots and not 0 <= min(slots) <= max(slots) < self.node.config.num_blocks:
-            # fetch_into would refuse it too, nothing sent, but the tier would hold that
-            # refusal for a quarantine like a failed load's and fail the request.
-            self._fail_job(job, keys, f"slots must be in 0..{self.node.config.num_blocks - 1}")
-            return
+        slots = None
+        if job.slots is not None:
+            # fetch_into's own check, here: its refusal (nothing sent) would otherwise be
+            # held for a quarantine like a failed load's, and fail the whole request.
+            try:
+                slots = list(
+                    check_caller_slots(
+                        list(job.keys), job.slots, self.node.config.num_blocks
+                    ).values()
+                )
+            except LocalProtocolError as exc:
+                self._fail_job(job, keys, exc.message)
+                return
         if self._closed:
             self._fail_job(job, keys, "tier shut down")
             return

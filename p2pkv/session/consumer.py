@@ -829,30 +829,11 @@ class ConsumerSide(SessionParts):
         caller, and the store's ``put`` and ``fetch`` refuse from then on)."""
         keys = list(keys)
         rounds = self._handles(rounds, "fetch")
-        # Integers only (numpy's too): a float or a string is never rounded to a slot, and
-        # a bool is refused (a mask passed for slots landed True, False in slots 1 and 0).
-        try:
-            dst_slots = [_slot_index(s) for s in slots]
-        except TypeError:
-            raise LocalProtocolError(
-                "slots must be integers", peer=self.peer_id, op="fetch"
-            ) from None
-        if len(keys) != len(dst_slots):
-            raise LocalProtocolError(
-                f"{len(keys)} keys but {len(dst_slots)} slots", peer=self.peer_id, op="fetch"
-            )
-        try:
-            dst = dict(zip(keys, dst_slots, strict=True))
-        except TypeError:
-            raise LocalProtocolError("keys must be bytes", peer=self.peer_id, op="fetch") from None
         n = self.cfg.num_blocks
+        dst = check_caller_slots(keys, slots, n, peer_id=self.peer_id)
+        dst_slots = list(dst.values())
         taken = self.node.caller_slots
-        if (
-            len(dst) != len(keys)
-            or len(set(dst_slots)) != len(dst_slots)
-            or (dst_slots and (min(dst_slots) < 0 or max(dst_slots) >= n))
-            or not taken.isdisjoint(dst_slots)
-        ):
+        if not taken.isdisjoint(dst_slots):
             raise LocalProtocolError(
                 f"keys must be distinct and slots distinct, free and in 0..{n - 1}",
                 peer=self.peer_id,
@@ -1245,6 +1226,40 @@ class ConsumerSide(SessionParts):
         if suspect:  # its word that the write settled is in doubt too (invariant 10)
             landing.quarantine(req, suspect, trio.current_time() + self.cfg.quarantine)
         p.slots = []
+
+
+def check_caller_slots(
+    keys: list[bytes], slots: Iterable[object], num_blocks: int, *, peer_id: str | None = None
+) -> dict[bytes, int]:
+    """``keys[i]`` -> ``slots[i]`` for a load into slots its caller chose (``fetch_into``,
+    the vLLM tier's slot loads), or :class:`LocalProtocolError` (op "fetch") for what
+    could not be loaded so: a slot that is not an integer (NumPy's are; a float or a string
+    is never rounded to a slot, and a bool is refused: a mask passed for slots landed
+    True, False in slots 1 and 0), lengths that differ, an unhashable key, a key or a slot
+    named twice, a slot outside ``0..num_blocks - 1``."""
+    try:
+        dst_slots = [_slot_index(s) for s in slots]
+    except TypeError:
+        raise LocalProtocolError("slots must be integers", peer=peer_id, op="fetch") from None
+    if len(keys) != len(dst_slots):
+        raise LocalProtocolError(
+            f"{len(keys)} keys but {len(dst_slots)} slots", peer=peer_id, op="fetch"
+        )
+    try:
+        dst = dict(zip(keys, dst_slots, strict=True))
+    except TypeError:
+        raise LocalProtocolError("keys must be bytes", peer=peer_id, op="fetch") from None
+    if (
+        len(dst) != len(keys)
+        or len(set(dst_slots)) != len(dst_slots)
+        or (dst_slots and (min(dst_slots) < 0 or max(dst_slots) >= num_blocks))
+    ):
+        raise LocalProtocolError(
+            f"keys must be distinct and slots distinct, free and in 0..{num_blocks - 1}",
+            peer=peer_id,
+            op="fetch",
+        )
+    return dst
 
 
 def _slot_index(slot: object) -> int:
