@@ -387,6 +387,41 @@ def test_a_readd_after_a_transfer_saw_the_peer_dead_loads_it_afresh(
         src.remove_remote_peer(peer)
 
 
+def test_agents_seen_dead_are_forgotten_once_released(make: MakeTransport) -> None:
+    """A fleet whose peer ids churn (a worker that restarts under a new id, a hostile
+    peer that reconnects under a fresh one each time): each id a transfer saw dead stayed
+    in the agent's set of dead names for the agent's life, one entry per id ever seen to
+    die. A dead peer's remote agent is removed when its registration is released, and its
+    name leaves the set with it: the set only names agents still loaded. The disconnect
+    is a FAKE (NIXL's own error, raised by a patched ``transfer``); the rest is real NIXL."""
+    src_array, src_layout = region(16)
+    src = make("t-dead-src", src_array, src_layout)
+    shared = src._state.shared
+    disconnect = shared.binding.remote_disconnect_error
+    assert disconnect is not None
+
+    def died(xfer: Any) -> str:
+        raise disconnect("peer went away (FAKE)")
+
+    for i in range(3):
+        dst_array, dst_layout = region(16)
+        dst = make(f"t-dead-{i}", dst_array, dst_layout)
+        peer = src.add_remote_peer(dst.agent_name, dst.metadata(), dst_layout)
+        # Patched on the wrapper itself and deleted after (monkeypatch would hold it).
+        shared.agent.transfer = died
+        try:
+            with pytest.raises(PeerDisconnected):
+                src.post_write(peer, [0], [1])
+        finally:
+            del shared.agent.transfer
+        assert src.is_peer_dead(dst.agent_name)
+        src.remove_remote_peer(peer)
+        dst.close()
+        assert not src.is_peer_dead(dst.agent_name)
+        assert shared.dead == set(), f"cycle {i}: names of released peers kept"
+    assert shared.loaded == {} and src.statistics().remote_peers == 0
+
+
 def test_a_second_agent_over_an_overlapping_region_is_refused(make: MakeTransport) -> None:
     """One agent per region, memory registered once (invariant 5): a transport of another
     name over part of a region an agent already registered is refused, as over the same

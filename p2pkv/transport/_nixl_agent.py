@@ -380,7 +380,7 @@ class SharedAgent:
         self.loaded: dict[str, bytes] = {}
         self.parked: dict[str, None] = {}
         self.max_parked = MAX_PARKED
-        self.dead: set[str] = set()
+        self.dead: set[str] = set()  # loaded agents a transfer saw disconnect
         self.pending: set[Any] = set()  # posted transfers (NixlXfer) still PROC
         self.leaked: list[Any] = []  # xfer handles whose release failed; retried at teardown
         self.native: weakref.ref[Any] | None = None  # the native agent, once torn down
@@ -436,10 +436,13 @@ class SharedAgent:
             return name in self.dead
 
     def set_dead(self, name: str, dead: bool) -> None:
+        """Mark ``name`` seen dead (or not). Only a loaded remote agent is marked: the
+        set names loaded agents only (:meth:`unload` forgets a name), so it is bounded
+        by them, not by every peer id ever seen to die. Caller holds ``call_lock``."""
         with self.lock:
-            if dead:
+            if dead and name in self.loaded:
                 self.dead.add(name)
-            else:
+            elif not dead:
                 self.dead.discard(name)
 
     def reusable(self, name: str, metadata: bytes) -> bool:
@@ -475,6 +478,7 @@ class SharedAgent:
         with self.call_lock:
             self.loaded.pop(name, None)
             self.parked.pop(name, None)
+            self.set_dead(name, False)  # a later load of the name is a new connection
             try:
                 self.agent.remove_remote_agent(name)
             except Exception as exc:

@@ -649,7 +649,8 @@ class NixlTransport(DataTransport):
         return native.cause if isinstance(native, NixlXfer) else None
 
     def is_peer_dead(self, agent_name: str) -> bool:
-        """True once a transfer to ``agent_name`` saw it disconnect (until it is re-added)."""
+        """True once a transfer to ``agent_name`` saw it disconnect (until it is re-added,
+        or its remote agent is removed: releasing a dead peer's registration removes it)."""
         return self._state.shared.is_dead(agent_name)
 
     def release(self, handle: TransferHandle) -> None:
