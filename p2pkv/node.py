@@ -43,7 +43,7 @@ import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import attrs
 import trio
@@ -1098,7 +1098,10 @@ async def open_node(
             finally:
                 await node.aclose()
     except BaseExceptionGroup as group:
-        raise _unwrap(group) from None
+        leaf = _unwrap(group)
+        if leaf is group:
+            raise
+        _raise_as_itself(leaf)
     finally:
         try:
             if not node._closed.is_set():  # the node failed to start, or its tasks crashed
@@ -1164,6 +1167,18 @@ def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
     walk(group)
     return leaves[0] if len(leaves) == 1 else group
+
+
+def _raise_as_itself(exc: BaseException) -> NoReturn:
+    """Raise ``exc`` (taken out of a nursery's group) with its chain as it was: its
+    ``__cause__`` (a TransportError's why, a host's ``raise ... from``) and
+    ``__context__``. ``raise exc from None`` cleared the cause; a plain ``raise`` in the
+    group's handler made the group, which holds ``exc`` itself, its context."""
+    chain = exc.__cause__, exc.__context__, exc.__suppress_context__
+    try:
+        raise exc
+    finally:
+        exc.__cause__, exc.__context__, exc.__suppress_context__ = chain
 
 
 __all__ = [

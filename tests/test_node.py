@@ -1059,3 +1059,25 @@ async def test_a_dial_that_connects_as_its_node_closes_closes_its_socket(
             node_closed.set()
     assert len(errors) == 1 and "closed" in str(errors[0]), errors
     assert opened[0].socket.fileno() == -1, "the dialed socket was left open"
+
+
+async def test_an_error_out_of_open_node_keeps_its_cause() -> None:
+    """``open_node`` raises one error out of its nursery as itself, not as a group of
+    one, but raised it ``from None``: that replaced the error's own ``__cause__`` (a
+    TransportError's "why", the OSError behind "cannot listen on", a host's own
+    ``raise ... from``) with None (errors review 2026-12-05)."""
+
+    class HostError(Exception):
+        pass
+
+    root = KeyError("the host's reason")
+    with trio.fail_after(10):
+        with pytest.raises(HostError) as info:
+            async with open_node(config("a")):
+                raise HostError("raised in the body") from root
+        assert info.value.__cause__ is root
+        bad = attrs.evolve(config("b"), host="192.0.2.1")  # TEST-NET-1: no interface has it
+        with pytest.raises(OSError, match=r"cannot listen on 192\.0\.2\.1:0") as listen:
+            async with open_node(bad):
+                pass
+        assert isinstance(listen.value.__cause__, OSError), listen.value.__cause__
