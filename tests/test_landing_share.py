@@ -504,3 +504,31 @@ async def test_a_round_that_queues_behind_a_woken_waiter_does_not_take_its_room(
             assert late.left == 0  # queued behind the waiter: nothing, however soon it asked
     assert got == [2]
     assert shares.held("p", now()) == 2
+
+
+async def test_a_peers_bye_reason_in_a_waiting_fetchs_failures_is_escaped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch waits for room in the peer's share, and the peer ends the session with a
+    bye whose reason forges a log line and drives a terminal. Every other failure reason
+    that carries a peer's words comes through its error's escaped text; this one was the
+    session's raw close reason, printed as it was by ``p2pkv fetch``'s FAILED line (errors
+    review 2026-12-05)."""
+    forged = "gone\n2026-12-05 p2pkv.node ERROR forged line\r\x1b[2J"
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with share_quarantined() as (_, bad, dst, peer, keys):
+            got: list[Any] = []
+
+            async def second_fetch() -> None:
+                got.append(await dst.fetch(peer, keys[8:]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(second_fetch)
+                await trio.sleep(0.5)  # virtual: far short of the wait's 4 s
+                assert dst._by_peer["bad"]._share_waits, "the fetch does not wait for room"
+                # FAKE hostile peer: its bye's reason is its own text, any characters.
+                bad._by_peer["dst"].close(forged, "shutdown")
+            [second] = got
+            reasons = set(second.failed.values())
+            assert len(reasons) == 1 and all(r.isprintable() for r in reasons), reasons
+            assert r"gone\n2026-12-05 p2pkv.node ERROR forged line\r\x1b[2J" in reasons.pop()

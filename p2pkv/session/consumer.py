@@ -62,6 +62,7 @@ from ..errors import (
     SessionClosed,
     SlotsInUse,
     StoreFull,
+    printable,
 )
 from ..store import region_lent_error
 from ..wire import MAX_FRAME_SIZE, MAX_KEY_LEN, MAX_KEYS, Outcome, keys_ok
@@ -1137,7 +1138,9 @@ class ConsumerSide(SessionParts):
                     finally:
                         self._share_waits.discard(waiting)
             if grant is None:  # the session ended before or during the wait
-                reason = f"session closed: {self.close_reason or 'session ended'}"
+                # The close reason may be the peer's bye, its own text: escaped, as every
+                # other reason that carries it is (through its error's str).
+                reason = printable(f"session closed: {self.close_reason or 'session ended'}")
                 outcome.update((k, reason) for k in keys)
                 return False
             if not grant.left:
