@@ -151,6 +151,17 @@ def check_peer(peer: object) -> str:
     )
 
 
+def check_members(members: Iterable[Peer | str]) -> set[str]:
+    """The peer ids ``members`` names (:meth:`Node.reconfigure`), each item checked as
+    :func:`check_peer` does. TypeError for one peer id passed where a collection of them
+    is expected: its characters would be the members, and every session would close."""
+    if isinstance(members, str | bytes | bytearray | memoryview):
+        raise TypeError(
+            f"members must be a collection of peer ids, got one {type(members).__name__}: [id]?"
+        )
+    return {check_peer(m) for m in members}
+
+
 def check_keys(keys: Iterable[bytes]) -> list[bytes]:
     """``keys`` as a list. TypeError for one key passed where a sequence of them is
     expected (an easy slip: ``fetch(peer, key)`` took each byte as a key, and every
@@ -830,8 +841,11 @@ class Node:
             raise PeerUnavailable("not connected", peer=pid, op="disconnect")
         await session.aclose("disconnected")
 
-    async def reconfigure(self, members: Collection[str]) -> list[str]:
-        """The membership changed: keep only the peers in ``members`` (peer ids).
+    async def reconfigure(self, members: Collection[Peer | str]) -> list[str]:
+        """The membership changed: keep only the peers in ``members`` (peer ids, or
+        :class:`Peer` handles as :meth:`peers` returns them). TypeError, before anything
+        is closed or built, for a lone peer id (``"b"`` for ``["b"]``) or an item that is
+        neither.
 
         Sessions of peers that left are closed (their writes drained, registrations
         released). Then the data plane is rebuilt over the same region: the new transport
@@ -844,9 +858,9 @@ class Node:
         racing shutdown): nothing is built then, and a data plane built while the node
         began closing is closed again, never swapped in.
         """
+        keep = check_members(members)
         async with self._reconfigure_lock:
             self._refuse_reconfigure_if_closing()
-            keep = set(members)
             leaving = [s for pid, s in self._by_peer.items() if pid not in keep]
             for session in leaving:
                 session.close("left the membership", "reconfigure")

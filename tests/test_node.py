@@ -1081,3 +1081,31 @@ async def test_an_error_out_of_open_node_keeps_its_cause() -> None:
             async with open_node(bad):
                 pass
         assert isinstance(listen.value.__cause__, OSError), listen.value.__cause__
+
+
+async def test_reconfigure_keeps_members_named_by_peer_and_refuses_a_lone_peer_id(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Every other call names a peer by its :class:`Peer` or its id; ``reconfigure`` took
+    ``set(members)`` as given, so members passed as the ``Peer`` handles ``connect`` and
+    ``peers()`` return matched no peer id, and a lone id (``"p1"`` for ``["p1"]``) was
+    its characters: either way every session was closed as "left the membership",
+    silently (errors review 2026-12-05). A Peer counts as its id now; a lone id, or an
+    item that names no peer, is a TypeError before anything is closed or built."""
+    factory = FaultFactory()
+    with trio.fail_after(60):
+        async with (
+            open_node(config("hub"), offload=VirtualOffload(), transport=factory) as hub,
+            open_node(config("p1"), offload=VirtualOffload()) as p1,
+        ):
+            await p1.connect(hub.address)
+            await until(lambda: bool(hub.peers()))
+            for lone in ("p1", b"p1"):
+                with pytest.raises(TypeError, match="members"):
+                    await hub.reconfigure(lone)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match="peer"):
+                await hub.reconfigure([3])  # type: ignore[list-item]
+            assert len(factory.built) == 1  # nothing was built
+            await hub.reconfigure(hub.peers())
+            assert [p.peer_id for p in hub.peers()] == ["p1"]
+            assert len(factory.built) == 2
