@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import ipaddress
 import itertools
 import logging
@@ -592,9 +593,14 @@ class Node:
                 host, port = self.config.host, self.config.port
                 try:
                     listeners = await trio.open_tcp_listeners(port, host=host)
-                except OSError as exc:  # naming what it tried (a bad host was not named)
-                    why = exc.strerror or str(exc)
-                    raise OSError(exc.errno, f"cannot listen on {host}:{port}: {why}") from exc
+                except (OSError, UnicodeError) as exc:  # naming what it tried (a bad host
+                    # was not named). UnicodeError: a name IDNA cannot encode (a label over
+                    # 63 characters), which the resolver refuses before asking.
+                    if isinstance(exc, OSError):
+                        code, why = exc.errno, exc.strerror or str(exc)
+                    else:
+                        code, why = errno.EINVAL, str(exc)
+                    raise OSError(code, f"cannot listen on {host}:{port}: {why}") from exc
                 sockname = listeners[0].socket.getsockname()
                 self.address = (str(sockname[0]), int(sockname[1]))
                 await nursery.start(trio.serve_listeners, self._accept, listeners)
@@ -654,7 +660,10 @@ class Node:
         try:
             with trio.fail_after(self.config.connect_timeout):
                 stream = await trio.open_tcp_stream(host, port)
-        except (OSError, trio.TooSlowError) as exc:
+        except (OSError, UnicodeError, trio.TooSlowError) as exc:
+            # UnicodeError: a name IDNA cannot encode (a label over 63 characters, an empty
+            # one), which the resolver refuses before asking: no such host, as a failed
+            # lookup is.
             raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}", op="connect") from exc
         if self._closing or self._nursery is None:
             # The node closed while the dial was on its way: no session can start on it.

@@ -532,6 +532,9 @@ def test_two_node_example_runs_on_one_host(transport: str) -> None:
         (["fetch", "127.0.0.1:notaport"], None, "numeric port"),
         (["fetch", "127.0.0.1:70000"], None, "port must be 1..65535"),
         (["fetch", "127.0.0.1:0"], None, "port must be 1..65535"),  # 0: no peer listens there
+        # A host no name can have (a label over 63 characters): UnicodeError traceback
+        # (errors review 2026-12-05).
+        (["fetch", "a" * 64 + ":5710"], None, "cannot connect to"),
         (["serve", "--port", "70000"], None, "must be 0..65535"),
         (["serve", "--fill", "-5"], None, "must be >= 0"),
         (["demo", "--batch", "-3"], None, "must be >= 0"),  # fetched nothing, said "differ"

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import random
+import re
 import threading
 from collections.abc import Callable
 from typing import Any, Literal
@@ -197,6 +198,29 @@ async def test_connect_refused_is_peer_unavailable() -> None:
             listener.close()  # nothing listens there now
             with pytest.raises(PeerUnavailable):
                 await a.connect(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    "host", ["a" * 64, "x..y", "\udcff"], ids=["long-label", "empty", "surrogate"]
+)
+async def test_a_host_no_name_can_have_is_peer_unavailable_naming_it(host: str) -> None:
+    """A host name IDNA cannot encode (a label over 63 characters, an empty one, a lone
+    surrogate) made ``connect`` raise the resolver's bare ``UnicodeError`` ("encoding with
+    'idna' codec failed"), naming no host, where any other name that resolves to nothing
+    is ``PeerUnavailable``; ``p2pkv fetch HOST:PORT`` printed it as a traceback (errors
+    review 2026-12-05). A node configured to listen on such a name raised it too, where
+    any other is the ``OSError`` "cannot listen on HOST:PORT" (a config refuses the lone
+    surrogate already)."""
+    with trio.fail_after(10):
+        async with open_node(config("a")) as a:
+            with pytest.raises(PeerUnavailable, match="cannot connect to") as info:
+                await a.connect((host, 5710))
+            assert isinstance(info.value.__cause__, UnicodeError)
+            assert a.statistics().sessions == 0
+        if host.isprintable():
+            with pytest.raises(OSError, match=f"cannot listen on {re.escape(host)}:0: "):
+                async with open_node(attrs.evolve(config("b"), host=host)):
+                    pass
 
 
 BAD_ADDRESSES = [
