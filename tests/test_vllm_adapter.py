@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import queue
 import socket
@@ -271,6 +272,46 @@ def test_source_spec_accepts_both_spellings_and_rejects_junk() -> None:
         assert SourceSpec.from_params(junk) is None
     top = {"remote_kv_source": {"host": "h", "port": 65535}}
     assert SourceSpec.from_params(top) == SourceSpec("h", 65535)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "lookup_timeout",
+        "load_timeout",
+        "connect_timeout",
+        "reconnect_backoff",
+        "idle_source_timeout",
+    ],
+)
+@pytest.mark.parametrize(
+    ("value", "error"),
+    [(math.nan, ValueError), (-1.0, ValueError), ("5", TypeError), (True, TypeError)],
+    ids=["nan", "negative", "str", "bool"],
+)
+def test_a_bad_deadline_is_refused_by_the_tiers_constructor_naming_it(
+    nodes: Callable[..., BlockingNode], name: str, value: object, error: type[Exception]
+) -> None:
+    """``P2PTier``'s seconds were taken as given: a NaN ``load_timeout`` came out of the
+    first ``submit_load`` as the facade's "timeout must be >= 0 seconds" (into the host's
+    scheduler, naming no setting of the tier), a string as a TypeError out of ``step``,
+    a NaN ``idle_source_timeout`` forgot no idle source ever (review 2026-12-05)."""
+    dst = nodes("dst")
+    with pytest.raises(error, match=name):
+        P2PTier(dst, **{name: value})  # type: ignore[arg-type]
+
+
+def test_a_bad_drain_timeout_is_refused_before_anything_is_drained(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """``drain(nan)`` slept 2 ms at a time for ever while a load was in flight (``left <=
+    0`` is never true of NaN), and so did ``shutdown(drain_timeout=nan)``."""
+    tier = P2PTier(nodes("dst"), lookup_timeout=BOUND, load_timeout=BOUND)
+    with pytest.raises(ValueError, match="timeout"):
+        tier.drain(math.nan)
+    with pytest.raises(TypeError, match="drain_timeout"):
+        tier.shutdown(drain_timeout="1")  # type: ignore[arg-type]
+    tier.shutdown()
 
 
 def test_a_port_string_int_refuses_leaves_the_request_without_a_source(

@@ -93,7 +93,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from ..config import NodeConfig
+from ..config import NodeConfig, check_seconds
 from ..errors import LocalProtocolError, PeerUnavailable, PortalClosed
 from ..facade import BlockingNode, start_node
 from ..node import Peer
@@ -255,11 +255,14 @@ class P2PTier:
         # reported only this many seconds later (the producer may still be writing).
         self.quarantine = node.config.quarantine
         self.node = node
-        self.lookup_timeout = lookup_timeout
-        self.load_timeout = load_timeout
-        self.connect_timeout = connect_timeout
-        self.reconnect_backoff = reconnect_backoff
-        self.idle_source_timeout = idle_source_timeout
+        # Checked here, naming the setting (TypeError, ValueError): taken as given, a NaN
+        # came out of a later submit_load as the facade's "timeout" into the host's
+        # scheduler, and a NaN idle_source_timeout or drain deadline never came at all.
+        self.lookup_timeout = check_seconds(lookup_timeout, "lookup_timeout")
+        self.load_timeout = check_seconds(load_timeout, "load_timeout")
+        self.connect_timeout = check_seconds(connect_timeout, "connect_timeout")
+        self.reconnect_backoff = check_seconds(reconnect_backoff, "reconnect_backoff")
+        self.idle_source_timeout = check_seconds(idle_source_timeout, "idle_source_timeout")
         self.owns_node = owns_node
         self._sources: dict[tuple[str, int], _Source] = {}
         self._requests: dict[str, _Request] = {}
@@ -486,7 +489,7 @@ class P2PTier:
         by :meth:`get_finished_jobs`, at most ``timeout`` seconds; loads still waiting for
         a connection fail at once. True if nothing is left in flight. The engine thread
         does the work, so this needs nothing from the calling thread."""
-        return self._drain(timeout, slot_loads_only=False)
+        return self._drain(check_seconds(timeout, "timeout"), slot_loads_only=False)
 
     def _drain(self, timeout: float, *, slot_loads_only: bool) -> bool:
         end = time.monotonic() + timeout
@@ -515,6 +518,8 @@ class P2PTier:
         it), shutdown waits for each slot load's ``fetch_into`` to end instead (within its
         deadline and quarantines). Either way no write can land in the host's memory
         after this returns."""
+        if drain_timeout is not None:
+            drain_timeout = check_seconds(drain_timeout, "drain_timeout")
         if self._closed:
             return
         limit = self.load_timeout + self.quarantine + 1.0
