@@ -331,6 +331,14 @@ class NodeConfig:
             raise ConfigError(
                 f"max_pinned_share ({self.max_pinned_share}) is a share of the store: at most 1"
             )
+        if self.max_pinned_share < 1 and int(self.num_blocks * self.max_pinned_share) < 1:
+            # The producer's bound, as it computes it: no slot at all, so every lookup of
+            # every peer would be answered all misses, the node serving nothing, silently.
+            raise ConfigError(
+                f"max_pinned_share ({self.max_pinned_share}) of num_blocks "
+                f"({self.num_blocks}) is less than one slot: peers could pin nothing and "
+                "every lookup would miss"
+            )
         if self.num_blocks > self.max_peer_blocks:
             raise ConfigError(
                 f"num_blocks ({self.num_blocks}) is over max_peer_blocks "

@@ -42,6 +42,13 @@ from .helpers import fill
         ({"max_landing_share": 1.5}, r"max_landing_share \(1.5\) is a share of the store"),
         ({"max_pinned_share": 1.5}, r"max_pinned_share \(1.5\) is a share of the store"),
         ({"max_pinned_share": 0.0}, "max_pinned_share must be > 0"),
+        # No slot at all: every lookup was answered all misses, the node serving nothing
+        # without a word (review 2026-12-05).
+        (
+            {"num_blocks": 10, "max_pinned_share": 0.09},
+            r"max_pinned_share \(0.09\) of num_blocks \(10\) is less than one slot",
+        ),
+        ({"num_blocks": 1, "max_pinned_share": 0.5}, "is less than one slot"),
         ({"switch_interval": 0.0}, "switch_interval must be None or >="),
         ({"heartbeat_interval": 5.0, "idle_timeout": 2.0}, "idle_timeout .* must exceed"),
         ({"quarantine": 1.0}, "quarantine .* must exceed abort_timeout"),
@@ -122,6 +129,8 @@ def test_a_bad_value_is_a_config_error_naming_it(kw: dict[str, Any], match: str)
         {"block_len": 4096, "max_inflight_bytes": 4096},  # one block in flight at a time
         {"num_blocks": 8, "max_peer_blocks": 8},  # a peer of this config takes our region
         {"max_pinned_share": 1.0, "max_landing_share": 1.0},
+        {"num_blocks": 10, "max_pinned_share": 0.1},  # one slot peers may pin
+        {"num_blocks": 1, "max_pinned_share": 1.0},  # 1 is no bound, whatever the store
         {"heartbeat_interval": 5.0, "idle_timeout": 5.5},
         {"quarantine": 3.5, "abort_timeout": 2.0, "landing_margin": 1.0},
         {"landing_margin": 0.0},
