@@ -68,6 +68,7 @@ from .node import (
     check_config,
     check_keys,
     check_peer,
+    check_pin_source,
     open_node,
 )
 from .pins import PinSource
@@ -116,6 +117,7 @@ def start_node(
     running at interpreter exit is closed then.
     """
     check_config(cfg)
+    check_pin_source(pin_source, cfg)
     start_timeout = check_seconds(start_timeout, "start_timeout")
     board: TicketBoard[TicketResult] = TicketBoard()
 

@@ -53,6 +53,7 @@ from . import tls
 from .completion import CompletionPoller
 from .config import NodeConfig, check_seconds
 from .errors import (
+    ConfigError,
     DuplicateSession,
     HandshakeRejected,
     P2PKVError,
@@ -61,7 +62,7 @@ from .errors import (
     SessionClosed,
     TransportError,
 )
-from .pins import PinSource
+from .pins import HostPins, PinSource
 from .registrar import Offload, Registrar, RegistrarStatistics, RegistrationJob, to_thread
 from .session.consumer import FRAME_OVERHEAD, KEY_OVERHEAD, check_rounds
 from .session.protocol import LocalInfo
@@ -178,6 +179,18 @@ def check_config(config: object) -> NodeConfig:
     if not isinstance(config, NodeConfig):
         raise TypeError(f"config must be a NodeConfig, got {type(config).__name__}")
     return config
+
+
+def check_pin_source(pin_source: PinSource | None, config: NodeConfig) -> None:
+    """A :class:`HostPins` checks the host's answers against its ``num_blocks``: that must
+    be the node's region, or the host may answer a slot past it (the key failing only at
+    the write) or have its answers for the region's last slots refused (every such key a
+    miss). ConfigError naming both."""
+    if isinstance(pin_source, HostPins) and pin_source.num_blocks != config.num_blocks:
+        raise ConfigError(
+            f"pin_source's num_blocks ({pin_source.num_blocks}) is not the node's "
+            f"num_blocks ({config.num_blocks}): the host's answers are slots of the region"
+        )
 
 
 def check_activity(activity: object) -> tuple[int, int]:
@@ -1104,6 +1117,7 @@ async def open_node(
     transport; a Trio-native offload on the autojump clock).
     """
     check_config(config)
+    check_pin_source(pin_source, config)
     store = BlockStore(config.num_blocks, config.block_len, region)
     span = _claim_region(store)
     try:

@@ -94,6 +94,12 @@ class HostPins:
         (None: no bound but the per-peer one); a lookup past it gets misses for the
         keys over it, counted pessimistically (a request's keys count until the host
         answers, then its hits, until the round's pins are released)."""
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            # The range the host's answers are checked against (a str made every answer
+            # a bare TypeError on the host's thread).
+            raise TypeError(f"num_blocks must be an int, got {num_blocks!r}")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if not answer_within > 0:  # NaN too: Trio's deadline refuses it at a peer's lookup
             raise ValueError("answer_within must be positive")
         if max_blocks is not None and max_blocks < 0:

@@ -186,7 +186,7 @@ async def test_a_waiter_whose_answer_comes_while_the_reader_is_mid_turn_gets_it_
     """The reader is inside a turn (answering the peer's lookup, waiting for the host to
     pin) when our answer arrives: the lane's task must not read under it, so it leaves the
     lane and waits on its event; the reader reads the answer once the host has answered."""
-    pins = HostPins(8, answer_within=30.0)
+    pins = HostPins(64, answer_within=30.0)  # config()'s region
     with trio.fail_after(BOUND):
         async with (
             open_node(config("n"), pin_source=pins) as node,

@@ -21,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import FetchResult, Node, open_node
+from p2pkv import ConfigError, FetchResult, Node, open_node, start_node
 from p2pkv.pins import HostPins, PinRequest
 from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
 
@@ -302,6 +302,18 @@ def test_an_answer_within_of_nan_is_refused_at_construction() -> None:
         HostPins(8, answer_within=math.nan)
 
 
+@pytest.mark.parametrize(
+    ("num_blocks", "error"),
+    [(0, ValueError), (-1, ValueError), (True, TypeError), (8.0, TypeError), ("8", TypeError)],
+)
+def test_a_bad_num_blocks_is_refused_at_construction(num_blocks: object, error: type) -> None:
+    """``num_blocks`` bounds the slots the host may answer with. It was not checked: a
+    string made every answer a bare TypeError on the host's thread ("'<' not supported"),
+    0 refused every answer as malformed (review 2026-12-05)."""
+    with pytest.raises(error, match="num_blocks"):
+        HostPins(num_blocks, answer_within=1.0)  # type: ignore[arg-type]
+
+
 # ---------------------------------------------------------------- a node whose host pins
 
 
@@ -401,6 +413,26 @@ def assert_host_bytes(
     for k in r.loaded:
         got = dst.store.get(k)
         assert got is not None and bytes(got) == block_at(region, blocks[k])
+
+
+@pytest.mark.parametrize("blocks", [N_BLOCKS - 1, N_BLOCKS + 1])
+async def test_host_pins_sized_for_another_region_are_refused_before_the_node_starts(
+    blocks: int,
+) -> None:
+    """``HostPins.num_blocks`` is the range the host's answers are checked against; it
+    must be the node's region. Neither was checked against the other: pins sized for a
+    larger region let a host answer a slot past the node's (its key failed only at the
+    write, "transfer_failed"), a smaller one refused the host's answers for the region's
+    last slots, every such key a miss (review 2026-12-05). Refused by ``open_node`` and
+    by ``start_node`` on the caller's thread, naming both."""
+    pins = HostPins(blocks, answer_within=1.0)
+    cfg = config("src", num_blocks=N_BLOCKS)
+    with trio.fail_after(BOUND):
+        with pytest.raises(ConfigError, match=rf"num_blocks \({blocks}\).*\({N_BLOCKS}\)"):
+            async with open_node(cfg, pin_source=pins):
+                pytest.fail("the node started")
+    with pytest.raises(ConfigError, match="num_blocks"):
+        start_node(cfg, pin_source=pins).close()
 
 
 async def test_a_host_pinning_node_serves_its_hosts_blocks_and_gets_each_token_back_once() -> None:
