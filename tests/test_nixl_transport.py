@@ -34,7 +34,7 @@ from p2pkv.transport import _nixl_agent
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.nixl import NixlTransport  # imports no NIXL: that happens in create()
 
-from .helpers import BAD_SLOTS, count_calls, held_by_a_thread, in_fork
+from .helpers import BAD_SLOTS, count_calls, held_by_a_thread, in_fork, wait_for
 from .node_proc import UCX_TCP, child_pythonpath
 
 _HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
@@ -1329,6 +1329,44 @@ def test_a_child_forked_while_a_thread_loaded_nixl_can_load_it() -> None:
     with held_by_a_thread(_nixl_agent._load_lock):
         said = in_fork(lambda: _nixl_agent.load_nixl().module_name)
     assert said == name, "the child hung on the shim's lock its parent's thread held"
+
+
+def test_a_transport_collected_while_another_is_made_leaves_the_registry_usable() -> None:
+    """A transport nobody closed is finalised by whatever garbage collection finds it, in
+    whichever thread that collection runs, and allocations trigger collections anywhere:
+    here while another transport's agent is made, under the agent registry's lock. The
+    finaliser's shutdown needs that lock; taken there, it waited for its own thread for
+    good (the child hung). It is handed to a thread of its own, which closes the collected
+    transport once the lock is free. In a forked child: a hang is killed there, and no
+    lock is left held in this process."""
+
+    def child() -> str:
+        old_array, old_layout = region(16)
+        old = NixlTransport.create(agent_name="t-gc-old", region=old_array, layout=old_layout)
+        native = native_agent(old)
+        cycle: list[object] = [old]
+        cycle.append(cycle)  # only a collection frees it (and so finalises the transport)
+        gc.disable()
+        del old, cycle
+        agent_class = _nixl_agent.SharedAgent
+
+        class CollectingFirst(agent_class):  # type: ignore[misc, valid-type]
+            """FAKE agent class: a collection starts as the agent is made, as one the
+            making's own allocations can start at any moment."""
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                gc.collect()
+                super().__init__(*args, **kwargs)
+
+        _nixl_agent.SharedAgent = CollectingFirst  # type: ignore[misc]  # the child's copy
+        array, layout = region(16)
+        new = NixlTransport.create(agent_name="t-gc-new", region=array, layout=layout)
+        wait_for(lambda: native() is None)  # the collected one's close, in its own thread
+        counts = _nixl_agent.registry_counts()
+        new.close()
+        return repr(counts)
+
+    assert in_fork(child) == "(1, 1)", "the collected transport's close deadlocked"
 
 
 @pytest.mark.parametrize(("local", "remote", "match"), BAD_SLOTS)

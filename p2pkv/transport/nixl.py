@@ -59,6 +59,7 @@ against both regions. With K = 1 nothing changes: prepared dlists, NIXL merging.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import sys
@@ -301,15 +302,29 @@ def _progress(st: _State) -> bool:
         st.exit()
 
 
+# The thread running a garbage collection now, else None (``gc.callbacks``).
+_collecting: int | None = None
+
+
+def _note_collection(phase: str, _info: dict[str, int]) -> None:
+    global _collecting
+    _collecting = threading.get_ident() if phase == "start" else None
+
+
+gc.callbacks.append(_note_collection)
+
+
 def _shutdown(st: _State) -> None:
     """Close ``st`` once: handles, then registrations, then our reference on the agent.
 
     Runs from ``close()`` or from ``weakref.finalize`` (garbage collection, or at exit while
     module globals still exist; finalize never runs later than that). A collection on the
     progress thread, inside one of its steps (an op it holds), hands the shutdown to a
-    thread of its own: here it would wait for its own op to end.
+    thread of its own: here it would wait for its own op to end. So does any collection:
+    an allocation starts one anywhere, e.g. while a thread makes an agent under the agent
+    registry's lock, which this shutdown takes (it waited there for its own thread).
     """
-    if st.target.is_current():
+    if st.target.is_current() or _collecting == threading.get_ident():
         threading.Thread(target=_shutdown, args=(st,), name="p2pkv-close", daemon=True).start()
         return
     try:
