@@ -210,11 +210,16 @@ def check_activity(activity: object) -> tuple[int, int]:
 
 class _OncePerSecond:
     """A log line that anyone who can connect may cause as often as they like: at most one
-    a second goes out, saying how many there were."""
+    a second goes out, saying how many there were.
+
+    An event held back is counted by a later line: the next event's, or, if none comes
+    within the second, the one :meth:`Node._count_later` sends with :meth:`held_back`
+    once the second is over (a flood that stopped was otherwise never counted)."""
 
     def __init__(self) -> None:
         self._last = -math.inf
         self._count = 0
+        self.later = False  # a line for the events held back is due (Node._count_later)
 
     def tick(self) -> int | None:
         """One more event: the events since the last line went out, this one included, if
@@ -224,6 +229,18 @@ class _OncePerSecond:
         if now < self._last + 1.0:
             return None
         count, self._last, self._count = self._count, now, 0
+        return count
+
+    def next_line_at(self) -> float:
+        """When a line may go out next (Trio's clock)."""
+        return self._last + 1.0
+
+    def held_back(self) -> int:
+        """The events held back since the last line, for a line going out now (the count
+        starts again; 0: none, and no line)."""
+        count, self._count = self._count, 0
+        if count:
+            self._last = trio.current_time()
         return count
 
 
@@ -520,11 +537,34 @@ class Node:
         left out."""
         count = self._connection_warnings.tick()
         if count is None:
+            self._count_later(
+                self._connection_warnings,
+                "%d such lines left out since the last (failed or refused handshakes, "
+                "protocol errors, refused registrations)",
+            )
             return
         if left_out := count - 1:
             msg += " (%d such lines left out since the last)"
             args = (*args, left_out)
         log.warning(msg, *args)
+
+    def _count_later(self, limit: _OncePerSecond, msg: str, *args: object) -> None:
+        """An event ``limit`` held back: unless a line is due already, one goes out once
+        the second is over (or at the node's close), counting every event held back by
+        then (``msg``'s first argument), if the next event's line has not."""
+        if limit.later:
+            return
+        limit.later = True
+
+        def count() -> None:
+            limit.later = False
+            if held := limit.held_back():
+                log.warning(msg, held, *args)
+
+        try:
+            self.defer(max(limit.next_line_at() - trio.current_time(), 0.0), count)
+        except RuntimeError:  # the node's nursery is closed: it is going away
+            count()
 
     def wake_quarantine(self) -> None:
         self._wake_quarantine.set()
@@ -565,6 +605,12 @@ class Node:
                 log.warning(
                     "turned away %d connections still handshaking (max_peers: %d)",
                     count,
+                    self.config.max_peers,
+                )
+            else:
+                self._count_later(
+                    self._turned_away,
+                    "turned away %d connections still handshaking (max_peers: %d)",
                     self.config.max_peers,
                 )
         self._strangers[session] = None
