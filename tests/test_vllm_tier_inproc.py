@@ -1328,6 +1328,58 @@ def test_peers_lookups_ask_vllm_only_when_the_serve_share_allows(
         peer.close()
 
 
+def test_a_big_lookup_does_not_hold_a_small_one_of_another_peer_behind_it(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each serve call asks vLLM about at most SERVE_KEYS_PER_CALL keys; it used to give
+    them all to the request taken first, so a peer's lookup larger than one call held a
+    second peer's one-key lookup behind it for every call it took, up to its own answer
+    deadline (and then the small one, due a moment after it, was answered all misses).
+    The call's keys are now shared among the requests being served: the small lookup is
+    answered in the first call that sees it, the big one goes on over the next ones."""
+    src = engines(poll_s=0)  # steps only: the test decides when the tier serves
+    big_keys = make_keys(40, "big")
+    small_keys = make_keys(1, "small")
+    src.fill(big_keys[:10] + small_keys)
+    gate = Gate()  # no rests between calls: only the per-call budget is under test
+    gate.open = True
+    monkeypatch.setattr(src.tier, "_serve_share", gate)
+    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 4)
+    big: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="big", port=0))
+    small: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="small", port=0))
+    try:
+        big_remote = big.connect(src.tier.address, timeout=BOUND)
+        small_remote = small.connect(src.tier.address, timeout=BOUND)
+        big_ticket = big.submit_lookup(big_remote, big_keys)
+        until(lambda: len(src.tier._pins._inbox) == 1, "the big lookup to wait for a step")
+        small_ticket = small.submit_lookup(small_remote, small_keys)
+        until(lambda: len(src.tier._pins._inbox) == 2, "the small lookup to wait behind it")
+        src.idle_step()  # one serve call: it takes both, the big one first
+        # The small lookup was asked about and answered in that one call.
+        assert [len(s.req.keys) for s in src.tier._serving] == [40]
+        results: list[object] = []
+
+        def small_answered() -> bool:
+            if (r := small.poll(small_ticket)) is not None:
+                results.append(r)
+            return bool(results)
+
+        until(small_answered, "the small lookup's answer")  # no step: answered already
+        assert results == [[True]]
+        results.clear()
+
+        def big_answered() -> bool:
+            if (r := big.poll(big_ticket)) is not None:
+                results.append(r)
+            return bool(results)
+
+        until(big_answered, "the big lookup's answer", step=src.idle_step)
+        assert results == [[True] * 10 + [False] * 30]
+    finally:
+        big.close()
+        small.close()
+
+
 def test_vllm_raising_while_a_served_request_finishes_still_hands_its_pins_back(
     engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:

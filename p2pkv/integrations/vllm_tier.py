@@ -614,12 +614,19 @@ class P2pkvSecondaryTier(SecondaryTierManager):
         budget = self.SERVE_KEYS_PER_CALL if self._serve_share.may_work(now) else 0
         asked = False  # vLLM was asked (or raised while asked): its lock went to peers
         serving, still = self._serving, []
+        # The call's keys are shared among the requests that want some, each asking at
+        # most its part of what is left: given all to the first, one peer's big lookup
+        # held every other peer's behind it for as many calls as it took, up to its
+        # deadline (and those due just after it were then answered all misses).
+        wanting = sum(1 for srv in serving if srv.pending and not srv.req.abandoned)
         done = 0  # serving[:done] are answered (dropped) or in still
         try:
             for srv in serving:
                 if not srv.req.abandoned and budget > 0 and srv.pending:
                     asked = True
-                    budget -= self._ask(parent, srv, budget)
+                    part = -(-budget // wanting)  # what is left, shared: rounded up
+                    wanting -= 1
+                    budget -= self._ask(parent, srv, part)
                 # Answer before the engine stops waiting; keys still pending are misses.
                 done += 1  # from here on it is in still, or done with (never twice)
                 if srv.pending and not srv.req.abandoned and now < srv.req.deadline - 0.05:
