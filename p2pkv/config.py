@@ -198,6 +198,12 @@ class NodeConfig:
     # release_unused_pins. A host that keeps putting while it serves sets e.g. 0.5. Where
     # the host pins (a pin source, vLLM) the host bounds its own.
     max_pinned_share: float = attrs.field(default=1.0, validator=_positive)
+    # Of a node-wide bound on pins (``max_pinned_share``'s slots when it is below 1, or a
+    # pin source's ``max_blocks``): the part one peer's rounds may hold at once, so one
+    # peer that keeps its rounds open (a new lookup as each lease ends) cannot leave
+    # every other peer's lookups all misses. 1: first come, first served. Without a
+    # node-wide bound it changes nothing (``max_pinned_blocks`` caps each peer).
+    max_pinned_peer_share: float = attrs.field(default=0.5, validator=_positive)
     # Of this node's own store, per peer: the share of its slots that one peer's writes
     # may hold at once, i.e. slots reserved for our fetches from it in flight plus slots
     # quarantined after we gave up on one (a write may still land there). Keys of a
@@ -330,6 +336,11 @@ class NodeConfig:
         if self.max_pinned_share > 1:
             raise ConfigError(
                 f"max_pinned_share ({self.max_pinned_share}) is a share of the store: at most 1"
+            )
+        if self.max_pinned_peer_share > 1:
+            raise ConfigError(
+                f"max_pinned_peer_share ({self.max_pinned_peer_share}) is a share of the "
+                "node-wide pin bound: at most 1"
             )
         if self.max_pinned_share < 1 and int(self.num_blocks * self.max_pinned_share) < 1:
             # The producer's bound, as it computes it: no slot at all, so every lookup of

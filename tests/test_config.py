@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +43,9 @@ from .helpers import fill
         ({"max_landing_share": 1.5}, r"max_landing_share \(1.5\) is a share of the store"),
         ({"max_pinned_share": 1.5}, r"max_pinned_share \(1.5\) is a share of the store"),
         ({"max_pinned_share": 0.0}, "max_pinned_share must be > 0"),
+        ({"max_pinned_peer_share": 0.0}, "max_pinned_peer_share must be > 0"),
+        ({"max_pinned_peer_share": math.nan}, "max_pinned_peer_share must be > 0"),
+        ({"max_pinned_peer_share": 1.5}, r"max_pinned_peer_share \(1.5\) is a share"),
         # No slot at all: every lookup was answered all misses, the node serving nothing
         # without a word (review 2026-12-05).
         (

@@ -490,6 +490,32 @@ async def test_a_host_pinning_node_holds_a_peer_to_its_pin_cap() -> None:
             assert await dst.release(peer, rnd) == 1
 
 
+@pytest.mark.parametrize(("peer_share", "held"), [(None, [4, 4]), (1.0, [8, 0])])
+async def test_one_peer_holds_at_most_its_part_of_the_hosts_pin_bound(
+    peer_share: float | None, held: list[int]
+) -> None:
+    """``max_blocks`` bounds all peers together; one peer's rounds may hold only
+    ``max_pinned_peer_share`` of it (0.5 by default). Before that part existed, a peer
+    that kept its rounds open (a new lookup as each lease ended) held the whole bound and
+    every other peer's lookups got all misses; 1 restores first come, first served."""
+    keys = [os.urandom(32) for _ in range(12)]
+    blocks = {k: slot for slot, k in enumerate(keys)}
+    pins = HostPins(N_BLOCKS, answer_within=5.0, max_blocks=8)
+    kw = {} if peer_share is None else {"max_pinned_peer_share": peer_share}
+    with trio.fail_after(BOUND), DictHost(pins, blocks).running():
+        async with (
+            open_node(
+                config("src", num_blocks=N_BLOCKS, **kw), region=host_region(), pin_source=pins
+            ) as src,
+            open_node(config("hog", num_blocks=N_BLOCKS)) as hog,
+            open_node(config("other", num_blocks=N_BLOCKS)) as other,
+        ):
+            first = await hog.lookup_round(await hog.connect(src.address), keys)
+            second = await other.lookup_round(await other.connect(src.address), keys)
+            assert [sum(first.hits), sum(second.hits)] == held
+            assert pins.pinned_blocks() == 8
+
+
 async def test_a_host_that_never_answers_in_time_gives_all_misses_and_its_late_token_back() -> None:
     keys = [os.urandom(32) for _ in range(3)]
     blocks = dict(zip(keys, [5, 6, 7], strict=True))

@@ -989,17 +989,24 @@ async def pin_all(src: Node, raw: RawPeer, keys: list[bytes]) -> list[bool]:
     return ev.hits
 
 
-async def test_peers_together_pin_at_most_their_share_of_the_store() -> None:
+@pytest.mark.parametrize(("peer_share", "held"), [(None, [16, 16]), (1.0, [32, 0])])
+async def test_peers_together_pin_at_most_their_share_of_the_store(
+    peer_share: float | None, held: list[int]
+) -> None:
     """Pinned slots cannot be evicted. With ``max_pinned_share``, peers together pin at
     most that share of the store (hits past it are answered as misses), so the host can
-    still put while a peer sits on the pins of lookups it never fetches."""
-    async with open_node(config("src", num_blocks=64, max_pinned_share=0.5)) as src:
+    still put while a peer sits on the pins of lookups it never fetches. One peer holds
+    at most ``max_pinned_peer_share`` of that (0.5 by default): before, the first peer
+    to sit on its pins held the whole share and every other peer's lookups missed; 1
+    restores first come, first served."""
+    kw = {} if peer_share is None else {"max_pinned_peer_share": peer_share}
+    async with open_node(config("src", num_blocks=64, max_pinned_share=0.5, **kw)) as src:
         keys = fill(src.store, 64, 4096)
         first, second = RawPeer(), RawPeer()
         try:
             with trio.fail_after(BOUND):
                 hits = [await pin_all(src, first, keys[:48]), await pin_all(src, second, keys[16:])]
-            assert [sum(h) for h in hits] == [32, 0], hits
+            assert [sum(h) for h in hits] == held, hits
             assert src.store.statistics().pinned == 32
             src.store.put(os.urandom(32), os.urandom(4096))  # evicts an unpinned block
         finally:
@@ -1033,6 +1040,7 @@ async def test_a_lookup_near_a_pin_cap_costs_a_store_call_per_slice_not_per_key(
         kw["max_pinned_blocks"] = 9
     else:
         kw["max_pinned_share"] = 0.5  # 32 slots for all peers together
+        kw["max_pinned_peer_share"] = 1.0  # the hog may hold all of them
     async with open_node(config("src", **kw), offload=inline_offload) as src:
         present = fill(src.store, 64, 4096)
         hog, _ = await connected(src)

@@ -383,14 +383,15 @@ def test_a_host_given_as_null_is_the_default_and_a_bad_one_is_refused(
     for bad in ("", 7):
         with pytest.raises(ValueError, match="host"):
             vllm_tier.TierSettings.from_kwargs({"host": bad, "port": 5710})
-    for default in ({}, {"max_pinned_share": None}):
-        s = vllm_tier.TierSettings.from_kwargs({"port": 5710, **default})
-        assert s.max_pinned_share == 0.9
-    for share in (0, 1.5, "half", True, [0.5]):
-        with pytest.raises(ValueError, match="max_pinned_share"):
-            vllm_tier.TierSettings.from_kwargs({"port": 5710, "max_pinned_share": share})
-    s = vllm_tier.TierSettings.from_kwargs({"port": 5710, "max_pinned_share": "0.25"})
-    assert s.max_pinned_share == 0.25
+    for name, default_share in (("max_pinned_share", 0.9), ("max_pinned_peer_share", 0.5)):
+        for default in ({}, {name: None}):
+            s = vllm_tier.TierSettings.from_kwargs({"port": 5710, **default})
+            assert getattr(s, name) == default_share
+        for share in (0, 1.5, "half", True, [0.5], "nan"):
+            with pytest.raises(ValueError, match=name):
+                vllm_tier.TierSettings.from_kwargs({"port": 5710, name: share})
+        s = vllm_tier.TierSettings.from_kwargs({"port": 5710, name: "0.25"})
+        assert getattr(s, name) == 0.25
 
 
 def test_the_port_is_the_base_plus_the_data_parallel_index_and_only_a_real_port_is_taken() -> None:
@@ -1337,7 +1338,9 @@ def test_a_big_lookup_does_not_hold_a_small_one_of_another_peer_behind_it(
     deadline (and then the small one, due a moment after it, was answered all misses).
     The call's keys are now shared among the requests being served: the small lookup is
     answered in the first call that sees it, the big one goes on over the next ones."""
-    src = engines(poll_s=0)  # steps only: the test decides when the tier serves
+    # Steps only: the test decides when the tier serves. The big lookup may pin all 40
+    # (by default one peer holds at most half the tier's pin share, 28 of 64 chunks).
+    src = engines(poll_s=0, max_pinned_peer_share=1)
     big_keys = make_keys(40, "big")
     small_keys = make_keys(1, "small")
     src.fill(big_keys[:10] + small_keys)
@@ -1522,8 +1525,9 @@ def test_a_peer_cannot_pin_the_whole_primary_tier(engines: Callable[..., Engine]
     CPU tier holds, never fetched and renewed before its lease ends, used to pin every
     chunk (only the per-peer max_pinned_blocks bounded it), leaving vLLM's own GPU->CPU
     offload no chunk to store into. All peers together now pin at most
-    ``max_pinned_share`` (0.9) of the tier; the keys past it are misses."""
-    src = engines()
+    ``max_pinned_share`` (0.9) of the tier; the keys past it are misses. (One peer may
+    hold it all here: ``max_pinned_peer_share`` 1; its default is the next test's.)"""
+    src = engines(max_pinned_peer_share=1)
     keys = make_keys(CHUNKS, "everything")
     src.fill(keys)
     peer = peer_of(src, "greedy-peer")
@@ -1541,6 +1545,32 @@ def test_a_peer_cannot_pin_the_whole_primary_tier(engines: Callable[..., Engine]
         assert out is not None, "the host cannot offload a single block while a peer pins"
     finally:
         peer.close()
+
+
+def test_one_peer_holds_at_most_half_the_tiers_pin_share_by_default(
+    engines: Callable[..., Engine],
+) -> None:
+    """``max_pinned_peer_share`` (0.5) of the tier's pin share (0.9) is what one peer's
+    rounds may hold: a peer that sits on rounds of everything the tier holds leaves the
+    other half of the share to the other peers, whose lookups still hit (before, the
+    first such peer held the whole share and every other peer's lookups missed)."""
+    src = engines()
+    keys = make_keys(CHUNKS, "everything")
+    src.fill(keys)
+    part = int(int(CHUNKS * 0.9) * 0.5)
+    greedy, other = peer_of(src, "greedy-peer"), peer_of(src, "other-peer")
+    try:
+        rounds = [
+            p.lookup_round(p.connect(src.tier.address), keys, timeout=BOUND)
+            for p in (greedy, other)
+        ]
+        assert [r.hits for r in rounds] == [[True] * part + [False] * (CHUNKS - part)] * 2
+        # The share counts each round's pins (the same chunks here, pinned twice).
+        assert src.tier._pins.pinned_blocks() == 2 * part
+        assert pinned_chunks(src) == part
+    finally:
+        greedy.close()
+        other.close()
 
 
 def test_a_peers_lookup_never_raises_out_of_the_schedulers_step(

@@ -121,6 +121,9 @@ def p2pkv_tier(port: int, **deadlines: float) -> dict[str, Any]:
         "quarantine_s": 3.2,
         "abort_timeout_s": 0.5,
         "landing_margin_s": 0.5,
+        # These tiers are small (256 chunks) and one peer pulls up to 75 % of one: past
+        # its default part of the pin share (0.5 of 0.9), the rest would be misses.
+        "max_pinned_peer_share": 1.0,
     }
     config.update(deadlines)
     return config

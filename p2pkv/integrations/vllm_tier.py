@@ -150,7 +150,9 @@ class TierSettings:
     a new one at once), ``lease_s`` (10), and the caps ``max_peers`` (64),
     ``max_pinned_blocks`` (65,536 per peer) and ``max_pinned_share`` (0.9: the share of
     vLLM's CPU tier that all peers' lookups together may hold pinned, so this engine's
-    own offloads always find room; 1 lets peers pin all of it).
+    own offloads always find room; 1 lets peers pin all of it), ``max_pinned_peer_share``
+    (0.5: the part of that which one peer's lookups may hold, so one peer cannot leave
+    the others all misses; 1: first come, first served).
     """
 
     host: str
@@ -175,6 +177,7 @@ class TierSettings:
     max_peers: int = 64
     max_pinned_blocks: int = 65536
     max_pinned_share: float = 0.9
+    max_pinned_peer_share: float = 0.5
 
     _SECONDS: ClassVar[tuple[str, ...]] = (
         "load_timeout_s",
@@ -248,17 +251,17 @@ class TierSettings:
                 if value <= 0:
                     raise ValueError(f"p2pkv tier: {name} must be positive")
                 out[name] = value
-        value = kw.pop("max_pinned_share", None)
-        if value is not None:  # absent, or null in the JSON: the default
+        for name in ("max_pinned_share", "max_pinned_peer_share"):
+            value = kw.pop(name, None)
+            if value is None:  # absent, or null in the JSON: the default
+                continue
             try:
                 share = float(value) if isinstance(value, int | float | str) else math.nan
             except ValueError:
                 share = math.nan
             if isinstance(value, bool) or not 0 < share <= 1:
-                raise ValueError(
-                    f"p2pkv tier: max_pinned_share must be a number in (0, 1], got {value!r}"
-                )
-            out["max_pinned_share"] = share
+                raise ValueError(f"p2pkv tier: {name} must be a number in (0, 1], got {value!r}")
+            out[name] = share
         unknown = sorted(set(kw) - cls._IGNORED)
         if unknown:
             raise ValueError(f"p2pkv tier: unknown configuration keys {unknown}")
@@ -425,6 +428,7 @@ class P2pkvSecondaryTier(SecondaryTierManager):
             max_peers=s.max_peers,
             max_pinned_blocks=s.max_pinned_blocks,
             max_pinned_share=s.max_pinned_share,
+            max_pinned_peer_share=s.max_pinned_peer_share,
         )
         self._pins = HostPins(
             num_chunks,

@@ -40,6 +40,7 @@ import attrs
 import trio
 
 from ..errors import TransportError
+from ..pins import HostPins
 from ..transport.base import DataTransport, TransferHandle, TransferState
 from ..wire import Outcome
 from ._parts import SessionParts
@@ -68,6 +69,12 @@ _OVER_CAP = int(Outcome.OVER_CAP)
 
 def checksums(view: memoryview, block_len: int, slots: Sequence[int]) -> list[int]:
     return [zlib.crc32(view[s * block_len : (s + 1) * block_len]) for s in slots]
+
+
+def peer_part(bound: int, share: float) -> int:
+    """What one peer's rounds may hold pinned of a node-wide ``bound`` on pins
+    (``NodeConfig.max_pinned_peer_share``): at least one slot where the bound has one."""
+    return bound if share >= 1 else min(bound, max(1, int(bound * share)))
 
 
 async def summed(node: Node, slots: Sequence[int]) -> list[int]:
@@ -142,7 +149,11 @@ class ProducerSide(SessionParts):
         pins = self.node.pin_source
         if pins is not None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             # The host pins, on its own thread: one request, bounded by its answer deadline.
-            room = max(cfg.max_pinned_blocks - self._pins_counted(), 0)
+            cap = cfg.max_pinned_blocks
+            if isinstance(pins, HostPins) and pins.max_blocks is not None:
+                # This peer's part of the host's bound (another pin source bounds itself).
+                cap = min(cap, peer_part(pins.max_blocks, cfg.max_pinned_peer_share))
+            room = max(cap - self._pins_counted(), 0)
             self.host_waits += 1  # a probe meanwhile waits for the wait's end
             try:
                 got = await pins.pin(held.owner, keys[:room])
@@ -159,11 +170,14 @@ class ProducerSide(SessionParts):
                     hits[j] = True
                     held.add(keys[j], slot)
         elif self.proto.keys_held() <= cfg.max_keys_held_per_peer:
-            room = cfg.max_pinned_blocks - self._pins_counted()
             # All peers together (a share of 1: no bound; pinned slots count once however
             # many rounds pin them, so below 1 a slot pinned again takes room too).
             share = cfg.max_pinned_share
             shared = int(store.num_blocks * share) if share < 1 else 1 << 62
+            cap = cfg.max_pinned_blocks
+            if share < 1:  # this peer's part of the shared bound
+                cap = min(cap, peer_part(shared, cfg.max_pinned_peer_share))
+            room = cap - self._pins_counted()
             i = 0
             while i < len(keys) and (room := min(room, shared - store.pinned_slots)) > 0:
                 n = min(turn.room(), len(keys) - i)
