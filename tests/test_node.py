@@ -19,7 +19,9 @@ import trio.testing
 
 import p2pkv
 from p2pkv import BlockStore, HandshakeRejected, Node, PeerUnavailable, open_node
+from p2pkv.errors import SessionClosed
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransportStatistics
+from p2pkv.wire import U64_MAX
 
 from .helpers import (
     FaultFactory,
@@ -319,6 +321,29 @@ async def test_close_is_idempotent_and_leaves_nothing_behind() -> None:
                     await trio.sleep(0.01)
             with pytest.raises(PeerUnavailable):
                 await b.lookup(peer, keys)
+
+
+async def test_a_session_out_of_request_ids_ends_and_a_new_one_starts_afresh() -> None:
+    """A session's request ids only go up (u64 on the wire), so a session that used
+    U64_MAX has none left. The lookup after it raised a bare ``OverflowError`` from the
+    encoder, counting the request open and keeping its request slot: every later lookup
+    the same, and the session stayed up, stuck. Now that lookup ends the session
+    (``SessionClosed``), and a new session starts again from request id 1."""
+    with trio.fail_after(20):
+        async with pair() as (src, dst):
+            keys = fill(src.store, 3, 4096)
+            peer = await dst.connect(src.address)
+            session = dst._by_peer["src"]
+            session.proto._next_req_id = U64_MAX - 1  # as after 2**64 - 2 requests
+            for key in keys[:2]:  # the last two ids work as any other
+                assert (await dst.fetch(peer, [key])).loaded == [key]
+            with pytest.raises(SessionClosed, match="request ids"):
+                await dst.lookup(peer, keys[2:])
+            await session.finished.wait()
+            assert not dst.is_connected("src")
+            peer = await dst.connect(src.address)
+            assert dst._by_peer["src"].proto.activity[0] == 1
+            assert (await dst.fetch(peer, keys[2:])).loaded == keys[2:]
 
 
 async def test_disconnect_returns_once_the_session_is_torn_down() -> None:

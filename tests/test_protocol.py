@@ -872,6 +872,26 @@ def test_request_ids_are_strictly_increasing_and_never_reused() -> None:
     assert pair.a.send_lookup([K1]) > ids[-1]
 
 
+def test_a_session_that_used_every_request_id_refuses_the_next_lookup_unchanged() -> None:
+    """Request ids are u64 on the wire and only go up on a session (the peer refuses one
+    not above the last), so U64_MAX is a session's last. The lookup after it raised an
+    untyped ``OverflowError`` from the encoder with the request already counted open (an
+    open-request slot gone per try): a typed refusal now, nothing changed, nothing sent."""
+    pair = ready_pair()
+    a = pair.a
+    a._next_req_id = U64_MAX - 1  # as after 2**64 - 2 lookups
+    assert a.request_ids_left == 2
+    for want in (U64_MAX - 1, U64_MAX):  # the last two ids work as any other
+        req = pair.lookup([K1], [True])
+        assert req == want
+        a.send_fetch(req, [], [])
+        pair.deliver(a)
+        assert a.open_requests() == [] and pair.b.open_rounds() == []
+    assert a.request_ids_left == 0
+    assert_refused(a, lambda: a.send_lookup([K1]), match="request ids")
+    assert a.open_requests() == [] and a.state is State.READY
+
+
 @pytest.mark.parametrize("second", [5, 3], ids=["reused", "smaller"])
 def test_reused_or_smaller_request_id_from_the_peer_is_a_protocol_error(second: int) -> None:
     pair = ready_pair()

@@ -91,6 +91,7 @@ _OK = int(Outcome.OK)
 #: Why a session ends when a request must wait for a slot while aborts the peer has not
 #: acknowledged within :func:`abort_ack_bound` hold slots.
 ACKS_OVERDUE = "request slots held by aborts the peer never acknowledged"
+IDS_EXHAUSTED = "request ids exhausted: the session used every one the wire carries"
 _LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
 # Why a key failed that a fetch in store mode did not ask the peer for: the slots its
 # writes hold (reserved, or quarantined after we gave up on a fetch) stayed at
@@ -535,6 +536,7 @@ class ConsumerSide(SessionParts):
         sent: list[_Pending] = []
         try:
             self._check_usable("lookup")
+            self._check_request_ids(len(chunks))
             checked = lim is self._limits()
             for chunk in chunks:
                 req = self.proto.send_lookup(chunk, checked=checked)
@@ -576,6 +578,7 @@ class ConsumerSide(SessionParts):
         try:
             if waited:
                 self._check_usable("lookup")
+            self._check_request_ids(1)
             req = self.proto.send_lookup(keys, checked=lim is self._limits())
         except BaseException:
             self._requests.give_back()
@@ -594,6 +597,15 @@ class ConsumerSide(SessionParts):
             raise P2PKVTimeout("lookup timed out", peer=self.peer_id, op="lookup")
         hits: list[bool] = p.result.hits
         return req, hits
+
+    def _check_request_ids(self, n: int) -> None:
+        """Room for ``n`` more request ids on this session. A session that used the last
+        (``U64_MAX``: ids only go up, see ``SessionProtocol.request_ids_left``) ends here,
+        so that the next connect starts a new one from id 1, rather than stay up refusing
+        every lookup."""
+        if self.proto.request_ids_left < n:
+            self.close(IDS_EXHAUSTED)
+            raise SessionClosed(IDS_EXHAUSTED, peer=self.peer_id, op="lookup")
 
     async def _wait_for_answer(self, p: _Pending, seconds: float) -> None:
         """Until the peer answers ``p`` (``p.result``), the session fails (``p.error``) or

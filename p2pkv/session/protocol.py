@@ -377,6 +377,13 @@ class SessionProtocol:
         return self._next_req_id, self._peer_last_req_id
 
     @property
+    def request_ids_left(self) -> int:
+        """Lookups this session may still start: request ids are u64 on the wire and only
+        go up on a session (the peer refuses one not above the last), so past ``U64_MAX``
+        the session is spent and a new one (from id 1) must take over."""
+        return max(U64_MAX - self._next_req_id + 1, 0)
+
+    @property
     def idle(self) -> bool:
         """No request open, ours or the peer's (a round held for a quarantine counts)."""
         return not self._out and not self._in
@@ -994,6 +1001,10 @@ class SessionProtocol:
             # peer's limit too (open_requests_limit): it counts a round open until it has
             # closed it, never less long than the peer does
             raise CapacityExceeded("too many open requests", peer=self.peer_id, op="lookup")
+        if self._next_req_id > U64_MAX:
+            raise LocalProtocolError(
+                "request ids exhausted: the session must end", peer=self.peer_id, op="lookup"
+            )
         if not checked:
             self._check_own_keys(keys, "lookup")
         # Checked just above against limits within the wire's: no second validation.
