@@ -1466,6 +1466,18 @@ def test_ping_is_answered_with_a_pong_automatically() -> None:
     assert pair.feed(pair.a, data) == [PongReceived(n1), PongReceived(n2)]
 
 
+def test_ping_nonces_wrap_past_u64_max() -> None:
+    """A ping's nonce is u64 on the wire and only echoed back, never ordered: past
+    U64_MAX it wraps to 1. It went on counting, and the keepalive's next ping raised a
+    bare ``ValueError`` from the message's validator (the keepalive task died of it)."""
+    pair = ready_pair()
+    pair.a._ping_nonce = U64_MAX - 1  # as after 2**64 - 2 pings
+    nonces = [pair.a.send_ping() for _ in range(3)]
+    assert nonces == [U64_MAX, 1, 2]
+    assert pair.deliver(pair.a) == []
+    assert pair.deliver(pair.b) == [PongReceived(n) for n in nonces]
+
+
 def half_acked() -> tuple[ConnectionPair, SessionProtocol, SessionProtocol]:
     """a registered fast, b slowly: b has a's ack and may ping, but a has not got b's ack
     yet. The pair and its two sides."""

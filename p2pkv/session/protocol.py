@@ -1101,7 +1101,8 @@ class SessionProtocol:
 
     def send_ping(self) -> int:
         self._require_open("send_ping")
-        self._ping_nonce += 1
+        # Echoed back, never ordered: past U64_MAX (the wire's bound) it wraps to 1.
+        self._ping_nonce = self._ping_nonce % U64_MAX + 1
         self._emit(Ping(nonce=self._ping_nonce))
         return self._ping_nonce
 
