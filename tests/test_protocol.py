@@ -706,6 +706,30 @@ def test_the_old_incarnations_tombstones_do_not_answer_the_new_ones_fetches() ->
     ]
 
 
+def test_a_restarted_peers_fetch_on_a_round_it_never_opened_is_a_protocol_error() -> None:
+    """The old incarnation's dropped tombstones go with it: a new incarnation counts its
+    ids from 1 again, so a fetch of the new one on a round it never looked up is its
+    protocol error, not a round of the old one answered lease_expired (mutation review,
+    2026-12-05: keeping the highest dropped id across the restart survived)."""
+    cap = 2
+    pair = ready_pair(make_info("a"), make_info("b", max_open_requests=cap))
+    a, b = pair.a, pair.b
+    for t in range(cap + 2):
+        req = pair.lookup([K1], [True], now=t, lease=0.5)
+        assert b.expire(t + 0.5) == [req]
+    assert b.in_state(1) is None and b.in_state(2) is None  # 1 and 2 dropped
+    a2 = SessionProtocol(make_info("a", epoch=a.local.epoch + 1))  # a comes back
+    a2.start()
+    b.data_to_send()
+    (ev,) = events_of(b, a2.data_to_send())
+    assert isinstance(ev, HelloReceived) and ev.restarted
+    b.registration_succeeded()
+    assert [type(e) for e in events_of(a2, b.data_to_send())] == [HelloReceived]
+    assert a2.registration_succeeded() == Ready()
+    assert events_of(b, a2.data_to_send()) == [Ready()]
+    assert_protocol_error(b, encode(Fetch(req_id=2, keys=[K1], slots=[1])), "no open lookup")
+
+
 def test_a_request_held_for_the_old_incarnations_ack_is_not_sent_to_the_new_one() -> None:
     """A lookup made before the peer's ack is held; the peer restarts instead of acking.
     The lookup fails with the old incarnation (``failed_requests``) and is never sent to
@@ -991,6 +1015,34 @@ def test_bad_fetch_is_a_protocol_error(fetch: Callable[[int], Fetch], match: str
 
 
 @pytest.mark.parametrize("by_hits", [False, True], ids=["fetch", "fetch_hits"])
+def test_a_fetchs_slots_are_bounded_by_the_fetching_peers_region_not_ours(by_hits: bool) -> None:
+    """Regions of two sizes: b's fetch names slots of b's region, so a bounds them by b's
+    size, not its own (mutation review, 2026-12-05: bounding them by a's own region
+    survived, every other test giving both sides one size; a peer whose region is smaller
+    than ours could then have a write land past its region's end, and one whose region is
+    larger was closed for naming a slot of its own)."""
+    small, large = NUM_BLOCKS // 2, NUM_BLOCKS * 2
+    for b_blocks, slot in ((large, large - 1), (small, small)):
+        pair = ready_pair(make_info("a"), make_info("b", num_blocks=b_blocks))
+        a, b = pair.a, pair.b
+        req = b.send_lookup([K1])
+        pair.deliver(b)
+        a.send_lookup_resp(req, [True], 0.0, 10.0)
+        pair.deliver(a)
+        msg: Fetch | FetchHits = (
+            FetchHits(req_id=req, slots=[slot])
+            if by_hits
+            else Fetch(req_id=req, keys=[K1], slots=[slot])
+        )
+        if slot < b_blocks:  # past a's region, inside b's: written
+            assert events_of(a, encode(msg)) == [
+                FetchRequested(req, None if by_hits else [K1], [slot])
+            ]
+        else:  # inside a's region, past b's: refused
+            assert_protocol_error(a, encode(msg), f"outside the peer's {b_blocks} blocks")
+
+
+@pytest.mark.parametrize("by_hits", [False, True], ids=["fetch", "fetch_hits"])
 @pytest.mark.parametrize("stage", ["answering", "writing", "closed_by_empty_fetch", "done"])
 def test_fetch_outside_an_open_round_is_a_protocol_error(stage: str, by_hits: bool) -> None:
     pair = ready_pair()
@@ -1241,6 +1293,35 @@ def test_a_round_still_open_is_written_after_later_rounds_tombstones_were_droppe
     b.send_transfer_done(slow, [OK, OK])
     assert pair.deliver(b) == [TransferCompleted(slow, [OK, OK], None)]
     assert b.open_rounds() == [] and b.pins_held() == 0
+
+
+def test_tombstones_dropped_out_of_id_order_still_answer_lease_expired() -> None:
+    """Leases end in the order rounds were answered, not in id order: a round leased long
+    outlives later ones, so its tombstone is dropped after theirs. The highest dropped id
+    must stay the highest (mutation review, 2026-12-05: keeping the id of the last
+    tombstone dropped instead lowered it, and a slow consumer's fetch on a round dropped
+    before was taken for a protocol error and closed the session)."""
+    cap = 2
+    pair = ready_pair(make_info("a"), make_info("b", max_open_requests=cap))
+    a, b = pair.a, pair.b
+    slow = pair.lookup([K1], [True], now=0.0, lease=10.0)
+    r2 = pair.lookup([K1], [True], now=0.0, lease=1.0)
+    assert b.expire(1.0) == [r2]
+    r3 = pair.lookup([K1], [True], now=1.0, lease=1.0)
+    assert b.expire(2.0) == [r3]
+    assert b.expire(10.0) == [slow]  # tombstones 2, 3, 1: 2 is dropped
+    r4 = pair.lookup([K1], [True], now=10.0, lease=1.0)
+    assert b.expire(11.0) == [r4]  # 3, 1, 4: 3 is dropped
+    r5 = pair.lookup([K1], [True], now=11.0, lease=1.0)
+    assert b.expire(12.0) == [r5]  # 1, 4, 5: 1 is dropped, below 3
+    assert b.tombstones() == cap
+    assert [b.in_state(r) for r in (r2, r3, slow)] == [None] * 3
+    lease_expired = int(Outcome.LEASE_EXPIRED)
+    for req in (r2, r3, slow):
+        a.send_fetch(req, [K1], [0])
+        assert pair.deliver(a) == []
+        assert pair.deliver(b) == [TransferCompleted(req, [lease_expired], None)]
+    assert b.state is State.READY
 
 
 def test_keys_held_counts_answering_keys_then_pins_then_the_fetch() -> None:
@@ -1632,6 +1713,22 @@ def test_frame_over_the_local_frame_limit_is_a_protocol_error() -> None:
     pair = ready_pair(make_info("a", max_frame_size=400))  # room for a hello, not more
     big = Lookup(req_id=1, keys=[b"k" * 100] * 4)
     assert_protocol_error(pair.a, encode(big), "over the limit of 400")
+
+
+def test_before_admission_no_frame_over_the_documented_1_mib_is_read() -> None:
+    """The README promises that a connection not yet admitted holds at most a hello's
+    frame, 1 MiB: a header announcing one byte more is refused before its body is read,
+    whatever our own ``max_frame_size`` (mutation review, 2026-12-05: raising
+    ``MAX_HELLO_FRAME`` survived, every test reading the limit from the constant)."""
+    mib = 1 << 20
+    a = SessionProtocol(make_info("a"))
+    a.start()
+    a.receive_data(struct.pack(">I", mib))  # at the limit: buffered, waiting for its body
+    assert a.next_event() is None and a.state is State.HANDSHAKE
+    b = SessionProtocol(make_info("a"))
+    b.start()
+    b.data_to_send()
+    assert_protocol_error(b, struct.pack(">I", mib + 1), f"over the limit of {mib}")
 
 
 def test_once_admitted_the_peer_is_held_to_our_frame_limit_not_the_protocols() -> None:

@@ -336,6 +336,8 @@ HELLO_OK: dict[str, Any] = {
     "hash_algo": "sha256",
     "hash_seed": b"",
     "nonce": b"n",
+    "max_keys_per_request": 8,
+    "max_key_len": 8,
 }
 
 
@@ -400,6 +402,13 @@ MALFORMED: list[tuple[str, bytes, str]] = [
         packed({"t": "fetch", "req_id": 1, "keys": [b"k"], "slots": [-1]}),
         "invalid fetch",
     ),
+    # A long list is checked in one C-level pass (min and max) before any walk: a
+    # negative slot there would be a write below the consumer's region.
+    (
+        "negative_int_in_a_long_list",
+        packed({"t": "fetch_hits", "req_id": 1, "slots": [*range(70), -1]}),
+        "invalid fetch_hits",
+    ),
     # msgpack has no integer above 2**64-1: a peer can only send it as a float.
     ("int_over_u64_as_float", packed({"t": "abort", "req_id": float(U64_MAX) * 2}), "expected int"),
     (
@@ -439,6 +448,13 @@ MALFORMED: list[tuple[str, bytes, str]] = [
         "keys_over_bound",
         packed({"t": "lookup", "req_id": 1, "keys": [b"k"] * (MAX_KEYS + 1)}),
         "undecodable",
+    ),
+    # A list header announcing more elements than the frame has bytes left is refused
+    # before anything is read from it.
+    (
+        "list_longer_than_its_frame",
+        raw_frame(b"\x83\xa1t\xa6lookup\xa6req_id\x01\xa4keys\xdc\x03\xe8\xc4\x01k"),
+        "does not fit the frame",
     ),
     (
         "hits_over_bound",
@@ -554,6 +570,38 @@ def test_malformed_frame_is_a_remote_protocol_error_and_poisons(
         dec.next_message()
     assert isinstance(info.value, P2PKVError)
     assert_poisoned(dec, info.value)
+
+
+BOUNDED_TEXT: list[tuple[dict[str, Any], str, str | bytes, int]] = [
+    (HELLO_OK, "peer_id", "p", 128),
+    (HELLO_OK, "agent_name", "a", 256),
+    (HELLO_OK, "fingerprint", "f", wire.MAX_TEXT),
+    (HELLO_OK, "hash_algo", "h", 64),
+    (HELLO_OK, "hash_seed", b"s", 256),
+    (HELLO_OK, "nonce", b"n", 64),
+    (HELLO_OK, "auth", b"a", 64),
+    ({"t": "hello_ack", "peer_id": "p", "epoch": 1}, "peer_id", "p", 128),
+    ({"t": "challenge", "nonce": b"n"}, "nonce", b"n", 64),
+    ({"t": "bye", "code": "c", "reason": "r"}, "code", "c", 64),
+]
+
+
+@pytest.mark.parametrize(
+    ("base", "field", "unit", "bound"),
+    [pytest.param(*case, id=f"{case[0]['t']}.{case[1]}") for case in BOUNDED_TEXT],
+)
+def test_each_bounded_str_or_bytes_field_is_taken_at_its_bound_and_refused_past_it(
+    base: dict[str, Any], field: str, unit: str | bytes, bound: int
+) -> None:
+    """Every length bound of the handshake's and bye's fields, on both sides of it
+    (mutation review, 2026-12-05: raising the bound of a hello's ``peer_id`` or
+    ``nonce`` survived; the corpus's over-long ``peer_id`` hello was refused for the
+    keys-per-request field it lacked, not for its ``peer_id``)."""
+    msg = wire._decode_general(msgpack.packb(_with(base, **{field: unit * bound})))
+    assert getattr(msg, field) == unit * bound
+    over = msgpack.packb(_with(base, **{field: unit * (bound + 1)}), use_bin_type=True)
+    with pytest.raises(RemoteProtocolError, match=f"^invalid {base['t']}: {field}: expected"):
+        wire._decode_general(over)
 
 
 def test_malformed_corpus_ids_are_unique() -> None:

@@ -387,6 +387,8 @@ def test_a_trusted_message_is_the_validated_one_and_needs_every_field() -> None:
     value=st.lists(st.binary(min_size=1, max_size=40), max_size=200),
     limit=st.sampled_from([1, 8, 32, 40]),
 )
+@example(value=[b"k", b""], limit=8)  # the short walk bounds both ends too
+@example(value=[b"k"] * wire._BULK + [b""], limit=8)
 def test_key_lengths_ok_answers_exactly_what_the_walk_answers(
     value: list[bytes], limit: int
 ) -> None:
