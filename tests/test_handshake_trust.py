@@ -1350,6 +1350,16 @@ async def test_an_impostors_restart_hellos_before_admission_spend_nothing_of_the
                 await real.aclose()
 
 
+async def refused_hello(address: tuple[str, int]) -> None:
+    """One connection whose hello is refused (a peer id must be printable), to its close."""
+    raw = RawPeer("evil\n")
+    await raw.connect(address)
+    raw.proto.start()
+    await raw.flush()
+    await raw.expect_close()
+    await raw.aclose()
+
+
 async def test_a_stranger_reconnecting_cannot_log_a_warning_per_connection(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1371,12 +1381,7 @@ async def test_a_stranger_reconnecting_cannot_log_a_warning_per_connection(
                             pass
                     await stream.aclose()
                 else:
-                    raw = RawPeer("evil\n")
-                    await raw.connect(a.address)
-                    raw.proto.start()
-                    await raw.flush()
-                    await raw.expect_close()
-                    await raw.aclose()
+                    await refused_hello(a.address)
             await until(lambda: not a._sessions)
         elapsed = trio.current_time() - t0
     lines = [r for r in caplog.records if r.name.startswith("p2pkv")]
@@ -1399,12 +1404,7 @@ async def test_connection_warnings_left_out_are_counted_even_when_the_flood_stop
     with trio.fail_after(30):
         async with open_node(config("a")) as a:
             for _ in range(n):
-                raw = RawPeer("evil\n")  # refused: a peer id must be printable
-                await raw.connect(a.address)
-                raw.proto.start()
-                await raw.flush()
-                await raw.expect_close()
-                await raw.aclose()
+                await refused_hello(a.address)
             await until(lambda: not a._sessions)
     counted = 0
     for r in caplog.records:

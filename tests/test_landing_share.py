@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -169,6 +170,23 @@ async def test_keys_past_the_share_of_a_session_that_just_ended_fail_at_once(
             assert second.failed == dict.fromkeys(keys[8:], "session closed: the peer is gone")
 
 
+@asynccontextmanager
+async def waiting_for_room(dst: Node, peer: Peer, keys: list[bytes]) -> AsyncIterator[list[Any]]:
+    """A fetch of ``keys`` started and left waiting for room in the peer's share (0.5
+    virtual seconds, far short of the wait's 4 s); the block runs while it waits, and its
+    result is in the list yielded once the block is over."""
+    got: list[Any] = []
+
+    async def fetch() -> None:
+        got.append(await dst.fetch(peer, keys))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fetch)
+        await trio.sleep(0.5)
+        assert dst._by_peer[peer.peer_id]._share_waits, "the fetch does not wait for room"
+        yield got
+
+
 async def test_a_fetch_waiting_for_room_ends_when_its_session_ends(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -179,15 +197,7 @@ async def test_a_fetch_waiting_for_room_ends_when_its_session_ends(
     with trio.fail_after(VIRTUAL_BOUND):
         async with share_quarantined() as (_, _, dst, peer, keys):
             session = dst._by_peer["bad"]
-            got: list[Any] = []
-
-            async def second_fetch() -> None:
-                got.append(await dst.fetch(peer, keys[8:]))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(second_fetch)
-                await trio.sleep(0.5)  # virtual: far short of the wait's 4 s
-                assert session._share_waits, "the fetch does not wait for room"
+            async with waiting_for_room(dst, peer, keys[8:]) as got:
                 closed_at = trio.current_time()
                 session.close("the peer is gone")
             assert trio.current_time() - closed_at < 1.0
@@ -517,15 +527,7 @@ async def test_a_peers_bye_reason_in_a_waiting_fetchs_failures_is_escaped(
     forged = "gone\n2026-12-05 p2pkv.node ERROR forged line\r\x1b[2J"
     with trio.fail_after(VIRTUAL_BOUND):
         async with share_quarantined() as (_, bad, dst, peer, keys):
-            got: list[Any] = []
-
-            async def second_fetch() -> None:
-                got.append(await dst.fetch(peer, keys[8:]))
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(second_fetch)
-                await trio.sleep(0.5)  # virtual: far short of the wait's 4 s
-                assert dst._by_peer["bad"]._share_waits, "the fetch does not wait for room"
+            async with waiting_for_room(dst, peer, keys[8:]) as got:
                 # FAKE hostile peer: its bye's reason is its own text, any characters.
                 bad._by_peer["dst"].close(forged, "shutdown")
             [second] = got

@@ -672,6 +672,21 @@ def test_hello_with_a_new_epoch_restarts_the_session() -> None:
     assert events_of(a, encode(Lookup(req_id=1, keys=[K2]))) == [LookupRequested(1, [K2])]
 
 
+def restart_of(a: SessionProtocol, b: SessionProtocol) -> SessionProtocol:
+    """``a``'s next incarnation (a new epoch), through its handshake with ``b`` to ready
+    on both sides; ``b`` sees the hello as a restart."""
+    a2 = SessionProtocol(make_info(a.local.peer_id, epoch=a.local.epoch + 1))
+    a2.start()
+    b.data_to_send()
+    (ev,) = events_of(b, a2.data_to_send())
+    assert isinstance(ev, HelloReceived) and ev.restarted
+    b.registration_succeeded()
+    assert [type(e) for e in events_of(a2, b.data_to_send())] == [HelloReceived]
+    assert a2.registration_succeeded() == Ready()
+    assert events_of(b, a2.data_to_send()) == [Ready()]
+    return a2
+
+
 def test_the_old_incarnations_tombstones_do_not_answer_the_new_ones_fetches() -> None:
     """A restarted peer counts its request ids from 1 again: the ids of its old rounds
     whose leases ran out (a tombstone kept, or one dropped) are its new rounds' ids, and a
@@ -684,15 +699,7 @@ def test_the_old_incarnations_tombstones_do_not_answer_the_new_ones_fetches() ->
         old.append(pair.lookup([K1], [True], now=t, lease=0.5))
         assert b.expire(t + 0.5) == old[-1:]
     assert old == [1, 2, 3] and b.tombstones() == cap  # 1 dropped, 2 and 3 kept
-    a2 = SessionProtocol(make_info("a", epoch=a.local.epoch + 1))  # a comes back
-    a2.start()
-    b.data_to_send()
-    (ev,) = events_of(b, a2.data_to_send())
-    assert isinstance(ev, HelloReceived) and ev.restarted
-    b.registration_succeeded()
-    assert [type(e) for e in events_of(a2, b.data_to_send())] == [HelloReceived]
-    assert a2.registration_succeeded() == Ready()
-    assert events_of(b, a2.data_to_send()) == [Ready()]
+    a2 = restart_of(a, b)  # a comes back
     new = [a2.send_lookup([K2]) for _ in range(cap)]
     assert new == old[:cap]
     assert events_of(b, a2.data_to_send()) == [LookupRequested(r, [K2]) for r in new]
@@ -718,15 +725,7 @@ def test_a_restarted_peers_fetch_on_a_round_it_never_opened_is_a_protocol_error(
         req = pair.lookup([K1], [True], now=t, lease=0.5)
         assert b.expire(t + 0.5) == [req]
     assert b.in_state(1) is None and b.in_state(2) is None  # 1 and 2 dropped
-    a2 = SessionProtocol(make_info("a", epoch=a.local.epoch + 1))  # a comes back
-    a2.start()
-    b.data_to_send()
-    (ev,) = events_of(b, a2.data_to_send())
-    assert isinstance(ev, HelloReceived) and ev.restarted
-    b.registration_succeeded()
-    assert [type(e) for e in events_of(a2, b.data_to_send())] == [HelloReceived]
-    assert a2.registration_succeeded() == Ready()
-    assert events_of(b, a2.data_to_send()) == [Ready()]
+    restart_of(a, b)  # a comes back
     assert_protocol_error(b, encode(Fetch(req_id=2, keys=[K1], slots=[1])), "no open lookup")
 
 
