@@ -35,6 +35,7 @@ import enum
 import functools
 import itertools
 import struct
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, Any, Final, TypeVar
 
@@ -510,6 +511,7 @@ def encode_all(msgs: Iterable[Message]) -> bytes:
 
 _MAP_HEADERS: Final = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])
 _ARRAY_HEADERS: Final = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])
+_CONTAINER_HEADERS: Final = _MAP_HEADERS | _ARRAY_HEADERS
 
 
 # Every field name of any message (and the tag's): the general decoder builds only these.
@@ -674,14 +676,86 @@ class FrameDecoder:
 
 
 def _decode_general(body: bytes) -> Message:
-    """Any frame body: the message, or the :class:`RemoteProtocolError` that refuses it."""
+    """Any frame body: the message, or the :class:`RemoteProtocolError` that refuses it
+    (an :class:`UndecodedHello` for a hello that names its version)."""
     try:
-        obj = _unpack_body(body)
-    except RemoteProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
-        raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
-    return from_wire(obj)
+        try:
+            obj = _unpack_body(body)
+        except RemoteProtocolError:
+            raise
+        except Exception as exc:  # msgpack raises a zoo: ValueError, ExtraData, Unicode...
+            raise RemoteProtocolError(f"undecodable frame: {type(exc).__name__}: {exc}") from exc
+        return from_wire(obj)
+    except RemoteProtocolError as exc:
+        # What the failed decode built (its unpacker's copy of the body) goes now, not
+        # with the error: the frame is read once more below.
+        cause: BaseException | None = exc
+        for _ in range(4):  # the error, and what it was raised from
+            if cause is None:
+                break
+            traceback.clear_frames(cause.__traceback__)
+            cause = cause.__cause__ or cause.__context__
+        version = _hello_version(body)
+        if version is None:
+            raise
+        raise UndecodedHello(exc.message, version_major=version[0], peer_id=version[1]) from exc
+
+
+class UndecodedHello(RemoteProtocolError):
+    """A frame tagged ``hello`` that does not decode as this version's hello, though it
+    names its protocol major version (``version_major``, a u64) and maybe its
+    ``peer_id``. A peer of another major version may have changed any other field: the
+    session protocol refuses it by its version, as a rejected handshake; a hello of our
+    own major is the peer's protocol error, with this message."""
+
+    def __init__(self, message: str, *, version_major: int, peer_id: str | None) -> None:
+        super().__init__(message)
+        self.version_major = version_major
+        self.claimed_id = peer_id
+
+
+def _hello_version(body: bytes) -> tuple[int, str | None] | None:
+    """``(version_major, peer_id or None)`` of a frame body that is a map tagged
+    ``hello`` with a u64 ``version_major``, whatever its other fields hold; else ``None``.
+    Only those three fields are unpacked (each a scalar; the rest is skipped unbuilt, as
+    :func:`_unpack_body` skips unknown fields), so it costs no more than that did."""
+    u = msgpack.Unpacker(
+        raw=False,
+        max_buffer_size=max(len(body), 1),
+        max_str_len=MAX_METADATA,
+        max_bin_len=MAX_METADATA,
+        max_array_len=0,
+        max_map_len=0,
+        max_ext_len=0,
+        ext_hook=_reject_ext,
+        list_hook=_reject_nested,
+        object_hook=_reject_nested,
+    )
+    u.feed(body)
+    wanted = {"t", "version_major", "peer_id"}
+    found: dict[str, object] = {}
+    try:
+        if not body or body[0] not in _MAP_HEADERS:
+            return None
+        n = u.read_map_header()
+        if n > 64:
+            return None
+        for _ in range(n):
+            key = u.unpack()
+            pos = u.tell()
+            nested = pos < len(body) and body[pos] in _CONTAINER_HEADERS
+            if type(key) is str and key in wanted and key not in found and not nested:
+                found[key] = u.unpack()
+            else:
+                u.skip()
+    except Exception:  # msgpack's zoo, or a nested container: whatever it read counts
+        pass
+    major, peer_id = found.get("version_major"), found.get("peer_id")
+    if found.get("t") != "hello" or type(major) is not int or not 0 <= major <= U64_MAX:
+        return None
+    if type(peer_id) is not str or len(peer_id) > 128:
+        peer_id = None
+    return major, peer_id
 
 
 # --- the hot-message codec (msgspec) -------------------------------------------------------

@@ -17,11 +17,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import msgpack
 import pytest
 import trio
 import trio.testing
 
 from p2pkv import ConfigError, HandshakeRejected, P2PKVError, PeerUnavailable, open_node
+from p2pkv.config import PROTOCOL_MAJOR
 from p2pkv.node import _REGISTRATION_IDS, Node
 from p2pkv.session.protocol import (
     ByeReceived,
@@ -40,13 +42,16 @@ from p2pkv.wire import (
     Bye,
     Challenge,
     FrameDecoder,
+    Hello,
     Lookup,
     Ping,
     encode,
+    to_wire,
 )
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until, until_sessions
 from .helpers import virtual_node as node
+from .protocol_helpers import decode_frames
 
 SECRET = b"fleet secret"
 
@@ -1418,3 +1423,68 @@ async def test_connection_warnings_left_out_are_counted_even_when_the_flood_stop
             assert left_out is not None, text
             counted += int(left_out.group(1))
     assert counted == n, [r.getMessage() for r in caplog.records]
+
+
+# --- a peer of another protocol major version (rolling upgrade) ----------------------------
+
+
+def hello_of_major(raw: RawPeer, major: int) -> bytes:
+    """``raw``'s hello frame as a node of protocol ``major`` might send it: its version
+    changed, a field dropped and one added (a new major may change any field)."""
+    raw.proto.start()
+    (hello,) = decode_frames(raw.proto.data_to_send())
+    assert isinstance(hello, Hello)
+    body = to_wire(hello)
+    body["version_major"] = major
+    del body["hash_seed"]
+    body["capabilities"] = ["fetch_v2"]
+    data: bytes = msgpack.packb(body, use_bin_type=True)
+    return HEADER.pack(len(data)) + data
+
+
+async def test_a_peer_of_another_major_version_is_refused_by_its_version() -> None:
+    """In a rolling upgrade to a new major version, its hello need not decode as ours.
+    Such a hello was a protocol error ("invalid hello: missing field 'hash_seed'"): the
+    newer node got a ``protocol`` bye, and ``connect`` to it raised ``PeerUnavailable``,
+    neither saying that the versions differ. Both ways it is now a rejected handshake
+    naming the versions, and the node goes on serving peers of its own version."""
+    reason = f"protocol version {PROTOCOL_MAJOR + 1} != {PROTOCOL_MAJOR}"
+    with trio.fail_after(20):
+        async with node("a") as a:
+            # It dials us.
+            newer, same = RawPeer("newer"), RawPeer("same")
+            stream = await trio.open_tcp_stream(*a.address)
+            try:
+                await stream.send_all(hello_of_major(newer, PROTOCOL_MAJOR + 1))
+                assert await byes_until_eof(stream) == [Bye(code="handshake", reason=reason)]
+            finally:
+                await stream.aclose()
+                await newer.aclose()
+            # We dial it.
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            newer = RawPeer("newer")
+            byes: list[Bye] = []
+
+            async def newer_node() -> None:
+                accepted = await listeners[0].accept()
+                try:
+                    await accepted.send_all(hello_of_major(newer, PROTOCOL_MAJOR + 1))
+                    byes.extend(await byes_until_eof(accepted))
+                finally:
+                    await accepted.aclose()
+
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(newer_node)
+                    with pytest.raises(HandshakeRejected) as info:
+                        await a.connect(listeners[0].socket.getsockname()[:2])
+                assert info.value.reason == reason and not info.value.remote
+                assert byes == [Bye(code="handshake", reason=reason)]
+                # A peer of our own version is served as ever.
+                await same.connect(a.address)
+                await same.handshake()
+                assert (await same.lookup([b"k"]))[1] == [False]
+            finally:
+                await newer.aclose()
+                await same.aclose()
+                await listeners[0].aclose()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,7 @@ from p2pkv.wire import (
     Pong,
     TransferDone,
     encode,
+    to_wire,
 )
 
 from .protocol_helpers import (
@@ -356,6 +358,78 @@ def test_a_region_whose_last_byte_is_the_top_of_the_address_space_is_accepted() 
     top = (1 << 64) - 1 - NUM_BLOCKS * BLOCK_LEN
     pair = ready_pair(make_info("a"), make_info("b", base_addr=top))
     assert pair.a.ready and pair.a.peer is not None and pair.a.peer.base_addr == top
+
+
+def _hello_of_another_shape(info: LocalInfo, major: int, change: str) -> bytes:
+    """The frame of ``info``'s hello as a node of protocol ``major`` might send it: a
+    field gone, retyped or nested, and one added (a new major may change any of them)."""
+    body = to_wire(hello_for(info, version_major=major))
+    body["new_field"] = {"nested": [1, 2]}
+    if change == "missing":
+        del body["hash_seed"]
+    elif change == "retyped":
+        body["num_blocks"] = str(body["num_blocks"])
+    elif change == "nested":
+        body["fingerprint"] = {"model": "x", "dtype": "fp8"}
+    data: bytes = msgpack.packb(body, use_bin_type=True)
+    return struct.pack(">I", len(data)) + data
+
+
+@pytest.mark.parametrize("change", ["missing", "retyped", "nested"])
+def test_a_hello_of_another_major_version_is_refused_by_its_version_whatever_its_fields(
+    change: str,
+) -> None:
+    """A new major version may drop, retype or restructure hello fields. Its hello was
+    refused as a generic protocol error ("invalid hello: missing field ..."): the peer got
+    a ``protocol`` bye and no ``HandshakeRejected``, and neither side was told that the
+    versions differ. The version a hello names is read even when the rest does not decode
+    as ours, and a different major is a rejected handshake, with the same reason as any
+    other hello of another major."""
+    pair = ConnectionPair()
+    a, b = pair.a, pair.b
+    a.start()
+    b.start()
+    hello_a = a.data_to_send()
+    a.receive_data(_hello_of_another_shape(b.local, PROTOCOL_MAJOR + 1, change))
+    with pytest.raises(HandshakeRejected) as info:
+        a.next_event()
+    reason = info.value.reason
+    assert reason == f"protocol version {PROTOCOL_MAJOR + 1} != {PROTOCOL_MAJOR}"
+    assert info.value.peer == "b" and not info.value.remote
+    assert a.state is State.CLOSED
+    assert a.close_reason == ("handshake", reason)
+    assert sent(a) == [Bye(code="handshake", reason=reason)]
+    assert a.next_event() is None
+    # The other side learns why, as a rejected handshake.
+    pair.feed(b, hello_a + encode(Bye(code="handshake", reason=reason)))
+    assert pair.log[b] == [HelloReceived(hello_for(a.local)), ByeReceived("handshake", reason)]
+
+
+def test_a_ready_peer_restarting_into_another_major_on_its_connection_is_a_protocol_error() -> None:
+    """Only a first hello is refused by its version alone: a restart on a ready session's
+    connection that does not decode is the peer's protocol error, as before (the session's
+    answer lane, which reads only answers, must never meet a handshake rejection)."""
+    pair = ready_pair()
+    frame = _hello_of_another_shape(
+        attrs.evolve(pair.b.local, epoch=pair.b.local.epoch + 1), PROTOCOL_MAJOR + 1, "missing"
+    )
+    assert_protocol_error(pair.a, frame, "invalid hello: missing field 'hash_seed'")
+
+
+@pytest.mark.parametrize("change", ["missing", "retyped", "nested"])
+def test_a_malformed_hello_of_our_own_major_version_is_still_a_protocol_error(
+    change: str,
+) -> None:
+    """The other side of the test above: a hello naming our major whose fields do not
+    decode is the peer's protocol error, worded as before."""
+    a = SessionProtocol(make_info("a"))
+    a.start()
+    a.data_to_send()
+    assert_protocol_error(
+        a,
+        _hello_of_another_shape(make_info("b"), PROTOCOL_MAJOR, change),
+        "invalid hello|undecodable",
+    )
 
 
 @pytest.mark.parametrize(

@@ -94,6 +94,7 @@ from ..wire import (
     Ping,
     Pong,
     TransferDone,
+    UndecodedHello,
     encode,
     key_lengths_ok,
     keys_ok,
@@ -744,6 +745,19 @@ class SessionProtocol:
                         return None
                 event = self._dispatch(msg)
             except RemoteProtocolError as exc:
+                if (
+                    isinstance(exc, UndecodedHello)
+                    and exc.version_major != PROTOCOL_MAJOR
+                    and self.peer is None
+                ):
+                    # A first hello of another major version may have changed any field
+                    # but its version: it is refused by that, as any hello of another
+                    # major is (_check_hello). (Later, a restart on this connection into
+                    # another major is the peer's protocol error: no caller that reads
+                    # only answers, the session's answer lane, ever meets a handshake.)
+                    reason = f"protocol version {exc.version_major} != {PROTOCOL_MAJOR}"
+                    self._close("handshake", reason)
+                    raise HandshakeRejected(reason, peer=exc.claimed_id) from exc
                 exc.peer = exc.peer or self.peer_id
                 self._fail(str(exc))
                 raise
