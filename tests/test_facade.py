@@ -560,6 +560,65 @@ def test_engine_death_fails_calls_and_tickets_with_portal_closed_and_the_cause(
     dst.close(timeout=BOUND)
 
 
+class BrokeOnTheWayOut(Exception):
+    """What a FAKE operation raises when it is cancelled (a teardown that failed)."""
+
+
+def test_a_ticket_whose_work_breaks_as_the_engine_dies_says_the_node_closed(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A ticket's work cancelled by the engine's death may raise something of its own on
+    the way out (here a FAKE operation turns its cancellation into an error). The host's
+    answer is still "the node closed" with the engine's failure as the cause, never that
+    error (mutation review 2026-12-05: publishing whatever a cancelled task raised
+    survived the suite; the engine died under a real fetch, which raises nothing but
+    ``Cancelled``). ``_submit`` is the seam every ``submit_*`` goes through."""
+    a = nodes("a")
+    began = threading.Event()
+
+    async def breaks_when_cancelled() -> int:
+        began.set()
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            raise BrokeOnTheWayOut("teardown failed") from None
+        raise AssertionError("unreachable")
+
+    ticket = a._submit(breaks_when_cancelled, (), "lookup", BOUND)
+    assert began.wait(BOUND)
+    planted = EngineBroke("a bug in the engine")
+
+    def bug() -> None:
+        raise planted
+
+    a._engine.run_sync_soon(bug)  # test seam: a failing command kills the engine
+    wait_for(lambda: not a.alive)
+    outcome = wait_ticket(a, ticket)
+    assert isinstance(outcome, PortalClosed), outcome
+    assert outcome.__cause__ is planted
+
+
+def test_a_ticket_whose_work_raises_a_group_of_one_gets_that_one_error(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """An operation that fails inside a nursery raises a group holding its one error; the
+    ticket finishes with that error, typed, as the blocking call would raise it
+    (mutation review 2026-12-05: publishing the group survived the suite). A FAKE
+    operation through ``_submit``, the seam of every ``submit_*``."""
+    a = nodes("a")
+
+    async def fails_in_a_nursery() -> int:
+        async def child() -> None:
+            raise PeerUnavailable("gone", peer="p", op="lookup")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(child)
+        return 0
+
+    outcome = wait_ticket(a, a._submit(fails_in_a_nursery, (), "lookup", BOUND))
+    assert isinstance(outcome, PeerUnavailable), outcome
+
+
 def test_a_node_that_cannot_start_raises_portal_closed_with_the_cause() -> None:
     refused = EngineBroke("no data plane today")
 
@@ -1147,6 +1206,61 @@ def test_ctrl_c_inside_a_submit_leaves_no_ticket_the_host_never_got(
     later = a.submit_lookup("nobody", [b"k"])
     assert isinstance(wait_ticket(a, later), PeerUnavailable)
     assert a.get_finished() == []
+
+
+def test_ctrl_c_inside_a_submit_on_a_closed_node_leaves_no_ticket_the_host_never_got(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """On a closed node the board is sealed, so a ticket is born finished (PortalClosed)
+    as it is taken. A Ctrl-C landing right after that must take its outcome back too
+    (mutation review 2026-12-05: ``withdraw`` that only forgot in-flight tickets survived
+    the suite, and ``get_finished`` then handed the host a number it never got)."""
+    a = nodes("a")
+    a.close(timeout=BOUND)
+    with (
+        pytest.raises(KeyboardInterrupt),
+        interrupt_at("return", "TicketBoard.new_ticket", "_submit") as landed,
+    ):
+        a.submit_lookup("nobody", [b"k"])
+    assert landed
+    assert a.pending() == 0
+    assert a.get_finished() == [], "the interrupted submit's ticket was handed out"
+    later = a.submit_lookup("nobody", [b"k"])  # born PortalClosed, as before
+    assert isinstance(wait_ticket(a, later), PortalClosed)
+
+
+@pytest.mark.parametrize("within", [None, 0.3])
+def test_a_fetch_into_tickets_default_timeout_outlasts_its_quarantine(
+    nodes: Callable[..., BlockingNode], within: float | None
+) -> None:
+    """A ``fetch_into`` whose writes never settle (FAKE transport: a stalled NIC) gives up
+    after ``fetch_timeout`` (or ``within``) and keeps its slots ``quarantine`` seconds
+    more before it answers. The ticket's own default timeout must outlast that, or the
+    host gets a bare ``P2PKVTimeout`` (and must quarantine the slots itself) instead of
+    the per-key result (mutation review 2026-12-05: a default counted without
+    ``quarantine``, for ``within`` or without it, survived the suite). Here the ticket's
+    default is the config's deadlines plus ``quarantine`` (3 s) plus a second; without
+    the quarantine it would end 1.5 s before the fetch's answer."""
+    hanging = GatedFactory(lambda t: setattr(t, "hang", True))
+    src = nodes("src", transport=hanging, close_timeout=0.5, abort_timeout=0.5)
+    dst = nodes(
+        "dst",
+        lookup_timeout=0.5,
+        fetch_timeout=0.3,
+        abort_timeout=0.5,
+        landing_margin=0.5,
+        quarantine=3.0,
+    )
+    keys = fill(src.store, 2, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    ticket = dst.submit_fetch_into(peer, keys, [30, 20], within=within)
+    assert hanging.transport.posted.wait(BOUND)
+    deadline = time.monotonic() + BOUND
+    while (outcome := dst.poll(ticket)) is None:  # as wait_ticket, but an error is a failure
+        assert time.monotonic() < deadline, "ticket never finished"
+        time.sleep(0.001)
+    assert isinstance(outcome, FetchResult)
+    assert not outcome.loaded and set(outcome.failed) == set(keys)
 
 
 def test_close_by_default_outlasts_a_write_draining_for_its_abort_timeout(

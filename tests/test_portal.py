@@ -308,6 +308,109 @@ def test_calls_pending_at_close_get_portal_closed_never_cancelled() -> None:
     assert engine.failure is None
 
 
+def test_close_cancels_the_calls_in_flight_before_main_tears_down() -> None:
+    """close() cancels every call still running as it tells main to close, so a main
+    whose teardown waits for those calls to end (a node closing the sessions they use)
+    finishes on its own instead of being cancelled at 3/4 of the timeout (mutation
+    review 2026-12-05: a close that only set the closing signal survived the suite, since
+    every main there returned at once and its nursery's cancel ended the calls)."""
+    calls_over = trio.Event()
+    entered = threading.Event()
+
+    async def call_in_flight() -> None:
+        entered.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            calls_over.set()
+
+    async def main(ctx: EngineContext[None]) -> None:
+        ctx.started()
+        await ctx.wait_closing()
+        await calls_over.wait()  # the teardown waits for the call's end
+
+    engine = start(main)
+    caller, out = in_thread(lambda: engine.call(call_in_flight, timeout=BOUND))
+    assert entered.wait(BOUND)
+    engine.close(timeout=BOUND)
+    caller.join(BOUND)
+    assert type(out.get(timeout=BOUND)) is PortalClosed
+    assert not engine._cancel_requested, "main was cancelled instead of closing"
+    assert engine.failure is None
+
+
+def test_a_cancel_asked_before_the_loop_runs_still_stops_main() -> None:
+    """A start that times out before ``trio.run`` has set the token (a tiny
+    ``start_timeout`` on a busy host) can only leave a flag: the root task must look at it
+    as it starts, or main runs on with nobody to close it (mutation review 2026-12-05:
+    dropping that look survived; the race it covers is not reachable deterministically
+    through ``start``, so the engine is built and started by hand here)."""
+
+    async def main(ctx: EngineContext[None]) -> None:
+        ctx.started()
+        await ctx.wait_closing()
+
+    engine: EngineThread[None] = EngineThread(main, "test-engine")
+    engine._request_cancel()  # no token yet: the flag alone
+    engine._thread.start()
+    try:
+        engine._thread.join(BOUND)
+        assert not engine._thread.is_alive(), "main ran on past the cancel it was asked"
+    finally:
+        engine.close(timeout=BOUND)
+
+
+def test_a_close_asked_before_the_loop_runs_closes_main_gracefully() -> None:
+    """A close() that takes the engine's lock before ``trio.run`` has set the token (the
+    exit hook closing an engine still starting) cannot post the closing signal: the root
+    task must set it as it starts, so main closes on its own (mutation review 2026-12-05:
+    dropping that survived; built and started by hand, as the race is not reachable
+    deterministically through ``start``)."""
+    graceful = threading.Event()
+
+    async def main(ctx: EngineContext[None]) -> None:
+        ctx.started()
+        await ctx.wait_closing()
+        graceful.set()
+
+    engine: EngineThread[None] = EngineThread(main, "test-engine")
+    with engine._lock:
+        engine._closing = True  # what close() does under the lock; no token to post to
+    engine._thread.start()
+    try:
+        assert graceful.wait(BOUND), "main never saw the close asked before it ran"
+    finally:
+        engine._request_cancel()
+        engine._thread.join(BOUND)
+    assert not engine._thread.is_alive()
+    assert engine.failure is None
+
+
+def test_close_soon_after_a_close_that_timed_out_says_it_asked_nothing() -> None:
+    """``close_soon`` is True only when it asked a running engine to stop. After a close()
+    that gave up on a wedged engine, the stop was asked already: False, so that dropping
+    such a node does not warn "unclosed: call close()" to a host that did (mutation
+    review 2026-12-05: ignoring ``closing`` there survived the suite)."""
+    wedged, release = threading.Event(), threading.Event()
+
+    async def wedge() -> None:
+        wedged.set()
+        release.wait(BOUND)  # a blocking, non-Trio call: the loop cannot run at all
+
+    engine = start()
+    try:
+        engine.spawn_soon(wedge)
+        assert wedged.wait(BOUND)
+        with pytest.raises(P2PKVTimeout):
+            engine.close(timeout=SHORT)
+        assert engine.closing
+        assert engine.close_soon() is False
+    finally:
+        release.set()
+    engine.close(timeout=BOUND)
+    assert not engine._thread.is_alive()
+
+
 def test_close_racing_many_callers_gives_each_a_value_or_portal_closed() -> None:
     # Every caller thread keeps calling while close() lands at an arbitrary point: each
     # call must return its value or raise PortalClosed, nothing else, and none may hang.
