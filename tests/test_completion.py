@@ -120,6 +120,31 @@ async def test_a_cancelled_wait_leaves_its_handle_alone_and_the_poller_parks(
         assert transport.polls[id(handle)] == polled and steps.steps == before
 
 
+class FailingTransport(CountingTransport):
+    """FAKE data plane: each handle is PROC for ``polls_until_done`` polls, then ERR (a
+    transfer the NIC failed after it began)."""
+
+    def poll(self, handle: Any) -> TransferState:
+        state = super().poll(handle)
+        return TransferState.ERR if state is TransferState.DONE else state
+
+
+async def test_a_transfer_that_fails_after_it_began_ends_its_wait_with_err(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A handle found PROC, then ERR, settles with ERR at that poll: the waiter (a fetch)
+    learns of the failure at once, and the poller parks (mutation review 2026-12-05:
+    settling only DONE and scheduling every other state again survived the suite, since
+    every failing FAKE failed at the first poll, the wait's own; the wait then ran to the
+    fetch's deadline)."""
+    transport = FailingTransport(polls_until_done=3)
+    poller = CompletionPoller(transport)  # type: ignore[arg-type]
+    async with running(poller):
+        with trio.fail_after(1.0):
+            assert await poller.wait(make_handle()) is TransferState.ERR
+        assert poller.in_flight == 0
+
+
 async def test_dropping_the_last_demand_parks_the_poller_at_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
