@@ -520,6 +520,28 @@ _KNOWN_FIELDS: Final = frozenset(
 )
 
 
+def _scalar_unpacker(body: bytes) -> msgpack.Unpacker:
+    """An unpacker of ``body`` that builds scalars only (strings and blobs up to
+    ``MAX_METADATA``): a container or an ext is refused as it is met, so a caller reads
+    the top map's header itself and each value one by one, or skips it unbuilt."""
+    u = msgpack.Unpacker(
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        max_buffer_size=max(len(body), 1),
+        max_str_len=MAX_METADATA,
+        max_bin_len=MAX_METADATA,
+        max_array_len=0,
+        max_map_len=0,
+        max_ext_len=0,
+        ext_hook=_reject_ext,
+        list_hook=_reject_nested,
+        object_hook=_reject_nested,
+    )
+    u.feed(body)
+    return u
+
+
 def _unpack_body(body: bytes) -> object:
     """Unpack one frame body of the only shape a message has: a map of scalars and
     lists of scalars.
@@ -538,21 +560,7 @@ def _unpack_body(body: bytes) -> object:
     not mean unpacking 65,536 objects per list of it, before the frame's type (or a
     hello's proof) is even looked at. A field named twice is refused.
     """
-    u = msgpack.Unpacker(
-        raw=False,
-        strict_map_key=True,
-        use_list=True,
-        ext_hook=_reject_ext,
-        max_buffer_size=max(len(body), 1),
-        max_str_len=MAX_METADATA,
-        max_bin_len=MAX_METADATA,
-        max_array_len=0,
-        max_map_len=0,
-        max_ext_len=0,
-        list_hook=_reject_nested,
-        object_hook=_reject_nested,
-    )
-    u.feed(body)
+    u = _scalar_unpacker(body)
     if body[0] in _ARRAY_HEADERS:
         raise RemoteProtocolError("frame is not a map but list")
     if body[0] not in _MAP_HEADERS:
@@ -719,19 +727,7 @@ def _hello_version(body: bytes) -> tuple[int, str | None] | None:
     ``hello`` with a u64 ``version_major``, whatever its other fields hold; else ``None``.
     Only those three fields are unpacked (each a scalar; the rest is skipped unbuilt, as
     :func:`_unpack_body` skips unknown fields), so it costs no more than that did."""
-    u = msgpack.Unpacker(
-        raw=False,
-        max_buffer_size=max(len(body), 1),
-        max_str_len=MAX_METADATA,
-        max_bin_len=MAX_METADATA,
-        max_array_len=0,
-        max_map_len=0,
-        max_ext_len=0,
-        ext_hook=_reject_ext,
-        list_hook=_reject_nested,
-        object_hook=_reject_nested,
-    )
-    u.feed(body)
+    u = _scalar_unpacker(body)
     wanted = {"t", "version_major", "peer_id"}
     found: dict[str, object] = {}
     try:

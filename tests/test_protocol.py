@@ -327,6 +327,20 @@ INCOMPATIBLE: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+def assert_rejected_both_ways(pair: ConnectionPair, hello_a: bytes, reason: str) -> None:
+    """``pair.a`` rejected ``pair.b``'s hello for ``reason``: a closed, having sent its
+    ``handshake`` bye; fed a's hello and that bye, b learns why and closes too."""
+    a, b = pair.a, pair.b
+    assert a.state is State.CLOSED
+    assert a.close_reason == ("handshake", reason)
+    assert sent(a) == [Bye(code="handshake", reason=reason)]
+    assert a.next_event() is None
+    pair.feed(b, hello_a + encode(Bye(code="handshake", reason=reason)))
+    assert pair.log[b] == [HelloReceived(hello_for(a.local)), ByeReceived("handshake", reason)]
+    assert b.state is State.CLOSED
+    assert b.close_reason == ("handshake", reason)
+
+
 @pytest.mark.parametrize(
     ("changes", "match"), [pytest.param(c, m, id=i) for i, c, m in INCOMPATIBLE]
 )
@@ -340,17 +354,8 @@ def test_incompatible_hello_rejects_the_handshake(changes: dict[str, Any], match
     a.receive_data(encode(bad))
     with pytest.raises(HandshakeRejected, match=match) as info:
         a.next_event()
-    reason = info.value.reason
     assert not info.value.remote
-    assert a.state is State.CLOSED
-    assert a.close_reason == ("handshake", reason)
-    assert sent(a) == [Bye(code="handshake", reason=reason)]
-    assert a.next_event() is None
-    # The other side learns why.
-    pair.feed(b, hello_a + encode(Bye(code="handshake", reason=reason)))
-    assert pair.log[b] == [HelloReceived(hello_for(a.local)), ByeReceived("handshake", reason)]
-    assert b.state is State.CLOSED
-    assert b.close_reason == ("handshake", reason)
+    assert_rejected_both_ways(pair, hello_a, info.value.reason)
 
 
 def test_a_region_whose_last_byte_is_the_top_of_the_address_space_is_accepted() -> None:
@@ -396,13 +401,7 @@ def test_a_hello_of_another_major_version_is_refused_by_its_version_whatever_its
     reason = info.value.reason
     assert reason == f"protocol version {PROTOCOL_MAJOR + 1} != {PROTOCOL_MAJOR}"
     assert info.value.peer == "b" and not info.value.remote
-    assert a.state is State.CLOSED
-    assert a.close_reason == ("handshake", reason)
-    assert sent(a) == [Bye(code="handshake", reason=reason)]
-    assert a.next_event() is None
-    # The other side learns why, as a rejected handshake.
-    pair.feed(b, hello_a + encode(Bye(code="handshake", reason=reason)))
-    assert pair.log[b] == [HelloReceived(hello_for(a.local)), ByeReceived("handshake", reason)]
+    assert_rejected_both_ways(pair, hello_a, reason)
 
 
 def test_a_ready_peer_restarting_into_another_major_on_its_connection_is_a_protocol_error() -> None:
