@@ -14,7 +14,7 @@ import attrs
 from ._switch import MIN_INTERVAL
 from .errors import ConfigError
 from .transport._nixl_agent import MAX_PARALLELISM
-from .wire import U64_MAX
+from .wire import MAX_PEER_ID, U64_MAX
 
 # The smallest max_frame_size: room for a hello whose texts are ASCII (its fields within
 # their limits, ~1.5 KB at most, plus NIXL's metadata: ~300 B and 44 B a registered
@@ -285,8 +285,8 @@ class NodeConfig:
                     f"{field.name} must be at most 2**64 - 1, got an int of "
                     f"{getattr(self, field.name).bit_length()} bits"
                 )
-        if not self.peer_id or len(self.peer_id) > 128:
-            raise ConfigError(f"peer_id must be 1..128 characters, got {self.peer_id!r}")
+        if not self.peer_id or len(self.peer_id) > MAX_PEER_ID:
+            raise ConfigError(f"peer_id must be 1..{MAX_PEER_ID} characters, got {self.peer_id!r}")
         if not self.peer_id.isprintable():
             # Peers refuse a hello whose id is not (it reaches their logs and NIXL's agent
             # names): a node with such an id could connect to nobody.

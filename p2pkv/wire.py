@@ -53,6 +53,7 @@ MAX_FRAME_SIZE: Final = 64 << 20
 MAX_KEYS: Final = 1 << 16
 MAX_KEY_LEN: Final = 1024
 MAX_TEXT: Final = 1024
+MAX_PEER_ID: Final = 128  # characters of a peer id (hello, hello_ack)
 MAX_METADATA: Final = 4 << 20
 # The largest frame a node reads before the peer's hello has passed its checks: a
 # stranger can make it hold no more per connection. A hello is a few KB (NIXL's metadata
@@ -219,7 +220,7 @@ class Hello:
     TAG = "hello"
     version_major: int = attrs.field(validator=_u64)
     version_minor: int = attrs.field(validator=_u64)
-    peer_id: str = attrs.field(validator=_text(128))
+    peer_id: str = attrs.field(validator=_text(MAX_PEER_ID))
     epoch: int = attrs.field(validator=_u64)
     agent_name: str = attrs.field(validator=_text(256))
     agent_metadata: bytes = attrs.field(validator=_blob(MAX_METADATA))
@@ -253,7 +254,7 @@ class Challenge:
 @attrs.frozen(kw_only=True)
 class HelloAck:
     TAG = "hello_ack"
-    peer_id: str = attrs.field(validator=_text(128))
+    peer_id: str = attrs.field(validator=_text(MAX_PEER_ID))
     epoch: int = attrs.field(validator=_u64)  # the epoch being acknowledged (the peer's)
     auth: bytes | None = attrs.field(default=None, validator=_opt_blob(64))
 
@@ -749,7 +750,7 @@ def _hello_version(body: bytes) -> tuple[int, str | None] | None:
     major, peer_id = found.get("version_major"), found.get("peer_id")
     if found.get("t") != "hello" or type(major) is not int or not 0 <= major <= U64_MAX:
         return None
-    if type(peer_id) is not str or len(peer_id) > 128:
+    if type(peer_id) is not str or len(peer_id) > MAX_PEER_ID:
         peer_id = None
     return major, peer_id
 

@@ -54,6 +54,7 @@ from .protocol import (
 from .turns import Turn
 
 if TYPE_CHECKING:
+    from ..config import NodeConfig
     from ..node import Node
 
 log = logging.getLogger("p2pkv.session")
@@ -71,10 +72,14 @@ def checksums(view: memoryview, block_len: int, slots: Sequence[int]) -> list[in
     return [zlib.crc32(view[s * block_len : (s + 1) * block_len]) for s in slots]
 
 
-def peer_part(bound: int, share: float) -> int:
-    """What one peer's rounds may hold pinned of a node-wide ``bound`` on pins
-    (``NodeConfig.max_pinned_peer_share``): at least one slot where the bound has one."""
-    return bound if share >= 1 else min(bound, max(1, int(bound * share)))
+def peer_pin_cap(cfg: NodeConfig, bound: int | None) -> int:
+    """What one peer's rounds may hold pinned: ``max_pinned_blocks``, and where pins
+    have a node-wide ``bound`` (None: none), at most its ``max_pinned_peer_share`` of it
+    (at least one slot where the bound has one)."""
+    cap, share = cfg.max_pinned_blocks, cfg.max_pinned_peer_share
+    if bound is None:
+        return cap
+    return min(cap, bound if share >= 1 else min(bound, max(1, int(bound * share))))
 
 
 async def summed(node: Node, slots: Sequence[int]) -> list[int]:
@@ -149,11 +154,9 @@ class ProducerSide(SessionParts):
         pins = self.node.pin_source
         if pins is not None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             # The host pins, on its own thread: one request, bounded by its answer deadline.
-            cap = cfg.max_pinned_blocks
-            if isinstance(pins, HostPins) and pins.max_blocks is not None:
-                # This peer's part of the host's bound (another pin source bounds itself).
-                cap = min(cap, peer_part(pins.max_blocks, cfg.max_pinned_peer_share))
-            room = max(cap - self._pins_counted(), 0)
+            # This peer's part of the host's bound (another pin source bounds itself).
+            bound = pins.max_blocks if isinstance(pins, HostPins) else None
+            room = max(peer_pin_cap(cfg, bound) - self._pins_counted(), 0)
             self.host_waits += 1  # a probe meanwhile waits for the wait's end
             try:
                 got = await pins.pin(held.owner, keys[:room])
@@ -174,10 +177,7 @@ class ProducerSide(SessionParts):
             # many rounds pin them, so below 1 a slot pinned again takes room too).
             share = cfg.max_pinned_share
             shared = int(store.num_blocks * share) if share < 1 else 1 << 62
-            cap = cfg.max_pinned_blocks
-            if share < 1:  # this peer's part of the shared bound
-                cap = min(cap, peer_part(shared, cfg.max_pinned_peer_share))
-            room = cap - self._pins_counted()
+            room = peer_pin_cap(cfg, shared if share < 1 else None) - self._pins_counted()
             i = 0
             while i < len(keys) and (room := min(room, shared - store.pinned_slots)) > 0:
                 n = min(turn.room(), len(keys) - i)
