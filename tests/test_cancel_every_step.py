@@ -169,6 +169,19 @@ async def fetch_right_bytes(src: Node, dst: Node, peer: Peer | str, keys: list[b
     forget(dst, src, keys)
 
 
+def refetch(
+    src: Node, dst: Node, peer: Peer | str, keys: list[bytes]
+) -> Callable[[bool], Awaitable[None]]:
+    """An ``after`` for :func:`sweep`: what a run loaded is evicted (its bytes checked),
+    and a fresh fetch of the same keys loads the producer's bytes."""
+
+    async def after(cut: bool) -> None:
+        forget(dst, src, keys)
+        await fetch_right_bytes(src, dst, peer, keys)
+
+    return after
+
+
 async def sweep(
     src: Node,
     dst: Node,
@@ -289,11 +302,7 @@ async def test_a_fetch_cancelled_at_any_step_loses_nothing(
 ) -> None:
     with trio.fail_after(3_000):
         async with connected(mode) as (src, dst, peer, keys):
-
-            async def after(cut: bool) -> None:
-                forget(dst, src, keys)
-                await fetch_right_bytes(src, dst, peer, keys)
-
+            after = refetch(src, dst, peer, keys)
             await sweep(src, dst, lambda: dst.fetch(peer, keys), after=after)
 
 
@@ -322,41 +331,21 @@ async def test_a_fetch_of_a_looked_up_round_cancelled_at_any_step_loses_nothing(
             await sweep(src, dst, lambda: dst.fetch(peer, keys, handle), before=held, after=after)
 
 
-async def test_a_fetch_of_several_rounds_cancelled_at_any_step_loses_nothing(
-    mode: Mode, autojump_clock: trio.testing.MockClock
+@pytest.mark.parametrize(
+    "dst_kw",
+    [
+        pytest.param({"max_keys_per_request": 2}, id="rounds"),  # three, a task each
+        pytest.param({"max_landing_share": 2 / 64}, id="parts"),  # our share: two slots
+    ],
+)
+async def test_a_fetch_of_several_rounds_or_parts_cancelled_at_any_step_loses_nothing(
+    dst_kw: dict[str, Any], mode: Mode, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """Five keys at two per request: three rounds, each in a task of its own."""
+    """Five keys at two per request (three rounds, each in a task of its own), or with
+    the peer's share of our store two slots (fetched in parts)."""
     with trio.fail_after(3_000):
-        async with connected(mode, dst_kw={"max_keys_per_request": 2}, n=5) as (
-            src,
-            dst,
-            peer,
-            keys,
-        ):
-
-            async def after(cut: bool) -> None:
-                forget(dst, src, keys)
-                await fetch_right_bytes(src, dst, peer, keys)
-
-            await sweep(src, dst, lambda: dst.fetch(peer, keys), after=after)
-
-
-async def test_a_fetch_in_parts_cancelled_at_any_step_loses_nothing(
-    mode: Mode, autojump_clock: trio.testing.MockClock
-) -> None:
-    """Five keys, the peer's share of our store two slots: fetched in parts."""
-    with trio.fail_after(3_000):
-        async with connected(mode, dst_kw={"max_landing_share": 2 / 64}, n=5) as (
-            src,
-            dst,
-            peer,
-            keys,
-        ):
-
-            async def after(cut: bool) -> None:
-                forget(dst, src, keys)
-                await fetch_right_bytes(src, dst, peer, keys)
-
+        async with connected(mode, dst_kw=dst_kw, n=5) as (src, dst, peer, keys):
+            after = refetch(src, dst, peer, keys)
             await sweep(src, dst, lambda: dst.fetch(peer, keys), after=after)
 
 
@@ -474,6 +463,25 @@ def beside(
     return run
 
 
+def fetch_beside(
+    src: Node, dst: Node, peer: Peer, keys: list[bytes], theirs: list[bytes]
+) -> tuple[Callable[[], Awaitable[None]], Callable[[bool], Awaitable[None]]]:
+    """An uncut fetch of ``theirs`` to run beside the swept one, and the ``after`` that
+    checks it loaded all of them, then refetches ``keys`` (:func:`refetch`)."""
+    results: list[Any] = []
+
+    async def other() -> None:
+        results.append(await dst.fetch(peer, theirs))
+
+    async def after(cut: bool) -> None:
+        (r,) = results
+        results.clear()
+        assert r.failed == {} and sorted(r.loaded) == sorted(theirs)
+        await refetch(src, dst, peer, keys)(cut)
+
+    return other, after
+
+
 @pytest.mark.parametrize("other_first", [True, False], ids=["sharer_cut", "first_cut"])
 async def test_a_fetch_sharing_keys_with_another_cut_at_any_step_fails_the_other_nothing(
     other_first: bool, mode: Mode, autojump_clock: trio.testing.MockClock
@@ -483,18 +491,7 @@ async def test_a_fetch_sharing_keys_with_another_cut_at_any_step_fails_the_other
     whichever began first."""
     with trio.fail_after(3_000):
         async with connected(mode) as (src, dst, peer, keys):
-            results: list[Any] = []
-
-            async def other() -> None:
-                results.append(await dst.fetch(peer, keys))
-
-            async def after(cut: bool) -> None:
-                (r,) = results
-                results.clear()
-                assert r.failed == {} and sorted(r.loaded) == sorted(keys)
-                forget(dst, src, keys)
-                await fetch_right_bytes(src, dst, peer, keys)
-
+            other, after = fetch_beside(src, dst, peer, keys, keys)
             await sweep(
                 src,
                 dst,
@@ -517,18 +514,7 @@ async def test_a_fetch_waiting_for_a_request_slot_cut_at_any_step_loses_nothing(
             keys,
         ):
             mine, theirs = keys[:3], keys[3:]
-            results: list[Any] = []
-
-            async def other() -> None:
-                results.append(await dst.fetch(peer, theirs))
-
-            async def after(cut: bool) -> None:
-                (r,) = results
-                results.clear()
-                assert r.failed == {} and sorted(r.loaded) == sorted(theirs)
-                forget(dst, src, keys)
-                await fetch_right_bytes(src, dst, peer, keys)
-
+            other, after = fetch_beside(src, dst, peer, keys, theirs)
             for other_first in (True, False):
                 await sweep(
                     src,
@@ -551,10 +537,7 @@ async def test_a_fetch_retrying_keys_whose_lease_ended_cut_at_any_step_loses_not
                 assert await dst.lookup(peer, keys) == [True] * len(keys)
                 await until(lambda: src.statistics().pinned_slots == 0, poll=0.05)
 
-            async def after(cut: bool) -> None:
-                forget(dst, src, keys)
-                await fetch_right_bytes(src, dst, peer, keys)
-
+            after = refetch(src, dst, peer, keys)
             await sweep(src, dst, lambda: dst.fetch(peer, keys), before=before, after=after)
 
 
@@ -640,9 +623,6 @@ async def test_over_nixl_a_fetch_cancelled_at_any_step_loses_nothing(no_agent_le
             peer = await dst.connect(src.address)
             await fetch_right_bytes(src, dst, peer, keys)
 
-            async def after(cut: bool) -> None:
-                forget(dst, src, keys)
-                await fetch_right_bytes(src, dst, peer, keys)
-
+            after = refetch(src, dst, peer, keys)
             await sweep(src, dst, lambda: dst.fetch(peer, keys), after=after)
             await sweep(src, dst, lambda: dst.fetch_into(peer, keys, [40, 41, 42]))
