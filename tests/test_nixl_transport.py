@@ -1282,6 +1282,38 @@ def test_loading_nixl_leaves_the_hosts_logging_raise_exceptions_alone() -> None:
     assert result.stdout.split()[-1:] == ["True"]
 
 
+def test_loading_nixl_leaves_the_hosts_log_handlers_and_disabled_loggers_alone(
+    tmp_path: Path,
+) -> None:
+    """NIXL's logging set-up runs ``logging.config.dictConfig``, which closes every handler
+    the host has (a log file opened with mode 'w' then drops every later record) and turns
+    back on every logger the host turned off. Loading NIXL must leave both as they were and
+    still give NIXL's own logger what NIXL configures: a handler on stdout, the level
+    ``NIXL_LOG_LEVEL`` names, no propagation (guest review, 2026-12-06)."""
+    log = tmp_path / "host.log"
+    code = (
+        "import logging, sys\n"
+        f"logging.basicConfig(filename={str(log)!r}, filemode='w', level=logging.INFO)\n"
+        "logging.getLogger('host.quiet').disabled = True\n"
+        "logging.info('before')\n"
+        "from p2pkv.transport import _nixl_agent\n"
+        "_nixl_agent.load_nixl()\n"
+        "logging.info('after')\n"
+        "nixl = logging.getLogger('nixl')\n"
+        "[handler] = nixl.handlers\n"
+        "print(logging.getLogger('host.quiet').disabled, nixl.propagate,\n"
+        "      logging.getLevelName(nixl.level), handler.stream is sys.stdout)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
+    env.update(PYTHONPATH=child_pythonpath(), NIXL_LOG_LEVEL="ERROR")
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-4:] == ["True", "False", "ERROR", "True"]
+    assert log.read_text().splitlines() == ["INFO:root:before", "INFO:root:after"]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_child_forked_while_a_thread_held_the_agent_registry_can_use_it() -> None:
     """A thread of the parent may be inside the registry (creating or closing a transport)

@@ -54,10 +54,14 @@ loaded replaces that agent's entry, so a check after the call would come too lat
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import gc
 import importlib
+import importlib.machinery
+import importlib.util
 import logging
+import logging.config
 import os
 import sys
 import threading
@@ -174,6 +178,7 @@ def load_nixl() -> NixlBinding:
         try:
             for name in _CANDIDATES:
                 try:
+                    _preconfigure_nixl_logging(name.partition(".")[0])
                     api = importlib.import_module(name)
                 except ImportError as exc:
                     failures.append(f"{name}: {exc}")
@@ -189,6 +194,58 @@ def load_nixl() -> NixlBinding:
             "CPU torch first or use --no-deps): " + "; ".join(failures),
             op="import",
         )
+
+
+def _preconfigure_nixl_logging(package: str) -> None:
+    """Do NIXL's logging set-up for it, without what it does to the host's logging.
+
+    ``<package>.logging.setup_logging`` (run as NIXL's API module loads) configures the
+    ``nixl`` logger with ``logging.config.dictConfig``, which also closes every handler the
+    host already has (a log file opened with mode 'w' drops every later record, a
+    MemoryHandler loses its target) and turns back on every logger the host turned off.
+    So, before the package loads, its logging module is loaded here on its own, the loggers
+    of its ``LOGGING_CONFIG`` are configured one by one as dictConfig would (a handler on
+    stdout, no propagation), its ``set_log_level_by_env`` applies ``NIXL_LOG_LEVEL``, and
+    its set-up is marked done, so it never runs. A NIXL whose logging module is not shaped
+    like that (another version), or a package already loaded, is left to itself."""
+    name = f"{package}.logging"
+    if package in sys.modules or name in sys.modules:
+        return
+    try:
+        spec = importlib.util.find_spec(package)  # finds the package; does not run it
+        locations = None if spec is None else spec.submodule_search_locations
+        sub = None if not locations else importlib.machinery.PathFinder.find_spec(name, locations)
+        if sub is None or sub.loader is None:
+            return
+        module = importlib.util.module_from_spec(sub)
+        sys.modules[name] = module
+        try:
+            sub.loader.exec_module(module)
+            config = getattr(module, "LOGGING_CONFIG", None)
+            by_env = getattr(module, "set_log_level_by_env", None)
+            if getattr(module, "_logging_configured", None) is not False:
+                raise LookupError("no _logging_configured flag")
+            if not isinstance(config, dict) or not callable(by_env):
+                raise LookupError("no LOGGING_CONFIG or set_log_level_by_env")
+            conf = logging.config.DictConfigurator(copy.deepcopy(config))
+            formatters: Any = conf.config.get("formatters", {})
+            for key in list(formatters):
+                formatters[key] = conf.configure_formatter(formatters[key])
+            handlers: Any = conf.config.get("handlers", {})
+            for key in list(handlers):
+                handler = conf.configure_handler(handlers[key])
+                handler.name = key
+                handlers[key] = handler
+            loggers: Any = conf.config.get("loggers", {})
+            for key in list(loggers):
+                conf.configure_logger(key, loggers[key])
+            by_env(logging.getLogger("nixl"))
+            vars(module)["_logging_configured"] = True
+        except BaseException:
+            sys.modules.pop(name, None)  # the package's own import loads it afresh
+            raise
+    except Exception as exc:  # NIXL then sets its logging up itself, as it would anyway
+        _log.debug("NIXL's logging set-up left to NIXL (%s): %r", package, exc)
 
 
 def resolve_parallelism(
