@@ -1314,6 +1314,34 @@ def test_loading_nixl_leaves_the_hosts_log_handlers_and_disabled_loggers_alone(
     assert log.read_text().splitlines() == ["INFO:root:before", "INFO:root:after"]
 
 
+def test_a_nixl_node_leaves_the_hosts_sighup_handler_in_place() -> None:
+    """UCX installs a native handler for its debug signal, SIGHUP unless
+    ``UCX_DEBUG_SIGNO`` says otherwise, as its first agent starts: the host's own SIGHUP
+    handler (``p2pkv serve``'s graceful stop among them) never ran again, even after the
+    node closed, and a process left with SIGHUP's default no longer ended on it. The host's
+    handler must run while a node lives and after it closed (guest review, 2026-12-06)."""
+    code = (
+        "import signal\n"
+        "import p2pkv\n"
+        "from p2pkv.facade import start_node\n"
+        "got = []\n"
+        "signal.signal(signal.SIGHUP, lambda signum, frame: got.append(signum))\n"
+        "cfg = p2pkv.NodeConfig(peer_id='a', transport='nixl', num_blocks=16,\n"
+        "                       block_len=65536, host='127.0.0.1')\n"
+        "with start_node(cfg):\n"
+        "    signal.raise_signal(signal.SIGHUP)\n"
+        "signal.raise_signal(signal.SIGHUP)\n"
+        "print(len(got))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_DEBUG_SIGNO"}
+    env.update(PYTHONPATH=child_pythonpath())
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1:] == ["2"], "UCX took the host's SIGHUP"
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_child_forked_while_a_thread_held_the_agent_registry_can_use_it() -> None:
     """A thread of the parent may be inside the registry (creating or closing a transport)

@@ -101,6 +101,9 @@ def nixl_cause(exc: BaseException) -> BaseException:
 ENV_DEFAULTS = {
     "UCX_MEM_MMAP_HOOK_MODE": "none",  # first agent: 0.43 s -> 16-40 ms
     "NIXL_LOG_LEVEL": "WARN",  # nixl's Python logger prints INFO to stdout otherwise
+    # UCX's debug signal: left at its default (SIGHUP), UCX's first agent puts a native
+    # handler of its own on SIGHUP, in place of the host's (Python's among them), for good.
+    "UCX_DEBUG_SIGNO": "0",
 }
 # Set before an agent over VRAM creates its UCX backend (UCX reads its environment then),
 # where the user has not set them; not earlier: without CUDA, UCX warns about them.
