@@ -24,6 +24,7 @@ the numbers live here because wall-clock windows on a shared 2-core machine are 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import os
@@ -164,6 +165,7 @@ def store_pin() -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.partition("\n")[0]).parse_args()  # --help
     print(f"{time.strftime('%Y-%m-%d %H:%M')}  cores={os.cpu_count()}  load={os.getloadavg()}")
     portal_hops()
     store_pin()

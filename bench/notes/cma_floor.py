@@ -10,6 +10,7 @@ plain memcpy of the same size in one process.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import mmap
 import os
@@ -65,6 +66,7 @@ def one(shm: bool) -> float:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.partition("\n")[0]).parse_args()  # --help
     a = np.ones(N, np.uint8)
     b = np.empty(N, np.uint8)
     b.fill(0)  # touched: page faults are not what this measures
