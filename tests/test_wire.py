@@ -190,23 +190,93 @@ def test_a_frame_of_64_fields_is_within_the_field_limit() -> None:
     assert dec.next_message() == Ping(nonce=7)
 
 
-def test_unknown_fields_are_skipped_without_building_them() -> None:
-    """A 4 MB ping whose 62 unknown fields are lists of 65,536 small ints, within every
-    limit: ignoring them used to mean building each (~32 MB of lists and ~100 ms of the
-    Trio thread, before the frame's type or a hello's proof is looked at); they are now
-    skipped unbuilt. The peak is two copies of the body (the general decoder's and the
-    unpacker's buffer)."""
+def test_fields_no_message_has_are_walked_no_further_than_max_ignored_values() -> None:
+    """A 4 MB ping whose 62 fields no message has are lists of 65,536 small ints: each
+    element is a step of the decoder (a skip walks them as a read does), so such a field
+    once cost ~20 ms of the Trio thread per 4 MB, and a 16 MiB frame of one-byte elements
+    54-86 ms, on a session that stayed up. The values inside such fields are now walked
+    one by one, at most ``MAX_IGNORED_VALUES`` in a frame, past which it is refused,
+    unbuilt; within it they are still ignored."""
     fields: dict[str, object] = {f"x{i}": [0] * 65536 for i in range(62)}
     body = msgpack.packb({"nonce": 1, **fields, "t": "ping"}, use_bin_type=True)
     dec = FrameDecoder()
     dec.feed(struct.pack(">I", len(body)) + body)
     tracemalloc.start()
     try:
-        assert dec.next_message() == Ping(nonce=1)
+        with pytest.raises(RemoteProtocolError, match="nest more than 4096 values"):
+            dec.next_message()
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 3 * len(body), f"decoding a {len(body)}-byte frame peaked at {peak} bytes"
+    within = {"x0": [0] * 4000, "x1": [b"x" * 4096] * 95, "x2": "s" * 100_000}
+    body = msgpack.packb({"nonce": 1, **within, "t": "ping"}, use_bin_type=True)
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    assert dec.next_message() == Ping(nonce=1)
+
+
+def test_a_frames_known_lists_hold_at_most_max_list_elements_together() -> None:
+    """Fields of other messages are read as lists too (and then ignored): all of a
+    frame's known lists hold at most a fetch's keys and slots."""
+    assert wire.MAX_LIST_ELEMENTS == 2 * MAX_KEYS
+    known = {"keys": [b"k"] * MAX_KEYS, "slots": [0] * MAX_KEYS, "hits": [True]}
+    body = msgpack.packb({"nonce": 1, **known, "t": "ping"}, use_bin_type=True)
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(RemoteProtocolError, match="lists hold more than 131072 elements"):
+        dec.next_message()
+
+
+_PAST_NESTED = {f"k{i}": [0, [1]] for i in range(wire.MAX_IGNORED_VALUES // 4)}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [[[0] * 4096], [0, {"a": [0] * 4096}], _PAST_NESTED],
+    ids=["list-in-list", "map-in-list", "map"],
+)
+def test_a_field_no_message_has_is_refused_past_what_a_frame_may_make_us_walk(
+    value: object,
+) -> None:
+    """Lists and maps (a newer version's structure) are walked value by value, at every
+    level, at most ``MAX_IGNORED_VALUES`` of them. A skip would walk them whole, however
+    deep and long (up to a frame's bytes)."""
+    body = msgpack.packb({"nonce": 1, "added": value, "t": "ping"}, use_bin_type=True)
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(RemoteProtocolError, match="nest more than 4096 values"):
+        dec.next_message()
+
+
+def test_a_map_no_message_has_is_walked_and_ignored_within_the_budget() -> None:
+    within = {f"k{i}": [0, {"x": [1]}] for i in range(wire.MAX_IGNORED_VALUES // 8 - 1)}
+    body = msgpack.packb({"nonce": 1, "added": within, "e": {}, "t": "ping"}, use_bin_type=True)
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    assert dec.next_message() == Ping(nonce=1)
+
+
+def test_the_hot_decoder_stops_at_a_field_no_hot_message_has_before_its_value() -> None:
+    """The field's value announces 2**32 - 1 elements and holds none: a decoder that read
+    (or skipped) it would report the frame cut short. The hot one refuses it by its name:
+    it no longer looks for the tag (last) first, skipping every value before it."""
+    import msgspec
+
+    body = b"\x83" + msgpack.packb("junk") + b"\xdd\xff\xff\xff\xff"
+    with pytest.raises(msgspec.ValidationError, match="unknown field `junk`"):
+        wire._hot_decode(body)
+    assert wire._decode_hot(body) is None
+
+
+def test_a_hellos_version_is_not_looked_for_past_the_frames_list_budget() -> None:
+    """A frame the general path refused is read once more for a hello's version; that
+    read walks no more than the first one may (a list past the budget ends it)."""
+    big = [0] * (MAX_KEYS + 1)
+    body = msgpack.packb({"junk": big, "t": "hello", "version_major": 9}, use_bin_type=True)
+    assert wire._hello_version(body) is None
+    body = msgpack.packb({"junk": [1, 2], "t": "hello", "version_major": 9, "peer_id": "p"})
+    assert wire._hello_version(body) == (9, "p")
 
 
 @pytest.mark.parametrize("element", [b"\x90", b"\x80"], ids=["empty-lists", "empty-maps"])
