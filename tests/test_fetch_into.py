@@ -540,6 +540,33 @@ async def test_fetch_into_within_gives_up_on_a_lookup_that_is_never_answered(
             assert_left_no_trace(dst)
 
 
+async def test_fetch_into_within_still_reports_loaded_the_keys_that_landed_before_the_cut(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One key lands on a held round at once; the other's lookup is never answered and
+    is cut at ``within``. The landed key is reported loaded (its slot holds its bytes),
+    only the other "timed out" (mutation review 2026-12-06: the cut's "cancelled" for
+    the undecided keys also overwrote the keys already loaded, and survived: every
+    ``within`` test cut every key)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with hand_served(
+            {"lookup_timeout": 60.0, "fetch_timeout": 60.0, "quarantine": 6.0},
+            n_blocks=2,
+            virtual=True,
+        ) as (dst, producer):
+            peer = producer.raw.peer_id
+            k0, k1 = producer.blocks
+            rnd = await dst.lookup_round(peer, [k0])
+            producer.mute = True  # k1's lookup is never answered
+            start = trio.current_time()
+            r = await dst.fetch_into(peer, [k0, k1], [5, 7], rounds=rnd, within=3.0)
+            assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)
+            assert r.loaded == [k0] and r.failed == {k1: "timed out"}
+            assert slot_bytes(dst, 5) == producer.blocks[k0]
+            assert [f.keys for f in producer.sent(FetchRequested)] == [[k0]]
+            assert_left_no_trace(dst)
+
+
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), "3"])
 async def test_fetch_into_refuses_a_bad_within_before_anything_is_sent(bad: object) -> None:
     with trio.fail_after(BOUND):
