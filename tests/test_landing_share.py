@@ -25,8 +25,9 @@ import trio.testing
 
 from p2pkv import Node, Peer, open_node
 from p2pkv.session.shares import LandingShares
+from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
 
-from .helpers import FaultFactory, VirtualOffload, config, fill
+from .helpers import FaultFactory, FaultTransport, VirtualOffload, config, fill
 from .helpers import virtual_node as node
 
 OVER_SHARE = "over the peer's share of our store (max_landing_share)"
@@ -114,6 +115,45 @@ async def test_a_fetch_larger_than_the_share_loads_in_parts(
             assert factory.transport.posts == 4  # four parts of four slots, one after another
             assert dst.statistics().store.reserved == 0
             assert src.statistics().pinned_slots == 0
+
+
+class HangsAfterTheFirstPost(FaultTransport):
+    """FAKE: the first posted write settles; every later one stays PROC (never settles)."""
+
+    def post_write(
+        self, peer: RemotePeer, local_slots: Sequence[int], remote_slots: Sequence[int]
+    ) -> TransferHandle:
+        h = super().post_write(peer, local_slots, remote_slots)
+        if self.posts > 1:
+            h.native = TransferState.PROC
+        return h
+
+
+async def test_keys_after_a_part_that_fails_fail_as_it_did_not_as_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch of three shares' worth: the first part loads, the second's write never
+    settles (timeout), and the third, never asked for, fails as the second did. Nobody
+    cancelled anything, so no key may say "cancelled" (mutation review 2026-12-06:
+    dropping the reason given to the keys not asked for survived, since every test's
+    failing part was its fetch's first)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory(kind=HangsAfterTheFirstPost)
+        async with (
+            node("src", num_blocks=64, factory=factory, abort_timeout=1.0, quarantine=20.0) as src,
+            node(
+                "dst", num_blocks=16, max_landing_share=0.25, fetch_timeout=4.0, quarantine=20.0
+            ) as dst,
+        ):
+            keys = fill(src.store, 12, 4096)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == keys[:4]
+            assert all(dst.store.get(k) == src.store.get(k) for k in keys[:4])
+            assert result.failed == dict.fromkeys(keys[4:], "timeout")
+            assert factory.transport.posts == 2  # the third part was never asked for
+            st = dst.statistics()
+            assert st.store.reserved == 0 and st.quarantined_slots == 4
 
 
 async def test_after_a_give_up_the_peers_quarantined_slots_keep_its_next_fetch_out(
