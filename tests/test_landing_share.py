@@ -117,6 +117,27 @@ async def test_a_fetch_larger_than_the_share_loads_in_parts(
             assert src.statistics().pinned_slots == 0
 
 
+async def test_a_share_smaller_than_one_block_still_lets_one_block_land_at_a_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``max_landing_share`` of a small store may be under one block; the share is then
+    one block, never none (mutation review 2026-12-06: the cap without its floor of one
+    survived, and with it every fetch from every peer failed "over the peer's share")."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with (
+            node("src", factory=factory) as src,
+            node("dst", num_blocks=16, max_landing_share=0.05) as dst,
+        ):
+            keys = fill(src.store, 3, 4096)
+            peer = await dst.connect(src.address)
+            result = await dst.fetch(peer, keys)
+            assert result.loaded == keys and not result.failed
+            assert all(dst.store.get(k) == src.store.get(k) for k in keys)
+            assert factory.transport.posts == 3  # a part of one block each
+            assert dst.statistics().store.reserved == 0
+
+
 class HangsAfterTheFirstPost(FaultTransport):
     """FAKE: the first posted write settles; every later one stays PROC (never settles)."""
 
