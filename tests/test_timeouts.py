@@ -341,11 +341,19 @@ async def test_producer_lease_expiry_releases_pins_and_fails_a_late_fetch(
             await raw.aclose()
 
 
+@pytest.mark.parametrize("lookup_timeout", [5.0, 60.0])
 async def test_consumer_closes_rounds_nobody_fetched(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, lookup_timeout: float
 ) -> None:
+    """At 0.9 x lease, also when the lookup's own deadline comes later: the lease timer,
+    armed for that deadline while the lookup waited, must be woken for the round's
+    (mutation review 2026-12-06: publishing the round without waking the timer
+    survived, since at the default lookup_timeout the timer wakes first anyway)."""
     with trio.fail_after(VIRTUAL_BOUND):
-        async with node("src", lease=10.0) as src, node("dst", lease=10.0) as dst:
+        async with (
+            node("src", lease=10.0) as src,
+            node("dst", lease=10.0, lookup_timeout=lookup_timeout) as dst,
+        ):
             keys = fill(src.store, 2, 4096)
             peer = await dst.connect(src.address)
             await dst.lookup(peer, keys)
