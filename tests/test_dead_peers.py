@@ -27,7 +27,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import P2PKVError
+from p2pkv import P2PKVError, SessionClosed
 from p2pkv.session import session as session_mod
 from p2pkv.session.protocol import (
     AbortRequested,
@@ -275,6 +275,11 @@ async def test_a_lookup_waiting_for_a_request_slot_learns_at_once_that_the_sessi
                 snapshot = dict(ended)
         assert snapshot.get("a") is not None and snapshot["a"][0] < 0.5, snapshot
         assert snapshot.get("b") is not None, f"b still waiting 1 s after the session died; {ended}"
+        # Typed as the session's end, as A's: handed the slot by the session's end, B must
+        # not go on to send (mutation review 2026-12-06: without the check after the wait,
+        # B's send on the closed session raised LocalProtocolError, a caller's mistake).
+        for name in ("a", "b"):
+            assert isinstance(snapshot[name][1], SessionClosed), snapshot
 
 
 async def test_concurrent_connects_to_a_silent_address_share_one_dials_deadline(
