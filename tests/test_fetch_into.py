@@ -247,6 +247,36 @@ async def test_a_lookup_split_into_rounds_fetches_each_round_by_hits_when_in_its
                 assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
 
 
+async def test_a_third_fetch_of_the_keys_a_second_one_brings_in_waits_for_it() -> None:
+    """Three fetches, each started once the one before has claimed its keys: X's keys,
+    then Y's, then Z's, the same as Y's. Z waits for Y's transfer: every key is asked for
+    once (mutation review 2026-12-06: a claim made once the claim index existed, left out
+    of it, survived, since every test's sharing fetch shared the keys of the fetch that
+    ran first; Z then fetched Y's keys a second time)."""
+    with trio.fail_after(BOUND):
+        hold = trio.Event()
+        async with hand_served(n_blocks=4, hold=hold) as (dst, producer):
+            peer = producer.raw.peer_id
+            keys = list(producer.blocks)
+            asked = {"x": keys[:2], "y": keys[2:], "z": keys[2:]}
+            results: dict[str, FetchResult] = {}
+
+            async def fetch(name: str) -> None:
+                results[name] = await dst.fetch(peer, asked[name])
+
+            async with trio.open_nursery() as nursery:
+                for name in asked:
+                    nursery.start_soon(fetch, name)
+                    await trio.testing.wait_all_tasks_blocked()  # its claim is made
+                hold.set()
+            for name, ks in asked.items():
+                assert results[name].loaded == ks and not results[name].failed
+            fetched = [k for f in producer.sent(FetchRequested) for k in f.keys]
+            assert sorted(fetched) == sorted(keys), "a key was fetched twice"
+            for k in keys:
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+
+
 async def test_a_producer_speaking_protocol_1_1_is_sent_the_keys() -> None:
     with trio.fail_after(BOUND):
         async with hand_served(n_blocks=2, minor=1) as (dst, producer):
