@@ -575,9 +575,10 @@ async def test_fetch_into_within_still_reports_loaded_the_keys_that_landed_befor
 ) -> None:
     """One key lands on a held round at once; the other's lookup is never answered and
     is cut at ``within``. The landed key is reported loaded (its slot holds its bytes),
-    only the other "timed out" (mutation review 2026-12-06: the cut's "cancelled" for
-    the undecided keys also overwrote the keys already loaded, and survived: every
-    ``within`` test cut every key)."""
+    only the other "timed out", and a key failed before the cut keeps its own reason
+    (mutation review 2026-12-06: the cut's "cancelled" for the undecided keys also
+    overwrote the keys already loaded, and "timed out" every failure, and both survived:
+    every ``within`` test cut every key)."""
     with trio.fail_after(VIRTUAL_BOUND):
         async with hand_served(
             {"lookup_timeout": 60.0, "fetch_timeout": 60.0, "quarantine": 6.0},
@@ -589,9 +590,9 @@ async def test_fetch_into_within_still_reports_loaded_the_keys_that_landed_befor
             rnd = await dst.lookup_round(peer, [k0])
             producer.mute = True  # k1's lookup is never answered
             start = trio.current_time()
-            r = await dst.fetch_into(peer, [k0, k1], [5, 7], rounds=rnd, within=3.0)
+            r = await dst.fetch_into(peer, [k0, b"", k1], [5, 6, 7], rounds=rnd, within=3.0)
             assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)
-            assert r.loaded == [k0] and r.failed == {k1: "timed out"}
+            assert r.loaded == [k0] and r.failed == {b"": "empty key", k1: "timed out"}
             assert slot_bytes(dst, 5) == producer.blocks[k0]
             assert [f.keys for f in producer.sent(FetchRequested)] == [[k0]]
             assert_left_no_trace(dst)
