@@ -98,44 +98,35 @@ async def test_a_producer_that_never_writes_holds_only_its_share_and_others_stil
             assert dst.statistics().quarantined_slots == 8
 
 
+@pytest.mark.parametrize(
+    ("share", "n", "parts"),
+    [
+        pytest.param(0.25, 16, 4, id="four_parts_of_four"),
+        # Under one block of a small store: the share is one block, never none (mutation
+        # review 2026-12-06: the cap without its floor of one survived, and with it every
+        # fetch from every peer failed "over the peer's share").
+        pytest.param(0.05, 3, 3, id="under_one_block"),
+    ],
+)
 async def test_a_fetch_larger_than_the_share_loads_in_parts(
-    autojump_clock: trio.testing.MockClock,
+    share: float, n: int, parts: int, autojump_clock: trio.testing.MockClock
 ) -> None:
+    """A fetch past the peer's share of a 16-slot store loads in parts, one after another,
+    each within the share; the producer's pins and our reservations are all given back."""
     with trio.fail_after(VIRTUAL_BOUND):
         factory = FaultFactory()
         async with (
             node("src", num_blocks=64, factory=factory) as src,
-            node("dst", num_blocks=16, max_landing_share=0.25) as dst,
+            node("dst", num_blocks=16, max_landing_share=share) as dst,
         ):
-            keys = fill(src.store, 16, 4096)
+            keys = fill(src.store, n, 4096)
             peer = await dst.connect(src.address)
             result = await dst.fetch(peer, keys)
             assert result.loaded == keys and not result.failed
             assert all(dst.store.get(k) == src.store.get(k) for k in keys)
-            assert factory.transport.posts == 4  # four parts of four slots, one after another
+            assert factory.transport.posts == parts
             assert dst.statistics().store.reserved == 0
             assert src.statistics().pinned_slots == 0
-
-
-async def test_a_share_smaller_than_one_block_still_lets_one_block_land_at_a_time(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """``max_landing_share`` of a small store may be under one block; the share is then
-    one block, never none (mutation review 2026-12-06: the cap without its floor of one
-    survived, and with it every fetch from every peer failed "over the peer's share")."""
-    with trio.fail_after(VIRTUAL_BOUND):
-        factory = FaultFactory()
-        async with (
-            node("src", factory=factory) as src,
-            node("dst", num_blocks=16, max_landing_share=0.05) as dst,
-        ):
-            keys = fill(src.store, 3, 4096)
-            peer = await dst.connect(src.address)
-            result = await dst.fetch(peer, keys)
-            assert result.loaded == keys and not result.failed
-            assert all(dst.store.get(k) == src.store.get(k) for k in keys)
-            assert factory.transport.posts == 3  # a part of one block each
-            assert dst.statistics().store.reserved == 0
 
 
 class HangsAfterTheFirstPost(FaultTransport):

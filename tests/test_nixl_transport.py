@@ -1263,6 +1263,18 @@ def test_nixl_for_cuda_13_is_taken_before_cuda_12(monkeypatch: pytest.MonkeyPatc
     assert _nixl_agent.load_nixl().api is fakes["nixl_cu12._api"]
 
 
+def run_child(code: str, unset: str, **env: str) -> str:
+    """``code`` run by a fresh interpreter (this package importable, ``unset`` removed from
+    its environment and ``env`` added); its stdout, once it exited 0."""
+    child_env = {k: v for k, v in os.environ.items() if k != unset}
+    child_env.update(PYTHONPATH=child_pythonpath(), **env)
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def test_loading_nixl_leaves_the_hosts_logging_raise_exceptions_alone() -> None:
     """NIXL's logging set-up switches ``logging.raiseExceptions`` off for the whole
     process, which would hide the host's own broken log handlers; the shim puts it back
@@ -1273,13 +1285,7 @@ def test_loading_nixl_leaves_the_hosts_logging_raise_exceptions_alone() -> None:
         "_nixl_agent.load_nixl()\n"
         "print(logging.raiseExceptions)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "NIXL_DEBUG_LOGGING"}
-    env.update(PYTHONPATH=child_pythonpath())
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[-1:] == ["True"]
+    assert run_child(code, "NIXL_DEBUG_LOGGING").split()[-1:] == ["True"]
 
 
 def test_loading_nixl_leaves_the_hosts_log_handlers_and_disabled_loggers_alone(
@@ -1304,13 +1310,8 @@ def test_loading_nixl_leaves_the_hosts_log_handlers_and_disabled_loggers_alone(
         "print(logging.getLogger('host.quiet').disabled, nixl.propagate,\n"
         "      logging.getLevelName(nixl.level), handler.stream is sys.stdout)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "NIXL_LOG_LEVEL"}
-    env.update(PYTHONPATH=child_pythonpath(), NIXL_LOG_LEVEL="ERROR")
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[-4:] == ["True", "False", "ERROR", "True"]
+    out = run_child(code, "NIXL_LOG_LEVEL", NIXL_LOG_LEVEL="ERROR")
+    assert out.split()[-4:] == ["True", "False", "ERROR", "True"]
     assert log.read_text().splitlines() == ["INFO:root:before", "INFO:root:after"]
 
 
@@ -1333,13 +1334,7 @@ def test_a_nixl_node_leaves_the_hosts_sighup_handler_in_place() -> None:
         "signal.raise_signal(signal.SIGHUP)\n"
         "print(len(got))\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "UCX_DEBUG_SIGNO"}
-    env.update(PYTHONPATH=child_pythonpath())
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[-1:] == ["2"], "UCX took the host's SIGHUP"
+    assert run_child(code, "UCX_DEBUG_SIGNO").split()[-1:] == ["2"], "UCX took the host's SIGHUP"
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
