@@ -248,33 +248,22 @@ async def connected(
 # ---------------------------------------------------------------- lookups
 
 
+@pytest.mark.parametrize(
+    ("dst_kw", "n"),
+    [
+        pytest.param(None, 3, id="one_round"),
+        pytest.param({"max_keys_per_request": 2}, 5, id="three_rounds"),  # taken, sent together
+    ],
+)
 async def test_a_lookup_cancelled_at_any_step_loses_nothing(
-    mode: Mode, autojump_clock: trio.testing.MockClock
+    dst_kw: dict[str, Any] | None, n: int, mode: Mode, autojump_clock: trio.testing.MockClock
 ) -> None:
+    """Three keys in one round, or five at two per request (three rounds)."""
     with trio.fail_after(3_000):
-        async with connected(mode) as (src, dst, peer, keys):
+        async with connected(mode, dst_kw=dst_kw, n=n) as (src, dst, peer, keys):
 
             async def after(cut: bool) -> None:
                 if not cut:  # its round is open, its hits pinned: a fetch uses it
-                    await fetch_right_bytes(src, dst, peer, keys)
-
-            await sweep(src, dst, lambda: dst.lookup(peer, keys), after=after)
-
-
-async def test_a_lookup_of_several_rounds_cancelled_at_any_step_loses_nothing(
-    mode: Mode, autojump_clock: trio.testing.MockClock
-) -> None:
-    """Five keys at two per request: three rounds, taken and sent together."""
-    with trio.fail_after(3_000):
-        async with connected(mode, dst_kw={"max_keys_per_request": 2}, n=5) as (
-            src,
-            dst,
-            peer,
-            keys,
-        ):
-
-            async def after(cut: bool) -> None:
-                if not cut:
                     await fetch_right_bytes(src, dst, peer, keys)
 
             await sweep(src, dst, lambda: dst.lookup(peer, keys), after=after)
@@ -483,46 +472,22 @@ def fetch_beside(
 
 
 @pytest.mark.parametrize("other_first", [True, False], ids=["sharer_cut", "first_cut"])
-async def test_a_fetch_sharing_keys_with_another_cut_at_any_step_fails_the_other_nothing(
-    other_first: bool, mode: Mode, autojump_clock: trio.testing.MockClock
+@pytest.mark.parametrize("one_slot", [False, True], ids=["same_keys", "one_request_slot"])
+async def test_a_fetch_beside_another_cut_at_any_step_fails_the_other_nothing(
+    one_slot: bool, other_first: bool, mode: Mode, autojump_clock: trio.testing.MockClock
 ) -> None:
-    """Two fetches of the same keys; one is cut at every step. The other, uncut, loads
-    every key with the producer's bytes (a key the cut one gave up on it fetches itself),
-    whichever began first."""
+    """Two fetches, one cut at every step, the other uncut, whichever began first. Of the
+    same keys: the other loads every key with the producer's bytes (a key the cut one gave
+    up on it fetches itself). With one request open at the peer at a time, of other keys:
+    the swept fetch waits for the slot the other holds, or holds it while the other waits,
+    and the other loads all of its keys."""
     with trio.fail_after(3_000):
-        async with connected(mode) as (src, dst, peer, keys):
-            other, after = fetch_beside(src, dst, peer, keys, keys)
-            await sweep(
-                src,
-                dst,
-                lambda: dst.fetch(peer, keys),
-                after=after,
-                run=beside(other, other_first=other_first),
-            )
-
-
-async def test_a_fetch_waiting_for_a_request_slot_cut_at_any_step_loses_nothing(
-    mode: Mode, autojump_clock: trio.testing.MockClock
-) -> None:
-    """One request may be open at the peer: the swept fetch waits for the slot the other
-    fetch (of other keys, uncut) holds, or holds it while the other waits."""
-    with trio.fail_after(3_000):
-        async with connected(mode, dst_kw={"max_open_requests": 1}, n=6) as (
-            src,
-            dst,
-            peer,
-            keys,
-        ):
-            mine, theirs = keys[:3], keys[3:]
+        kw = {"max_open_requests": 1} if one_slot else None
+        async with connected(mode, dst_kw=kw, n=6 if one_slot else 3) as (src, dst, peer, keys):
+            mine, theirs = (keys[:3], keys[3:]) if one_slot else (keys, keys)
             other, after = fetch_beside(src, dst, peer, keys, theirs)
-            for other_first in (True, False):
-                await sweep(
-                    src,
-                    dst,
-                    lambda: dst.fetch(peer, mine),
-                    after=after,
-                    run=beside(other, other_first=other_first),
-                )
+            run = beside(other, other_first=other_first)
+            await sweep(src, dst, lambda: dst.fetch(peer, mine), after=after, run=run)
 
 
 async def test_a_fetch_retrying_keys_whose_lease_ended_cut_at_any_step_loses_nothing(
