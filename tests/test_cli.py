@@ -24,10 +24,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+import trio
 
 from p2pkv import P2PKVError
 from p2pkv.cli import build_parser, demo_block, demo_keys, fill_store, verify_blocks
-from p2pkv.cli.settings import fetch_settings, is_loopback, serve_settings, set_env_defaults
+from p2pkv.cli.settings import (
+    fetch_settings,
+    is_loopback,
+    run_trio,
+    serve_settings,
+    set_env_defaults,
+)
 from p2pkv.store import BlockStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -870,6 +877,57 @@ def test_ctrl_c_landing_in_one_of_the_engines_tasks_exits_130(
     monkeypatch.setattr(cli, "cmd_fetch", failed)
     with pytest.raises(BaseExceptionGroup):
         cli.main(["fetch", "127.0.0.1:1", *SMALL])
+
+
+def test_a_commands_ctrl_c_is_raised_at_a_checkpoint_never_inside_its_code() -> None:
+    """Trio's default raises a ^C wherever the main thread runs: inside ``fail_after``'s
+    generator (its scope entered, the caller's ``with`` not yet) it corrupted the cancel
+    scope stack, and ``p2pkv fetch`` exited 1 with a traceback (once in ~20 suite runs of
+    the subprocess test below). A command's loop raises it at a checkpoint instead: the
+    code after the signal runs, and the ^C comes out of the next checkpoint."""
+    reached: list[str] = []
+
+    async def main() -> None:
+        signal.raise_signal(signal.SIGINT)  # Python runs the handler right after this
+        reached.append("after the signal")  # Trio's default: the ^C is raised here
+        await trio.lowlevel.checkpoint()
+        reached.append("after the checkpoint")
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_trio(main)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert reached == ["after the signal"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["fetch", "127.0.0.1:1", *SMALL],
+        ["serve", "--transport", "local", "--port", "0", *SMALL],
+        ["demo", "--transport", "local", *SMALL],
+    ],
+    ids=["fetch", "serve", "demo"],
+)
+def test_every_command_runs_its_loop_with_ctrl_c_at_checkpoints(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each command's ``trio.run`` asks for ^C at checkpoints (see above); a ^C out of it
+    is exit status 130, no traceback."""
+    import p2pkv.cli as cli
+
+    seen: list[dict[str, object]] = []
+
+    def fake_run(*_args: object, **kwargs: object) -> object:  # FAKE: records, then ^C
+        seen.append(kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trio, "run", fake_run)
+    assert cli.main(argv) == 130
+    assert seen == [{"restrict_keyboard_interrupt_to_checkpoints": True}]
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_ctrl_c_during_a_fetch_exits_130_without_a_traceback() -> None:

@@ -12,13 +12,11 @@ import argparse
 import functools
 import sys
 
-import trio
-
 from ..node import open_node
 from .blocks import demo_keys, fill_store
 from .child import Child
 from .pull import Progress, PullReport, consume, finish, pull, size_text, stderr_progress
-from .settings import consumer_config, set_env_defaults
+from .settings import consumer_config, run_trio, set_env_defaults
 
 
 async def _demo_local(args: argparse.Namespace, progress: Progress) -> PullReport:
@@ -43,7 +41,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     progress = stderr_progress("demo")
     progress(f"{args.blocks:,} blocks x {size_text(args.block_len)} over {args.transport}")
     if args.transport == "local":  # in-process data plane: both nodes in this process
-        return finish(trio.run(_demo_local, args, progress), "local (one process)")
+        return finish(run_trio(_demo_local, args, progress), "local (one process)")
     argv = [sys.executable, "-m", "p2pkv", "--log-level", args.log_level, "serve"]
     argv += ["--exit-on-eof", "--transport", "nixl", "--peer-id", "demo-source"]
     # "--flag=value": a value that starts with "-" (a fingerprint, a negative seed) is
@@ -59,7 +57,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             f"source process {child.pid} filled {hello['blocks']:,} blocks, "
             f"listening at {host}:{port}"
         )
-        report = trio.run(
+        report = run_trio(
             functools.partial(
                 consume,
                 consumer_config(args, "demo-consumer"),

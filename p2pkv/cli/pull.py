@@ -12,12 +12,11 @@ import time
 from collections.abc import Callable, Sequence
 
 import attrs
-import trio
 
 from ..config import NodeConfig
 from ..node import Node, open_node
 from .blocks import demo_keys, verify_blocks
-from .settings import KiB, MiB, fetch_settings, is_loopback, set_env_defaults
+from .settings import KiB, MiB, fetch_settings, is_loopback, run_trio, set_env_defaults
 
 
 @attrs.define
@@ -182,7 +181,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     host, port = args.address  # parsed by the command line (parse_address)
     set_env_defaults(loopback=is_loopback(host))
     cfg, blocks, seed = fetch_settings(args, f"{socket.gethostname()}-fetch-{os.getpid()}")
-    report = trio.run(
+    report = run_trio(
         functools.partial(
             consume,
             cfg,

@@ -16,7 +16,7 @@ from ..config import NodeConfig
 from ..node import open_node
 from .blocks import demo_keys, fill_store
 from .child import emit, receive_commands
-from .settings import is_loopback, serve_settings, set_env_defaults
+from .settings import is_loopback, run_trio, serve_settings, set_env_defaults
 
 log = logging.getLogger("p2pkv.cli")
 
@@ -72,5 +72,5 @@ async def serve(cfg: NodeConfig, *, fill: int, seed: int, exit_on_eof: bool) -> 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg, fill, seed = serve_settings(args)
     set_env_defaults(loopback=is_loopback(cfg.host))
-    trio.run(functools.partial(serve, cfg, fill=fill, seed=seed, exit_on_eof=args.exit_on_eof))
+    run_trio(functools.partial(serve, cfg, fill=fill, seed=seed, exit_on_eof=args.exit_on_eof))
     return 0
