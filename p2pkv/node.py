@@ -865,7 +865,9 @@ class Node:
     async def release_unused_pins(self, *, cut_writes: bool = False) -> int:
         """Release every pin held for a peer's round that no write is using, in every
         session (a host that must get its memory back, e.g. vLLM's ``reset_cache``). A
-        peer that fetches such a round later gets ``NOT_PINNED`` for its keys. Pins under
+        peer that fetches such a round later gets ``NOT_PINNED`` for its keys (a p2pkv
+        consumer then looks them up once more, unless a ``LookupRound`` handle holds the
+        round: its holder gets ``not_pinned``). Pins under
         a write stay until it settles or its quarantine ends. ``cut_writes``: cut every
         write in flight too, as its peer's abort would, so that every pin is back
         within ``abort_timeout + quarantine`` whatever the peers do (their keys fail

@@ -663,6 +663,28 @@ async def test_release_unused_pins_unpins_idle_rounds_in_the_store() -> None:
             assert dst.statistics().reserved_slots == 0
 
 
+async def test_a_plain_fetch_after_the_host_took_its_pins_back_looks_the_keys_up_again() -> None:
+    """A plain ``lookup`` leaves an anonymous round open; the source's host takes its pins
+    back (``release_unused_pins``) while it still holds the blocks. The plain ``fetch``
+    that follows used to fail every key ``not_pinned`` (the round it picked up holds
+    nothing any more); it now looks them up once more, as it does for ``lease_expired``,
+    and loads the source's bytes. A round a handle holds keeps ``not_pinned`` (above)."""
+    with trio.fail_after(BOUND):
+        async with open_node(config("src")) as src, open_node(config("dst")) as dst:
+            keys = fill(src.store, 3, BLOCK)
+            peer = await dst.connect(src.address)
+            assert await dst.lookup(peer, keys) == [True] * 3
+            assert src.statistics().pinned_slots == 3
+            assert await src.release_unused_pins() == 1
+            assert src.statistics().pinned_slots == 0
+            r = await dst.fetch(peer, keys)
+            assert sorted(r.loaded) == sorted(keys) and not r.failed
+            for k in keys:
+                assert dst.store.get(k) == src.store.get(k)
+            await until(lambda: src.statistics().pinned_slots == 0)
+            assert dst.statistics().reserved_slots == 0
+
+
 async def test_pins_released_for_the_host_no_longer_count_against_the_peers_pin_cap() -> None:
     """A peer at its pin cap; the host takes the pins of its idle round back. Its next
     lookup is not refused for pins it no longer holds, though that round is still open

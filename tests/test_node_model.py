@@ -23,8 +23,9 @@ The model, checked after every step:
 * a fetch's ``loaded`` and ``failed`` split exactly the keys it was given; where nothing
   raced it (no put or evict of the key, no disconnect, no pins released by the source) a
   key loads if and only if the source or the consumer held it, and fails "miss" otherwise
-  (or "not_pinned", documented, where the fetch sent on a round whose pins the source's
-  host took back: ``release_unused_pins``);
+  (a fetch on an anonymous round whose pins the source's host took back,
+  ``release_unused_pins``, looks its keys up again; only a held round's hits fail
+  "not_pinned" then);
 * the source's and consumers' stores hold what the model says, each store's slot states
   add up to its statistics, and once no round, lookup or fetch is outstanding the source
   holds no pin and no store holds a reservation or a pinned orphan;
@@ -99,10 +100,10 @@ class Consumer:
     peer: Peer | None = None
     held: list[Held] = attrs.field(factory=list)
     anon: bool = False  # an anonymous lookup may still hold pins at the source
-    # Hits of anonymous rounds the source's host took the pins of since: a fetch may
-    # still send on such a round (the consumer cannot know) and get "not_pinned".
-    stale: set[bytes] = attrs.field(factory=set)
-    anon_hits: set[bytes] = attrs.field(factory=set)
+    anon_keys: set[bytes] = attrs.field(factory=set)  # the hits of those lookups
+    # Of those, keys the source's host put or evicted since: a fetch may load them from
+    # the round's pins (the bytes its lookup pinned) or look them up anew.
+    anon_churned: set[bytes] = attrs.field(factory=set)
     has: dict[bytes, bytes] = attrs.field(factory=dict)  # what its store holds
     allowed: dict[bytes, set[bytes]] = attrs.field(factory=dict)
     tickets: dict[int, Ticket] = attrs.field(factory=dict)
@@ -177,6 +178,8 @@ class NodeModel(RuleBasedStateMachine):
     def churn(self, key: bytes) -> None:
         """The source's block of ``key`` changed: fetches in flight may see either."""
         for c in self.consumers:
+            if key in c.anon_keys:
+                c.anon_churned.add(key)
             for t in c.tickets.values():
                 if key in t.keys:
                     t.churned.add(key)
@@ -220,8 +223,8 @@ class NodeModel(RuleBasedStateMachine):
         self.source.release_unused_pins(timeout=BOUND)
         for c in self.consumers:
             c.anon = False
-            c.stale |= c.anon_hits
-            c.anon_hits.clear()
+            c.anon_keys.clear()  # a fetch on those rounds looks the keys up again
+            c.anon_churned.clear()
             for h in c.held:  # a fetch of it now gets NOT_PINNED for its hits
                 h.pinned.clear()
                 h.cut = True
@@ -244,7 +247,7 @@ class NodeModel(RuleBasedStateMachine):
         hits = c.node.lookup(c.peer, keys, timeout=BOUND)
         self.lookup_expect(c, keys, hits)
         c.anon = c.anon or any(hits)
-        c.anon_hits.update(k for k, hit in zip(keys, hits, strict=True) if hit)
+        c.anon_keys.update(k for k, hit in zip(keys, hits, strict=True) if hit)
 
     @precondition(lambda self: any(c.peer and not c.tickets for c in self.consumers))
     @rule(which=st.integers(0, 1), keys=some_keys)
@@ -268,9 +271,11 @@ class NodeModel(RuleBasedStateMachine):
         result = c.node.fetch(c.peer, keys, timeout=BOUND)
         check_partition(keys, result)
         for k in keys:
-            if k in c.stale and result.failed.get(k) == "not_pinned":
-                continue  # sent on a round the source's host took back (documented)
-            if k in had or k in self.current:
+            if k in had:
+                assert k in result.loaded, (k, result)
+            elif k in c.anon_churned:
+                continue  # its round's pinned bytes, or looked up anew: bytes checked below
+            elif k in self.current:
                 assert k in result.loaded, (k, result)
             else:
                 assert result.failed.get(k) == "miss", (k, result)
@@ -317,10 +322,10 @@ class NodeModel(RuleBasedStateMachine):
         result = c.node.fetch(c.peer, keys, rounds=held.handle, timeout=BOUND)
         check_partition(keys, result)
         for k in keys:
-            if k in c.stale and result.failed.get(k) == "not_pinned":
-                continue  # sent on an anonymous round the source took back (documented)
             if k in had:
                 assert k in result.loaded, (k, result)
+            elif k not in held.pinned and k in c.anon_churned:
+                continue  # an anonymous round's pinned bytes, or looked up anew
             elif k in held.pinned:
                 assert k in result.loaded, (k, result)
                 # exactly the bytes the round pinned, whatever the source's host did since
@@ -399,10 +404,8 @@ class NodeModel(RuleBasedStateMachine):
             assert isinstance(outcome, FetchResult), outcome
             check_partition(t.keys, outcome)
             for k in t.keys:
-                if t.disrupted or k in t.churned:
+                if t.disrupted or k in t.churned or k in c.anon_churned:
                     continue  # loaded or failed; what loaded is checked below
-                if k in c.stale and outcome.failed.get(k) == "not_pinned":
-                    continue  # sent on an anonymous round the source took back
                 if k in before or k in t.src_had:
                     assert k in outcome.loaded, (k, outcome, t)
                 elif k not in t.had:
@@ -427,8 +430,8 @@ class NodeModel(RuleBasedStateMachine):
         c.peer = None
         c.held.clear()
         c.anon = False
-        c.anon_hits.clear()
-        c.stale.clear()
+        c.anon_keys.clear()
+        c.anon_churned.clear()
         for t in c.tickets.values():
             t.disrupted = True
             c.disrupted = True

@@ -93,6 +93,7 @@ _OK = int(Outcome.OK)
 ACKS_OVERDUE = "request slots held by aborts the peer never acknowledged"
 IDS_EXHAUSTED = "request ids exhausted: the session used every one the wire carries"
 _LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
+_NOT_PINNED = int(Outcome.NOT_PINNED)
 # Why a key failed that a fetch in store mode did not ask the peer for: the slots its
 # writes hold (reserved, or quarantined after we gave up on a fetch) stayed at
 # max_landing_share of our store for fetch_timeout (p2pkv/session/shares.py).
@@ -343,8 +344,9 @@ class _CallerSlots:
 
 _Landing = _StoreLanding | _CallerSlots
 # Claimed rounds: request id -> (the keys to fetch on it, whether they are every hit of
-# the round in its order, which a fetch_hits may stand for).
-_Groups = dict[int, tuple[list[bytes], bool]]
+# the round in its order, which a fetch_hits may stand for, whether a LookupRound handle
+# holds the round).
+_Groups = dict[int, tuple[list[bytes], bool, bool]]
 
 
 def check_rounds(rounds: Iterable[LookupRound], peer_id: str | None, op: str) -> list[LookupRound]:
@@ -910,16 +912,16 @@ class ConsumerSide(SessionParts):
         chunks = self._chunks(uncovered)
         if len(groups) + len(chunks) == 1:
             if groups:
-                ((req, (ks, whole)),) = groups.items()
-                await self._fetch_round(req, ks, outcome, landing, lim, whole=whole)
+                ((req, (ks, whole, held)),) = groups.items()
+                await self._fetch_round(req, ks, outcome, landing, lim, whole=whole, held=held)
             else:
                 await self._lookup_and_fetch(chunks[0], outcome, landing, lim)
             return
         async with trio.open_nursery() as nursery:
-            for req, (ks, whole) in groups.items():
+            for req, (ks, whole, held) in groups.items():
                 nursery.start_soon(
                     functools.partial(
-                        self._fetch_round, req, ks, outcome, landing, lim, whole=whole
+                        self._fetch_round, req, ks, outcome, landing, lim, whole=whole, held=held
                     )
                 )
             for chunk in chunks:
@@ -946,7 +948,7 @@ class ConsumerSide(SessionParts):
             whole = rnd.keys == keys
             if whole or (len(rnd.keys) >= len(keys) and rnd.hits.issuperset(keys)):
                 del self._rounds[rnd.req_id]
-                return {rnd.req_id: (keys, whole)}, []
+                return {rnd.req_id: (keys, whole, rnd.held)}, []
         left = set(keys)
         taken: list[tuple[int, set[bytes]]] = []
         for rnd in candidates:
@@ -971,7 +973,8 @@ class ConsumerSide(SessionParts):
                     lists.setdefault(holder, []).append(k)
         groups: _Groups = {}
         for req, ks in lists.items():
-            groups[req] = (ks, ks == self._rounds.pop(req).keys)
+            rnd = self._rounds.pop(req)
+            groups[req] = (ks, ks == rnd.keys, rnd.held)
         return groups, uncovered
 
     async def _lookup_and_fetch(
@@ -1020,6 +1023,7 @@ class ConsumerSide(SessionParts):
         whole: bool = False,
         again: bool = True,
         grant: Grant | None = None,
+        held: bool = False,
     ) -> bool:
         """Fetch ``keys`` (checked against ``lim``) on the round ``req`` this task has
         claimed; an empty ``keys`` closes the round. Its slots come from ``landing``:
@@ -1028,7 +1032,10 @@ class ConsumerSide(SessionParts):
         ``fetch_hits`` is then sent the slots alone (it holds the hits itself).
         ``again``: keys the producer answers ``lease_expired`` are looked up and fetched
         once more (its lease may be shorter than ours: each node has its own, and the
-        hello does not carry it); nothing was written for them. ``grant``: room of the
+        hello does not carry it); nothing was written for them. So are keys it answers
+        ``not_pinned`` (its host took the round's pins back: ``release_unused_pins``)
+        unless ``held``, a round a :class:`LookupRound` handle holds, whose holder gets
+        ``not_pinned`` for them as documented. ``grant``: room of the
         peer's share counted for these keys already (from :meth:`_fetch_in_parts`).
 
         Keys past the peer's share of our store (``max_landing_share``) are fetched in
@@ -1064,7 +1071,9 @@ class ConsumerSide(SessionParts):
                 self._close_round(req)
                 await self._send_closes()
                 return await self._fetch_in_parts(rest, outcome, landing, lim, again=again)
-        if not await self._fetch_reserved(p, keys, slots, outcome, landing, lim, whole, again):
+        if not await self._fetch_reserved(
+            p, keys, slots, outcome, landing, lim, whole, again, held
+        ):
             # The first part failed: the rest, never asked for, fails as it did.
             outcome.update((k, outcome.get(keys[0])) for k in rest)
             return False
@@ -1082,6 +1091,7 @@ class ConsumerSide(SessionParts):
         lim: RequestLimits,
         whole: bool,
         again: bool,
+        held: bool,
     ) -> bool:
         """:meth:`_fetch_round` once ``slots`` are reserved for ``keys``: send, wait, land.
         True if ``transfer_done`` came (each key then decided by its outcome)."""
@@ -1114,8 +1124,11 @@ class ConsumerSide(SessionParts):
             self._give_up(p, landing, keys, outcome, "timeout")
             return False
         await self._land(p, landing, keys, p.result, outcome)
-        if again and _LEASE_EXPIRED in p.result.outcomes:
-            expired = [k for k in keys if outcome.get(k) == "lease_expired"]
+        if again and (
+            _LEASE_EXPIRED in p.result.outcomes or (not held and _NOT_PINNED in p.result.outcomes)
+        ):
+            retry = ("lease_expired",) if held else ("lease_expired", "not_pinned")
+            expired = [k for k in keys if outcome.get(k) in retry]
             for k in expired:
                 del outcome[k]  # undecided again: the new round decides them
             await self._lookup_and_fetch(expired, outcome, landing, lim, again=False)
