@@ -50,11 +50,11 @@ from hypothesis.stateful import (
     rule,
 )
 
+# Skips this module where vLLM 0.33 is not installed (its importorskip), as it does there.
+from .test_vllm_tier_inproc import CHUNK, chunk_ids, offloading_config, tier_config, vllm_spec
+
 with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fix
     warnings.simplefilter("ignore")
-    vllm_spec = pytest.importorskip(
-        "vllm.v1.kv_offload.tiering.spec", reason="vLLM 0.33 is not installed"
-    )
     from vllm.v1.kv_offload.base import (
         LookupResult,
         OffloadKey,
@@ -67,8 +67,6 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from p2pkv.integrations.vllm_tier import P2pkvSecondaryTier
-
-from .test_vllm_tier_inproc import CHUNK, chunk_ids, offloading_config, tier_config
 
 pytestmark = pytest.mark.vllm
 
