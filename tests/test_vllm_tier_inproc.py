@@ -140,7 +140,8 @@ class Engine:
         return tier
 
     def view(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return np.frombuffer(self.tier._primary_kv_view, np.uint8).reshape(CHUNKS, CHUNK)
+        # Rows from the buffer's size: the tier model's engines have fewer chunks.
+        return np.frombuffer(self.tier._primary_kv_view, np.uint8).reshape(-1, CHUNK)
 
     def fill(self, keys: list[OffloadKey]) -> None:
         """Store ``keys`` in the primary tier with their reference bytes."""

@@ -51,7 +51,14 @@ from hypothesis.stateful import (
 )
 
 # Skips this module where vLLM 0.33 is not installed (its importorskip), as it does there.
-from .test_vllm_tier_inproc import CHUNK, chunk_ids, offloading_config, tier_config, vllm_spec
+from .test_vllm_tier_inproc import (
+    CHUNK,
+    Engine,
+    chunk_ids,
+    offloading_config,
+    tier_config,
+    vllm_spec,
+)
 
 with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fix
     warnings.simplefilter("ignore")
@@ -66,7 +73,6 @@ with warnings.catch_warnings():  # vLLM and torch warn at import; not ours to fi
     from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
-from p2pkv.integrations.vllm_tier import P2pkvSecondaryTier
 
 pytestmark = pytest.mark.vllm
 
@@ -113,24 +119,13 @@ class _Errors(logging.Handler):
 
 
 @attrs.define(eq=False)
-class Side:
-    """One engine: vLLM's manager, its p2pkv tier, and what the model saw it report."""
+class Side(Engine):
+    """One engine (:class:`Engine`'s manager and tier) and what the model saw it report."""
 
-    mgr: TieringOffloadingManager
-    engine_id: str
     submitted: dict[int, TransferJob] = attrs.field(factory=dict)  # loads given the tier
     reported: dict[int, JobResult] = attrs.field(factory=dict)  # loads it reported
     wrong: list[str] = attrs.field(factory=list)  # what the report-time checks found
     alive: bool = True
-
-    @property
-    def tier(self) -> P2pkvSecondaryTier:
-        tier = self.mgr.secondary_tiers[0]
-        assert isinstance(tier, P2pkvSecondaryTier)
-        return tier
-
-    def view(self) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return np.frombuffer(self.tier._primary_kv_view, np.uint8).reshape(CHUNKS, CHUNK)
 
     def watch(self) -> None:
         """Record every load vLLM gives the tier and check each report as vLLM takes it
