@@ -721,3 +721,171 @@ async def test_once_fetch_into_has_the_region_the_store_chooses_no_slot_in_it() 
             assert r.loaded == keys[1:]
             want = bytes(src.store.get(keys[1]) or b"")
             assert bytes(dst.store.array[9 * BLOCK : 10 * BLOCK]) == want
+
+
+# --- racing other uses of the region (review 2026-12-06, "fetch_into racing") -------------
+
+
+@asynccontextmanager
+async def second_producer(
+    dst: Node,
+    blocks: dict[bytes, bytes],
+    peer_id: str | None = None,
+    **producer_kw: Any,
+) -> AsyncIterator[HandProducer]:
+    """One more :class:`HandProducer` (FAKE, as that one) connected to ``dst``, serving
+    ``blocks``; ``peer_id``: the id its hello claims (a restart of a peer reuses it)."""
+    raw = RawPeer(peer_id)
+    await raw.connect(dst.address)
+    await raw.handshake()
+    producer = HandProducer(raw, dst, blocks, **producer_kw)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(producer.run)
+            yield producer
+            nursery.cancel_scope.cancel()
+    finally:
+        await raw.aclose()
+
+
+async def test_a_first_fetch_into_while_a_store_fetch_awaits_its_producer_is_refused() -> None:
+    """A store ``fetch`` has reserved its slots and sent its request; the producer has not
+    answered. The first ``fetch_into`` of the node, naming those very slots or others, is
+    ``SlotsInUse`` before anything is sent: lent now, the store fetch's write and the
+    caller's would both own a slot. The store fetch then lands as if nothing happened."""
+    hold = trio.Event()
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=4, hold=hold) as (dst, producer):
+            keys = list(producer.blocks)
+            peer = producer.raw.peer_id
+            results: list[FetchResult] = []
+
+            async def store_fetch() -> None:
+                results.append(await dst.fetch(peer, keys[:2]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(store_fetch)
+                await producer.fetched.wait()  # reserved, sent, not answered
+                (sent,) = producer.sent(FetchRequested)
+                reserved = [int(s) for s in sent.slots]
+                assert dst.statistics().reserved_slots == 2
+                others = [s for s in range(dst.config.num_blocks) if s not in reserved][:2]
+                for slots in (reserved, others, [reserved[0], others[0]]):
+                    with pytest.raises(SlotsInUse, match="store holds"):
+                        await dst.fetch_into(peer, keys[2:], slots)
+                    assert dst.caller_slots == set() and not dst.store.lent_to_caller
+                hold.set()
+            assert results[0].loaded == keys[:2]
+            for k in keys[:2]:
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+            # Nothing went out for the refused calls.
+            assert [type(ev) for ev in producer.log] == [LookupRequested, FetchRequested]
+            # The store holds blocks now: still the store's region.
+            with pytest.raises(SlotsInUse, match="store holds"):
+                await dst.fetch_into(peer, keys[2:], others)
+
+
+async def test_a_fetch_into_naming_a_slot_another_peers_fetch_into_lands_in_is_refused() -> None:
+    """Two sessions, the same key named in both, overlapping slots: the slots in use are
+    the node's, not the session's, so the second call is refused before anything goes to
+    its peer, and the first one's bytes are what its slot holds."""
+    hold = trio.Event()
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=3, hold=hold) as (dst, a):
+            keys = list(a.blocks)
+            async with second_producer(dst, dict(a.blocks)) as b:
+                results: list[FetchResult] = []
+
+                async def first() -> None:
+                    results.append(await dst.fetch_into(a.raw.peer_id, keys[:2], [4, 5]))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(first)
+                    await a.fetched.wait()  # a's writes are under way
+                    with pytest.raises(LocalProtocolError, match="free"):
+                        await dst.fetch_into(b.raw.peer_id, [keys[1], keys[2]], [5, 6])
+                    assert b.log == []  # nothing was sent to b
+                    assert dst.caller_slots == {4, 5}
+                    hold.set()
+                assert results[0].loaded == keys[:2]
+                assert slot_bytes(dst, 5) == a.blocks[keys[1]]
+                r = await dst.fetch_into(b.raw.peer_id, [keys[2], keys[1]], [5, 6])
+                assert r.loaded == [keys[2], keys[1]]
+                assert slot_bytes(dst, 5) == b.blocks[keys[2]]
+                assert slot_bytes(dst, 6) == b.blocks[keys[1]]
+                assert_left_no_trace(dst)
+
+
+@pytest.mark.parametrize("who", ["the_same_peer_back", "another_peer"])
+async def test_slots_of_a_fetch_into_whose_session_died_mid_landing_stay_in_use_for_every_session(
+    autojump_clock: trio.testing.MockClock, who: str
+) -> None:
+    """The producer's process dies after our fetch request went out (its writes may still
+    land until the quarantine's end). A ``fetch_into`` naming those slots on another
+    session, the same peer id reconnected or another peer, is refused until then, and
+    lands once they are free."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with hand_served(
+            {"fetch_timeout": 30.0, "quarantine": 6.0}, virtual=True, vanish=True
+        ) as (dst, producer):
+            keys = list(producer.blocks)
+            results: list[FetchResult] = []
+
+            async def first() -> None:
+                results.append(await dst.fetch_into(producer.raw.peer_id, keys[:2], [1, 2]))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first)
+                await producer.fetched.wait()
+                while dst.statistics().sessions:
+                    await trio.sleep(0.001)
+                assert producer.vanished_at is not None
+                peer_id = producer.raw.peer_id if who == "the_same_peer_back" else None
+                async with second_producer(dst, dict(producer.blocks), peer_id) as b:
+                    assert dst.is_connected(b.raw.peer_id)
+                    assert dst.caller_slots == {1, 2}
+                    with pytest.raises(LocalProtocolError, match="free"):
+                        await dst.fetch_into(b.raw.peer_id, keys[2:], [2, 3])
+                    assert b.log == []
+                    while dst.caller_slots:
+                        await trio.sleep(0.5)
+                    assert trio.current_time() >= producer.vanished_at + 6.0
+                    assert results and results[0].loaded == []
+                    r = await dst.fetch_into(b.raw.peer_id, keys[2:], [2, 3])
+                    assert r.loaded == keys[2:]
+                    assert slot_bytes(dst, 2) == b.blocks[keys[2]]
+                    assert_left_no_trace(dst)
+
+
+async def test_while_a_fetch_into_lands_the_store_chooses_no_slot_in_the_region() -> None:
+    """A ``fetch_into`` into slots 0 and 1 (the first the store would hand out) is under
+    way: the host's ``put``, an engine ``reserve`` and a store ``fetch`` from another peer
+    are ``SlotsInUse`` and change nothing; the caller's slots get the producer's bytes."""
+    hold = trio.Event()
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=3, hold=hold) as (dst, a):
+            keys = list(a.blocks)
+            async with second_producer(dst, dict(a.blocks)) as b:
+                results: list[FetchResult] = []
+
+                async def first() -> None:
+                    results.append(await dst.fetch_into(a.raw.peer_id, keys[:2], [0, 1]))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(first)
+                    await a.fetched.wait()
+                    with pytest.raises(SlotsInUse):
+                        await trio.to_thread.run_sync(
+                            dst.store.put, os.urandom(32), os.urandom(BLOCK)
+                        )
+                    with pytest.raises(SlotsInUse):
+                        dst.store.reserve(object(), 1)
+                    with pytest.raises(SlotsInUse):
+                        await dst.fetch(b.raw.peer_id, keys[2:])
+                    assert b.log == []
+                    assert dst.store.evict(keys[0]) is False  # the store maps nothing
+                    hold.set()
+                assert results[0].loaded == keys[:2]
+                assert slot_bytes(dst, 0) == a.blocks[keys[0]]
+                assert slot_bytes(dst, 1) == a.blocks[keys[1]]
+                assert_left_no_trace(dst)
