@@ -1,0 +1,370 @@
+"""The consumer's one more try (reading review, 2026-12-06): keys a producer answers
+``lease_expired``, or ``not_pinned`` on a round no :class:`~p2pkv.LookupRound` handle
+holds, are looked up and fetched once more in the same call (``_fetch_reserved``), and
+never a third time; a held round's ``not_pinned`` stands.
+
+The producer is a FAKE played by hand (:class:`ScriptedProducer` over
+:class:`~tests.helpers.RawPeer`): it answers every lookup all hits and each fetch with
+the outcomes a test scripts, writing the block of each key it says OK into the slot the
+consumer named (as the in-process data plane would). Tests that need a deadline run on
+the autojump clock with :class:`~tests.helpers.VirtualOffload`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from p2pkv import FetchResult, LocalProtocolError, Node, open_node
+from p2pkv.session.protocol import AbortRequested, Event, FetchRequested, LookupRequested
+from p2pkv.wire import Outcome, TransferDone, encode
+
+from .helpers import RawPeer, VirtualOffload, config
+
+BLOCK = 4096
+BOUND = 20.0  # seconds: "this did not hang", never an expected duration
+VIRTUAL_BOUND = 120.0  # the same on the autojump clock (virtual seconds)
+OK, NP, LE = int(Outcome.OK), int(Outcome.NOT_PINNED), int(Outcome.LEASE_EXPIRED)
+TF = int(Outcome.TRANSFER_FAILED)
+
+# answer(n, keys) -> the outcomes of the n-th fetch (0-based) of ``keys``; may wait.
+Answer = Callable[[int, list[bytes]], Awaitable[list[int]]]
+
+
+class ScriptedProducer:
+    """A producer played by hand (FAKE: its "data plane" writes each block it answers OK
+    straight into the consumer's region). Every lookup is answered all hits at once;
+    fetch number ``n`` (0-based, closes not counted) is answered ``answer(n, keys)``;
+    every abort is acknowledged; ``lookups_answered``: only that many lookups are
+    answered, the rest never. ``log`` keeps every event, a ``fetch_hits`` with the
+    round's hits as its keys."""
+
+    def __init__(self, raw: RawPeer, dst: Node, answer: Answer) -> None:
+        self.raw, self.dst, self.answer = raw, dst, answer
+        self.blocks: dict[bytes, bytes] = {}
+        self.log: list[Event] = []
+        self.hit_keys: dict[int, list[bytes]] = {}
+        self.fetches = 0
+        self.lookups_answered: int | None = None  # how many are answered; None: all
+
+    def block(self, key: bytes) -> bytes:
+        return self.blocks.setdefault(key, os.urandom(BLOCK))
+
+    async def run(self) -> None:
+        raw = self.raw
+        while (ev := await raw.next_event()) is not None:
+            if isinstance(ev, FetchRequested) and ev.keys is None:
+                ev = attrs.evolve(ev, keys=self.hit_keys[ev.req_id])
+            self.log.append(ev)
+            if isinstance(ev, LookupRequested):
+                if self.lookups_answered is not None:
+                    if not self.lookups_answered:
+                        continue
+                    self.lookups_answered -= 1
+                self.hit_keys[ev.req_id] = list(ev.keys)
+                raw.proto.send_lookup_resp(
+                    ev.req_id, [True] * len(ev.keys), trio.current_time(), 60
+                )
+            elif isinstance(ev, FetchRequested) and ev.slots:
+                assert ev.keys is not None
+                n, self.fetches = self.fetches, self.fetches + 1
+                outcomes = await self.answer(n, list(ev.keys))
+                region = self.dst.store.array
+                for k, s, o in zip(ev.keys, ev.slots, outcomes, strict=False):
+                    if o == OK:
+                        region[s * BLOCK : (s + 1) * BLOCK] = np.frombuffer(self.block(k), np.uint8)
+                if len(outcomes) == len(ev.slots):
+                    raw.proto.send_transfer_done(ev.req_id, outcomes)
+                else:  # a liar's outcome count: past the protocol's own checks
+                    await raw.send_raw(encode(TransferDone(req_id=ev.req_id, outcomes=outcomes)))
+            elif isinstance(ev, AbortRequested):
+                raw.proto.send_abort_ack(ev.req_id)
+            await raw.flush()
+
+    def sent(self, kind: type[Any]) -> list[Any]:
+        return [ev for ev in self.log if isinstance(ev, kind) and getattr(ev, "slots", True)]
+
+
+@asynccontextmanager
+async def scripted(answer: Answer, **dst_kw: Any) -> AsyncIterator[tuple[Node, ScriptedProducer]]:
+    """A consumer node (``config("dst", **dst_kw)``, inline offload for the autojump
+    clock) connected to a :class:`ScriptedProducer` answering fetches by ``answer``."""
+    raw = RawPeer()
+    try:
+        async with open_node(config("dst", **dst_kw), offload=VirtualOffload()) as dst:
+            await raw.connect(dst.address)
+            await raw.handshake()
+            producer = ScriptedProducer(raw, dst, answer)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(producer.run)
+                yield dst, producer
+                nursery.cancel_scope.cancel()
+    finally:
+        await raw.aclose()
+
+
+def answering(*per_fetch: list[int]) -> Answer:
+    """Fetch ``n`` is answered ``per_fetch[n]``, the last list for every fetch after."""
+
+    async def answer(n: int, keys: list[bytes]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return per_fetch[min(n, len(per_fetch) - 1)]
+
+    return answer
+
+
+def assert_nothing_held(dst: Node, peer: str) -> None:
+    """No reservation, quarantine, room of the peer's share, caller slot, open round or
+    request slot is left once a fetch returned."""
+    st = dst.statistics()
+    assert st.reserved_slots == 0 and st.quarantined_slots == 0
+    assert dst.landing_shares.held(peer, trio.current_time()) == 0
+    assert dst.caller_slots == set()
+    session = dst._by_peer[peer]
+    assert session._rounds == {}
+    assert session._requests.free == session._requests.limit
+
+
+def assert_partition(keys: list[bytes], r: FetchResult) -> None:
+    """Every key once: loaded or failed, never both, never twice."""
+    assert len(r.loaded) == len(set(r.loaded))
+    assert sorted(r.loaded + list(r.failed)) == sorted(keys)
+
+
+# The first answer, the retry's, and the reasons the keys fail with.
+MIX = {
+    "not_pinned": ([NP] * 4, [NP] * 4, ["not_pinned"] * 4),
+    "lease_expired": ([LE] * 4, [LE] * 4, ["lease_expired"] * 4),
+    "mix": (
+        [NP, LE, LE, NP],
+        [LE, NP, LE, NP],
+        ["lease_expired", "not_pinned", "lease_expired", "not_pinned"],
+    ),
+}
+
+
+@pytest.mark.parametrize("mode", ["fetch", "fetch_after_lookup", "fetch_into"])
+@pytest.mark.parametrize("answers", list(MIX))
+async def test_a_producer_failing_every_fetch_costs_one_more_lookup_and_fetch_per_call(
+    mode: str, answers: str
+) -> None:
+    """A producer that answers every fetch ``not_pinned``, ``lease_expired`` or a mix of
+    the two: each fetch call makes exactly two lookups and two fetches (a plain
+    ``lookup`` before it counts as the first lookup: the fetch sends on its round), then
+    each key fails with the second answer's reason. Nothing is loaded, nothing held, and
+    a second call starts afresh (two more of each). ``fetch_into``'s retry names the
+    caller's slots again."""
+    first, second, want = MIX[answers]
+    with trio.fail_after(BOUND):
+        async with scripted(answering(first, second, first, second)) as (dst, producer):
+            peer = producer.raw.peer_id
+            keys = [os.urandom(32) for _ in range(4)]
+            slots = [9, 3, 17, 5]
+            for call in (1, 2):
+                if mode == "fetch_after_lookup":
+                    assert await dst.lookup(peer, keys) == [True] * 4
+                if mode == "fetch_into":
+                    r = await dst.fetch_into(peer, keys, slots)
+                else:
+                    r = await dst.fetch(peer, keys)
+                assert r.loaded == [] and r.failed == dict(zip(keys, want, strict=True)), r
+                assert len(producer.sent(LookupRequested)) == 2 * call
+                fetches = producer.sent(FetchRequested)
+                assert len(fetches) == 2 * call
+                # The retry asks for exactly the keys answered so, in the named slots.
+                assert sorted(fetches[-1].keys) == sorted(keys)
+                if mode == "fetch_into":
+                    for ev in fetches[-2:]:
+                        assert dict(zip(ev.keys, ev.slots, strict=True)) == dict(
+                            zip(keys, slots, strict=True)
+                        )
+                assert len(dst.store) == 0
+                assert_nothing_held(dst, peer)
+
+
+async def test_only_the_keys_answered_not_pinned_or_lease_expired_are_asked_again() -> None:
+    """One fetch answered OK, ``not_pinned``, ``lease_expired`` and ``transfer_failed``:
+    only the second and third keys are looked up and fetched again, never the one that
+    loaded nor the one whose transfer failed; the retry's answer decides them (one loads,
+    the other's ``not_pinned`` stands), and each key is reported once, with the bytes
+    the producer wrote for it."""
+    keys = [os.urandom(32) for _ in range(4)]
+
+    async def answer(n: int, asked: list[bytes]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        if n == 0:
+            return [OK, NP, LE, TF]
+        return [OK if k == keys[1] else NP for k in asked]
+
+    with trio.fail_after(BOUND):
+        async with scripted(answer) as (dst, producer):
+            peer = producer.raw.peer_id
+            r = await dst.fetch(peer, keys)
+            assert_partition(keys, r)
+            assert sorted(r.loaded) == sorted(keys[:2])
+            assert r.failed == {keys[2]: "not_pinned", keys[3]: "transfer_failed"}
+            looked = producer.sent(LookupRequested)
+            assert [ev.keys for ev in looked] == [keys, keys[1:3]]
+            assert [ev.keys for ev in producer.sent(FetchRequested)] == [keys, keys[1:3]]
+            for k in keys[:2]:
+                assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+            assert keys[2] not in dst.store and keys[3] not in dst.store
+            assert_nothing_held(dst, peer)
+
+
+@pytest.mark.parametrize("mode", ["fetch", "fetch_into"])
+async def test_a_retry_answered_with_one_outcome_too_many_loads_nothing(
+    autojump_clock: trio.testing.MockClock, mode: str
+) -> None:
+    """The first fetch is answered ``not_pinned`` for every key; the retry's
+    ``transfer_done`` carries an OK for each key and one more (a liar: as many OKs as
+    keys would pass for "every key landed" were the count not checked). The session ends
+    on the peer's protocol error and no key is reported loaded; the caller's slots come
+    back after the quarantine."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with scripted(answering([NP] * 3, [OK] * 4), quarantine=6.0) as (dst, producer):
+            peer = producer.raw.peer_id
+            keys = [os.urandom(32) for _ in range(3)]
+            if mode == "fetch_into":
+                r = await dst.fetch_into(peer, keys, [1, 2, 3])
+            else:
+                r = await dst.fetch(peer, keys)
+            assert r.loaded == [] and set(r.failed) == set(keys), r
+            assert all("outcome count" in why for why in r.failed.values()), r.failed
+            assert len(dst.store) == 0 and dst.caller_slots == set()
+            assert len(producer.sent(LookupRequested)) == 2
+
+
+async def test_fetch_into_retries_in_the_named_slots_which_stay_in_use_until_it_ends() -> None:
+    """``fetch_into`` answered ``not_pinned`` on the caller's own round: the retry writes
+    into exactly the slots the caller named (every other slot keeps its bytes), and the
+    named slots stay in use while the retry is out (a second ``fetch_into`` naming one
+    is refused), free once it returned, and given back once only (a third call may take
+    them at once)."""
+    retry_asked, release = trio.Event(), trio.Event()
+
+    async def answer(n: int, keys: list[bytes]) -> list[int]:
+        if n == 1:
+            retry_asked.set()
+            await release.wait()
+        else:
+            await trio.lowlevel.checkpoint()
+        return [NP if n == 0 else OK] * len(keys)
+
+    with trio.fail_after(BOUND):
+        async with scripted(answer) as (dst, producer):
+            peer = producer.raw.peer_id
+            dst.store.array[:] = np.frombuffer(os.urandom(dst.store.array.nbytes), np.uint8)
+            before = bytes(dst.store.array)
+            keys, slots = [os.urandom(32) for _ in range(3)], [40, 2, 33]
+            got: list[FetchResult] = []
+
+            async def first() -> None:
+                got.append(await dst.fetch_into(peer, keys, slots))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(first)
+                await retry_asked.wait()
+                assert dst.caller_slots == set(slots)
+                with pytest.raises(LocalProtocolError, match="free"):
+                    await dst.fetch_into(peer, [os.urandom(32)], [2])
+                assert dst.caller_slots == set(slots)
+                release.set()
+            (r,) = got
+            assert r.loaded == keys and not r.failed
+            now = bytes(dst.store.array)
+            for s in range(dst.config.num_blocks):
+                piece = now[s * BLOCK : (s + 1) * BLOCK]
+                if s in slots:
+                    assert piece == producer.blocks[keys[slots.index(s)]], s
+                else:
+                    assert piece == before[s * BLOCK : (s + 1) * BLOCK], f"slot {s} written"
+            retry = producer.sent(FetchRequested)[1]
+            assert dict(zip(retry.keys, retry.slots, strict=True)) == dict(
+                zip(keys, slots, strict=True)
+            )
+            assert_nothing_held(dst, peer)
+            # Free once: another call takes them and they are free again after it.
+            r = await dst.fetch_into(peer, keys[:1], slots[:1])
+            assert r.loaded == keys[:1]
+            assert dst.caller_slots == set()
+
+
+@pytest.mark.parametrize("stuck", ["lookup", "fetch"])
+async def test_fetch_into_within_bounds_the_retry_too(
+    autojump_clock: trio.testing.MockClock, stuck: str
+) -> None:
+    """``within`` counts the retry: the first fetch is answered ``not_pinned`` after 2 s,
+    and the retry's lookup is never answered (its keys fail "timed out" at ``within``,
+    at once: nothing was posted) or its fetch never is (at ``within`` plus the
+    quarantine of its slots). The retry's own deadlines (60 s) would come much later."""
+    never = trio.Event()
+
+    async def answer(n: int, keys: list[bytes]) -> list[int]:
+        if n == 0:
+            await trio.sleep(2.0)
+        else:
+            await never.wait()
+        return [NP] * len(keys)
+
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with scripted(answer, lookup_timeout=60.0, fetch_timeout=60.0, quarantine=6.0) as (
+            dst,
+            producer,
+        ):
+            peer = producer.raw.peer_id
+            keys = [os.urandom(32) for _ in range(2)]
+            mute = stuck == "lookup"
+            if mute:  # the fetch's own lookup is answered, the retry's never
+                producer.lookups_answered = 1
+            start = trio.current_time()
+            r = await dst.fetch_into(peer, keys, [7, 8], within=5.0)
+            took = trio.current_time() - start
+            assert took == pytest.approx(5.0 if mute else 5.0 + 6.0, abs=0.1)
+            assert r.loaded == [] and r.failed == dict.fromkeys(keys, "timed out")
+            assert len(producer.sent(LookupRequested)) == 2
+            assert len(producer.sent(FetchRequested)) == (1 if mute else 2)
+            assert dst.caller_slots == set()
+
+
+@pytest.mark.parametrize("mode", ["fetch", "fetch_into"])
+@pytest.mark.parametrize("answer", ["not_pinned", "lease_expired"])
+async def test_a_held_round_keeps_not_pinned_and_retries_lease_expired(
+    mode: str, answer: str
+) -> None:
+    """A round a ``LookupRound`` handle holds (the vLLM tier's): a fetch naming it that is
+    answered ``not_pinned`` reports ``not_pinned`` with no lookup again (its holder asked
+    for the bytes that round pinned); ``lease_expired`` is still looked up once more."""
+    code = NP if answer == "not_pinned" else LE
+    with trio.fail_after(BOUND):
+        async with scripted(answering([code] * 2, [OK] * 2)) as (dst, producer):
+            peer = producer.raw.peer_id
+            keys = [os.urandom(32) for _ in range(2)]
+            rnd = await dst.lookup_round(peer, keys)
+            if mode == "fetch_into":
+                r = await dst.fetch_into(peer, keys, [4, 5], rounds=rnd)
+            else:
+                r = await dst.fetch(peer, keys, rounds=rnd)
+            assert_partition(keys, r)
+            if answer == "not_pinned":
+                assert r.loaded == [] and r.failed == dict.fromkeys(keys, "not_pinned")
+                assert len(producer.sent(LookupRequested)) == 1
+                assert len(producer.sent(FetchRequested)) == 1
+            else:
+                assert sorted(r.loaded) == sorted(keys) and not r.failed
+                assert len(producer.sent(LookupRequested)) == 2
+                for i, k in enumerate(keys):
+                    if mode == "fetch":
+                        got = bytes(dst.store.get(k) or b"")
+                    else:
+                        got = bytes(dst.store.array[(4 + i) * BLOCK : (5 + i) * BLOCK])
+                    assert got == producer.blocks[k]
+            assert_nothing_held(dst, peer)
