@@ -177,7 +177,12 @@ class BlockingNode:
 
     Get one from :func:`start_node`. See the module docstring for which calls block.
     ``timeout=None`` means the node's configured deadline for that operation plus a
-    second; every wait has a deadline.
+    second; every wait has a deadline. A fetch's counts its one more try (a lookup and a
+    fetch again for keys answered ``lease_expired``, or ``not_pinned`` on the engine's
+    own round): ``2 * (lookup_timeout + fetch_timeout)``, and ``quarantine`` more for
+    ``fetch_into``. A fetch split into parts by the peer's landing share waits for room
+    up to ``fetch_timeout`` per part, which no default counts: give such calls a
+    ``timeout`` (or ``within``) of your own.
     """
 
     def __init__(self, engine: EngineThread[Node], board: TicketBoard[TicketResult]) -> None:
@@ -193,8 +198,10 @@ class BlockingNode:
             for op, base in (
                 ("connect", c.connect_timeout + c.handshake_timeout),
                 ("lookup", c.lookup_timeout),
-                ("fetch", c.lookup_timeout + c.fetch_timeout),
-                ("fetch_into", c.lookup_timeout + c.fetch_timeout + c.quarantine),
+                # A fetch may look its keys up and fetch them once more in the same
+                # call (lease_expired, or not_pinned on the engine's own round).
+                ("fetch", 2 * (c.lookup_timeout + c.fetch_timeout)),
+                ("fetch_into", 2 * (c.lookup_timeout + c.fetch_timeout) + c.quarantine),
                 ("disconnect", c.close_timeout),
                 ("release", c.close_timeout),
                 ("close", _close_bound(c)),

@@ -13,6 +13,7 @@ the autojump clock with :class:`~tests.helpers.VirtualOffload`.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,7 +24,7 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import FetchResult, LocalProtocolError, Node, open_node
+from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
 from p2pkv.session.protocol import AbortRequested, Event, FetchRequested, LookupRequested
 from p2pkv.wire import Outcome, TransferDone, encode
 
@@ -47,7 +48,7 @@ class ScriptedProducer:
     answered, the rest never. ``log`` keeps every event, a ``fetch_hits`` with the
     round's hits as its keys."""
 
-    def __init__(self, raw: RawPeer, dst: Node, answer: Answer) -> None:
+    def __init__(self, raw: RawPeer, dst: Node | BlockingNode, answer: Answer) -> None:
         self.raw, self.dst, self.answer = raw, dst, answer
         self.blocks: dict[bytes, bytes] = {}
         self.log: list[Event] = []
@@ -368,3 +369,65 @@ async def test_a_held_round_keeps_not_pinned_and_retries_lease_expired(
                         got = bytes(dst.store.array[(4 + i) * BLOCK : (5 + i) * BLOCK])
                     assert got == producer.blocks[k]
             assert_nothing_held(dst, peer)
+
+
+def test_a_blocking_fetch_by_default_outlasts_a_late_answer_and_its_one_more_try(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """The facade's default ``timeout`` counts the one more try: a fetch whose first
+    answer comes late (within ``fetch_timeout``) and says ``not_pinned``, then looked up
+    and fetched again, answered as late, returns its per-key result. The default used to
+    be one lookup and one fetch plus a second (5.5 s here), so this call (about 6.4 s,
+    each fetch answered 3.2 s after it was sent) ended in ``P2PKVTimeout``, the fetch cut
+    and its slots quarantined, where the engine kept every deadline of its own (reading
+    review, 2026-12-06). The producer runs on a Trio loop of its own in a thread; its
+    waits are real seconds (the facade's waits are), the scenario itself, not a
+    synchronisation."""
+    late = 3.2  # below fetch_timeout by 0.8 s; twice it exceeds the old default by 0.9 s
+    dst = nodes("dst", lookup_timeout=0.5, fetch_timeout=4.0)
+    keys = [os.urandom(32) for _ in range(2)]
+    peer: list[str] = []
+    producers: list[ScriptedProducer] = []
+    connected = threading.Event()
+
+    async def answer(n: int, asked: list[bytes]) -> list[int]:
+        await trio.sleep(late)
+        return [NP] * len(asked) if n == 0 else [OK] * len(asked)
+
+    async def produce() -> None:
+        raw = RawPeer()
+        try:
+            with trio.fail_after(BOUND):
+                await raw.connect(dst.address)
+                await raw.handshake()
+                producer = ScriptedProducer(raw, dst, answer)
+                producers.append(producer)
+                peer.append(raw.peer_id)
+                connected.set()
+                await producer.run()  # until the consumer hangs up
+        finally:
+            await raw.aclose()
+
+    failure: list[BaseException] = []
+
+    def thread() -> None:
+        try:
+            trio.run(produce)
+        except BaseException as exc:  # reported on the test's thread
+            failure.append(exc)
+
+    t = threading.Thread(target=thread, name="scripted-producer")
+    t.start()
+    try:
+        assert connected.wait(BOUND)
+        r = dst.fetch(peer[0], keys)  # the default timeout
+        assert sorted(r.loaded) == sorted(keys) and not r.failed, r
+        for k in keys:
+            got = dst.store.get(k)
+            assert got is not None and bytes(got) == producers[0].blocks[k]
+        dst.disconnect(peer[0], timeout=BOUND)
+    finally:
+        dst.close()  # idempotent; ends the producer's session whatever happened above
+        t.join(BOUND)
+    assert not t.is_alive()
+    assert not failure, failure
