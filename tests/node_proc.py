@@ -17,12 +17,19 @@ With ``--device cuda:N`` the node's region is a torch CUDA tensor on that device
   ``loaded`` and ``failed`` (key index -> reason), ``crcs`` (crc32 of each loaded block,
   in key order), ``slots`` and ``mismatched`` (loaded blocks whose bytes differ from the
   seed's);
-* ``evict`` ``seed`` ``start`` ``count``: drop those blocks; answers how many were held;
+* ``evict`` ``seed`` ``start`` ``count`` (or ``indexes``): drop those blocks; answers
+  how many were held (``evicted``) and which were dropped (``dropped``, key indexes);
+* ``put`` ``seed`` ``indexes`` ``gen``: put those keys with generation ``gen``'s bytes
+  (:func:`gen_bytes`), in that order; answers their ``slots``;
+* ``evict_all``: drop every block the store holds; answers how many it ``kept`` (pinned);
+* ``disconnect`` ``peer``: close the session with that peer;
+* ``release_unused_pins``: the host takes its unused pins back; answers how many rounds;
 * ``stats``: the node's statistics (``attrs.asdict``) and ``peers``;
 * ``stop``: close the node, answer the statistics after close, exit. EOF does the same.
 
 The parent side is :class:`NodeProcess` (async, so the test's own node keeps running
-while it waits for a child).
+while it waits for a child), or :class:`BlockingNodeProcess` for synchronous code (a
+Hypothesis state machine's rules), every call of which has a timeout.
 """
 
 from __future__ import annotations
@@ -73,6 +80,11 @@ def block_key(seed: int, index: int) -> bytes:
 
 def block_bytes(seed: int, index: int, block_len: int) -> bytes:
     return np.random.default_rng([seed, index]).bytes(block_len)
+
+
+def gen_bytes(seed: int, index: int, gen: int, block_len: int) -> bytes:
+    """Generation ``gen`` of key ``index``'s block (of ``seed``): distinct per generation."""
+    return np.random.default_rng([seed, index, gen, 1]).bytes(block_len)
 
 
 def block_crc(seed: int, index: int, block_len: int) -> int:
@@ -157,9 +169,29 @@ async def _handle(node: Any, cmd: dict[str, Any]) -> dict[str, Any]:
             "mismatched": mismatched,
         }
     if op == "evict":
-        seed, start, count = int(cmd["seed"]), int(cmd["start"]), int(cmd["count"])
-        keys = [block_key(seed, i) for i in range(start, start + count)]
-        return {"evicted": sum(node.store.evict(key) for key in keys)}
+        seed = int(cmd["seed"])
+        if "indexes" in cmd:
+            indexes = [int(i) for i in cmd["indexes"]]
+        else:
+            start, count = int(cmd["start"]), int(cmd["count"])
+            indexes = list(range(start, start + count))
+        dropped = [i for i in indexes if node.store.evict(block_key(seed, i))]
+        return {"evicted": len(dropped), "dropped": dropped}
+    if op == "put":
+        seed, gen, store = int(cmd["seed"]), int(cmd["gen"]), node.store
+        indexes = [int(i) for i in cmd["indexes"]]
+        slots = [
+            store.put(block_key(seed, i), gen_bytes(seed, i, gen, store.block_len)) for i in indexes
+        ]
+        return {"slots": slots}
+    if op == "evict_all":
+        kept = sum(not node.store.evict(key) for key in list(node.store.keys()))
+        return {"kept": kept}
+    if op == "disconnect":
+        await node.disconnect(cmd["peer"])
+        return {}
+    if op == "release_unused_pins":
+        return {"rounds": await node.release_unused_pins()}
     if op == "stats":
         return _stats(node)
     raise ValueError(f"unknown op {op!r}")
@@ -232,6 +264,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 # --- the parent side -----------------------------------------------------------------------
 
 
+def child_args(fd: int, peer_id: str, num_blocks: int, block_len: int) -> list[str]:
+    """The command line of a child on socket ``fd`` (options follow)."""
+    return [sys.executable, str(SCRIPT), str(fd), peer_id, str(num_blocks), str(block_len)]
+
+
 @attrs.define(eq=False)
 class NodeProcess:
     """A child running one node (this script). Start with :meth:`start`; always
@@ -265,12 +302,7 @@ class NodeProcess:
         log_path = log_dir / f"{peer_id}-{os.getpid()}-{theirs.fileno()}.log"
         args = [
             *prefix,
-            sys.executable,
-            str(SCRIPT),
-            str(theirs.fileno()),
-            peer_id,
-            str(num_blocks),
-            str(block_len),
+            *child_args(theirs.fileno(), peer_id, num_blocks, block_len),
             f"--host={host}",
             f"--seed={seed}",
             f"--count={count}",
@@ -345,6 +377,109 @@ class NodeProcess:
                     await self.proc.wait()
             self.kill()
             await self.proc.wait()
+
+
+class BlockingNodeProcess:
+    """A child running one node (this script), driven from synchronous code: every call
+    waits at most its ``timeout``. Always :meth:`close` it: it stops the child (SIGKILL
+    after a grace) and reaps it."""
+
+    def __init__(
+        self, peer_id: str, proc: subprocess.Popen[bytes], sock: socket.socket, log_path: Path
+    ) -> None:
+        self.peer_id = peer_id
+        self.proc = proc
+        self.sock = sock
+        self.log_path = log_path
+        self._buffer = bytearray()
+        self.address: tuple[str, int] = ("", 0)
+
+    @classmethod
+    def start(
+        cls,
+        peer_id: str,
+        *,
+        num_blocks: int,
+        block_len: int,
+        log_dir: Path,
+        config: dict[str, Any] | None = None,
+        ready_timeout: float = 30.0,
+    ) -> BlockingNodeProcess:
+        ours, theirs = socket.socketpair()
+        log_path = log_dir / f"{peer_id}-{os.getpid()}-{theirs.fileno()}.log"
+        args = [
+            *child_args(theirs.fileno(), peer_id, num_blocks, block_len),
+            f"--config={json.dumps(config or {})}",
+        ]
+        try:
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(
+                    args,
+                    pass_fds=(theirs.fileno(),),
+                    env={**os.environ, "PYTHONPATH": child_pythonpath()},
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        child = cls(peer_id, proc, ours, log_path)
+        try:
+            hello = child.receive(ready_timeout)
+            if hello is None or hello.get("event") != "ready":
+                raise AssertionError(f"{peer_id} did not start: {hello!r}\n{child.log_tail()}")
+        except BaseException:
+            child.close(grace=0)
+            raise
+        host, port = hello["address"]
+        child.address = (str(host), int(port))
+        return child
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def receive(self, timeout: float) -> dict[str, Any] | None:
+        """The next object (None at EOF); ``TimeoutError`` after ``timeout`` seconds."""
+        self.sock.settimeout(timeout)
+        while (end := self._buffer.find(b"\n")) < 0:
+            if len(self._buffer) > MAX_LINE:
+                raise ValueError("control line too long")
+            data = self.sock.recv(1 << 16)
+            if not data:
+                return None
+            self._buffer += data
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 1]
+        obj = json.loads(line)
+        assert isinstance(obj, dict)
+        return obj
+
+    def call(self, op: str, *, timeout: float = 10.0, **fields: Any) -> dict[str, Any]:
+        """Send one command and return its reply; AssertionError if it failed."""
+        self.sock.settimeout(timeout)
+        self.sock.sendall(json.dumps({"op": op, **fields}).encode() + b"\n")
+        reply = self.receive(timeout)
+        if reply is None:
+            raise AssertionError(f"{self.peer_id} died during {op}\n{self.log_tail()}")
+        if not reply.get("ok"):
+            raise AssertionError(f"{self.peer_id}: {op} failed: {reply.get('error')}")
+        return reply
+
+    def close(self, grace: float = 10.0) -> None:
+        """EOF on the control socket (the child closes its node and exits); SIGKILL if it
+        has not exited after ``grace`` seconds; reap it."""
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10.0)
 
 
 def count_agent_calls(monkeypatch: Any) -> dict[str, int]:
