@@ -177,9 +177,12 @@ class BlockingNode:
 
     Get one from :func:`start_node`. See the module docstring for which calls block.
     ``timeout=None`` means the node's configured deadline for that operation plus a
-    second; every wait has a deadline. A fetch's counts its one more try (a lookup and a
-    fetch again for keys answered ``lease_expired``, or ``not_pinned`` on the engine's
-    own round): ``2 * (lookup_timeout + fetch_timeout)``, and ``quarantine`` more for
+    second; every wait has a deadline. A connect's counts a dial that loses a
+    simultaneous-dial tie-break and then waits for the winning session:
+    ``connect_timeout + 2 * handshake_timeout``, and ``handshake_timeout`` more with TLS
+    (its handshake has a deadline of its own). A fetch's counts its one more try (a
+    lookup and a fetch again for keys answered ``lease_expired``, or ``not_pinned`` on
+    the engine's own round): ``2 * (lookup_timeout + fetch_timeout)``, and ``quarantine`` more for
     ``fetch_into``. A fetch split into parts by the peer's landing share waits for room
     up to ``fetch_timeout`` per part, which no default counts: give such calls a
     ``timeout`` (or ``within``) of your own.
@@ -196,7 +199,12 @@ class BlockingNode:
         self._defaults = {
             op: base + _MARGIN
             for op, base in (
-                ("connect", c.connect_timeout + c.handshake_timeout),
+                # A dial that loses a simultaneous-dial tie-break waits for the winner up
+                # to handshake_timeout after its own handshake; TLS has one of its own.
+                (
+                    "connect",
+                    c.connect_timeout + (3 if c.tls_cert is not None else 2) * c.handshake_timeout,
+                ),
                 ("lookup", c.lookup_timeout),
                 # A fetch may look its keys up and fetch them once more in the same
                 # call (lease_expired, or not_pinned on the engine's own round).

@@ -10,6 +10,7 @@ a timeout, and ``BOUND`` only says "this did not hang".
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import os
@@ -38,18 +39,21 @@ from p2pkv import (
     open_node,
     start_node,
 )
+from p2pkv.session.protocol import HelloReceived, SessionProtocol
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
 
 from .helpers import (
     FaultFactory,
     FaultTransport,
+    RawPeer,
     check_no_leaked_threads,
     config,
     fill,
     in_thread,
     interrupt_at,
     leftover_threads,
+    until,
     wait_for,
 )
 
@@ -1280,3 +1284,84 @@ def test_close_by_default_outlasts_a_write_draining_for_its_abort_timeout(
     assert hanging.transport.releases >= 1  # the write was cut, not left behind
     outcome = wait_ticket(dst, in_flight)
     assert isinstance(outcome, FetchResult) and not outcome.loaded
+
+
+def test_a_blocking_connect_by_default_outlasts_a_lost_simultaneous_dial_and_its_winner(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A connect whose dial loses a simultaneous-dial tie-break (the peer dialed us while
+    ours handshook, and the dial of the smaller peer id wins) waits up to
+    ``handshake_timeout`` more for the winning session and returns its peer. That wait
+    comes after its own handshake, which may take up to ``handshake_timeout`` too, so the
+    engine's own path is ``connect_timeout + 2 * handshake_timeout``. The facade's
+    default was ``connect_timeout + handshake_timeout`` plus a second (4.2 s here): this
+    call (about 5 s: the peer dials 2.5 s into our handshake and acks on its own
+    connection 2.5 s later, each within ``handshake_timeout``) ended in a bare
+    ``P2PKVTimeout`` while the engine kept every deadline of its own, and the peer
+    connected anyway (reading review, 2026-12-06, default timeouts).
+
+    The peer is a FAKE played by hand (two :class:`~tests.helpers.RawPeer` protocols of
+    one identity, same epoch) on a Trio loop of its own in a thread; its waits are real
+    seconds (the facade's waits are), the scenario itself, not a synchronisation."""
+    dial_at, ack_after = 2.5, 2.5  # each 0.5 s within handshake_timeout
+    dst = nodes("zz-dst", connect_timeout=0.2, handshake_timeout=3.0)
+    address: list[tuple[str, int]] = []
+    listening = threading.Event()
+    failure: list[BaseException] = []
+
+    async def play() -> None:
+        raw = RawPeer("aa-src")  # the smaller id: its own dial wins the tie-break
+        second = copy.copy(raw)  # the same identity and region on a second connection
+        second.proto = SessionProtocol(raw.proto.local)
+        second.stream = None
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        try:
+            with trio.fail_after(BOUND):
+                address.append(listeners[0].socket.getsockname()[:2])
+                listening.set()
+                raw.stream = await listeners[0].accept()
+                t0 = trio.current_time()
+                raw.proto.start()
+                await raw.flush()  # our hello on its dial; our ack never comes
+                assert isinstance(await raw.next_event(), HelloReceived)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(drain, raw)
+                    await until(lambda: dst.peer_count() == 1)  # its dial is admitted
+                    await trio.sleep_until(t0 + dial_at)  # the scenario: we dial late
+                    await second.connect(dst.address)
+                    second.proto.start()
+                    await second.flush()
+                    assert isinstance(await second.next_event(), HelloReceived)
+                    await trio.sleep(ack_after)  # the scenario: a slow registration
+                    second.proto.registration_succeeded()
+                    await second.flush()
+                    await drain(second)  # until the consumer hangs up
+        finally:
+            await listeners[0].aclose()
+            if second.stream is not None:
+                await second.stream.aclose()
+            await raw.aclose()
+
+    async def drain(peer: RawPeer) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while await peer.next_event() is not None:
+                pass
+
+    def thread() -> None:
+        try:
+            trio.run(play)
+        except BaseException as exc:  # reported on the test's thread
+            failure.append(exc)
+
+    t = threading.Thread(target=thread, name="simultaneous-dialer")
+    t.start()
+    try:
+        assert listening.wait(BOUND)
+        peer = dst.connect(address[0])  # the default timeout
+        assert peer.peer_id == "aa-src" and dst.is_connected(peer)
+        dst.disconnect(peer, timeout=BOUND)
+    finally:
+        dst.close()  # idempotent; ends the FAKE peer's sessions whatever happened above
+        t.join(BOUND)
+    assert not t.is_alive()
+    assert not failure, failure
