@@ -21,7 +21,7 @@ from p2pkv import NodeConfig, PeerUnavailable, open_node
 from p2pkv.node import Node
 from p2pkv.transport import _nixl_agent
 
-from .helpers import fetch_at_once
+from .helpers import fetch_at_once, until
 from .node_proc import (
     UCX_TCP,
     Children,
@@ -224,6 +224,10 @@ async def test_peer_killed_mid_transfer_fails_its_keys_in_time_while_others_are_
             third_stats = await third.call("stats")
             assert third_stats["peers"] == ["k-hub"]
             assert third_stats["stats"]["registrations"]["started"] == 1
+            # The dead peer's registration is released on a worker thread by its session's
+            # clean-up, which goes on after the fetch it failed has returned.
+            with trio.fail_after(10):
+                await until(lambda: hub.statistics().transport.remote_peers == 1)
             stats = hub.statistics()
             assert agents_and_regions(hub) == (1, 1)
             assert (stats.transport.remote_peers, stats.transport.live_handles) == (1, 0)
