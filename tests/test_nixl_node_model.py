@@ -207,9 +207,9 @@ class NixlNodeModel(RuleBasedStateMachine):
 
     def src_evict(self, idx: list[int]) -> None:
         """Evict at the source. A block no round of the model pins may still be pinned
-        a moment after the fetch that read it returned (the source sends its reply,
-        then unpins): such a block is evicted again until it goes (a pin that never
-        goes fails ``wait_for``'s bound)."""
+        a moment after the consumer's call that let its round go returned (a release,
+        or a round's close, is sent without waiting for the source): such a block is
+        evicted again until it goes (a pin that never goes fails ``wait_for``'s bound)."""
         dropped = set(self.child.call("evict", seed=SEED, indexes=idx)["dropped"])
         late = [i for i in idx if i not in dropped and i in self.src and not self.may_be_pinned(i)]
         if late:
