@@ -352,6 +352,36 @@ async def test_a_key_the_host_puts_again_loads_as_its_round_pinned_it() -> None:
             assert all(k2 in src.store for k2 in others)
 
 
+async def test_a_fetch_naming_a_held_round_loads_its_keys_from_it_beside_an_anonymous_round() -> (
+    None
+):
+    """A held round pins one key of two (the other missed); the producer's host then puts
+    the first again with new bytes and the second, and a plain ``lookup`` of both opens
+    an anonymous round that pins the new ones. A fetch of both naming the held round
+    takes the held round's key from it (the handle's rounds first, as documented): the
+    bytes its lookup pinned, and the other key from the anonymous round. It used to take
+    the anonymous round whole, because it alone held every key, and loaded the new bytes
+    for the key the named round held (found by the NIXL node model, 2026-12-06)."""
+    k0, k1 = os.urandom(32), os.urandom(32)
+    old, new, other = os.urandom(BLOCK), os.urandom(BLOCK), os.urandom(BLOCK)
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            src.store.put(k0, old)
+            peer = await dst.connect(src.address)
+            held = await dst.lookup_round(peer, [k0, k1])
+            assert held.hits == [True, False]
+            src.store.put(k0, new)  # pinned: the key moves, the held round keeps the block
+            src.store.put(k1, other)
+            assert await dst.lookup(peer, [k0, k1]) == [True, True]  # anonymous
+            got = await dst.fetch(peer, [k0, k1], held)
+            assert sorted(got.loaded) == sorted([k0, k1]) and not got.failed
+            assert bytes(dst.store.get(k0) or b"") == old
+            assert bytes(dst.store.get(k1) or b"") == other
+            # Every round was used: a round trip later the producer pins nothing.
+            assert await dst.lookup(peer, [os.urandom(32)]) == [False]
+            assert src.statistics().pinned_slots == 0
+
+
 async def test_one_key_from_two_peers_at_once_one_copy_corrupt_keeps_the_good_bytes() -> None:
     """One key fetched from two peers at once, checksums on; one peer's data plane writes
     other bytes and reports DONE. Whichever lands first, that fetch fails "checksum

@@ -949,6 +949,10 @@ class ConsumerSide(SessionParts):
             if whole or (len(rnd.keys) >= len(keys) and rnd.hits.issuperset(keys)):
                 del self._rounds[rnd.req_id]
                 return {rnd.req_id: (keys, whole, rnd.held)}, []
+            if rnd.held and not rnd.hits.isdisjoint(keys):
+                # A named round holds some of the keys: they are its (below), never an
+                # anonymous round's that holds them all (other bytes, if re-put since).
+                break
         left = set(keys)
         taken: list[tuple[int, set[bytes]]] = []
         for rnd in candidates:
