@@ -61,8 +61,9 @@ import os
 import random
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
@@ -520,53 +521,69 @@ class NixlNodeModel(SourceAndRounds):
             assert got is not None and bytes(got) == filler_bytes(i), ("filler", i)
 
 
-def test_nixl_nodes_follow_the_model(tmp_path: Path, no_agent_left: None) -> None:
+def run_model(
+    machine: type[SourceAndRounds],
+    tmp_path: Path,
+    *,
+    examples: int,
+    steps: int,
+    check: Callable[[BlockingNode], None] = lambda node: None,
+    **node_kw: Any,
+) -> None:
+    """Start the source child and a real-NIXL consumer (``node_kw`` over the shared
+    config), run ``machine`` against them, ``check(node)`` after, then see both gone with
+    no thread or NIXL agent left. Leases never end during an example (a timed outcome)."""
     before = set(threading.enumerate())
+    common = {
+        "verify_checksums": True,
+        "lease": 600.0,
+        "max_peer_registrations": REGISTRATIONS,
+    }
     child = BlockingNodeProcess.start(
         SRC_ID,
         num_blocks=SRC_BLOCKS,
         block_len=BLOCK,
         log_dir=tmp_path,
-        config={
-            "verify_checksums": True,
-            "lease": 600.0,
-            "nixl_copy_threads": 2,
-            "max_peer_registrations": REGISTRATIONS,
-        },
+        config={**common, "nixl_copy_threads": 2},
     )
     try:
-        cfg = NodeConfig(
-            peer_id=DST_ID,
-            transport="nixl",
-            num_blocks=DST_BLOCKS,
-            block_len=BLOCK,
-            verify_checksums=True,
-            lease=600.0,  # no lease ends during an example (a timed outcome)
-            max_peer_registrations=REGISTRATIONS,
-        )
+        cfg = NodeConfig(peer_id=DST_ID, transport="nixl", block_len=BLOCK, **{**common, **node_kw})
         with start_node(cfg) as node:
-            NixlNodeModel.world = World(child, node)
+            machine.world = World(child, node)
             try:
                 run_state_machine_as_test(
-                    NixlNodeModel,
+                    machine,
                     settings=settings(
-                        max_examples=300 if SLOW else 100,
-                        stateful_step_count=50 if SLOW else 40,
+                        max_examples=examples,
+                        stateful_step_count=steps,
                         deadline=None,
                         suppress_health_check=[HealthCheck.too_slow],
                     ),
                 )
             finally:
-                NixlNodeModel.world = None
+                machine.world = None
+            check(node)
             assert node.failure is None
         assert not node.alive
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.proc.pid, signal.SIGCONT)  # a stopped child would sit out close
         child.close()
     assert child.proc.returncode == 0, child.log_tail()
     for t in leftover_threads(before):
         t.join(BOUND)
     assert leftover_threads(before) == []
     assert _nixl_agent.registry_counts() == (0, 0)
+
+
+def test_nixl_nodes_follow_the_model(tmp_path: Path, no_agent_left: None) -> None:
+    run_model(
+        NixlNodeModel,
+        tmp_path,
+        examples=300 if SLOW else 100,
+        steps=50 if SLOW else 40,
+        num_blocks=DST_BLOCKS,
+    )
 
 
 # ================================================================ fetch_into (caller's slots)
@@ -924,55 +941,17 @@ class NixlIntoModel(SourceAndRounds):
 
 
 def test_nixl_fetch_into_follows_the_model(tmp_path: Path, no_agent_left: None) -> None:
-    before = set(threading.enumerate())
-    child = BlockingNodeProcess.start(
-        SRC_ID,
-        num_blocks=SRC_BLOCKS,
-        block_len=BLOCK,
-        log_dir=tmp_path,
-        config={
-            "verify_checksums": True,
-            "lease": 600.0,
-            "nixl_copy_threads": 2,
-            "max_peer_registrations": REGISTRATIONS,
-        },
+    def lent(node: BlockingNode) -> None:
+        assert node.store.lent_to_caller
+
+    run_model(
+        NixlIntoModel,
+        tmp_path,
+        examples=150 if SLOW else 60,
+        steps=50 if SLOW else 30,
+        check=lent,
+        num_blocks=INTO_BLOCKS,
+        quarantine=0.5,
+        abort_timeout=0.2,
+        landing_margin=0.2,
     )
-    try:
-        cfg = NodeConfig(
-            peer_id=DST_ID,
-            transport="nixl",
-            num_blocks=INTO_BLOCKS,
-            block_len=BLOCK,
-            verify_checksums=True,
-            lease=600.0,
-            max_peer_registrations=REGISTRATIONS,
-            quarantine=0.5,
-            abort_timeout=0.2,
-            landing_margin=0.2,
-        )
-        with start_node(cfg) as node:
-            NixlIntoModel.world = World(child, node)
-            try:
-                run_state_machine_as_test(
-                    NixlIntoModel,
-                    settings=settings(
-                        max_examples=150 if SLOW else 60,
-                        stateful_step_count=50 if SLOW else 30,
-                        deadline=None,
-                        suppress_health_check=[HealthCheck.too_slow],
-                    ),
-                )
-            finally:
-                NixlIntoModel.world = None
-            assert node.store.lent_to_caller
-            assert node.failure is None
-        assert not node.alive
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child.proc.pid, signal.SIGCONT)  # a stopped child would sit out close
-        child.close()
-    assert child.proc.returncode == 0, child.log_tail()
-    for t in leftover_threads(before):
-        t.join(BOUND)
-    assert leftover_threads(before) == []
-    assert _nixl_agent.registry_counts() == (0, 0)
