@@ -748,6 +748,49 @@ async def second_producer(
         await raw.aclose()
 
 
+@attrs.define
+class UnderWay:
+    """A ``fetch_into`` of producer ``a``'s first two keys whose writes are under way and
+    held (:func:`a_fetch_into_under_way`); ``b`` serves the same blocks."""
+
+    dst: Node
+    a: HandProducer
+    b: HandProducer
+    keys: list[bytes]
+    hold: trio.Event
+    done: trio.Event
+    results: list[FetchResult] = attrs.field(factory=list)
+
+    async def finish(self) -> FetchResult:
+        """Let the writes settle; the first call's result once it returned."""
+        self.hold.set()
+        await self.done.wait()
+        return self.results[0]
+
+
+@asynccontextmanager
+async def a_fetch_into_under_way(slots: list[int]) -> AsyncIterator[UnderWay]:
+    """Three keys at producer ``a`` (a second producer ``b`` serving them too) and a
+    ``fetch_into`` of the first two into ``slots``, yielded once ``a`` has its request
+    and is writing; the writes settle when the body calls :meth:`UnderWay.finish`."""
+    hold = trio.Event()
+    async with (
+        hand_served(n_blocks=3, hold=hold) as (dst, a),
+        second_producer(dst, dict(a.blocks)) as b,
+    ):
+        w = UnderWay(dst, a, b, list(a.blocks), hold, trio.Event())
+
+        async def first() -> None:
+            w.results.append(await dst.fetch_into(a.raw.peer_id, w.keys[:2], slots))
+            w.done.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(first)
+            await a.fetched.wait()  # a's writes are under way
+            yield w
+            await w.finish()
+
+
 async def test_a_first_fetch_into_while_a_store_fetch_awaits_its_producer_is_refused() -> None:
     """A store ``fetch`` has reserved its slots and sent its request; the producer has not
     answered. The first ``fetch_into`` of the node, naming those very slots or others, is
@@ -789,31 +832,20 @@ async def test_a_fetch_into_naming_a_slot_another_peers_fetch_into_lands_in_is_r
     """Two sessions, the same key named in both, overlapping slots: the slots in use are
     the node's, not the session's, so the second call is refused before anything goes to
     its peer, and the first one's bytes are what its slot holds."""
-    hold = trio.Event()
     with trio.fail_after(BOUND):
-        async with hand_served(n_blocks=3, hold=hold) as (dst, a):
-            keys = list(a.blocks)
-            async with second_producer(dst, dict(a.blocks)) as b:
-                results: list[FetchResult] = []
-
-                async def first() -> None:
-                    results.append(await dst.fetch_into(a.raw.peer_id, keys[:2], [4, 5]))
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(first)
-                    await a.fetched.wait()  # a's writes are under way
-                    with pytest.raises(LocalProtocolError, match="free"):
-                        await dst.fetch_into(b.raw.peer_id, [keys[1], keys[2]], [5, 6])
-                    assert b.log == []  # nothing was sent to b
-                    assert dst.caller_slots == {4, 5}
-                    hold.set()
-                assert results[0].loaded == keys[:2]
-                assert slot_bytes(dst, 5) == a.blocks[keys[1]]
-                r = await dst.fetch_into(b.raw.peer_id, [keys[2], keys[1]], [5, 6])
-                assert r.loaded == [keys[2], keys[1]]
-                assert slot_bytes(dst, 5) == b.blocks[keys[2]]
-                assert slot_bytes(dst, 6) == b.blocks[keys[1]]
-                assert_left_no_trace(dst)
+        async with a_fetch_into_under_way([4, 5]) as w:
+            dst, a, b, keys = w.dst, w.a, w.b, w.keys
+            with pytest.raises(LocalProtocolError, match="free"):
+                await dst.fetch_into(b.raw.peer_id, [keys[1], keys[2]], [5, 6])
+            assert b.log == []  # nothing was sent to b
+            assert dst.caller_slots == {4, 5}
+            assert (await w.finish()).loaded == keys[:2]
+            assert slot_bytes(dst, 5) == a.blocks[keys[1]]
+            r = await dst.fetch_into(b.raw.peer_id, [keys[2], keys[1]], [5, 6])
+            assert r.loaded == [keys[2], keys[1]]
+            assert slot_bytes(dst, 5) == b.blocks[keys[2]]
+            assert slot_bytes(dst, 6) == b.blocks[keys[1]]
+            assert_left_no_trace(dst)
 
 
 @pytest.mark.parametrize("who", ["the_same_peer_back", "another_peer"])
@@ -861,31 +893,18 @@ async def test_while_a_fetch_into_lands_the_store_chooses_no_slot_in_the_region(
     """A ``fetch_into`` into slots 0 and 1 (the first the store would hand out) is under
     way: the host's ``put``, an engine ``reserve`` and a store ``fetch`` from another peer
     are ``SlotsInUse`` and change nothing; the caller's slots get the producer's bytes."""
-    hold = trio.Event()
     with trio.fail_after(BOUND):
-        async with hand_served(n_blocks=3, hold=hold) as (dst, a):
-            keys = list(a.blocks)
-            async with second_producer(dst, dict(a.blocks)) as b:
-                results: list[FetchResult] = []
-
-                async def first() -> None:
-                    results.append(await dst.fetch_into(a.raw.peer_id, keys[:2], [0, 1]))
-
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(first)
-                    await a.fetched.wait()
-                    with pytest.raises(SlotsInUse):
-                        await trio.to_thread.run_sync(
-                            dst.store.put, os.urandom(32), os.urandom(BLOCK)
-                        )
-                    with pytest.raises(SlotsInUse):
-                        dst.store.reserve(object(), 1)
-                    with pytest.raises(SlotsInUse):
-                        await dst.fetch(b.raw.peer_id, keys[2:])
-                    assert b.log == []
-                    assert dst.store.evict(keys[0]) is False  # the store maps nothing
-                    hold.set()
-                assert results[0].loaded == keys[:2]
-                assert slot_bytes(dst, 0) == a.blocks[keys[0]]
-                assert slot_bytes(dst, 1) == a.blocks[keys[1]]
-                assert_left_no_trace(dst)
+        async with a_fetch_into_under_way([0, 1]) as w:
+            dst, a, b, keys = w.dst, w.a, w.b, w.keys
+            with pytest.raises(SlotsInUse):
+                await trio.to_thread.run_sync(dst.store.put, os.urandom(32), os.urandom(BLOCK))
+            with pytest.raises(SlotsInUse):
+                dst.store.reserve(object(), 1)
+            with pytest.raises(SlotsInUse):
+                await dst.fetch(b.raw.peer_id, keys[2:])
+            assert b.log == []
+            assert dst.store.evict(keys[0]) is False  # the store maps nothing
+            assert (await w.finish()).loaded == keys[:2]
+            assert slot_bytes(dst, 0) == a.blocks[keys[0]]
+            assert slot_bytes(dst, 1) == a.blocks[keys[1]]
+            assert_left_no_trace(dst)
