@@ -45,7 +45,7 @@ import socket
 import subprocess
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,37 @@ ROOT = SCRIPT.parents[1]
 # carries no host-memory traffic).
 _GPU_DRIVER = Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia").exists()
 UCX_TCP = "tcp,cuda_copy" if _GPU_DRIVER else "tcp"
+
+
+@contextlib.contextmanager
+def spawning(
+    peer_id: str, log_dir: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[socket.socket, Path, int, dict[str, Any]]]:
+    """For starting a child: our end of its control socket, its log's path, the
+    descriptor to pass it and the spawn's keywords (the descriptor passed, the log as
+    stdout and stderr, this checkout first on its path, ``env`` over ours). Our end is
+    closed if the spawn raises; the child's end here once it spawned."""
+    ours, theirs = socket.socketpair()
+    log_path = log_dir / f"{peer_id}-{os.getpid()}-{theirs.fileno()}.log"
+    try:
+        with log_path.open("wb") as log:
+            yield (
+                ours,
+                log_path,
+                theirs.fileno(),
+                {
+                    "pass_fds": (theirs.fileno(),),
+                    "env": {**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})},
+                    "stdin": subprocess.DEVNULL,
+                    "stdout": log,
+                    "stderr": subprocess.STDOUT,
+                },
+            )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
 
 
 def child_pythonpath() -> str:
@@ -298,32 +329,17 @@ class NodeProcess:
         ready_timeout: float = 30.0,
         device: str = "",
     ) -> NodeProcess:
-        ours, theirs = socket.socketpair()
-        log_path = log_dir / f"{peer_id}-{os.getpid()}-{theirs.fileno()}.log"
-        args = [
-            *prefix,
-            *child_args(theirs.fileno(), peer_id, num_blocks, block_len),
-            f"--host={host}",
-            f"--seed={seed}",
-            f"--count={count}",
-            f"--config={json.dumps(config or {})}",
-            f"--device={device}",
-        ]
-        try:
-            with log_path.open("wb") as log:
-                proc = await trio.lowlevel.open_process(
-                    args,
-                    pass_fds=(theirs.fileno(),),
-                    env={**os.environ, "PYTHONPATH": child_pythonpath(), **(env or {})},
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        with spawning(peer_id, log_dir, env) as (ours, log_path, fd, spawn_kw):
+            args = [
+                *prefix,
+                *child_args(fd, peer_id, num_blocks, block_len),
+                f"--host={host}",
+                f"--seed={seed}",
+                f"--count={count}",
+                f"--config={json.dumps(config or {})}",
+                f"--device={device}",
+            ]
+            proc = await trio.lowlevel.open_process(args, **spawn_kw)
         stream = trio.SocketStream(trio.socket.from_stdlib_socket(ours))
         child = cls(peer_id, proc, LineChannel(stream), log_path)
         try:
@@ -405,27 +421,12 @@ class BlockingNodeProcess:
         config: dict[str, Any] | None = None,
         ready_timeout: float = 30.0,
     ) -> BlockingNodeProcess:
-        ours, theirs = socket.socketpair()
-        log_path = log_dir / f"{peer_id}-{os.getpid()}-{theirs.fileno()}.log"
-        args = [
-            *child_args(theirs.fileno(), peer_id, num_blocks, block_len),
-            f"--config={json.dumps(config or {})}",
-        ]
-        try:
-            with log_path.open("wb") as log:
-                proc = subprocess.Popen(
-                    args,
-                    pass_fds=(theirs.fileno(),),
-                    env={**os.environ, "PYTHONPATH": child_pythonpath()},
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
+        with spawning(peer_id, log_dir) as (ours, log_path, fd, spawn_kw):
+            args = [
+                *child_args(fd, peer_id, num_blocks, block_len),
+                f"--config={json.dumps(config or {})}",
+            ]
+            proc = subprocess.Popen(args, **spawn_kw)
         child = cls(peer_id, proc, ours, log_path)
         try:
             hello = child.receive(ready_timeout)
