@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import itertools
 import os
 import queue
@@ -493,6 +494,14 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, cls: type[Any], name: str) -> C
 
     monkeypatch.setattr(cls, name, counted)
     return lambda: calls
+
+
+HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
+#: ``pytestmark`` of a module whose every test runs real NIXL: marked, skipped without it.
+NIXL_ONLY = [
+    pytest.mark.nixl,
+    pytest.mark.skipif(not HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13 (or nixl-cu12)"),
+]
 
 
 def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:

@@ -8,7 +8,6 @@ namespaces (and with them the veth pair) are deleted in a ``finally``, also on f
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -20,14 +19,10 @@ import attrs
 import pytest
 import trio
 
+from .helpers import NIXL_ONLY
 from .node_proc import UCX_TCP, Children, block_crc
 
-_HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
-pytestmark = [
-    pytest.mark.netns,
-    pytest.mark.nixl,
-    pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13 (or nixl-cu12)"),
-]
+pytestmark = [pytest.mark.netns, *NIXL_ONLY]
 
 BLOCK = 64 * 1024
 SUBNET = ("10.213.7.1", "10.213.7.2")  # a /30 that lives only inside the test's namespaces

@@ -9,7 +9,6 @@ test opened in this process is left registered with NIXL.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import signal
 from typing import Any
@@ -21,7 +20,7 @@ from p2pkv import NodeConfig, PeerUnavailable, open_node
 from p2pkv.node import Node
 from p2pkv.transport import _nixl_agent
 
-from .helpers import fetch_at_once, until
+from .helpers import NIXL_ONLY, fetch_at_once, until
 from .node_proc import (
     UCX_TCP,
     Children,
@@ -32,11 +31,7 @@ from .node_proc import (
     count_agent_calls,
 )
 
-_HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
-pytestmark = [
-    pytest.mark.nixl,
-    pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13 (or nixl-cu12)"),
-]
+pytestmark = NIXL_ONLY
 
 BLOCK = 64 * 1024
 

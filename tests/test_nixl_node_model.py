@@ -55,7 +55,6 @@ and its replay takes other slots. Read the first error.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import os
 import random
@@ -90,14 +89,10 @@ from p2pkv import (
 )
 from p2pkv.transport import _nixl_agent
 
-from .helpers import leftover_threads, wait_for
+from .helpers import NIXL_ONLY, leftover_threads, wait_for
 from .node_proc import BlockingNodeProcess, block_key, gen_bytes
 
-_HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu13", "nixl_cu12"))
-pytestmark = [
-    pytest.mark.nixl,
-    pytest.mark.skipif(not _HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13 (or nixl-cu12)"),
-]
+pytestmark = NIXL_ONLY
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 SLOW = os.environ.get("P2PKV_SLOW") == "1"
