@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -502,6 +502,26 @@ NIXL_ONLY = [
     pytest.mark.nixl,
     pytest.mark.skipif(not HAVE_NIXL, reason="needs NIXL: pip install nixl-cu13 (or nixl-cu12)"),
 ]
+
+
+@contextlib.contextmanager
+def trio_in_a_thread(
+    afn: Callable[[], Awaitable[None]], name: str, *, stop: Callable[[], None]
+) -> Iterator[None]:
+    """Run ``afn`` on a Trio loop of its own (:func:`in_thread`: a FAKE peer beside a
+    facade node, whose waits are real seconds) for the body; then ``stop()`` whatever
+    happened in the body (it must make ``afn`` end, e.g. close the node it talks to), join
+    the thread and raise what ``afn`` raised."""
+    t, out = in_thread(lambda: trio.run(afn), name)
+    try:
+        yield
+    finally:
+        stop()
+        t.join(BOUND)
+    assert not t.is_alive(), f"{name} did not end"
+    result = out.get_nowait()
+    if isinstance(result, BaseException):
+        raise result
 
 
 def wait_for(condition: Callable[[], bool], bound: float = BOUND) -> None:

@@ -53,6 +53,7 @@ from .helpers import (
     in_thread,
     interrupt_at,
     leftover_threads,
+    trio_in_a_thread,
     until,
     wait_for,
 )
@@ -1307,7 +1308,6 @@ def test_a_blocking_connect_by_default_outlasts_a_lost_simultaneous_dial_and_its
     dst = nodes("zz-dst", connect_timeout=0.2, handshake_timeout=3.0)
     address: list[tuple[str, int]] = []
     listening = threading.Event()
-    failure: list[BaseException] = []
 
     async def play() -> None:
         raw = RawPeer("aa-src")  # the smaller id: its own dial wins the tie-break
@@ -1347,21 +1347,9 @@ def test_a_blocking_connect_by_default_outlasts_a_lost_simultaneous_dial_and_its
             while await peer.next_event() is not None:
                 pass
 
-    def thread() -> None:
-        try:
-            trio.run(play)
-        except BaseException as exc:  # reported on the test's thread
-            failure.append(exc)
-
-    t = threading.Thread(target=thread, name="simultaneous-dialer")
-    t.start()
-    try:
+    # dst.close() is idempotent; it ends the FAKE peer's sessions whatever happened.
+    with trio_in_a_thread(play, "simultaneous-dialer", stop=dst.close):
         assert listening.wait(BOUND)
         peer = dst.connect(address[0])  # the default timeout
         assert peer.peer_id == "aa-src" and dst.is_connected(peer)
         dst.disconnect(peer, timeout=BOUND)
-    finally:
-        dst.close()  # idempotent; ends the FAKE peer's sessions whatever happened above
-        t.join(BOUND)
-    assert not t.is_alive()
-    assert not failure, failure

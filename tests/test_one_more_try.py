@@ -28,7 +28,7 @@ from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
 from p2pkv.session.protocol import AbortRequested, Event, FetchRequested, LookupRequested
 from p2pkv.wire import Outcome, TransferDone, encode
 
-from .helpers import RawPeer, VirtualOffload, config
+from .helpers import RawPeer, VirtualOffload, config, trio_in_a_thread
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
@@ -408,17 +408,8 @@ def test_a_blocking_fetch_by_default_outlasts_a_late_answer_and_its_one_more_try
         finally:
             await raw.aclose()
 
-    failure: list[BaseException] = []
-
-    def thread() -> None:
-        try:
-            trio.run(produce)
-        except BaseException as exc:  # reported on the test's thread
-            failure.append(exc)
-
-    t = threading.Thread(target=thread, name="scripted-producer")
-    t.start()
-    try:
+    # dst.close() is idempotent; it ends the producer's session whatever happened.
+    with trio_in_a_thread(produce, "scripted-producer", stop=dst.close):
         assert connected.wait(BOUND)
         r = dst.fetch(peer[0], keys)  # the default timeout
         assert sorted(r.loaded) == sorted(keys) and not r.failed, r
@@ -426,8 +417,3 @@ def test_a_blocking_fetch_by_default_outlasts_a_late_answer_and_its_one_more_try
             got = dst.store.get(k)
             assert got is not None and bytes(got) == producers[0].blocks[k]
         dst.disconnect(peer[0], timeout=BOUND)
-    finally:
-        dst.close()  # idempotent; ends the producer's session whatever happened above
-        t.join(BOUND)
-    assert not t.is_alive()
-    assert not failure, failure
