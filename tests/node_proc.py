@@ -125,6 +125,21 @@ def block_crc(seed: int, index: int, block_len: int) -> int:
 # --- the control channel: JSON lines ---------------------------------------------------
 
 
+def take_line(buffer: bytearray) -> dict[str, Any] | None:
+    """The first complete line of ``buffer`` as a JSON object, removed from it; None while
+    no line is complete (ValueError once an incomplete one is past ``MAX_LINE``)."""
+    end = buffer.find(b"\n")
+    if end < 0:
+        if len(buffer) > MAX_LINE:
+            raise ValueError("control line too long")
+        return None
+    line = bytes(buffer[:end])
+    del buffer[: end + 1]
+    obj = json.loads(line)
+    assert isinstance(obj, dict)
+    return obj
+
+
 class LineChannel:
     """JSON objects, one per line, over a Trio stream."""
 
@@ -137,17 +152,11 @@ class LineChannel:
 
     async def receive(self) -> dict[str, Any] | None:
         """The next object, or None at EOF."""
-        while (end := self._buffer.find(b"\n")) < 0:
-            if len(self._buffer) > MAX_LINE:
-                raise ValueError("control line too long")
+        while (obj := take_line(self._buffer)) is None:
             data = await self.stream.receive_some(1 << 16)
             if not data:
                 return None
             self._buffer += data
-        line = bytes(self._buffer[:end])
-        del self._buffer[: end + 1]
-        obj = json.loads(line)
-        assert isinstance(obj, dict)
         return obj
 
 
@@ -448,17 +457,11 @@ class BlockingNodeProcess:
     def receive(self, timeout: float) -> dict[str, Any] | None:
         """The next object (None at EOF); ``TimeoutError`` after ``timeout`` seconds."""
         self.sock.settimeout(timeout)
-        while (end := self._buffer.find(b"\n")) < 0:
-            if len(self._buffer) > MAX_LINE:
-                raise ValueError("control line too long")
+        while (obj := take_line(self._buffer)) is None:
             data = self.sock.recv(1 << 16)
             if not data:
                 return None
             self._buffer += data
-        line = bytes(self._buffer[:end])
-        del self._buffer[: end + 1]
-        obj = json.loads(line)
-        assert isinstance(obj, dict)
         return obj
 
     def call(self, op: str, *, timeout: float = 10.0, **fields: Any) -> dict[str, Any]:

@@ -202,6 +202,61 @@ class SourceAndRounds(RuleBasedStateMachine):
         """A held round surely pins the block the source holds for key ``i``."""
         return any(not h.cut and h.pinned.get(i) == self.src.get(i) for h in self.held)
 
+    def expect_outcome(
+        self, i: int, result: FetchResult, held: Held | None, *, held_already: bool = False
+    ) -> None:
+        """Key ``i``'s outcome in a fetch or fetch_into (naming ``held``) that nothing
+        raced; ``held_already``: the consumer's store holds the key (it loads as is)."""
+        key = KEYS[i]
+        if held_already or (held is not None and i in held.pinned):
+            assert key in result.loaded, (i, result.failed.get(key))
+        elif held is not None and i in held.idx and held.handle.hits[held.idx.index(i)]:
+            # a hit whose pins the source's host took back: documented outcome
+            assert key in result.loaded or result.failed[key] == "not_pinned", (i, result)
+        elif self.anon.get(i, set()) - {self.src.get(i)}:
+            pass  # an anonymous round's pinned bytes, or looked up anew: bytes checked
+        elif i in self.src:
+            assert key in result.loaded, (i, result.failed.get(key))
+        else:
+            assert result.failed.get(key) == "miss", (i, result.failed.get(key))
+
+    def churn_meanwhile(self, churn: str, victim: int, allowed: dict[int, set[int]]) -> set[int]:
+        """While two fetches run: the source's host puts a new generation of ``victim``
+        (``churn == "put"``) or evicts it (``"evict"``; a pinned block stays). Adds the
+        generation it holds now to what may load; returns the keys churned."""
+        churned: set[int] = set()
+        if churn == "put":
+            self.src_put([victim])
+            churned.add(victim)
+        elif churn == "evict" and victim in self.src:
+            dropped = self.child.call("evict", seed=SEED, indexes=[victim])["dropped"]
+            if dropped:  # else pinned (by these fetches, or a round)
+                del self.src[victim]
+                churned.add(victim)
+        if victim in allowed and victim in self.src:
+            allowed[victim].add(self.src[victim])
+        return churned
+
+    def expect_raced(
+        self,
+        i: int,
+        result: FetchResult,
+        src_before: dict[int, int],
+        churned: set[int],
+        *,
+        held_already: bool = False,
+    ) -> None:
+        """Key ``i``'s outcome in one of two fetches that ran at once beside churn."""
+        key = KEYS[i]
+        if held_already:
+            assert key in result.loaded, (i, result.failed.get(key))
+        elif i in churned or self.anon.get(i, set()) - {src_before.get(i)}:
+            pass  # loaded or failed: what loaded is checked by the caller
+        elif i in src_before:
+            assert key in result.loaded, (i, result.failed.get(key))
+        else:
+            assert result.failed.get(key) == "miss", (i, result.failed.get(key))
+
     def may_be_pinned(self, i: int) -> bool:
         return self.pinned_now(i) or self.src.get(i) in self.anon.get(i, set())
 
@@ -402,18 +457,7 @@ class NixlNodeModel(SourceAndRounds):
 
     def expect(self, i: int, result: FetchResult, held: Held | None) -> None:
         """Key ``i``'s outcome in a fetch (naming ``held``) that nothing raced."""
-        key = KEYS[i]
-        if i in self.has or (held is not None and i in held.pinned):
-            assert key in result.loaded, (i, result.failed.get(key))
-        elif held is not None and i in held.idx and held.handle.hits[held.idx.index(i)]:
-            # a hit whose pins the source's host took back: documented outcome
-            assert key in result.loaded or result.failed[key] == "not_pinned", (i, result)
-        elif self.anon.get(i, set()) - {self.src.get(i)}:
-            pass  # an anonymous round's pinned bytes, or looked up anew: bytes checked
-        elif i in self.src:
-            assert key in result.loaded, (i, result.failed.get(key))
-        else:
-            assert result.failed.get(key) == "miss", (i, result.failed.get(key))
+        self.expect_outcome(i, result, held, held_already=i in self.has)
 
     def landed(
         self, idx: list[int], result: FetchResult, had: dict[int, int], allowed: dict[int, set[int]]
@@ -465,17 +509,7 @@ class NixlNodeModel(SourceAndRounds):
         tickets = [
             self.node.submit_fetch(SRC_ID, keys_of(idx), timeout=BOUND) for idx in (first, second)
         ]
-        churned: set[int] = set()
-        if churn == "put":
-            self.src_put([victim])
-            churned.add(victim)
-        elif churn == "evict" and victim in self.src:
-            dropped = self.child.call("evict", seed=SEED, indexes=[victim])["dropped"]
-            if dropped:  # else pinned (by these fetches, or a round)
-                del self.src[victim]
-                churned.add(victim)
-        if victim in allowed and victim in self.src:
-            allowed[victim].add(self.src[victim])
+        churned = self.churn_meanwhile(churn, victim, allowed)
         wait_for(lambda: self.node.pending() == 0)
         outcomes = dict(self.node.get_finished())
         assert sorted(outcomes) == sorted(tickets)
@@ -484,15 +518,7 @@ class NixlNodeModel(SourceAndRounds):
             assert isinstance(result, FetchResult), result
             check_partition(keys_of(idx), result)
             for i in idx:
-                key = KEYS[i]
-                if i in had:
-                    assert key in result.loaded, (i, result.failed.get(key))
-                elif i in churned or self.anon.get(i, set()) - {src_before.get(i)}:
-                    pass  # loaded or failed: what loaded is checked below
-                elif i in src_before:
-                    assert key in result.loaded, (i, result.failed.get(key))
-                else:
-                    assert result.failed.get(key) == "miss", (i, result.failed.get(key))
+                self.expect_raced(i, result, src_before, churned, held_already=i in had)
         for ticket, idx in zip(tickets, (first, second), strict=True):
             result = outcomes[ticket]
             assert isinstance(result, FetchResult)
@@ -705,19 +731,10 @@ class NixlIntoModel(SourceAndRounds):
     def expect(self, i: int, result: FetchResult, held: Held | None, *, cut: bool) -> None:
         """Key ``i``'s outcome in a fetch_into (naming ``held``) that nothing raced; cut:
         ``within=0``, which gives up before any answer can come."""
-        key = KEYS[i]
         if cut:
-            assert result.failed.get(key) == "timed out", (i, result.failed.get(key))
-        elif held is not None and i in held.pinned:
-            assert key in result.loaded, (i, result.failed.get(key))
-        elif held is not None and i in held.idx and held.handle.hits[held.idx.index(i)]:
-            assert key in result.loaded or result.failed[key] == "not_pinned", (i, result)
-        elif self.anon.get(i, set()) - {self.src.get(i)}:
-            pass  # an anonymous round's pinned bytes, or looked up anew: bytes checked
-        elif i in self.src:
-            assert key in result.loaded, (i, result.failed.get(key))
+            assert result.failed.get(KEYS[i]) == "timed out", (i, result.failed.get(KEYS[i]))
         else:
-            assert result.failed.get(key) == "miss", (i, result.failed.get(key))
+            self.expect_outcome(i, result, held)
 
     def landed(
         self, idx: list[int], slots: list[int], result: FetchResult, allowed: dict[int, set[int]]
@@ -846,29 +863,13 @@ class NixlIntoModel(SourceAndRounds):
         allowed = {i: self.allowed(i, None) for i in {*first, *second}}
         src_before = dict(self.src)
         tickets = [self.submit(first, slots1, None, None), self.submit(second, slots2, None, None)]
-        churned: set[int] = set()
-        if churn == "put":
-            self.src_put([victim])
-            churned.add(victim)
-        elif churn == "evict" and victim in self.src:
-            dropped = self.child.call("evict", seed=SEED, indexes=[victim])["dropped"]
-            if dropped:  # else pinned (by these fetches, or a round)
-                del self.src[victim]
-                churned.add(victim)
-        if victim in allowed and victim in self.src:
-            allowed[victim].add(self.src[victim])
+        churned = self.churn_meanwhile(churn, victim, allowed)
         results = self.collect(tickets)
         for idx, slots, result in zip((first, second), (slots1, slots2), results, strict=True):
             self.partition(idx, result)
             assert "timed out" not in result.failed.values(), result.failed
             for i in idx:
-                key = KEYS[i]
-                if i in churned or self.anon.get(i, set()) - {src_before.get(i)}:
-                    pass  # loaded or failed: what loaded is checked below
-                elif i in src_before:
-                    assert key in result.loaded, (i, result.failed.get(key))
-                else:
-                    assert result.failed.get(key) == "miss", (i, result.failed.get(key))
+                self.expect_raced(i, result, src_before, churned)
             self.landed(idx, slots, result, allowed)
 
     @precondition(lambda self: self.connected)
