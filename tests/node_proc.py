@@ -125,6 +125,14 @@ def block_crc(seed: int, index: int, block_len: int) -> int:
 # --- the control channel: JSON lines ---------------------------------------------------
 
 
+def log_tail(path: Path, chars: int = 4000) -> str:
+    """The last ``chars`` characters of a child's log ("" if it cannot be read)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
 def take_line(buffer: bytearray) -> dict[str, Any] | None:
     """The first complete line of ``buffer`` as a JSON object, removed from it; None while
     no line is complete (ValueError once an incomplete one is past ``MAX_LINE``)."""
@@ -365,10 +373,7 @@ class NodeProcess:
         return child
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send one command and return its reply; AssertionError if it failed. No deadline
@@ -449,10 +454,7 @@ class BlockingNodeProcess:
         return child
 
     def log_tail(self, chars: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return log_tail(self.log_path, chars)
 
     def receive(self, timeout: float) -> dict[str, Any] | None:
         """The next object (None at EOF); ``TimeoutError`` after ``timeout`` seconds."""

@@ -257,6 +257,15 @@ class SourceAndRounds(RuleBasedStateMachine):
         else:
             assert result.failed.get(key) == "miss", (i, result.failed.get(key))
 
+    def teardown(self) -> None:
+        """Back to a clean slate for the next example (checked by its ``clean_slate``):
+        no session, and the source holds no pin and no block."""
+        if self.node.is_connected(SRC_ID):
+            self.node.disconnect(SRC_ID, timeout=BOUND)
+        wait_for(lambda: self.child.call("stats")["stats"]["peers"] == 0)
+        wait_for(lambda: self.child.call("stats")["stats"]["pinned_slots"] == 0)
+        self.child.call("evict_all")
+
     def may_be_pinned(self, i: int) -> bool:
         return self.pinned_now(i) or self.src.get(i) in self.anon.get(i, set())
 
@@ -401,12 +410,7 @@ class NixlNodeModel(SourceAndRounds):
             self.put_range(start, n)
 
     def teardown(self) -> None:
-        """Back to a clean slate for the next example (checked by its ``clean_slate``)."""
-        if self.node.is_connected(SRC_ID):
-            self.node.disconnect(SRC_ID, timeout=BOUND)
-        wait_for(lambda: self.child.call("stats")["stats"]["peers"] == 0)
-        wait_for(lambda: self.child.call("stats")["stats"]["pinned_slots"] == 0)
-        self.child.call("evict_all")
+        super().teardown()
         for key in list(self.node.store.keys()):
             assert self.node.store.evict(key), key
 
@@ -673,13 +677,6 @@ class NixlIntoModel(SourceAndRounds):
         self.connect()
         if n:
             self.put_range(start, n)
-
-    def teardown(self) -> None:
-        if self.node.is_connected(SRC_ID):
-            self.node.disconnect(SRC_ID, timeout=BOUND)
-        wait_for(lambda: self.child.call("stats")["stats"]["peers"] == 0)
-        wait_for(lambda: self.child.call("stats")["stats"]["pinned_slots"] == 0)
-        self.child.call("evict_all")
 
     # ------------------------------------------------------------ fetch_into
 
