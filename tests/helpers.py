@@ -10,6 +10,8 @@
   (real threads and autojump do not mix: virtual time jumps past them).
 * :class:`RawPeer` — a hand-driven peer: real TCP and our own sans-IO protocol, so tests
   can send what a real node never would.
+* :class:`HandProducer` — a producer played by hand over a :class:`RawPeer`, with a FAKE
+  data plane that writes each block it answers OK straight into the consumer's region.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -36,12 +39,20 @@ import trio.lowlevel
 
 from p2pkv import FetchResult, Node, NodeConfig, open_node, staging
 from p2pkv.errors import RegistrationFailed, TransportError
-from p2pkv.session.protocol import ByeReceived, Event, LocalInfo, SessionProtocol
+from p2pkv.session.protocol import (
+    AbortRequested,
+    ByeReceived,
+    Event,
+    FetchRequested,
+    LocalInfo,
+    LookupRequested,
+    SessionProtocol,
+)
 from p2pkv.session.session import PeerSession
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RegionLayout, RemotePeer, TransferHandle, TransferState
 from p2pkv.transport.local import LocalTransport
-from p2pkv.wire import Hello
+from p2pkv.wire import Hello, Outcome, TransferDone, encode
 
 if TYPE_CHECKING:
     from p2pkv.facade import BlockingNode
@@ -314,6 +325,99 @@ class RawPeer:
         if self.stream is not None:
             await self.stream.aclose()
         self.transport.close()
+
+
+# answer(n, keys) -> the outcomes of the n-th fetch (0-based) of ``keys``; may wait.
+Answer = Callable[[int, list[bytes]], Awaitable[list[int]]]
+
+
+class HandProducer:
+    """A producer played by hand over :class:`RawPeer` (FAKE: its "data plane" writes each
+    block it answers OK straight into the consumer's region, as the in-process transport
+    would). ``log`` keeps every event it receives, a ``fetch_hits`` (no keys) with the
+    round's hits (``hit_keys``) as its keys and its request id in ``by_hits``; ``asked``
+    and ``fetched`` are set by the first lookup and the first fetch.
+
+    ``blocks``: the hits are the keys of ``blocks``, whose bytes a fetch writes; None:
+    every key is a hit, its block made up (random, then kept in ``blocks``) when first
+    written. ``answer``: fetch number ``n`` (0-based, closes not counted) is answered
+    ``answer(n, keys)``, an outcome count other than the keys' sent raw, past the
+    protocol's own checks (a liar); None: every key OK. ``hold``: a fetch is answered
+    only once it is set. ``lookups_answered``: only that many lookups are answered, the
+    rest never (0: mute); None: all. ``vanish``: on the first fetch the producer closes
+    its connection instead of answering (its process died; the time in ``vanished_at``).
+    ``ack_aborts``: every abort is acknowledged; else it is only logged."""
+
+    def __init__(
+        self,
+        raw: RawPeer,
+        dst: Node | BlockingNode,
+        blocks: dict[bytes, bytes] | None = None,
+        *,
+        answer: Answer | None = None,
+        hold: trio.Event | None = None,
+        lookups_answered: int | None = None,
+        vanish: bool = False,
+        ack_aborts: bool = False,
+    ) -> None:
+        self.raw, self.dst, self.answer, self.hold = raw, dst, answer, hold
+        self.all_hits, self.blocks = blocks is None, {} if blocks is None else blocks
+        self.lookups_answered, self.vanish, self.ack_aborts = lookups_answered, vanish, ack_aborts
+        self.asked = trio.Event()  # the first lookup is in
+        self.fetched = trio.Event()  # the first fetch message is in
+        self.log: list[Event] = []
+        self.vanished_at: float | None = None
+        self.hit_keys: dict[int, list[bytes]] = {}  # request id -> the round's hits
+        self.by_hits: list[int] = []  # request ids fetched by fetch_hits
+        self.fetches = 0
+
+    async def run(self) -> None:
+        raw, ok = self.raw, int(Outcome.OK)
+        while (ev := await raw.next_event()) is not None:
+            if isinstance(ev, FetchRequested) and ev.keys is None:
+                self.by_hits.append(ev.req_id)
+                ev = attrs.evolve(ev, keys=self.hit_keys[ev.req_id])
+            self.log.append(ev)
+            if isinstance(ev, LookupRequested):
+                self.asked.set()
+                if self.lookups_answered is not None:
+                    if not self.lookups_answered:
+                        continue
+                    self.lookups_answered -= 1
+                hits = [self.all_hits or k in self.blocks for k in ev.keys]
+                self.hit_keys[ev.req_id] = list(itertools.compress(ev.keys, hits))
+                raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
+            elif isinstance(ev, FetchRequested):  # never empty: an empty one is a close
+                assert ev.keys is not None
+                self.fetched.set()
+                if self.vanish:
+                    self.vanished_at = trio.current_time()
+                    assert raw.stream is not None
+                    await raw.stream.aclose()
+                    return
+                if self.hold is not None:
+                    await self.hold.wait()
+                n, self.fetches = self.fetches, self.fetches + 1
+                if self.answer is None:
+                    outcomes = [ok] * len(ev.keys)
+                else:
+                    outcomes = await self.answer(n, list(ev.keys))
+                size, region = self.dst.store.block_len, self.dst.store.array
+                for k, s, o in zip(ev.keys, ev.slots, outcomes, strict=False):
+                    if o == ok:
+                        if self.all_hits:
+                            self.blocks.setdefault(k, os.urandom(size))
+                        region[s * size : (s + 1) * size] = np.frombuffer(self.blocks[k], np.uint8)
+                if len(outcomes) == len(ev.slots):
+                    raw.proto.send_transfer_done(ev.req_id, outcomes)
+                else:  # a liar's outcome count: past the protocol's own checks
+                    await raw.send_raw(encode(TransferDone(req_id=ev.req_id, outcomes=outcomes)))
+            elif isinstance(ev, AbortRequested) and self.ack_aborts:
+                raw.proto.send_abort_ack(ev.req_id)
+            await raw.flush()
+
+    def sent(self, kind: type[Any]) -> list[Any]:
+        return [ev for ev in self.log if isinstance(ev, kind)]
 
 
 def rejected_registration() -> Exception:

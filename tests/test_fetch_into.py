@@ -1,7 +1,7 @@
 """``fetch_into``: keys land in slots the caller names (vLLM owns the memory).
 
 Two nodes in one process (in-process transport, real TCP control), or a consumer node and
-a producer played by hand (:class:`~tests.helpers.RawPeer`) where a test must see exactly
+a producer played by hand (FAKE :class:`~tests.helpers.HandProducer`) where a test must see exactly
 what was sent or must hold the producer's reply. Deadlines run on the autojump clock with
 :class:`~tests.helpers.VirtualOffload`, and every time is read from ``trio.current_time()``.
 """
@@ -23,10 +23,18 @@ import trio.testing
 from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, SlotsInUse, open_node
 from p2pkv.config import PROTOCOL_MINOR
 from p2pkv.session import protocol
-from p2pkv.session.protocol import Event, FetchRequested, LookupRequested
-from p2pkv.wire import Outcome
+from p2pkv.session.protocol import FetchRequested, LookupRequested
 
-from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, pair, wait_for
+from .helpers import (
+    FaultFactory,
+    HandProducer,
+    RawPeer,
+    VirtualOffload,
+    config,
+    fill,
+    pair,
+    wait_for,
+)
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
@@ -69,69 +77,6 @@ async def wait_unpinned(src: Node) -> None:
 
 
 # ---------------------------------------------------------------- a producer played by hand
-
-
-class HandProducer:
-    """A producer played by hand over :class:`RawPeer` (FAKE: its "data plane" writes each
-    fetched block straight into the consumer's region, as the in-process transport
-    would). Hits for the keys of ``blocks``; every event it receives is kept in ``log``.
-
-    ``hold``: a fetch is answered only once it is set; ``mute``: lookups are never
-    answered. ``vanish``: on the first fetch the
-    producer closes its connection instead of answering (its process died). A fetch of a
-    round's hits (``fetch_hits``: no keys) is logged with the round's hits as its keys, and
-    its request id in ``by_hits``."""
-
-    def __init__(
-        self,
-        raw: RawPeer,
-        dst: Node,
-        blocks: dict[bytes, bytes],
-        *,
-        hold: trio.Event | None = None,
-        mute: bool = False,
-        vanish: bool = False,
-    ) -> None:
-        self.raw, self.dst, self.blocks = raw, dst, blocks
-        self.hold, self.mute, self.vanish = hold, mute, vanish
-        self.asked = trio.Event()  # the first lookup is in
-        self.log: list[Event] = []
-        self.fetched = trio.Event()  # the first fetch message is in
-        self.vanished_at: float | None = None
-        self.hit_keys: dict[int, list[bytes]] = {}  # request id -> the round's hits
-        self.by_hits: list[int] = []  # request ids fetched by fetch_hits
-
-    async def run(self) -> None:
-        raw = self.raw
-        while (ev := await raw.next_event()) is not None:
-            if isinstance(ev, FetchRequested) and ev.keys is None:
-                self.by_hits.append(ev.req_id)
-                ev = attrs.evolve(ev, keys=self.hit_keys[ev.req_id])
-            self.log.append(ev)
-            if isinstance(ev, LookupRequested):
-                self.asked.set()
-                if self.mute:
-                    continue
-                hits = [k in self.blocks for k in ev.keys]
-                self.hit_keys[ev.req_id] = [k for k in ev.keys if k in self.blocks]
-                raw.proto.send_lookup_resp(ev.req_id, hits, trio.current_time(), 60.0)
-            elif isinstance(ev, FetchRequested) and ev.keys:
-                self.fetched.set()
-                if self.vanish:
-                    self.vanished_at = trio.current_time()
-                    assert raw.stream is not None
-                    await raw.stream.aclose()
-                    return
-                if self.hold is not None:
-                    await self.hold.wait()
-                region = self.dst.store.array
-                for k, s in zip(ev.keys, ev.slots, strict=True):
-                    region[s * BLOCK : (s + 1) * BLOCK] = np.frombuffer(self.blocks[k], np.uint8)
-                raw.proto.send_transfer_done(ev.req_id, [int(Outcome.OK)] * len(ev.keys))
-            await raw.flush()
-
-    def sent(self, kind: type[Any]) -> list[Any]:
-        return [ev for ev in self.log if isinstance(ev, kind)]
 
 
 @asynccontextmanager
@@ -558,7 +503,7 @@ async def test_fetch_into_within_gives_up_on_a_lookup_that_is_never_answered(
         async with hand_served(
             {"lookup_timeout": 60.0, "fetch_timeout": 60.0, "quarantine": 6.0},
             virtual=True,
-            mute=True,
+            lookups_answered=0,
         ) as (dst, producer):
             keys = list(producer.blocks)
             await trio.sleep(5.0)  # the call comes well past virtual time ``within``
@@ -588,7 +533,7 @@ async def test_fetch_into_within_still_reports_loaded_the_keys_that_landed_befor
             peer = producer.raw.peer_id
             k0, k1 = producer.blocks
             rnd = await dst.lookup_round(peer, [k0])
-            producer.mute = True  # k1's lookup is never answered
+            producer.lookups_answered = 0  # k1's lookup is never answered
             start = trio.current_time()
             r = await dst.fetch_into(peer, [k0, b"", k1], [5, 6, 7], rounds=rnd, within=3.0)
             assert trio.current_time() - start == pytest.approx(3.0, abs=0.1)

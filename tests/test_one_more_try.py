@@ -3,32 +3,32 @@
 holds, are looked up and fetched once more in the same call (``_fetch_reserved``), and
 never a third time; a held round's ``not_pinned`` stands.
 
-The producer is a FAKE played by hand (:class:`ScriptedProducer` over
-:class:`~tests.helpers.RawPeer`): it answers every lookup all hits and each fetch with
-the outcomes a test scripts, writing the block of each key it says OK into the slot the
-consumer named (as the in-process data plane would). Tests that need a deadline run on
-the autojump clock with :class:`~tests.helpers.VirtualOffload`.
+The producer is a FAKE played by hand (:class:`~tests.helpers.HandProducer` over
+:class:`~tests.helpers.RawPeer`, with ``answer`` and ``ack_aborts``): it answers every
+lookup all hits and each fetch with the outcomes a test scripts, writing the block of
+each key it says OK into the slot the consumer named (as the in-process data plane
+would). Tests that need a deadline run on the autojump clock with
+:class:`~tests.helpers.VirtualOffload`.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import attrs
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
 from p2pkv import BlockingNode, FetchResult, LocalProtocolError, Node, open_node
-from p2pkv.session.protocol import AbortRequested, Event, FetchRequested, LookupRequested
-from p2pkv.wire import Outcome, TransferDone, encode
+from p2pkv.session.protocol import FetchRequested, LookupRequested
+from p2pkv.wire import Outcome
 
-from .helpers import RawPeer, VirtualOffload, config, trio_in_a_thread
+from .helpers import Answer, HandProducer, RawPeer, VirtualOffload, config, trio_in_a_thread
 
 BLOCK = 4096
 BOUND = 20.0  # seconds: "this did not hang", never an expected duration
@@ -36,74 +36,17 @@ VIRTUAL_BOUND = 120.0  # the same on the autojump clock (virtual seconds)
 OK, NP, LE = int(Outcome.OK), int(Outcome.NOT_PINNED), int(Outcome.LEASE_EXPIRED)
 TF = int(Outcome.TRANSFER_FAILED)
 
-# answer(n, keys) -> the outcomes of the n-th fetch (0-based) of ``keys``; may wait.
-Answer = Callable[[int, list[bytes]], Awaitable[list[int]]]
-
-
-class ScriptedProducer:
-    """A producer played by hand (FAKE: its "data plane" writes each block it answers OK
-    straight into the consumer's region). Every lookup is answered all hits at once;
-    fetch number ``n`` (0-based, closes not counted) is answered ``answer(n, keys)``;
-    every abort is acknowledged; ``lookups_answered``: only that many lookups are
-    answered, the rest never. ``log`` keeps every event, a ``fetch_hits`` with the
-    round's hits as its keys."""
-
-    def __init__(self, raw: RawPeer, dst: Node | BlockingNode, answer: Answer) -> None:
-        self.raw, self.dst, self.answer = raw, dst, answer
-        self.blocks: dict[bytes, bytes] = {}
-        self.log: list[Event] = []
-        self.hit_keys: dict[int, list[bytes]] = {}
-        self.fetches = 0
-        self.lookups_answered: int | None = None  # how many are answered; None: all
-
-    def block(self, key: bytes) -> bytes:
-        return self.blocks.setdefault(key, os.urandom(BLOCK))
-
-    async def run(self) -> None:
-        raw = self.raw
-        while (ev := await raw.next_event()) is not None:
-            if isinstance(ev, FetchRequested) and ev.keys is None:
-                ev = attrs.evolve(ev, keys=self.hit_keys[ev.req_id])
-            self.log.append(ev)
-            if isinstance(ev, LookupRequested):
-                if self.lookups_answered is not None:
-                    if not self.lookups_answered:
-                        continue
-                    self.lookups_answered -= 1
-                self.hit_keys[ev.req_id] = list(ev.keys)
-                raw.proto.send_lookup_resp(
-                    ev.req_id, [True] * len(ev.keys), trio.current_time(), 60
-                )
-            elif isinstance(ev, FetchRequested) and ev.slots:
-                assert ev.keys is not None
-                n, self.fetches = self.fetches, self.fetches + 1
-                outcomes = await self.answer(n, list(ev.keys))
-                region = self.dst.store.array
-                for k, s, o in zip(ev.keys, ev.slots, outcomes, strict=False):
-                    if o == OK:
-                        region[s * BLOCK : (s + 1) * BLOCK] = np.frombuffer(self.block(k), np.uint8)
-                if len(outcomes) == len(ev.slots):
-                    raw.proto.send_transfer_done(ev.req_id, outcomes)
-                else:  # a liar's outcome count: past the protocol's own checks
-                    await raw.send_raw(encode(TransferDone(req_id=ev.req_id, outcomes=outcomes)))
-            elif isinstance(ev, AbortRequested):
-                raw.proto.send_abort_ack(ev.req_id)
-            await raw.flush()
-
-    def sent(self, kind: type[Any]) -> list[Any]:
-        return [ev for ev in self.log if isinstance(ev, kind) and getattr(ev, "slots", True)]
-
 
 @asynccontextmanager
-async def scripted(answer: Answer, **dst_kw: Any) -> AsyncIterator[tuple[Node, ScriptedProducer]]:
+async def scripted(answer: Answer, **dst_kw: Any) -> AsyncIterator[tuple[Node, HandProducer]]:
     """A consumer node (``config("dst", **dst_kw)``, inline offload for the autojump
-    clock) connected to a :class:`ScriptedProducer` answering fetches by ``answer``."""
+    clock) connected to a :class:`HandProducer` answering fetches by ``answer``."""
     raw = RawPeer()
     try:
         async with open_node(config("dst", **dst_kw), offload=VirtualOffload()) as dst:
             await raw.connect(dst.address)
             await raw.handshake()
-            producer = ScriptedProducer(raw, dst, answer)
+            producer = HandProducer(raw, dst, answer=answer, ack_aborts=True)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(producer.run)
                 yield dst, producer
@@ -387,7 +330,7 @@ def test_a_blocking_fetch_by_default_outlasts_a_late_answer_and_its_one_more_try
     dst = nodes("dst", lookup_timeout=0.5, fetch_timeout=4.0)
     keys = [os.urandom(32) for _ in range(2)]
     peer: list[str] = []
-    producers: list[ScriptedProducer] = []
+    producers: list[HandProducer] = []
     connected = threading.Event()
 
     async def answer(n: int, asked: list[bytes]) -> list[int]:
@@ -400,7 +343,7 @@ def test_a_blocking_fetch_by_default_outlasts_a_late_answer_and_its_one_more_try
             with trio.fail_after(BOUND):
                 await raw.connect(dst.address)
                 await raw.handshake()
-                producer = ScriptedProducer(raw, dst, answer)
+                producer = HandProducer(raw, dst, answer=answer, ack_aborts=True)
                 producers.append(producer)
                 peer.append(raw.peer_id)
                 connected.set()
