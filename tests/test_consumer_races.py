@@ -808,20 +808,26 @@ def test_a_finished_request_keeps_the_pins_of_another_request_on_the_same_key(
     tier.shutdown()
 
 
+@pytest.mark.parametrize("held", [False, True])
 async def test_a_fetch_after_a_stall_looks_up_again_instead_of_using_an_expired_round(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, held: bool
 ) -> None:
     """The engine stalls (the host holding the GIL, a GC pause) past a round's deadline
     before the lease timer has closed it: the next fetch looks the keys up again. It used
     to send on the round, and every key failed ``lease_expired`` from a producer that
-    still held it."""
+    still held it. A fetch naming the expired round's handle (``held``) does the same."""
     with trio.fail_after(100):
         async with pair(virtual=True) as (src, dst):
             keys = fill(src.store, 4, 4096)
             peer = await dst.connect(src.address)
-            assert await dst.lookup(peer, keys) == [True] * 4
+            handle: LookupRound | None = None
+            if held:
+                handle = await dst.lookup_round(peer, keys)
+                assert handle.hits == [True] * 4
+            else:
+                assert await dst.lookup(peer, keys) == [True] * 4
             autojump_clock.jump(src.config.lease + 0.5)  # a stall: nothing ran meanwhile
-            r = await dst.fetch(peer, keys)
+            r = await dst.fetch(peer, keys, rounds=handle)
             assert r.failed == {} and sorted(r.loaded) == sorted(keys)
 
 

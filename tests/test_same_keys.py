@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 
@@ -352,16 +353,33 @@ async def test_a_key_the_host_puts_again_loads_as_its_round_pinned_it() -> None:
             assert all(k2 in src.store for k2 in others)
 
 
-async def test_a_fetch_naming_a_held_round_loads_its_keys_from_it_beside_an_anonymous_round() -> (
-    None
-):
+def loaded_bytes(dst: Node, mode: str, key: bytes, slot: int) -> bytes:
+    """What ``dst`` holds for ``key``: its store's block, or the region slot a
+    ``fetch_into`` named."""
+    if mode == "fetch":
+        return bytes(dst.store.get(key) or b"")
+    return bytes(dst.store.array[slot * BLOCK : (slot + 1) * BLOCK])
+
+
+async def fetch_as(dst: Node, mode: str, peer: Any, keys: list[bytes], rounds: Any) -> FetchResult:
+    """``fetch`` or ``fetch_into`` (slots 0, 1, ...) of ``keys`` naming ``rounds``."""
+    if mode == "fetch":
+        return await dst.fetch(peer, keys, rounds)
+    return await dst.fetch_into(peer, keys, list(range(len(keys))), rounds)
+
+
+@pytest.mark.parametrize("mode", ["fetch", "fetch_into"])
+async def test_a_fetch_naming_a_held_round_loads_its_keys_from_it_beside_an_anonymous_round(
+    mode: str,
+) -> None:
     """A held round pins one key of two (the other missed); the producer's host then puts
     the first again with new bytes and the second, and a plain ``lookup`` of both opens
     an anonymous round that pins the new ones. A fetch of both naming the held round
     takes the held round's key from it (the handle's rounds first, as documented): the
     bytes its lookup pinned, and the other key from the anonymous round. It used to take
     the anonymous round whole, because it alone held every key, and loaded the new bytes
-    for the key the named round held (found by the NIXL node model, 2026-12-06)."""
+    for the key the named round held (found by the NIXL node model, 2026-12-06).
+    ``fetch_into`` claims its rounds the same way (pinned by a reading review)."""
     k0, k1 = os.urandom(32), os.urandom(32)
     old, new, other = os.urandom(BLOCK), os.urandom(BLOCK), os.urandom(BLOCK)
     with trio.fail_after(BOUND):
@@ -373,13 +391,73 @@ async def test_a_fetch_naming_a_held_round_loads_its_keys_from_it_beside_an_anon
             src.store.put(k0, new)  # pinned: the key moves, the held round keeps the block
             src.store.put(k1, other)
             assert await dst.lookup(peer, [k0, k1]) == [True, True]  # anonymous
-            got = await dst.fetch(peer, [k0, k1], held)
+            got = await fetch_as(dst, mode, peer, [k0, k1], held)
             assert sorted(got.loaded) == sorted([k0, k1]) and not got.failed
-            assert bytes(dst.store.get(k0) or b"") == old
-            assert bytes(dst.store.get(k1) or b"") == other
+            assert loaded_bytes(dst, mode, k0, 0) == old
+            assert loaded_bytes(dst, mode, k1, 1) == other
             # Every round was used: a round trip later the producer pins nothing.
             assert await dst.lookup(peer, [os.urandom(32)]) == [False]
             assert src.statistics().pinned_slots == 0
+
+
+@pytest.mark.parametrize("mode", ["fetch", "fetch_into"])
+@pytest.mark.parametrize("first", ["old", "new"])
+async def test_two_handles_holding_one_key_the_first_named_wins_the_other_stays_its_holders(
+    mode: str, first: str
+) -> None:
+    """Two held rounds of one caller pin one key: the first before the producer's host put
+    it again, the second after. A fetch naming both (one of them twice) takes the key
+    from the first named round that holds it, as documented ("Held rounds"): its bytes,
+    one transfer. The other round is untouched: still open and pinned, closed only by its
+    holder's release. Pinned by a reading review (2026-12-06)."""
+    k, old, new = os.urandom(32), os.urandom(BLOCK), os.urandom(BLOCK)
+    with trio.fail_after(BOUND):
+        async with pair() as (src, dst):
+            src.store.put(k, old)
+            peer = await dst.connect(src.address)
+            h_old = await dst.lookup_round(peer, [k])
+            src.store.put(k, new)  # pinned: the key moves, h_old keeps the old block
+            h_new = await dst.lookup_round(peer, [k])
+            assert h_old.hits == h_new.hits == [True]
+            assert src.statistics().pinned_slots == 2
+            named, other = (h_old, h_new) if first == "old" else (h_new, h_old)
+            got = await fetch_as(dst, mode, peer, [k], [named, named, other])
+            assert got.loaded == [k] and not got.failed
+            assert loaded_bytes(dst, mode, k, 0) == (old if first == "old" else new)
+            assert await dst.release(peer, named) == 0  # the fetch used it
+            assert await dst.release(peer, other) == 1  # the fetch left it alone
+            assert await dst.lookup(peer, [os.urandom(32)]) == [False]  # a round trip
+            assert src.statistics().pinned_slots == 0
+
+
+@pytest.mark.parametrize("mode", ["fetch", "fetch_into"])
+async def test_a_handle_of_another_peer_names_nothing_there_and_its_round_stays_pinned(
+    mode: str,
+) -> None:
+    """A handle is bound to its session: named in a fetch from another peer, it names
+    nothing there (the key is looked up at that peer and loads that peer's bytes), and
+    its own round, at its own peer, stays open and pinned for its holder; a release of it
+    through the other peer closes nothing. Pinned by a reading review (2026-12-06)."""
+    k, bytes_a, bytes_b = os.urandom(32), os.urandom(BLOCK), os.urandom(BLOCK)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(config("a")) as a,
+            open_node(config("b")) as b,
+            open_node(config("dst")) as dst,
+        ):
+            a.store.put(k, bytes_a)
+            b.store.put(k, bytes_b)
+            pa, pb = await dst.connect(a.address), await dst.connect(b.address)
+            held = await dst.lookup_round(pa, [k])
+            assert held.hits == [True] and a.statistics().pinned_slots == 1
+            got = await fetch_as(dst, mode, pb, [k], held)
+            assert got.loaded == [k] and not got.failed
+            assert loaded_bytes(dst, mode, k, 0) == bytes_b
+            assert await dst.release(pb, held) == 0
+            assert a.statistics().pinned_slots == 1  # a's round is still its holder's
+            assert await dst.release(pa, held) == 1
+            assert await dst.lookup(pa, [os.urandom(32)]) == [False]  # a round trip
+            assert a.statistics().pinned_slots == 0
 
 
 async def test_one_key_from_two_peers_at_once_one_copy_corrupt_keeps_the_good_bytes() -> None:
