@@ -460,6 +460,38 @@ async def test_a_handle_of_another_peer_names_nothing_there_and_its_round_stays_
             assert a.statistics().pinned_slots == 0
 
 
+async def test_a_held_rounds_key_another_fetch_is_bringing_in_is_that_fetchs_copy() -> None:
+    """The store holds one block per key: a ``fetch`` naming a held round, of a key a
+    plain fetch is bringing in at that moment, waits for that fetch and reports its
+    outcome (one transfer), as "A key is fetched once" says; the held round is not sent
+    on and stays open, pinned, for its holder's release. The "Held rounds" bullet
+    promised the holder its round's bytes without saying so (reading review,
+    2026-12-06)."""
+    hold = trio.Event()
+    with trio.fail_after(BOUND):
+        async with hand_served(n_blocks=1, hold=hold) as (dst, producer):
+            peer = producer.raw.peer_id
+            (k,) = producer.blocks
+            held = await dst.lookup_round(peer, [k])
+            results: dict[str, FetchResult] = {}
+
+            async def fetch(name: str, rounds: Any) -> None:
+                results[name] = await dst.fetch(peer, [k], rounds)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch, "plain", None)
+                await producer.fetched.wait()  # its claim is made, its answer held
+                nursery.start_soon(fetch, "holder", held)
+                await trio.testing.wait_all_tasks_blocked()  # the holder waits on it
+                hold.set()
+            for r in results.values():
+                assert r.loaded == [k] and not r.failed
+            [only] = producer.sent(FetchRequested)
+            assert only.req_id not in held.req_ids
+            assert bytes(dst.store.get(k) or b"") == producer.blocks[k]
+            assert await dst.release(peer, held) == 1  # open and pinned till now
+
+
 async def test_one_key_from_two_peers_at_once_one_copy_corrupt_keeps_the_good_bytes() -> None:
     """One key fetched from two peers at once, checksums on; one peer's data plane writes
     other bytes and reports DONE. Whichever lands first, that fetch fails "checksum
