@@ -9,7 +9,9 @@ The source's host puts blocks (key -> bytes; a few keys, so they collide) and ev
 puts a key again with *other* bytes (while a round pins the old ones, or after an
 eviction) and releases the pins it holds (``release_unused_pins``). The consumers look
 keys up (anonymous rounds, and held rounds a later fetch names or a release gives back),
-fetch (all of a round's keys or a part; a plain fetch), and keep fetches in flight with
+fetch (all of a round's keys or a part; a plain fetch; naming one held round or more, in
+an order drawn, beside anonymous rounds of the same keys opened after the host put some
+of them again), and keep fetches in flight with
 ``submit_fetch`` (two at once, of overlapping keys, from both consumers or from one),
 collected later with ``poll`` or ``get_finished``; a consumer disconnects and reconnects,
 and the source disconnects a consumer. The third consumer, c3, is vLLM's kind: it fetches
@@ -27,7 +29,9 @@ The model, checked after every step:
 * a key a consumer holds holds bytes the source held for that key while a lookup or a
   fetch of it by that consumer could have pinned them (invariant 1); a fetch that used a
   held round loads exactly the bytes its lookup pinned, and a key the consumer held
-  already keeps its bytes ("or were there already", ``FetchResult``);
+  already keeps its bytes ("or were there already", ``FetchResult``); a fetch naming held
+  rounds takes each key from the first of them that holds it, never from an anonymous
+  round that holds them all, and a named round it took from is closed (``release``: 0);
 * a fetch's ``loaded`` and ``failed`` split exactly the keys it was given; where nothing
   raced it (no put or evict of the key, no disconnect, no pins released by the source) a
   key loads if and only if the source or the consumer held it, and fails "miss" otherwise
@@ -141,6 +145,21 @@ class Held:
     # evict raced): they load bytes the source held while it was out, checked as such.
     unsure: set[bytes] = attrs.field(factory=set)
 
+    @property
+    def hits(self) -> set[bytes]:
+        return {k for k, hit in zip(self.keys, self.handle.hits, strict=True) if hit}
+
+
+def owners(named: list[Held], keys: list[bytes], had: AbstractSet[bytes]) -> dict[bytes, Held]:
+    """The round each key of a fetch naming ``named`` (in that order) takes: the first
+    that holds it as a hit, before any anonymous round (docs/design.md, "Held rounds");
+    a key the consumer held already takes none, nor does a key no named round holds."""
+    return {
+        k: next(h for h in named if k in h.hits)
+        for k in keys
+        if k not in had and any(k in h.hits for h in named)
+    }
+
 
 @attrs.define
 class Ticket:
@@ -155,7 +174,8 @@ class Ticket:
     disrupted: bool = False  # a disconnect or a pin release since
     kind: str = "fetch"
     slots: list[int] = attrs.field(factory=list)  # "into": keys[i] lands in slots[i]
-    held: Held | None = None  # "into" naming a held round, or "release"'s round
+    held: Held | None = None  # "release"'s round
+    named: list[Held] = attrs.field(factory=list)  # "into": the held rounds it names
     gen: int = 0  # the consumer's session generation at the submit
     then: dict[bytes, bytes] = attrs.field(factory=dict)  # "round": the source's bytes
 
@@ -379,66 +399,104 @@ class NodeModel(RuleBasedStateMachine):
     @precondition(lambda self: any(c.peer and not c.tickets for c in self.stores))
     @rule(which=st.integers(0, 1), data=st.data())
     def fetch_round(self, which: int, data: st.DataObject) -> None:
-        """Fetch all of a held round's keys or a part, naming the round."""
-        index, choose = pick(data, 8), chooser(data)
+        """Fetch all of a held round's keys or a part, naming the round (and, as drawn,
+        another held round after it)."""
+        index, other, choose = pick(data, 8), pick(data, 8), chooser(data)
+        two = data.draw(st.booleans(), label="name two")
         if not any(c.held and c.peer and not c.tickets for c in self.stores):
             return
         c = self.idle_consumer(which, with_rounds=True)
         assert c.peer is not None
-        held = c.held.pop(index % len(c.held))
-        self.fetch_held(c, held, choose(held.keys))
+        named = [c.held.pop(index % len(c.held))]
+        if two and c.held:
+            named.append(c.held.pop(other % len(c.held)))
+        self.fetch_held(c, named, choose(named[0].keys))
 
     @precondition(lambda self: any(c.peer and not c.tickets for c in self.consumers))
     @rule(which=st.integers(0, 2), keys=some_keys, data=st.data())
     def round_with_other_bytes_put_under_it(
         self, which: int, keys: list[bytes], data: st.DataObject
     ) -> None:
-        """A held round; the source's host puts other bytes for some of its hits (or
-        evicts them: refused, they are pinned); the round's fetch of some of its keys
-        (c3: a fetch_into naming it) loads the bytes its lookup pinned."""
+        """A held round; the source's host puts other bytes for some of its keys (a
+        hit: the round keeps the bytes it pinned; a miss: there now), evicts some (a
+        hit: refused, it is pinned) and (``fill``) puts those of ``every`` it lacks; the
+        consumer looks ``every`` up again, as drawn: anonymously, or
+        holding a second round; the host puts some keys again. Then a fetch of some of
+        ``every`` (c3: a fetch_into) naming some of the held rounds in an order drawn: a
+        key a named round holds loads from the first that does, the bytes it pinned,
+        never from an anonymous round that holds every key (other bytes, put since)."""
         c = self.idle_consumer(which, any_kind=True)
-        self.lookup_round(self.consumers.index(c), keys)
-        held = c.held[-1]
-        for k in data.draw(st.lists(st.sampled_from(keys), unique=True)):
-            if data.draw(st.booleans()):
-                self.put([k], fresh=True)
-            else:
-                self.evict(k)
-        wanted = data.draw(st.lists(st.sampled_from(keys), min_size=1, unique=True))
-        c.held.remove(held)
+        at = self.consumers.index(c)
+        more = data.draw(st.lists(st.sampled_from(KEYS), max_size=2, unique=True), label="more")
+        every = list(dict.fromkeys(keys + more))
+        fresh = data.draw(st.lists(st.booleans(), min_size=8, max_size=8), label="fresh")
+        gone = data.draw(st.lists(st.sampled_from(keys), max_size=2), label="evicted")
+        fill = data.draw(st.booleans(), label="fill")
+        again = data.draw(st.sampled_from(["lookup", "round", ""]), label="again")
+        then = data.draw(st.lists(st.sampled_from(every), max_size=2), label="put since")
+        wanted = data.draw(st.lists(st.sampled_from(every), min_size=1, unique=True))
+        order = data.draw(st.permutations(range(2)), label="order")
+        mask = data.draw(st.lists(st.booleans(), min_size=2, max_size=2), label="named")
+        self.lookup_round(at, keys)
+        rounds = [c.held[-1]]  # kept in c.held until the fetch: they pin (``evict``)
+        self.put([k for i, k in enumerate(keys) if fresh[i]], fresh=True)
+        for k in gone:
+            self.evict(k)
+        if fill:
+            self.put([k for k in every if k not in self.current], fresh=False)
+        if again == "lookup":
+            self.lookup(at, every)
+        elif again == "round":
+            self.lookup_round(at, every)
+            rounds.append(c.held[-1])
+        self.put(then, fresh=True)
+        ordered = [rounds[i] for i in order if i < len(rounds)]
+        named = [h for h, name in zip(ordered, mask, strict=False) if name] or ordered[:1]
+        for h in named:
+            c.held.remove(h)
         if c.into:
-            self.submit_into(c, wanted, held, data)
+            self.submit_into(c, wanted, named, data)
             self.collect_from(c, data.draw(st.booleans(), label="by_poll"))
         else:
-            self.fetch_held(c, held, wanted)
+            self.fetch_held(c, named, wanted)
 
-    def fetch_held(self, c: Consumer, held: Held, keys: list[bytes]) -> None:
-        """Fetch ``keys`` (of the held round ``held``) naming the round; check each key."""
+    def fetch_held(self, c: Consumer, named: list[Held], keys: list[bytes]) -> None:
+        """Fetch ``keys`` naming the held rounds ``named`` (in that order); check each
+        key: one a named round holds loads the bytes the first that does pinned."""
         assert c.peer is not None
-        for k in keys:
-            if k not in held.pinned and k in self.current:  # looked up again by the fetch
-                c.allowed.setdefault(k, set()).add(self.current[k])
         had = set(c.has)
+        owner = owners(named, keys, had)
+        for k in keys:
+            h = owner.get(k)
+            if (h is None or k not in h.pinned) and k in self.current:  # looked up again
+                c.allowed.setdefault(k, set()).add(self.current[k])
         before = dict(c.has)
-        result = c.node.fetch(c.peer, keys, rounds=held.handle, timeout=BOUND)
+        handles = [h.handle for h in named]
+        rounds = handles[0] if len(handles) == 1 else handles
+        result = c.node.fetch(c.peer, keys, rounds=rounds, timeout=BOUND)
         check_partition(keys, result)
         for k in keys:
-            self.expect_key(c, k, result, had, held)
-            if k in held.pinned and k not in had:
+            h = owner.get(k)
+            self.expect_key(c, k, result, had, h)
+            if h is not None and k in h.pinned:
                 # exactly the bytes the round pinned, whatever the source's host did since
-                assert bytes(self.bytes_of(c, k)) == held.pinned[k], k
+                assert bytes(self.bytes_of(c, k)) == h.pinned[k], k
         self.landed(c, result, had)
         for k, v in before.items():
             assert c.has[k] == v
-        self.keep_if_untaken(c, held, keys, had)
+        self.keep_if_untaken(c, named, owner)
 
     @staticmethod
-    def keep_if_untaken(c: Consumer, held: Held, keys: list[bytes], had: set[bytes]) -> None:
-        hits = {k for k, hit in zip(held.keys, held.handle.hits, strict=True) if hit}
-        if not hits & (set(keys) - had):
-            # The fetch took no round of the handle (it wanted no hit of it): the round
-            # stays open, its pins the holder's, until a release or a fetch that does.
-            c.held.append(held)
+    def keep_if_untaken(c: Consumer, named: list[Held], owner: dict[bytes, Held]) -> None:
+        for held in named:
+            if all(h is not held for h in owner.values()):
+                # The fetch took no key from this round (it wanted no hit of it, or an
+                # earlier named round held them): the round stays open, its pins the
+                # holder's, until a release or a fetch that takes from it.
+                c.held.append(held)
+            elif c.peer is not None:
+                # It took some: the round is used, nothing of it is left to release.
+                assert c.node.release(c.peer, held.handle, timeout=BOUND) == 0, held
 
     def expect_key(
         self, c: Consumer, k: bytes, result: FetchResult, had: set[bytes], held: Held | None
@@ -496,9 +554,8 @@ class NodeModel(RuleBasedStateMachine):
         name_one = data.draw(st.booleans(), label="name a held round")
         index, choose = pick(data, len(c.held)), chooser(data)
         if kind == "fetch" and c.into:
-            held = c.held.pop(index) if c.held and name_one else None
-            part = choose(held.keys if held is not None else keys)
-            self.submit_into(c, part if held is not None else keys, held, data)
+            named = [c.held.pop(index)] if c.held and name_one else []
+            self.submit_into(c, choose(named[0].keys) if named else keys, named, data)
             return
         if kind == "fetch":
             ticket = c.node.submit_fetch(c.peer, keys, timeout=BOUND)
@@ -522,9 +579,10 @@ class NodeModel(RuleBasedStateMachine):
         c.tickets[ticket] = t
 
     def submit_into(
-        self, c: Consumer, keys: list[bytes], held: Held | None, data: st.DataObject
+        self, c: Consumer, keys: list[bytes], named: list[Held], data: st.DataObject
     ) -> None:
-        """``submit_fetch_into`` of ``keys`` on c3 into free slots drawn (naming ``held``)."""
+        """``submit_fetch_into`` of ``keys`` on c3 into free slots drawn (naming the held
+        rounds ``named``, in that order)."""
         assert c.peer is not None
         for k in keys:
             if k in self.current:
@@ -533,16 +591,14 @@ class NodeModel(RuleBasedStateMachine):
         order = data.draw(st.permutations(range(INTO_SLOTS)), label="slots")
         slots = [s for s in order if s not in busy][: len(keys)]
         if len(slots) < len(keys):  # the slots are all named by fetches in flight
-            if held is not None:
-                c.held.append(held)
+            c.held.extend(named)
             return
-        ticket = c.node.submit_fetch_into(
-            c.peer, keys, slots, rounds=held.handle if held else None, timeout=BOUND
-        )
+        rounds = [h.handle for h in named] or None
+        ticket = c.node.submit_fetch_into(c.peer, keys, slots, rounds=rounds, timeout=BOUND)
         assert ticket not in c.tickets
         src_had = set(self.current) & set(keys)
         c.tickets[ticket] = Ticket(
-            keys, set(), src_had, kind="into", slots=slots, held=held, gen=c.gen
+            keys, set(), src_had, kind="into", slots=slots, named=named, gen=c.gen
         )
 
     @precondition(lambda self: self.into.peer is not None and not self.into.tickets)
@@ -808,31 +864,33 @@ class NodeModel(RuleBasedStateMachine):
 
     def collected_into(self, c: Consumer, t: Ticket, outcome: object) -> None:
         """A fetch_into finished: each key loaded is in the slot named for it, with bytes
-        the source held (exactly those its held round pinned); a failed key's slot holds
-        what the model cannot tell; no other slot was written (``region_as_modelled``)."""
+        the source held (exactly those the named round it took it from pinned); a failed
+        key's slot holds what the model cannot tell; no other slot was written
+        (``region_as_modelled``)."""
         assert isinstance(outcome, FetchResult), outcome
         check_partition(t.keys, outcome)
         assert c.node.store.lent_to_caller and len(c.node.store) == 0
-        held = t.held
+        owner = owners(t.named, t.keys, set())
         for k in t.keys:
             if not (t.disrupted or k in t.churned):
-                self.expect_key(c, k, outcome, set(), held)
+                self.expect_key(c, k, outcome, set(), owner.get(k))
         region = c.node.store.array
         for k, slot in zip(t.keys, t.slots, strict=True):
             if k in outcome.loaded:
                 got = bytes(region[slot * BLOCK : (slot + 1) * BLOCK])
-                if held is not None and k in held.pinned:
+                if (held := owner.get(k)) is not None and k in held.pinned:
                     assert got == held.pinned[k], (k, slot)
                 else:
                     assert got in c.allowed.get(k, set()), (k, slot, "bytes the source never held")
                 c.region[slot] = got
             else:
                 c.region[slot] = None  # a write may have landed there, or not
-        if held is not None and t.gen == c.gen:
+        if t.named and t.gen == c.gen:
             if t.disrupted:
-                held.pinned.clear()
-                held.cut = True
-            self.keep_if_untaken(c, held, t.keys, set())
+                for held in t.named:
+                    held.pinned.clear()
+                    held.cut = True
+            self.keep_if_untaken(c, t.named, owner)
 
     # ------------------------------------------------------------ sessions
 
