@@ -448,6 +448,9 @@ def blocking_nodes(bound: float = 10.0) -> Iterator[Callable[..., BlockingNode]]
 
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
+# seconds, a model test's pytest timeout: room for Hypothesis to shrink a failing example
+# (it stops shrinking after 300 s) and report it, where the suite's 300 s would cut it off
+SHRINK_ROOM = 900
 
 
 def in_thread(

@@ -89,7 +89,7 @@ from p2pkv import (
 )
 from p2pkv.transport import _nixl_agent
 
-from .helpers import NIXL_ONLY, leftover_threads, wait_for
+from .helpers import NIXL_ONLY, SHRINK_ROOM, leftover_threads, wait_for
 from .node_proc import BlockingNodeProcess, block_key, gen_bytes
 
 pytestmark = NIXL_ONLY
@@ -601,6 +601,7 @@ def run_model(
     assert _nixl_agent.registry_counts() == (0, 0)
 
 
+@pytest.mark.timeout(SHRINK_ROOM)
 def test_nixl_nodes_follow_the_model(tmp_path: Path, no_agent_left: None) -> None:
     run_model(
         NixlNodeModel,
@@ -933,6 +934,7 @@ class NixlIntoModel(SourceAndRounds):
         assert not self.node._node.caller_slots  # test seam: the slots fetch_into holds
 
 
+@pytest.mark.timeout(SHRINK_ROOM)
 def test_nixl_fetch_into_follows_the_model(tmp_path: Path, no_agent_left: None) -> None:
     def lent(node: BlockingNode) -> None:
         assert node.store.lent_to_caller

@@ -67,6 +67,7 @@ from collections.abc import Set as AbstractSet
 
 import attrs
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -90,7 +91,7 @@ from p2pkv import (
 )
 from p2pkv.node import NodeStatistics
 
-from .helpers import config, leftover_threads, wait_for
+from .helpers import SHRINK_ROOM, config, leftover_threads, wait_for
 
 BOUND = 10.0  # seconds: "this did not hang", never an expected duration
 BLOCK = 4096
@@ -1076,6 +1077,7 @@ def no_threads_left(before: set[threading.Thread]) -> None:
     assert leftover_threads(before) == []
 
 
+@pytest.mark.timeout(SHRINK_ROOM)
 def test_three_nodes_follow_the_model() -> None:
     before = set(threading.enumerate())
     run_state_machine_as_test(
