@@ -314,6 +314,76 @@ async def test_a_held_round_keeps_not_pinned_and_retries_lease_expired(
             assert_nothing_held(dst, peer)
 
 
+@pytest.mark.parametrize("mode", ["fetch", "fetch_into"])
+async def test_a_held_round_keeps_not_pinned_where_the_fetch_asks_for_more_than_it_holds(
+    mode: str,
+) -> None:
+    """A fetch naming a held round and asking for a key that round lacks too takes the
+    round's keys from it and looks the other up: the held round's ``not_pinned`` still
+    stands (no lookup again for its keys) while the other key loads. Mutation pass on the
+    session logic (2026-12-06): ``_claim_rounds`` dropping the held flag of a round it
+    takes only some keys from, or the fetch of several rounds at once not passing it on,
+    survived (every held-round test fetched exactly the round's keys, one round)."""
+    held_keys = [os.urandom(32) for _ in range(2)]
+    extra = os.urandom(32)
+
+    async def answer(n: int, asked: list[bytes]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return [NP if k in held_keys else OK for k in asked]
+
+    with trio.fail_after(BOUND):
+        async with scripted(answer) as (dst, producer):
+            peer = producer.raw.peer_id
+            rnd = await dst.lookup_round(peer, held_keys)
+            keys = [*held_keys, extra]
+            if mode == "fetch_into":
+                r = await dst.fetch_into(peer, keys, [4, 5, 6], rounds=rnd)
+                got = bytes(dst.store.array[6 * BLOCK : 7 * BLOCK])
+            else:
+                r = await dst.fetch(peer, keys, rounds=rnd)
+                got = bytes(dst.store.get(extra) or b"")
+            assert_partition(keys, r)
+            assert r.loaded == [extra] and r.failed == dict.fromkeys(held_keys, "not_pinned")
+            assert got == producer.blocks[extra]
+            # The held round's lookup and the other key's: none again for the round's keys.
+            assert len(producer.sent(LookupRequested)) == 2
+            assert len(producer.sent(FetchRequested)) == 2
+            assert_nothing_held(dst, peer)
+
+
+@pytest.mark.parametrize("mode", ["fetch", "fetch_into"])
+async def test_a_held_rounds_keys_answered_not_pinned_beside_lease_expired_ones_stay_failed(
+    mode: str,
+) -> None:
+    """A fetch on a held round answered ``not_pinned`` for one key and ``lease_expired``
+    for the other looks up and fetches only the second again; the first keeps
+    ``not_pinned``. Mutation pass on the session logic (2026-12-06): the retry taking a
+    held round's ``not_pinned`` keys along with its ``lease_expired`` ones survived
+    (every held-round test answered all its keys alike)."""
+
+    async def answer(n: int, asked: list[bytes]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return [NP, LE] if n == 0 else [OK] * len(asked)
+
+    with trio.fail_after(BOUND):
+        async with scripted(answer) as (dst, producer):
+            peer = producer.raw.peer_id
+            keys = [os.urandom(32) for _ in range(2)]
+            rnd = await dst.lookup_round(peer, keys)
+            if mode == "fetch_into":
+                r = await dst.fetch_into(peer, keys, [4, 5], rounds=rnd)
+                got = bytes(dst.store.array[5 * BLOCK : 6 * BLOCK])
+            else:
+                r = await dst.fetch(peer, keys, rounds=rnd)
+                got = bytes(dst.store.get(keys[1]) or b"")
+            assert_partition(keys, r)
+            assert r.loaded == [keys[1]] and r.failed == {keys[0]: "not_pinned"}
+            assert got == producer.blocks[keys[1]]
+            assert [ev.keys for ev in producer.sent(LookupRequested)] == [keys, keys[1:]]
+            assert len(producer.sent(FetchRequested)) == 2
+            assert_nothing_held(dst, peer)
+
+
 def test_a_blocking_fetch_by_default_outlasts_a_late_answer_and_its_one_more_try(
     nodes: Callable[..., BlockingNode],
 ) -> None:
