@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -220,9 +221,12 @@ async def test_a_host_no_name_can_have_is_peer_unavailable_naming_it(host: str) 
             assert isinstance(info.value.__cause__, UnicodeError)
             assert a.statistics().sessions == 0
         if host.isprintable():
-            with pytest.raises(OSError, match=f"cannot listen on {re.escape(host)}:0: "):
+            with pytest.raises(OSError, match=f"cannot listen on {re.escape(host)}:0: ") as listen:
                 async with open_node(attrs.evolve(config("b"), host=host)):
                     pass
+            # An invalid argument, as for any OSError a caller may sort by its errno (it was
+            # None, "[Errno None]" in its text: mutation pass 2026-12-06).
+            assert listen.value.errno == errno.EINVAL
 
 
 BAD_ADDRESSES = [
@@ -344,6 +348,27 @@ async def test_a_session_out_of_request_ids_ends_and_a_new_one_starts_afresh() -
             peer = await dst.connect(src.address)
             assert dst._by_peer["src"].proto.activity[0] == 1
             assert (await dst.fetch(peer, keys[2:])).loaded == keys[2:]
+
+
+async def test_a_split_lookup_with_fewer_request_ids_left_than_rounds_ends_the_session() -> None:
+    """A lookup split into rounds takes a request id per round. With fewer left than it
+    needs, the session ends (``SessionClosed``) before any round is sent, as for a lookup
+    of one round, and a new session serves the keys. Mutation pass on the session logic
+    (2026-12-06): the split lookup's own check of the ids left, or one counting a single
+    round, survived: its first round took the last id and the second raised
+    ``LocalProtocolError``, the session staying up with no id left."""
+    with trio.fail_after(20):
+        async with pair({"max_keys_per_request": 2}) as (src, dst):
+            keys = fill(src.store, 3, 4096)  # two rounds at this peer
+            peer = await dst.connect(src.address)
+            session = dst._by_peer["src"]
+            session.proto._next_req_id = U64_MAX  # one id left, as after 2**64 - 2 requests
+            with pytest.raises(SessionClosed, match="request ids"):
+                await dst.lookup(peer, keys)
+            await session.finished.wait()
+            assert not dst.is_connected("src")
+            peer = await dst.connect(src.address)
+            assert (await dst.fetch(peer, keys)).loaded == keys
 
 
 async def test_disconnect_returns_once_the_session_is_torn_down() -> None:
@@ -1125,6 +1150,12 @@ async def test_an_error_out_of_open_node_keeps_its_cause() -> None:
             async with open_node(config("a")):
                 raise HostError("raised in the body") from root
         assert info.value.__cause__ is root
+        # Nor given a context it did not have: the group that carried it out of the nursery
+        # (a traceback then printed that group first; mutation pass 2026-12-06).
+        with pytest.raises(HostError) as plain:
+            async with open_node(config("c")):
+                raise HostError("raised in the body, no cause")
+        assert plain.value.__cause__ is None and plain.value.__context__ is None
         bad = attrs.evolve(config("b"), host="192.0.2.1")  # TEST-NET-1: no interface has it
         with pytest.raises(OSError, match=r"cannot listen on 192\.0\.2\.1:0") as listen:
             async with open_node(bad):
