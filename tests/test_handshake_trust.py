@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -1423,6 +1424,113 @@ async def test_connection_warnings_left_out_are_counted_even_when_the_flood_stop
             assert left_out is not None, text
             counted += int(left_out.group(1))
     assert counted == n, [r.getMessage() for r in caplog.records]
+
+
+class TrioTimes(logging.Handler):
+    """Each p2pkv WARNING's text and the time on Trio's clock when it went out."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((trio.current_time(), record.getMessage()))
+
+
+def handshake_warnings_counted(lines: list[str]) -> int:
+    """How many refused handshakes the warning lines add up to (each such line counts
+    itself and the lines it says were left out; a count-only line its count)."""
+    counted = 0
+    for text in lines:
+        left_out = re.search(r"(\d+) such lines left out", text)
+        if text.startswith("handshake with"):
+            counted += 1 + (int(left_out.group(1)) if left_out else 0)
+        else:
+            assert left_out is not None, text
+            counted += int(left_out.group(1))
+    return counted
+
+
+async def test_a_flood_after_a_counted_one_is_counted_too_and_still_one_line_a_second(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two floods of refused hellos, the second once the first's held-back count went
+    out: the second's lines are held back and counted as well, and no two lines go out
+    within a second. Mutation pass on the session logic (2026-12-06): a held-back count
+    that left its "line due" flag set (every later flood's held-back events never
+    counted) and one that did not restart the second (the next event's line went out at
+    once, beside it) survived; the flood test had one flood."""
+    times = TrioTimes()
+    log = logging.getLogger("p2pkv")
+    log.addHandler(times)
+
+    def counted() -> int:
+        return handshake_warnings_counted([text for _, text in times.lines])
+
+    def flood_counted(n: int) -> bool:
+        return counted() == n
+
+    try:
+        with trio.fail_after(60):
+            async with node("a") as a:
+                for flood in (1, 2):
+                    for _ in range(3):
+                        await refused_hello(a.address)
+                    # Its held-back count went out, a second after its first line.
+                    await until(functools.partial(flood_counted, 3 * flood))
+    finally:
+        log.removeHandler(times)
+    assert counted() == 6, times.lines
+    at = [t for t, _ in times.lines]
+    gaps = [later - sooner for sooner, later in itertools.pairwise(at)]
+    assert all(gap >= 1.0 - 1e-9 for gap in gaps), times.lines  # one line a second
+
+
+async def test_strangers_turned_away_in_a_flood_are_all_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Past ``max_peers`` strangers each newcomer turns one away, a line a second saying
+    how many: the ones held back are counted once the second is over, as for refused
+    handshakes. Mutation pass on the session logic (2026-12-06): turned-away strangers
+    held back and never counted (only the first of a burst logged) survived."""
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    n = 4
+
+    def turned_away() -> int:
+        found = (
+            re.match(r"turned away (\d+) connections still handshaking", r.getMessage())
+            for r in caplog.records
+        )
+        return sum(int(m.group(1)) for m in found if m)
+
+    with trio.fail_after(10):
+        async with node("a", max_peers=1) as a:
+            idle: list[trio.SocketStream] = []
+            try:
+                for _ in range(n + 1):  # each after the first turns the one before away
+                    idle.append(await trio.open_tcp_stream(*a.address))
+                    await trio.testing.wait_all_tasks_blocked()
+                await until(lambda: turned_away() >= n)
+            finally:
+                for s in idle:
+                    await s.aclose()
+    assert turned_away() == n, [r.getMessage() for r in caplog.records]
+
+
+async def test_a_warning_held_back_after_the_node_closed_is_logged_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A connection warning held back once the node's tasks are gone (a late clean-up's)
+    cannot wait for the second to end: its count goes out at once. Mutation pass on the
+    session logic (2026-12-06): dropping that count survived."""
+    caplog.set_level(logging.WARNING, logger="p2pkv")
+    with trio.fail_after(10):
+        async with node("a") as a:
+            pass
+    a.connection_warning("handshake with %s rejected: %s", "x", "late")  # goes out
+    a.connection_warning("handshake with %s rejected: %s", "y", "late")  # held back
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("p2pkv")]
+    assert handshake_warnings_counted(lines) == 2, lines
 
 
 # --- a peer of another protocol major version (rolling upgrade) ----------------------------
