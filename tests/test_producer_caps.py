@@ -1014,6 +1014,34 @@ async def test_peers_together_pin_at_most_their_share_of_the_store(
             await second.aclose()
 
 
+@pytest.mark.parametrize(
+    ("kw", "hits"),
+    [
+        ({"max_pinned_share": 0.5, "max_pinned_blocks": 4}, 4),  # the peer's own cap is less
+        ({"max_pinned_share": 1 / 64}, 1),  # a bound of one slot: half of it is still one
+    ],
+    ids=["max_pinned_blocks", "one_slot"],
+)
+async def test_a_peers_pin_cap_under_a_node_wide_bound_is_the_least_and_at_least_one(
+    kw: dict[str, Any], hits: int
+) -> None:
+    """Under a node-wide pin bound (``max_pinned_share`` here) a peer may pin the least
+    of ``max_pinned_blocks`` and its ``max_pinned_peer_share`` of the bound, and at least
+    one slot where the bound has one. Mutation pass on the session logic (2026-12-06):
+    ``peer_pin_cap`` ignoring ``max_pinned_blocks`` where there is a bound (16 pins for a
+    cap of 4), and without its floor of one (a one-slot bound: every lookup of every
+    peer all misses), survived."""
+    async with open_node(config("src", num_blocks=64, **kw)) as src:
+        keys = fill(src.store, 24, 4096)
+        raw = RawPeer()
+        try:
+            with trio.fail_after(BOUND):
+                assert sum(await pin_all(src, raw, keys)) == hits
+            assert src.store.statistics().pinned == hits
+        finally:
+            await raw.aclose()
+
+
 def count_pins(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the store's ``pin`` calls from now on (one element: the count)."""
     calls = [0]
