@@ -435,6 +435,56 @@ async def test_host_pins_sized_for_another_region_are_refused_before_the_node_st
         start_node(cfg, pin_source=pins).close()
 
 
+class DictPins:
+    """FAKE pin source of a host's own (the ``PinSource`` protocol, not HostPins): pins at
+    once what ``slots`` (key -> slot of the node's region) holds, recording the keys it
+    was asked and each owner it was told to unpin."""
+
+    def __init__(self, slots: dict[bytes, int]) -> None:
+        self.slots = slots
+        self.asked: list[list[bytes]] = []
+        self.unpinned: list[object] = []
+
+    async def pin(self, owner: object, keys: Sequence[bytes]) -> list[int | None]:
+        await trio.lowlevel.checkpoint()
+        self.asked.append(list(keys))
+        return [self.slots.get(k) for k in keys]
+
+    def unpin(self, owner: object) -> None:
+        self.unpinned.append(owner)
+
+
+async def test_a_pin_source_of_the_hosts_own_is_taken_as_it_is_within_max_pinned_blocks() -> None:
+    """Only :class:`HostPins` has a ``num_blocks`` to check against the node's region; a
+    pin source of the host's own (any ``PinSource``) bounds itself and is taken as it
+    is: its pins serve fetches, a peer asks it at most ``max_pinned_blocks`` keys, and a
+    round's end unpins once. Mutation pass on the session logic (2026-12-06): a
+    ``check_pin_source`` reading a ``num_blocks`` of every pin source (refusing any
+    other) survived, since no test used one."""
+    keys = [os.urandom(32) for _ in range(4)]
+    slots = {keys[0]: 9, keys[1]: 3, keys[2]: 60}  # keys[3]: a miss
+    region = host_region()
+    pins = DictPins(slots)
+    with trio.fail_after(BOUND):
+        async with (
+            open_node(
+                config("src", num_blocks=N_BLOCKS, max_pinned_blocks=2),
+                region=region,
+                pin_source=pins,
+            ) as src,
+            open_node(config("dst", num_blocks=N_BLOCKS)) as dst,
+        ):
+            peer = await dst.connect(src.address)
+            rnd = await dst.lookup_round(peer, keys)
+            assert rnd.hits == [True, True, False, False]  # its cap: two keys asked
+            assert pins.asked == [keys[:2]]
+            r = await dst.fetch(peer, keys[:2], rounds=rnd)
+            assert sorted(r.loaded) == sorted(keys[:2]) and not r.failed
+            for k in keys[:2]:
+                assert bytes(dst.store.get(k) or b"") == block_at(region, slots[k])
+    assert len(pins.unpinned) == 1
+
+
 async def test_a_host_pinning_node_serves_its_hosts_blocks_and_gets_each_token_back_once() -> None:
     keys = [os.urandom(32) for _ in range(4)]
     blocks = dict(zip(keys, [17, 2, 40, 63], strict=True))
