@@ -586,3 +586,35 @@ async def test_a_peers_bye_reason_in_a_waiting_fetchs_failures_is_escaped(
             reasons = set(second.failed.values())
             assert len(reasons) == 1 and all(r.isprintable() for r in reasons), reasons
             assert r"gone\n2026-12-05 p2pkv.node ERROR forged line\r\x1b[2J" in reasons.pop()
+
+
+async def test_a_held_rounds_keys_past_the_share_are_looked_up_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A fetch naming a held round of 6 keys, with room for 4 at a time: the first part
+    goes on the held round and loads the bytes it pinned (key 1 put again at the source
+    since); a round is fetched once, so the keys past the share are looked up again on
+    rounds of their own and load the source's bytes of that moment (key 5 put again
+    since: its new bytes). Decided and documented ("Held rounds"); every pin is given
+    back."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with (
+            node("src", num_blocks=64, factory=factory) as src,
+            node("dst", num_blocks=8, max_landing_share=0.5) as dst,
+        ):
+            keys = fill(src.store, 6, 4096)
+            pinned = {k: src.store.get(k) for k in keys}
+            peer = await dst.connect(src.address)
+            rnd = await dst.lookup_round(peer, keys)
+            assert rnd.hits == [True] * 6
+            again = {k: os.urandom(4096) for k in (keys[1], keys[5])}
+            for k, data in again.items():
+                src.store.put(k, data)
+            result = await dst.fetch(peer, keys, rounds=rnd)
+            assert result.loaded == keys and not result.failed
+            assert [dst.store.get(k) for k in keys[:4]] == [pinned[k] for k in keys[:4]]
+            assert dst.store.get(keys[4]) == pinned[keys[4]]
+            assert dst.store.get(keys[5]) == again[keys[5]]
+            assert factory.transport.posts == 2  # 4 on the held round, then 2
+            assert src.statistics().pinned_slots == 0
