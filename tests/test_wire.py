@@ -279,6 +279,85 @@ def test_a_hellos_version_is_not_looked_for_past_the_frames_list_budget() -> Non
     assert wire._hello_version(body) == (9, "p")
 
 
+def test_a_fetch_of_max_keys_from_a_newer_minor_decodes_at_the_list_budget() -> None:
+    """A fetch of ``MAX_KEYS`` keys and slots holds exactly ``MAX_LIST_ELEMENTS`` list
+    elements: within the bound, also where a field no message has (a newer minor's) sends
+    it down the general path."""
+    keys = [i.to_bytes(4, "big") for i in range(MAX_KEYS)]
+    slots = list(range(MAX_KEYS))
+    fields = {"t": "fetch", "req_id": 7, "keys": keys, "slots": slots, "added_in_1_1": 0}
+    body = msgpack.packb(fields, use_bin_type=True)
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    assert dec.next_message() == Fetch(req_id=7, keys=keys, slots=slots)
+
+
+def test_fields_no_message_has_share_one_budget_of_ignored_values() -> None:
+    """``MAX_IGNORED_VALUES`` bounds the values walked in the whole frame: two fields no
+    message has, each within it alone, are refused together past it (with a budget of
+    their own, a frame's 64 fields would make us walk 64 times as many)."""
+    half = wire.MAX_IGNORED_VALUES // 2 + 1
+    body = msgpack.packb(
+        {"nonce": 1, "a": [0] * half, "b": [0] * half, "t": "ping"}, use_bin_type=True
+    )
+    dec = FrameDecoder()
+    dec.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(RemoteProtocolError, match="nest more than 4096 values"):
+        dec.next_message()
+
+
+def _refusal(fields: dict[str, Any] | bytes) -> tuple[int, str | None] | None:
+    """The frame's refusal as the session sees it: a hello of version N (and the peer id
+    it claims) or, ``None``, a plain protocol error."""
+    body = fields if isinstance(fields, bytes) else msgpack.packb(fields, use_bin_type=True)
+    dec = FrameDecoder(wire.MAX_HELLO_FRAME)
+    dec.feed(struct.pack(">I", len(body)) + body)
+    with pytest.raises(RemoteProtocolError) as caught:
+        dec.next_message()
+    exc = caught.value
+    if isinstance(exc, wire.UndecodedHello):
+        return exc.version_major, exc.claimed_id
+    return None
+
+
+_HELLO_9 = {"t": "hello", "version_major": 9}  # every other field a newer major's business
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({**_HELLO_9, "peer_id": "p" * wire.MAX_PEER_ID}, (9, "p" * wire.MAX_PEER_ID)),
+        ({**_HELLO_9, "peer_id": "p" * (wire.MAX_PEER_ID + 1)}, (9, None)),
+        ({**_HELLO_9, "peer_id": 5}, (9, None)),
+        ({"peer_id": {"a": 1}, **_HELLO_9}, (9, None)),
+        ({"t": "ping", "version_major": 9, "peer_id": "p"}, None),
+        ({"t": "hello", "version_major": -1, "peer_id": "p"}, None),
+        ({**_HELLO_9, **{f"x{i}": 0 for i in range(63)}}, None),
+        ({"a": [0] * MAX_KEYS, "b": [0] * MAX_KEYS, "c": [0], **_HELLO_9}, None),
+    ],
+    ids=[
+        "id_of_max_length",
+        "id_too_long",
+        "id_not_a_str",
+        "id_a_map_before_the_version",
+        "not_tagged_hello",
+        "version_not_a_u64",
+        "map_of_65_fields",
+        "lists_past_the_budget_together",
+    ],
+)
+def test_a_refused_frame_is_a_hello_of_another_version_only_where_it_says_so(
+    fields: dict[str, Any], expected: tuple[int, str | None] | None
+) -> None:
+    """A frame that does not decode is a hello of another major version (refused by its
+    version, as a rejected handshake naming the id it claims) only where it is a map
+    tagged ``hello`` with a u64 ``version_major``; the id is claimed only where it is a
+    str of at most ``MAX_PEER_ID`` characters, and a map in its place is walked past. The
+    version is looked for within the first read's bounds (64 fields, the frame's lists
+    together at most ``MAX_LIST_ELEMENTS``), else the frame is a plain protocol error."""
+    assert _refusal(fields) == expected
+
+
 @pytest.mark.parametrize("element", [b"\x90", b"\x80"], ids=["empty-lists", "empty-maps"])
 def test_a_hello_sized_frame_of_empty_containers_is_refused_before_it_is_built(
     element: bytes,

@@ -246,6 +246,14 @@ HOT_EDGE: list[tuple[str, bytes]] = [
         fixmap(("t", "fetch_hits"), ("req_id", 1), ("slots", [0]), ("keys", [b"a"])),
     ),
     ("fetch_hits_without_slots", fixmap(("t", "fetch_hits"), ("req_id", 1))),
+    (
+        "fetch_hits_hits_in_place_of_slots",  # msgspec sets hits; slots is left unset
+        fixmap(("t", "fetch_hits"), ("req_id", 1), ("hits", [True])),
+    ),
+    (
+        "fetch_keys_twice_without_slots",  # four entries, and slots never among them
+        fixmap(("t", "fetch"), ("req_id", 1), ("keys", []), ("keys", [])),
+    ),
     ("fetch_hits_bool_slot", fixmap(("t", "fetch_hits"), ("req_id", 1), ("slots", [True]))),
     (
         "fetch_hits_slots_over_bound",
