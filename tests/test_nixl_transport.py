@@ -422,6 +422,28 @@ def test_agents_seen_dead_are_forgotten_once_released(make: MakeTransport) -> No
     assert shared.loaded == {} and src.statistics().remote_peers == 0
 
 
+def test_a_disconnect_seen_after_the_peer_was_released_marks_no_agent(
+    make: MakeTransport,
+) -> None:
+    """A transfer still posted when its dead peer's registration was released (and its
+    remote agent removed) may be polled after: its disconnect must mark nothing, or each
+    churned id would stay in the set of dead names until the same id came back. The
+    late poll is played by hand, as the poll marks it (FAKE: no transfer is in flight)."""
+    src_array, src_layout = region(16)
+    dst_array, dst_layout = region(16)
+    src = make("t-late-src", src_array, src_layout)
+    dst = make("t-late-dst", dst_array, dst_layout)
+    shared = src._state.shared
+    peer = src.add_remote_peer(dst.agent_name, dst.metadata(), dst_layout)
+    shared.set_dead(dst.agent_name, True)  # a transfer saw it disconnect
+    src.remove_remote_peer(peer)  # seen dead: its remote agent is removed, not parked
+    assert dst.agent_name not in shared.loaded
+    with shared.call_lock:
+        shared.set_dead(dst.agent_name, True)  # a transfer of it polled late
+    assert not src.is_peer_dead(dst.agent_name)
+    assert shared.dead == set()
+
+
 def test_a_second_agent_over_an_overlapping_region_is_refused(make: MakeTransport) -> None:
     """One agent per region, memory registered once (invariant 5): a transport of another
     name over part of a region an agent already registered is refused, as over the same
