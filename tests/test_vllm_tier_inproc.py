@@ -1384,6 +1384,49 @@ def test_a_big_lookup_does_not_hold_a_small_one_of_another_peer_behind_it(
         small.close()
 
 
+def test_a_serve_calls_keys_left_by_one_request_go_to_the_next(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call's keys are shared among the requests that want some, each asking its
+    part of what is left: two peers' lookups of 2 keys each fit one call of 4 keys, and
+    both are answered in it (a share fixed when the call began, or one that still counted
+    the requests already asked, left the second lookup's last key to the next call)."""
+    src = engines(poll_s=0)
+    keys = {name: make_keys(2, name) for name in ("first", "second")}
+    src.fill(keys["first"] + keys["second"])
+    gate = Gate()  # no rests between calls: only the per-call budget is under test
+    gate.open = True
+    monkeypatch.setattr(src.tier, "_serve_share", gate)
+    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 4)
+    peers = {
+        name: start_node(attrs.evolve(src.tier._node.config, peer_id=name, port=0)) for name in keys
+    }
+    try:
+        tickets: dict[str, int] = {}
+
+        def inbox_holds(n: int) -> Callable[[], bool]:
+            return lambda: len(src.tier._pins._inbox) == n
+
+        for name, peer in peers.items():
+            remote = peer.connect(src.tier.address, timeout=BOUND)
+            tickets[name] = peer.submit_lookup(remote, keys[name])
+            until(inbox_holds(len(tickets)), f"{name}'s lookup to wait for a step")
+        src.idle_step()  # one serve call, 4 keys: both lookups asked in whole
+        results: dict[str, object] = {}
+
+        def both_answered() -> bool:
+            for name, peer in peers.items():
+                if name not in results and (r := peer.poll(tickets[name])) is not None:
+                    results[name] = r
+            return len(results) == 2
+
+        until(both_answered, "both lookups' answers")  # no step: answered already
+        assert results == {"first": [True, True], "second": [True, True]}
+    finally:
+        for peer in peers.values():
+            peer.close()
+
+
 def test_vllm_raising_while_a_served_request_finishes_still_hands_its_pins_back(
     engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
