@@ -12,6 +12,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import subprocess
@@ -31,11 +32,13 @@ from cryptography.x509.oid import NameOID
 
 from p2pkv import (
     HandshakeRejected,
+    Node,
     NodeConfig,
     P2PKVError,
     P2PKVTimeout,
     PeerUnavailable,
     open_node,
+    start_node,
 )
 from p2pkv.cli import build_parser
 from p2pkv.cli.settings import fetch_settings, serve_settings
@@ -556,6 +559,29 @@ async def test_a_dialed_listener_that_never_answers_tls_times_out_typed(
                 await b.connect(("127.0.0.1", port))
             assert trio.current_time() - t0 == pytest.approx(3.0, abs=0.5)
     await listeners[0].aclose()
+
+
+@pytest.mark.parametrize("use_tls", [True, False], ids=["tls", "plain"])
+def test_a_blocking_connects_default_timeout_counts_the_tls_handshake(
+    pki: PKI, use_tls: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``BlockingNode``'s connect waits by default ``connect_timeout + 2 *
+    handshake_timeout`` and a second (a dial that loses a simultaneous-dial tie-break
+    waits for the winner after its own handshake), and ``handshake_timeout`` more with
+    TLS, whose handshake has a deadline of its own. The engine's connect is a FAKE that
+    never ends (as one keeping each of those deadlines to its last moment would not, in
+    time): the facade's default is what ends the call, and its error says how long."""
+
+    async def never_ends(self: Node, address: tuple[str, int]) -> None:  # FAKE
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(Node, "connect", never_ends)
+    tls = pki.tls("a") if use_tls else {}
+    cfg = config("a", connect_timeout=0.1, handshake_timeout=0.5, **tls)
+    expected = 0.1 + (3 if use_tls else 2) * 0.5 + 1.0
+    waited = rf"timed out after {re.escape(str(expected))} s"
+    with start_node(cfg) as node, pytest.raises(P2PKVTimeout, match=waited):
+        node.connect(("127.0.0.1", 1))
 
 
 # --- the command line ----------------------------------------------------------------------
