@@ -1427,6 +1427,53 @@ def test_a_serve_calls_keys_left_by_one_request_go_to_the_next(
             peer.close()
 
 
+def test_a_lookup_the_engine_stopped_waiting_for_takes_no_part_of_a_serve_call(
+    engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup half asked about when the engine stopped waiting for it (abandoned at
+    ``serve_timeout_s``) is answered and dropped by the next call, and wants no part of
+    that call's keys: a 4-key lookup behind it is asked about in whole and answered in the
+    same call (counted as wanting, the abandoned one left it half its keys)."""
+    src = engines(poll_s=0, serve_timeout_s=0.5)
+    old_keys, new_keys = make_keys(8, "old"), make_keys(4, "new")
+    src.fill(old_keys + new_keys)
+    gate = Gate()  # no rests between calls: only the per-call budget is under test
+    gate.open = True
+    monkeypatch.setattr(src.tier, "_serve_share", gate)
+    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 4)
+    old: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="old", port=0))
+    new: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="new", port=0))
+    try:
+        old_ticket = old.submit_lookup(old.connect(src.tier.address, timeout=BOUND), old_keys)
+        until(lambda: len(src.tier._pins._inbox) == 1, "the old lookup to wait for a step")
+        src.idle_step()  # asks about 4 of its 8 keys
+        assert [len(s.pending) for s in src.tier._serving] == [4]
+        answers: list[object] = []
+
+        def old_answered() -> bool:  # by the engine, at its deadline: abandoned
+            if (r := old.poll(old_ticket)) is not None:
+                answers.append(r)
+            return bool(answers)
+
+        until(old_answered, "the engine to stop waiting for the old lookup")
+        assert src.tier._serving[0].req.abandoned
+        new_ticket = new.submit_lookup(new.connect(src.tier.address, timeout=BOUND), new_keys)
+        until(lambda: len(src.tier._pins._inbox) == 1, "the new lookup to wait for a step")
+        src.idle_step()  # one serve call, 4 keys: all the new lookup's
+        answers.clear()
+
+        def new_answered() -> bool:
+            if (r := new.poll(new_ticket)) is not None:
+                answers.append(r)
+            return bool(answers)
+
+        until(new_answered, "the new lookup's answer")  # no step: answered already
+        assert answers == [[True] * 4]
+    finally:
+        old.close()
+        new.close()
+
+
 def test_vllm_raising_while_a_served_request_finishes_still_hands_its_pins_back(
     engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
