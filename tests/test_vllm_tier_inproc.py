@@ -1271,6 +1271,15 @@ class Gate:
         self.worked_calls += 1
 
 
+def serve_calls_of_four_keys(src: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tier serves at most 4 keys a call, with no rests between calls (an open
+    :class:`Gate` as its serve share): only the per-call budget is under test."""
+    gate = Gate()
+    gate.open = True
+    monkeypatch.setattr(src.tier, "_serve_share", gate)
+    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 4)
+
+
 def test_peers_lookups_ask_vllm_only_when_the_serve_share_allows(
     engines: Callable[..., Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1345,10 +1354,7 @@ def test_a_big_lookup_does_not_hold_a_small_one_of_another_peer_behind_it(
     big_keys = make_keys(40, "big")
     small_keys = make_keys(1, "small")
     src.fill(big_keys[:10] + small_keys)
-    gate = Gate()  # no rests between calls: only the per-call budget is under test
-    gate.open = True
-    monkeypatch.setattr(src.tier, "_serve_share", gate)
-    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 4)
+    serve_calls_of_four_keys(src, monkeypatch)
     big: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="big", port=0))
     small: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="small", port=0))
     try:
@@ -1394,10 +1400,7 @@ def test_a_serve_calls_keys_left_by_one_request_go_to_the_next(
     src = engines(poll_s=0)
     keys = {name: make_keys(2, name) for name in ("first", "second")}
     src.fill(keys["first"] + keys["second"])
-    gate = Gate()  # no rests between calls: only the per-call budget is under test
-    gate.open = True
-    monkeypatch.setattr(src.tier, "_serve_share", gate)
-    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 4)
+    serve_calls_of_four_keys(src, monkeypatch)
     peers = {
         name: start_node(attrs.evolve(src.tier._node.config, peer_id=name, port=0)) for name in keys
     }
@@ -1437,10 +1440,7 @@ def test_a_lookup_the_engine_stopped_waiting_for_takes_no_part_of_a_serve_call(
     src = engines(poll_s=0, serve_timeout_s=0.5)
     old_keys, new_keys = make_keys(8, "old"), make_keys(4, "new")
     src.fill(old_keys + new_keys)
-    gate = Gate()  # no rests between calls: only the per-call budget is under test
-    gate.open = True
-    monkeypatch.setattr(src.tier, "_serve_share", gate)
-    monkeypatch.setattr(src.tier, "SERVE_KEYS_PER_CALL", 4)
+    serve_calls_of_four_keys(src, monkeypatch)
     old: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="old", port=0))
     new: BlockingNode = start_node(attrs.evolve(src.tier._node.config, peer_id="new", port=0))
     try:
