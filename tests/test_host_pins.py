@@ -597,9 +597,12 @@ async def test_a_host_that_never_answers_in_time_gives_all_misses_and_its_late_t
 # ---------------------------------------------------------------- release_unused_pins
 
 
-def gated_writes(handles: list[TransferHandle]) -> FaultFactory:
+def gated_writes(
+    handles: list[TransferHandle], posted: threading.Event | None = None
+) -> FaultFactory:
     """A producer transport whose writes land but stay in flight (PROC) until the test
-    settles their handles (collected in ``handles``)."""
+    settles their handles (collected in ``handles``). With ``posted``, each post's worker
+    thread then waits for that event before it returns the handle to the write task."""
 
     def configure(t: Any) -> None:
         t.hang = True
@@ -610,6 +613,8 @@ def gated_writes(handles: list[TransferHandle]) -> FaultFactory:
         ) -> TransferHandle:
             h: TransferHandle = post(peer, local, remote)
             handles.append(h)
+            if posted is not None:
+                assert posted.wait(BOUND), "the test never let the post return"
             return h
 
         t.post_write = post_and_keep
@@ -695,6 +700,39 @@ async def test_release_unused_pins_cutting_writes_aborts_a_write_and_gets_its_pi
                 handles[1].native = TransferState.DONE
             assert sorted(busy[1].loaded) == sorted(keys[2:])
             assert_host_bytes(dst, region, blocks, busy[1])
+
+
+async def test_a_cut_while_the_posts_run_aborts_a_write_found_done_after_it() -> None:
+    """The cut comes while the write's posts are still in their worker thread (never
+    abandoned), and the write lands before the write task looks at it. The task's first
+    look finds it done without a checkpoint; the cut came first, so it is aborted all the
+    same. (The test above hit this order now and then on a slow machine.)"""
+    keys = [os.urandom(32) for _ in range(2)]
+    blocks = dict(zip(keys, [10, 11], strict=True))
+    region = host_region()
+    handles: list[TransferHandle] = []
+    posted = threading.Event()
+    pins = HostPins(N_BLOCKS, answer_within=5.0)
+    with trio.fail_after(BOUND), DictHost(pins, blocks).running() as host:
+        transport = gated_writes(handles, posted)
+        async with host_pinned_pair(pins, region, src_transport=transport) as (src, dst):
+            peer = await dst.connect(src.address)
+            busy: list[FetchResult] = []
+
+            async def fetch() -> None:
+                busy.append(await dst.fetch(peer, keys))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetch)
+                await until(lambda: len(handles) == 1)  # its post waits for ``posted``
+                assert await src.release_unused_pins(cut_writes=True) == 0
+                handles[0].native = TransferState.DONE  # lands after the cut
+                posted.set()
+            assert busy[0].loaded == [] and busy[0].failed == dict.fromkeys(keys, "aborted")
+            assert len(dst.store) == 0
+            await until(lambda: host.released() == ["tok-1"])
+            assert pins.held() == 0
+            assert dst.statistics().peers == 1
 
 
 async def test_release_unused_pins_unpins_idle_rounds_in_the_store() -> None:

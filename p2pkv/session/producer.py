@@ -369,6 +369,10 @@ class ProducerSide(SessionParts):
                         raise run.error
                     del parts[: run.tried]
                 for chunk, h, dp in posted:
+                    # The poller answers a handle already done without a checkpoint: a
+                    # cut that came while the posts ran (their thread is never abandoned)
+                    # must still win over a handle that landed after it.
+                    await trio.lowlevel.checkpoint_if_cancelled()
                     state = await node.poller.wait(h, dp)
                     if h.released and state is not TransferState.DONE:
                         continue  # cut by its transport's close: it may still land
