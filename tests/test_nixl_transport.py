@@ -1108,7 +1108,8 @@ def thread_activity(tids: set[int] | None = None) -> ThreadActivity:
                 for line in (entry / "status").read_text().splitlines()
                 if ":\t" in line
             )
-        except FileNotFoundError:  # the thread ended meanwhile
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            # Gone before the open (ENOENT) or while reading its file (ESRCH).
             continue
         out[tid] = (
             state,
