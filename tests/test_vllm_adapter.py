@@ -1494,6 +1494,41 @@ def test_at_max_peers_a_source_a_live_request_names_is_never_the_one_closed(
     tier.shutdown()
 
 
+def test_at_max_peers_a_source_found_in_use_when_making_room_is_looked_at_again(
+    nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Making room, the tier finds the idle source's session in use: here a round of ours
+    is open on it, as a finished request's rounds are until their release runs (posted
+    just before the disconnect, the engine may start it after). The tier looks again
+    instead of dialing into the cap's refusal; once the round is released, the session
+    closes and the new source's request gets its hits. (The test above failed now and
+    then on a slow machine, its dial refused at the cap.)"""
+    dst = nodes("dst", max_peers=2)
+    a, b, c = nodes("a"), nodes("b"), nodes("c")
+    keys = {n.peer_id: fill(n.store, 2, BLOCK) for n in (a, b, c)}
+    tier = P2PTier(dst, lookup_timeout=BOUND, load_timeout=BOUND, connect_timeout=BOUND)
+    hits(tier, RequestInfo("ra", source_params(a)), keys["a"])
+    done = RequestInfo("rb", source_params(b))
+    hits(tier, done, keys["b"])
+    tier.on_request_finished(done)
+    held = dst.lookup_round(b.peer_id, keys["b"])  # ours, open on b's session
+    looks = count_calls(monkeypatch, BlockingNode, "submit_disconnect_idle")
+    rc = RequestInfo("rc", source_params(c))
+    assert [tier.lookup(k, rc) for k in keys["c"]] == [None, None]
+
+    def looked_again() -> bool:  # the first look found b's session in use
+        tier.step()
+        return looks() >= 2
+
+    wait_for(looked_again)
+    assert [tier.lookup(k, rc) for k in keys["c"]] == [None, None]  # no dial refused yet
+    assert dst.is_connected(b.peer_id)
+    dst.release(b.peer_id, held)
+    hits(tier, rc, keys["c"])
+    assert not dst.is_connected(b.peer_id) and dst.is_connected(c.peer_id)
+    tier.shutdown()
+
+
 def test_a_slot_load_held_for_its_quarantine_at_shutdown_is_reported_once_it_is_over(
     nodes: Callable[..., BlockingNode], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -270,8 +270,8 @@ class P2PTier:
         self._batching: _Request | None = None  # the request whose keys are arriving
         self._connecting: dict[int, _Source] = {}
         # Disconnect tickets of sessions closed to make room under max_peers -> the source
-        # whose dial waits for that (see _connect).
-        self._evicting: dict[int, _Source] = {}
+        # whose dial waits for that, with the address and peer being closed (_connect).
+        self._evicting: dict[int, tuple[_Source, tuple[str, int], Peer]] = {}
         self._reap_at = 0.0  # host clock: the next look for sources nobody uses
         self._lookups: dict[int, _Batch] = {}
         self._loads: dict[int, _Load] = {}
@@ -643,21 +643,39 @@ class P2PTier:
             victim = self._idle_source(but=src)
             if victim is not None:
                 log.info("p2p source %s:%d dropped to make room for a new one", *victim.address)
+                peer = victim.peer
+                assert peer is not None
                 src.connect_ticket = self._drop_source(victim)
-                self._evicting[src.connect_ticket] = src
+                self._evicting[src.connect_ticket] = (src, victim.address, peer)
                 return
         src.connect_ticket = self.node.submit_connect(src.address, timeout=self.connect_timeout)
         self._connecting[src.connect_ticket] = src
 
     def _poll_evictions(self, now: float) -> None:
-        for ticket, src in list(self._evicting.items()):
+        for ticket, (src, address, victim) in list(self._evicting.items()):
             try:
-                if self.node.poll(ticket) is None:
+                closed = self.node.poll(ticket)
+                if closed is None:
                     continue
             except Exception:  # the session was gone already: room either way
-                pass
+                closed = 1
             del self._evicting[ticket]
             src.connect_ticket = None
+            activity = None if closed else self.node.session_activity(victim)
+            if (
+                activity is not None
+                and now < src.connect_deadline
+                and self.node.peer_count() >= self.node.config.max_peers
+                and address not in self._sources
+            ):
+                # In use when the engine looked. Often by us: the release of a finished
+                # request's rounds there, posted just before, which the engine may start
+                # after the disconnect. Look again (until the dial's deadline, and while
+                # no new request names that source) rather than dial into the cap's
+                # refusal.
+                src.connect_ticket = self.node.submit_disconnect_idle(victim, activity)
+                self._evicting[src.connect_ticket] = (src, address, victim)
+                continue
             # Dial now, closed or not: a session its peer still used stays (room or not),
             # and closing the next idle one and the next would only churn.
             self._connect(src, now, make_room=False)
@@ -668,7 +686,7 @@ class P2PTier:
         used.update(ld.request.source for ld in self._loads.values() if ld.request.source)
         used.update(b.request.source for b in self._lookups.values() if b.request.source)
         used.update(self._connecting.values())
-        used.update(self._evicting.values())
+        used.update(src for src, _, _ in self._evicting.values())
         return used
 
     def _idle_source(self, *, but: _Source) -> _Source | None:
