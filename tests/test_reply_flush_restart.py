@@ -21,6 +21,7 @@ import trio.testing
 
 from p2pkv import Node, open_node
 from p2pkv.session.protocol import (
+    InState,
     LookupAnswered,
     LookupRequested,
     SessionProtocol,
@@ -38,8 +39,12 @@ N = 65536  # keys of a fetch whose transfer_done (with checksums, ~130 KB) fills
 
 @asynccontextmanager
 async def big_reply_node(**kw: Any) -> AsyncIterator[tuple[Node, list[bytes]]]:
-    """A node whose replies carry checksums, and 4 keys it holds."""
-    cfg: dict[str, Any] = {"block_len": 64, "verify_checksums": True}
+    """A node whose replies carry checksums, and 4 keys it holds. Its leases outlast every
+    test here: a fetch of N keys is ~2 MB over real loopback, and the clock may jump
+    virtual time past a stall of the kernel's (``tests/_clock.py``, ``SETTLE``); a lease
+    run out first would make the fetch's reply N LEASE_EXPIRED outcomes, not the reply
+    these tests are about (seen once on a slow VM, 2026-12-07)."""
+    cfg: dict[str, Any] = {"block_len": 64, "verify_checksums": True, "lease": 3600.0}
     async with node("src", max_keys_held_per_peer=1 << 20, **cfg, **kw) as src:
         yield src, fill(src.store, 4, 64)
 
@@ -49,7 +54,8 @@ async def fetch_with_a_big_reply(
 ) -> int:
     """``raw`` looks up ``keys`` and N - 4 misses, then fetches them all, through a 4 KiB
     send buffer on the node's side (and a 4 KiB receive buffer on the peer's, unless
-    ``shrink_peer`` is off): the reply is N outcomes with their checksums. Its request id."""
+    ``shrink_peer`` is off): the reply is N outcomes with their checksums. Returns once
+    the node has read the fetch; its request id."""
     miss = [bytes([i & 255, i >> 8]) * 16 for i in range(N - len(keys))]
     req, hits = await raw.lookup(keys + miss)
     assert sum(hits) == len(keys)
@@ -60,6 +66,10 @@ async def fetch_with_a_big_reply(
         raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     raw.proto.send_fetch(req, keys + miss, list(range(N)))
     await raw.flush()
+    # Until the node has read the fetch, no virtual time passes: a task that only
+    # checkpoints is never blocked, so the clock does not jump.
+    while s.alive and s.proto.in_state(req) is InState.PINNED:
+        await trio.lowlevel.checkpoint()
     return req
 
 
