@@ -16,7 +16,7 @@ from hypothesis import settings
 from p2pkv.transport import _nixl_agent
 
 from ._clock import loopback_autojump_clock
-from .helpers import blocking_nodes
+from .helpers import blocking_nodes, close_leftover_raw_peers
 from .node_proc import Children
 
 if TYPE_CHECKING:
@@ -47,6 +47,14 @@ def autojump_clock() -> trio.testing.MockClock:
     """pytest-trio's fixture of that name, but its jumps wait for loopback TCP
     (``tests/_clock.py`` says why: a jump used to outrun a delayed acknowledgement)."""
     return loopback_autojump_clock()
+
+
+@pytest.fixture(autouse=True)
+def raw_peers_closed() -> Iterator[None]:
+    """A hand-driven peer its test left open (it failed first) is closed with the test,
+    so one failure is reported once, not again by the tests after it."""
+    yield
+    close_leftover_raw_peers()
 
 
 @pytest.fixture
