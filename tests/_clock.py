@@ -33,9 +33,11 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import trio
+import trio.lowlevel
 import trio.testing
 
 _FIONREAD = 0x541B  # SIOCINQ: bytes received, not yet read
@@ -111,6 +113,28 @@ class _Held:
         self.since = math.inf
         self.changed = math.inf
         self.last: list[_Tcp] | None = None
+
+
+@contextlib.contextmanager
+def kernel_paced(real: float = 1.0) -> Iterator[None]:
+    """A phase in which only the kernel moves bytes (a peer draining a backlog of
+    megabytes): the clock jumps only once every task has been blocked for ``real``
+    seconds of real time, not at the first moment they all are.
+
+    Such a phase needs no virtual time, but each jump in it moves virtual time to the
+    next deadline, and a VM whose kernel stalls past ``SETTLE`` makes one jump per stall:
+    enough of them run through the idle timeout, or the test's own bound, before the
+    bytes are through (found 2026-12-07 by pacing loopback with a ``tbf`` qdisc;
+    docs/design.md, "Testing"). A phase that really hangs still ends, at the test's
+    bound, a second of real time per jump."""
+    clock = trio.lowlevel.current_clock()
+    assert isinstance(clock, trio.testing.MockClock), "for tests on the autojump clock"
+    before = clock.autojump_threshold
+    clock.autojump_threshold = real
+    try:
+        yield
+    finally:
+        clock.autojump_threshold = before
 
 
 def loopback_autojump_clock() -> trio.testing.MockClock:

@@ -30,6 +30,7 @@ from p2pkv.session.protocol import (
 from p2pkv.session.session import PeerSession
 from p2pkv.wire import HelloAck, Lookup, Outcome, encode
 
+from ._clock import kernel_paced
 from .helpers import FaultFactory, RawPeer, SendGate, VirtualOffload, config, fill
 from .helpers import virtual_node as node
 from .test_producer_caps import connected
@@ -55,21 +56,27 @@ async def fetch_with_a_big_reply(
     """``raw`` looks up ``keys`` and N - 4 misses, then fetches them all, through a 4 KiB
     send buffer on the node's side (and a 4 KiB receive buffer on the peer's, unless
     ``shrink_peer`` is off): the reply is N outcomes with their checksums. Returns once
-    the node has read the fetch; its request id."""
+    the node has read the fetch; its request id.
+
+    None of it needs virtual time, so the clock jumps only after a second of real time
+    with every task blocked (``kernel_paced``): a jump to the next deadline per stall of
+    the kernel could otherwise end a session as idle while the ~300 KB of lookup and fetch
+    cross loopback."""
     miss = [bytes([i & 255, i >> 8]) * 16 for i in range(N - len(keys))]
-    req, hits = await raw.lookup(keys + miss)
-    assert sum(hits) == len(keys)
-    # Only the direction the node sends in (the fetch must get through whole).
-    assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
-    s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    if shrink_peer:
-        raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    raw.proto.send_fetch(req, keys + miss, list(range(N)))
-    await raw.flush()
-    # Until the node has read the fetch, no virtual time passes: a task that only
-    # checkpoints is never blocked, so the clock does not jump.
-    while s.alive and s.proto.in_state(req) is InState.PINNED:
-        await trio.lowlevel.checkpoint()
+    with kernel_paced():
+        req, hits = await raw.lookup(keys + miss)
+        assert sum(hits) == len(keys)
+        # Only the direction the node sends in (the fetch must get through whole).
+        assert isinstance(s.stream, trio.SocketStream) and raw.stream is not None
+        s.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        if shrink_peer:
+            raw.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        raw.proto.send_fetch(req, keys + miss, list(range(N)))
+        await raw.flush()
+        # Until the node has read the fetch, no virtual time passes: a task that only
+        # checkpoints is never blocked, so the clock does not jump.
+        while s.alive and s.proto.in_state(req) is InState.PINNED:
+            await trio.lowlevel.checkpoint()
     return req
 
 
