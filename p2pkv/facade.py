@@ -74,6 +74,7 @@ from .node import (
 from .pins import PinSource
 from .portal import EngineContext, EngineThread
 from .registrar import Offload
+from .session.consumer import read_caller_slots
 from .session.session import FetchResult, LookupRound
 from .store import BlockStore
 from .tickets import TicketBoard
@@ -470,7 +471,7 @@ class BlockingNode:
             within = check_seconds(within, "within")
             if timeout is None:
                 timeout = within + self._node.config.quarantine + _MARGIN
-        args = (check_peer(peer), check_keys(keys), list(slots), _own_rounds(rounds))
+        args = (check_peer(peer), check_keys(keys), read_caller_slots(slots), _own_rounds(rounds))
         afn = self._node.fetch_into
         if within is not None:
             afn = functools.partial(afn, within=within)

@@ -660,6 +660,8 @@ class BlockStore:
         reservation.
         """
         _check_key(key)
+        if isinstance(slot, bool | np.bool_):  # True has __index__: never slot 1
+            raise ValueError(f"a slot must be an int, not a bool (slot {slot!r})")
         self._enter_small()
         try:
             holder = self._holders.get(owner)
@@ -690,6 +692,13 @@ class BlockStore:
         """
         if len(slots) != len(keys):
             raise ValueError("slots and keys differ in length")
+        # A bool has __index__ (True packs as slot 1): a mask is never taken for slots.
+        if (
+            slots.dtype == np.bool_
+            if isinstance(slots, np.ndarray)
+            else bool in set(map(type, slots))
+        ):
+            raise ValueError(f"a slot must be an int, not a bool (slots {slots!r})")
         if type(keys) is not list:
             keys = list(keys)
         if set(map(type, keys)) - {bytes} or not all(keys):

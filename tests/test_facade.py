@@ -371,6 +371,48 @@ def test_a_submits_rounds_are_read_in_the_callers_thread_not_later_on_the_engine
     assert dst.pending() == 0
 
 
+def test_a_submit_fetch_into_reads_a_tensors_slots_in_the_callers_thread(
+    nodes: Callable[..., BlockingNode],
+) -> None:
+    """A host hands ``submit_fetch_into`` its chunk ids as a torch tensor (vLLM's are)
+    and reuses the tensor once the submit has returned. The submit copied the slots with
+    ``list(slots)``, which for a tensor gives 0-d *views* of its storage: the engine read
+    their values only when its task ran, so the keys landed in the slots the host wrote
+    there since, over blocks it had given to something else, and the result said every
+    key loaded. Found by a review of the caller's side (2026-12-07)."""
+    torch = pytest.importorskip("torch")
+    src, dst = nodes("src"), nodes("dst")
+    keys = fill(src.store, 2, BLOCK)
+    peer = dst.connect(src.address, timeout=BOUND)
+    before = bytes(dst.store.array)
+    busy, go = threading.Event(), threading.Event()
+
+    def hold_the_engine() -> None:
+        busy.set()
+        assert go.wait(BOUND), "the test never let the engine go"
+
+    dst._engine.run_sync_soon(hold_the_engine)  # test seam: the engine is busy
+    assert busy.wait(BOUND)
+    chunk_ids = torch.tensor([4, 5])
+    ticket = dst.submit_fetch_into(peer, keys, chunk_ids)
+    chunk_ids[0], chunk_ids[1] = 10, 11  # the host reuses its tensor; the submit returned
+    go.set()
+    outcome = wait_ticket(dst, ticket)
+    assert isinstance(outcome, FetchResult), outcome
+    assert outcome.loaded == keys
+    changed = [
+        s
+        for s in range(dst.config.num_blocks)
+        if dst.store.array[s * BLOCK : (s + 1) * BLOCK].tobytes()
+        != before[s * BLOCK : (s + 1) * BLOCK]
+    ]
+    assert changed == [4, 5]
+    for slot, key in zip((4, 5), keys, strict=True):
+        held = src.store.get(key)
+        assert held is not None
+        assert dst.store.array[slot * BLOCK : (slot + 1) * BLOCK].tobytes() == bytes(held)
+
+
 def test_an_activity_that_session_activity_never_returned_is_refused_at_the_submit(
     nodes: Callable[..., BlockingNode],
 ) -> None:

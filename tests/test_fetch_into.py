@@ -310,6 +310,10 @@ async def test_fetch_into_looks_up_the_keys_no_round_holds_and_a_miss_fails_that
 _K = [b"k" * 32, b"l" * 32]
 
 
+def _torch() -> Any:
+    return pytest.importorskip("torch")
+
+
 @pytest.mark.parametrize(
     ("make_call", "why"),
     [
@@ -323,6 +327,11 @@ _K = [b"k" * 32, b"l" * 32]
         (lambda k: (k, ["1", 2]), "slots must be integers"),
         # A mask passed for slots: True, False landed the keys in slots 1 and 0.
         (lambda k: (k, [True, False]), "slots must be integers"),
+        (lambda k: (k, np.array([True, False])), "slots must be integers"),
+        # A torch bool tensor's elements are 0-d tensors, not bools, and their
+        # ``__index__`` gives 1 and 0: the keys landed in slots 1 and 0 (review, 2026-12-07).
+        (lambda k: (k, _torch().tensor([True, False])), "slots must be integers"),
+        (lambda k: (k, _torch().tensor([1.0, 2.0])), "slots must be integers"),
     ],
     ids=[
         "lengths",
@@ -334,6 +343,9 @@ _K = [b"k" * 32, b"l" * 32]
         "float_slot",
         "str_slot",
         "bool_slots",
+        "numpy_bool_slots",
+        "torch_bool_slots",
+        "torch_float_slots",
     ],
 )
 async def test_bad_fetch_into_is_refused_before_anything_is_sent(

@@ -485,6 +485,23 @@ def test_commit_requires_a_slot_reserved_by_that_owner() -> None:
         store.commit(("s", 1), slot, b"y")  # a slot commits once
 
 
+@pytest.mark.parametrize("commit", ["commit", "commit_many", "commit_many_array"])
+def test_a_bool_is_never_taken_for_a_reserved_slot(commit: str) -> None:
+    """True has ``__index__`` (1): a mask passed where slots go would publish keys in
+    slots 1 and 0. Refused even where ``owner`` reserves those very slots."""
+    store = BlockStore(2, L)
+    assert sorted(store.reserve("r", 2)) == [0, 1]
+    before = snapshot(store)
+    with pytest.raises(ValueError, match="bool"):
+        if commit == "commit":
+            store.commit("r", True, b"k")
+        elif commit == "commit_many":
+            store.commit_many("r", [True, False], [b"k", b"l"])
+        else:
+            store.commit_many("r", np.array([True, False]), [b"k", b"l"])  # type: ignore[arg-type]
+    assert snapshot(store) == before and store._reserved_by("r") == [0, 1]
+
+
 def test_release_reserved_frees_slots_all_or_nothing() -> None:
     store = BlockStore(4, L)
     mine = store.reserve("a", 2)

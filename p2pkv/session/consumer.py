@@ -1265,10 +1265,11 @@ def check_caller_slots(
 ) -> dict[bytes, int]:
     """``keys[i]`` -> ``slots[i]`` for a load into slots its caller chose (``fetch_into``,
     the vLLM tier's slot loads), or :class:`LocalProtocolError` (op "fetch") for what
-    could not be loaded so: a slot that is not an integer (NumPy's are; a float or a string
-    is never rounded to a slot, and a bool is refused: a mask passed for slots landed
-    True, False in slots 1 and 0), lengths that differ, an unhashable key, a key or a slot
-    named twice, a slot outside ``0..num_blocks - 1``."""
+    could not be loaded so: a slot that is not an integer (NumPy's and 0-d torch
+    tensors' are; a float or a string is never rounded to a slot, and a bool is refused,
+    a NumPy or torch one too: a mask passed for slots landed True, False in slots 1 and
+    0), lengths that differ, an unhashable key, a key or a slot named twice, a slot
+    outside ``0..num_blocks - 1``."""
     try:
         dst_slots = [_slot_index(s) for s in slots]
     except TypeError:
@@ -1294,9 +1295,36 @@ def check_caller_slots(
     return dst
 
 
+def read_caller_slots(slots: Iterable[object]) -> list[object]:
+    """The caller's ``slots`` read now, each integer as a Python int: what the engine
+    checks later is then the values the caller passed, not whatever its container holds
+    by then. A torch tensor's elements are views of its storage, so ``list(tensor)``
+    alone would let a host that reuses its tensor after submitting redirect the writes
+    into the slots it wrote there since. What is not an integer is kept as it is, for
+    :func:`check_caller_slots` to refuse (whatever its value: a type or a dtype decides)."""
+    items = list(slots)
+    if set(map(type, items)) <= {int}:  # the usual case: already a list of ints
+        return items
+    out: list[object] = []
+    for slot in items:
+        try:
+            out.append(_slot_index(slot))
+        except TypeError:
+            out.append(slot)
+    return out
+
+
+# A bool's dtype, NumPy's and torch's: a bool tensor's element is a 0-d tensor, not a
+# ``bool``, and its ``__index__`` gives 1 or 0.
+_BOOL_DTYPES = frozenset({"bool", "torch.bool"})
+
+
 def _slot_index(slot: object) -> int:
-    """A caller's slot as an int: TypeError for what is not an integer, a bool included."""
-    if isinstance(slot, bool):
+    """A caller's slot as an int: TypeError for what is not an integer, a bool included
+    (Python's, NumPy's, or an element of a torch bool tensor)."""
+    if type(slot) is int:
+        return slot
+    if isinstance(slot, bool) or str(getattr(slot, "dtype", "")) in _BOOL_DTYPES:
         raise TypeError(f"slot must be an int, got {slot!r}")
     return operator.index(slot)  # type: ignore[arg-type]  # TypeError: not an integer
 
