@@ -9,6 +9,7 @@ real clock, gated by events and bounded by ``trio.fail_after``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -21,11 +22,20 @@ import pytest
 import trio
 import trio.testing
 
-from p2pkv import ConfigError, FetchResult, Node, open_node, start_node
+from p2pkv import (
+    ConfigError,
+    FetchResult,
+    Node,
+    P2PKVError,
+    Peer,
+    StoreFull,
+    open_node,
+    start_node,
+)
 from p2pkv.pins import HostPins, PinRequest
 from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
 
-from .helpers import FaultFactory, config, fill, until
+from .helpers import FaultFactory, VirtualOffload, config, fill, until
 
 BLOCK = 4096
 N_BLOCKS = 64
@@ -857,3 +867,187 @@ async def test_release_unused_pins_while_the_host_answers_a_lookup_gives_that_to
             await until(lambda: host.released() == ["tok-1"])
             assert host.abandoned_when_answered == [False]  # answered in time, yet released
             assert pins.held() == 0
+
+
+# ------------------------------------------------- a host wait holds the reader at most once
+
+
+class TaskHost:
+    """FAKE host as a Trio task (for the autojump clock, which no real thread may sit
+    beside): every 10 ms it answers each request whose keys are all in ``blocks`` (key ->
+    slot) with a token, and leaves any other request unanswered (its host busy, or still
+    bringing the block in): the engine waits that out (``answer_within``) as documented."""
+
+    def __init__(self, pins: HostPins, blocks: dict[bytes, int]) -> None:
+        self.pins, self.blocks = pins, blocks
+        self.answered = 0
+
+    async def run(self) -> None:
+        while True:
+            for req in self.pins.take():
+                if all(k in self.blocks for k in req.keys):
+                    self.answered += 1
+                    self.pins.answer(req, [self.blocks[k] for k in req.keys], object())
+            self.pins.released()
+            await trio.sleep(0.01)
+
+
+@asynccontextmanager
+async def task_hosted_pair(
+    blocks: dict[bytes, int],
+    *,
+    answer_within: float,
+    region: np.ndarray | None = None,
+    src_kw: dict[str, Any] | None = None,
+    dst_kw: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[Node, Peer]]:
+    """A consumer connected to a producer whose host (a :class:`TaskHost`) pins
+    ``blocks``, and its handle of the producer; for the autojump clock."""
+    pins = HostPins(N_BLOCKS, answer_within=answer_within)
+    host = TaskHost(pins, blocks)
+    async with (
+        open_node(
+            config("src", num_blocks=N_BLOCKS, **(src_kw or {})),
+            region=host_region() if region is None else region,
+            pin_source=pins,
+            offload=VirtualOffload(),
+        ) as src,
+        open_node(
+            config("dst", num_blocks=N_BLOCKS, **(dst_kw or {})), offload=VirtualOffload()
+        ) as dst,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(host.run)
+        yield dst, await dst.connect(src.address)
+        nursery.cancel_scope.cancel()
+
+
+async def lookups_behind_a_stalled_host_are_answered_within_one_host_wait(
+    src_kw: dict[str, Any] | None = None, dst_kw: dict[str, Any] | None = None
+) -> None:
+    """Four lookups of keys the host never answers, then one of a key it answers at
+    once, arrive one after another while the first waits on the host. The producer's
+    reader decodes nothing while it waits on the host, so each lookup held every frame
+    behind it ``answer_within`` (2 s) more: the fifth was read 8 s after it was sent
+    (and a fetch or an abort behind them as late: the consumer's quarantine counts one
+    such wait, see the test below). Now the reader acts on every frame within one
+    ``answer_within`` of its arrival: the lookups that find more of the peer's frames
+    behind them wait only for what is left of the first wait, here nothing (misses, at
+    2 s); the last finds nothing behind it, so it waits for the host again, which
+    answers it (a hit, at ~2 s)."""
+    held = os.urandom(32)
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with task_hosted_pair({held: 3}, answer_within=2.0, src_kw=src_kw, dst_kw=dst_kw) as (
+            dst,
+            peer,
+        ):
+            start = trio.current_time()
+            answered: dict[int, tuple[list[bool], float]] = {}
+
+            async def lookup(i: int, key: bytes) -> None:
+                hits = await dst.lookup(peer, [key])
+                answered[i] = (hits, trio.current_time() - start)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(lookup, i, os.urandom(32))
+                    # Each one out before the next: frames sent apart (over TLS, records
+                    # apart, so the TLS layer may hold some the reader has not seen).
+                    await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(lookup, 4, held)
+            assert [answered[i][0] for i in range(5)] == [[False]] * 4 + [[True]]
+            assert max(at for _, at in answered.values()) < 2.0 + 0.5, answered
+
+
+async def test_lookups_behind_a_stalled_host_are_answered_within_one_host_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    await lookups_behind_a_stalled_host_are_answered_within_one_host_wait()
+
+
+async def test_a_burst_of_lookups_a_prompt_host_answers_are_all_hits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The bound on host waits costs a prompt host nothing: sixteen lookups sent
+    together after a minute of quiet, each waiting ~10 ms for the host, all hit (the
+    bound counts from when the reader last had nothing unread, here the quiet minute's
+    end, not from the session's start)."""
+    keys = [os.urandom(32) for _ in range(16)]
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with task_hosted_pair({k: i for i, k in enumerate(keys)}, answer_within=2.0) as (
+            dst,
+            peer,
+        ):
+            await trio.sleep(60)
+            got: list[list[bool]] = []
+
+            async def lookup(key: bytes) -> None:
+                got.append(await dst.lookup(peer, [key]))
+
+            async with trio.open_nursery() as nursery:
+                for k in keys:
+                    nursery.start_soon(lookup, k)
+            assert got == [[True]] * len(keys)
+
+
+@pytest.mark.parametrize("give_up", ["fetch_timeout", "cancelled"])
+async def test_a_fetch_given_up_behind_a_stalled_hosts_lookups_never_lands_on_reused_slots(
+    autojump_clock: trio.testing.MockClock, give_up: str
+) -> None:
+    """Found by a review (replay lens, 2026-12-07). The consumer gives up on a fetch (its
+    ``fetch_timeout`` of 1 s, or its caller's cancel at 1 s) and frees the fetch's slots
+    ``quarantine`` (6 s, the vLLM tier's default) later. Two honest nodes, one session,
+    alive throughout. The producer's host is stalled, and four lookups that other callers
+    of the consumer sent just before the fetch each held the producer's reader 2 s
+    (``answer_within``, the tier's ``serve_timeout_s``): it read the fetch 8 s after it
+    was sent, inside its lease, 1 s after the quarantine had ended and the consumer's
+    host had put new blocks in those slots. A fifth lookup between the fetch and its abort
+    held the reader on the host again while the write was posted, so the abort did not
+    cut it. The new blocks then held the bytes of the fetch given up on: wrong bytes
+    under their keys. Now no frame waits past one host wait (previous test), so the
+    abort is acted on in time and the quarantine outlasts the write."""
+    n = N_BLOCKS
+    keys = [os.urandom(32) for _ in range(n)]
+    region = host_region()
+    dst_kw: dict[str, Any] = {"max_landing_share": 1.0, "quarantine": 6.0}
+    if give_up == "fetch_timeout":
+        dst_kw["fetch_timeout"] = 1.0
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with task_hosted_pair(
+            {k: i for i, k in enumerate(keys)}, answer_within=2.0, region=region, dst_kw=dst_kw
+        ) as (dst, peer):
+            handle = await dst.lookup_round(peer, keys)
+            assert all(handle.hits)
+
+            async def other_caller() -> None:
+                # Another request of the consumer's on the same session: a lookup of a key
+                # the producer's host does not answer.
+                with contextlib.suppress(P2PKVError):
+                    await dst.lookup(peer, [os.urandom(32)])
+
+            async def fetch() -> None:
+                with trio.move_on_after(1.0):  # the caller gives up (fetch_timeout or not)
+                    result = await dst.fetch(peer, keys, rounds=[handle])
+                    assert result.loaded == [], result  # fetch_timeout: nothing loaded
+
+            start = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(other_caller)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(fetch)
+                await trio.sleep(0.5)
+                nursery.start_soon(other_caller)
+                await trio.sleep(0.51)  # the fetch has given up
+                with pytest.raises(StoreFull):  # its slots are quarantined
+                    dst.store.put(b"early", os.urandom(BLOCK))
+                await trio.sleep_until(start + 1.0 + 6.0 + 0.01)  # the quarantine is over
+                mine = {os.urandom(32): os.urandom(BLOCK) for _ in range(n)}
+                for k, data in mine.items():
+                    dst.store.put(k, data)  # the consumer's host takes the slots
+            await trio.sleep(30)  # long past every lease, wait and write of the producer
+            assert dst.statistics().sessions == 1  # the session lived throughout
+            fetched = {block_at(region, i) for i in range(n)}
+            bad = [k for k, data in mine.items() if bytes(dst.store.get(k) or b"") != data]
+            theirs = sum(bytes(dst.store.get(k) or b"") in fetched for k in bad)
+            assert not bad, f"{len(bad)} of {n} blocks overwritten ({theirs} by the fetch)"

@@ -45,6 +45,7 @@ from p2pkv.cli.settings import fetch_settings, serve_settings
 from p2pkv.tls import cert_file_peer_id, cert_peer_ids, peer_uri
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill
+from .test_host_pins import lookups_behind_a_stalled_host_are_answered_within_one_host_wait
 
 BOUND = 20  # seconds (Trio clock) around every test's I/O
 
@@ -857,3 +858,14 @@ async def test_a_tls_peer_that_stops_reading_mid_frame_is_dropped_though_it_stil
                     nursery.cancel_scope.cancel()
                 assert budget["left"] == 0  # it read the first piece, then stopped
                 assert sa.close_reason == "peer stopped reading", sa.close_reason
+
+
+async def test_over_tls_lookups_behind_a_stalled_host_are_answered_within_one_host_wait(
+    pki: PKI, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The reader's bound on host waits looks at what it has not read yet: over TLS
+    that includes the bytes trio's TLS layer holds, decrypted or not, as well as the
+    socket's (the test in test_host_pins.py, over mutual TLS)."""
+    await lookups_behind_a_stalled_host_are_answered_within_one_host_wait(
+        src_kw=pki.tls("src"), dst_kw=pki.tls("dst")
+    )

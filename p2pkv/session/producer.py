@@ -34,6 +34,7 @@ import logging
 import zlib
 from collections.abc import Sequence
 from itertools import compress
+from math import inf
 from typing import TYPE_CHECKING, cast
 
 import attrs
@@ -157,9 +158,18 @@ class ProducerSide(SessionParts):
             # This peer's part of the host's bound (another pin source bounds itself).
             bound = pins.max_blocks if isinstance(pins, HostPins) else None
             room = max(peer_pin_cap(cfg, bound) - self._pins_counted(), 0)
+            # The reader decodes nothing while the host works: bounded so that no frame
+            # waits past the host's own deadline, however many lookups are queued ahead
+            # of it (a fetch, or its abort: see host_wait_end). Cut short: all misses.
+            end = self.host_wait_end(pins.answer_within) if isinstance(pins, HostPins) else inf
+            got: list[int | None] = []
             self.host_waits += 1  # a probe meanwhile waits for the wait's end
             try:
-                got = await pins.pin(held.owner, keys[:room])
+                if end > trio.current_time():
+                    with trio.move_on_at(end) as cut:
+                        got = await pins.pin(held.owner, keys[:room])
+                    if cut.cancelled_caught:  # an answer that came as it was cut included
+                        self.node.unpin(held.owner)
             except BaseException:
                 self.node.unpin(held.owner)  # whatever the host pinned for nobody
                 raise

@@ -701,6 +701,11 @@ class SessionProtocol:
         self._decoder.feed(data)
 
     @property
+    def buffered_input(self) -> bool:
+        """Bytes fed in, or a frame decoded, that no event has come of yet."""
+        return self._unread is not None or self._decoder.buffered > 0
+
+    @property
     def unread(self) -> Message | None:
         """The frame a :meth:`next_event` with ``only`` stopped at: decoded, not acted on
         (the next call starts with it)."""

@@ -40,6 +40,7 @@ import functools
 import logging
 import math
 import os
+import select
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,7 @@ from ..errors import (
     SessionClosed,
     printable,
 )
+from ..pins import HostPins
 from ..transport.base import RegionLayout, RemotePeer
 from ..wire import AbortAck, Bye, Hello, LookupResp, Pong, TransferDone
 from .consumer import (
@@ -146,6 +148,8 @@ class PeerSession(ProducerSide, ConsumerSide):
         # Lookups whose pins the reader waits for from the host (a pin source): it decodes
         # nothing meanwhile, so a probe's time runs from the wait's end (see probe).
         self.host_waits = 0
+        # The last time the reader had nothing of the peer's unread (host_wait_end).
+        self._caught_up_at = trio.current_time()
         self.close_reason: str | None = None
         self.error: BaseException | None = None
         self.inflight_bytes = 0
@@ -267,6 +271,46 @@ class PeerSession(ProducerSide, ConsumerSide):
         proto = self.proto
         busy = self._pinned or self._writes or self._claims
         return proto.activity == activity and proto.idle and not busy
+
+    def host_wait_end(self, bound: float) -> float:
+        """When a host wait for a lookup starting now must end (Trio's clock), so that
+        the reader acts on every frame within ``bound`` (the host's own deadline,
+        ``answer_within``) of its arrival: ``bound`` from the last time the reader had
+        nothing unread, found now or at an earlier wait. A wait that starts with more
+        of the peer's bytes waiting (other lookups, a fetch, its abort) gets only what is
+        left of that, and one that finds nothing left does not wait: chained waits of
+        ``bound`` each held a fetch unread for as many, past the consumer's quarantine,
+        and its write landed in slots the consumer had reused (review, 2026-12-07)."""
+        now = trio.current_time()
+        if not self._input_waiting():
+            self._caught_up_at = now
+        return self._caught_up_at + bound
+
+    def _input_waiting(self) -> bool:
+        """Whether the peer sent bytes the reader has not acted on: buffered or decoded
+        past the frame being handled, or in the socket (polled, not read; the end of the
+        stream counts, as does an error). A stream of another kind: False (cannot tell)."""
+        if self.proto.buffered_input:
+            return True
+        stream: object = self.stream
+        if isinstance(stream, trio.SSLStream):
+            # What trio read and holds already, encrypted or not (its own attributes,
+            # read defensively: without them the socket alone decides).
+            ssl_object = getattr(stream, "_ssl_object", None)
+            incoming = getattr(stream, "_incoming", None)
+            if (ssl_object is not None and ssl_object.pending()) or (
+                incoming is not None and incoming.pending
+            ):
+                return True
+            stream = stream.transport_stream
+        if not isinstance(stream, trio.SocketStream):
+            return False
+        try:
+            poller = select.poll()
+            poller.register(stream.socket.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile: the reader meets the end
+            return True
 
     def host_wait_over(self) -> None:
         """The reader's wait for the host's pins ended (see :meth:`probe`)."""
@@ -675,13 +719,20 @@ class PeerSession(ProducerSide, ConsumerSide):
         data: bytes | bytearray | None = None
         filled = False  # the last receive filled the buffer: bytes are likely left
         proto = self.proto
+        # Where the host pins, its waits are bounded from the last time nothing of the
+        # peer's was unread (host_wait_end): a reader that waited for bytes with nothing
+        # unread was that until they came, i.e. until it woke.
+        host_waits = isinstance(self.node.pin_source, HostPins)
         while True:
+            idle = host_waits and not filled and not self._input_waiting()
             try:
                 # A receive that filled the buffer left bytes behind: read again at once.
                 data = await self._receive(wait_first=not filled)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._connection_lost(exc)
                 return
+            if idle:
+                self._caught_up_at = trio.current_time()
             filled = False
             if data is None:  # woken without bytes of our own to read
                 if not self._lane_left:
