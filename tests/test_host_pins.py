@@ -33,9 +33,10 @@ from p2pkv import (
     start_node,
 )
 from p2pkv.pins import HostPins, PinRequest
+from p2pkv.session.protocol import LookupAnswered
 from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
 
-from .helpers import FaultFactory, VirtualOffload, config, fill, until
+from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until
 
 BLOCK = 4096
 N_BLOCKS = 64
@@ -1051,3 +1052,49 @@ async def test_a_fetch_given_up_behind_a_stalled_hosts_lookups_never_lands_on_re
             bad = [k for k, data in mine.items() if bytes(dst.store.get(k) or b"") != data]
             theirs = sum(bytes(dst.store.get(k) or b"") in fetched for k in bad)
             assert not bad, f"{len(bad)} of {n} blocks overwritten ({theirs} by the fetch)"
+
+
+async def test_a_lookup_whose_frame_came_in_two_pieces_is_not_cut_short(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An honest peer on a slow link: its second lookup's frame reaches the producer in
+    two pieces a second apart (a segment delayed on the wire), and the third lookup comes
+    with its tail; the host answers each in ~10 ms. The reader is never behind, yet the
+    second lookup was answered all misses without the host being asked: the first bytes
+    of a frame in the decoder counted as unread input, so the reader's wake-up for the
+    rest did not count as catching up, and the bound ran from the first lookup's
+    arrival, a second before, already spent with the third lookup behind it. A frame
+    arrives when its last byte does (found by a review of the bound, 2026-12-07)."""
+    keys = [os.urandom(32) for _ in range(3)]
+    pins = HostPins(N_BLOCKS, answer_within=0.5)
+    host = TaskHost(pins, {k: i for i, k in enumerate(keys)})
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with (
+            open_node(
+                config("src", num_blocks=N_BLOCKS),
+                region=host_region(),
+                pin_source=pins,
+                offload=VirtualOffload(),
+            ) as src,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(host.run)
+            raw = RawPeer()
+            await raw.connect(src.address)
+            await raw.handshake()
+            frames = []
+            for k in keys:
+                raw.proto.send_lookup([k])
+                frames.append(raw.proto.data_to_send())
+            await raw.send_raw(frames[0] + frames[1][:5])
+            await trio.sleep(1.0)  # the rest of the second frame is late on the wire
+            await raw.send_raw(frames[1][5:] + frames[2])
+            hits = []
+            for _ in keys:
+                ev = await raw.next_event()
+                assert isinstance(ev, LookupAnswered), ev
+                hits.append(ev.hits)
+            await raw.aclose()
+            nursery.cancel_scope.cancel()
+    assert hits == [[True]] * 3
+    assert host.answered == 3

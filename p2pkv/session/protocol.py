@@ -701,9 +701,10 @@ class SessionProtocol:
         self._decoder.feed(data)
 
     @property
-    def buffered_input(self) -> bool:
-        """Bytes fed in, or a frame decoded, that no event has come of yet."""
-        return self._unread is not None or self._decoder.buffered > 0
+    def frame_waiting(self) -> bool:
+        """A whole frame fed in, decoded or not, that no event has come of yet (the
+        first bytes of one still on the way are not one)."""
+        return self._unread is not None or self._decoder.holds_frame
 
     @property
     def unread(self) -> Message | None:

@@ -287,10 +287,13 @@ class PeerSession(ProducerSide, ConsumerSide):
         return self._caught_up_at + bound
 
     def _input_waiting(self) -> bool:
-        """Whether the peer sent bytes the reader has not acted on: buffered or decoded
-        past the frame being handled, or in the socket (polled, not read; the end of the
-        stream counts, as does an error). A stream of another kind: False (cannot tell)."""
-        if self.proto.buffered_input:
+        """Whether the peer sent bytes the reader has not acted on: a whole frame past
+        the one being handled, or bytes in the socket (polled, not read; the end of the
+        stream counts, as does an error). The first bytes of a frame whose rest is still
+        on the way do not count: that frame arrives when its last byte does (a reader
+        that waited for it then was caught up until it woke). A stream of another kind:
+        False (cannot tell)."""
+        if self.proto.frame_waiting:
             return True
         stream: object = self.stream
         if isinstance(stream, trio.SSLStream):
