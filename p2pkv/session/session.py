@@ -725,9 +725,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         # Where the host pins, its waits are bounded from the last time nothing of the
         # peer's was unread (host_wait_end): a reader that waited for bytes with nothing
         # unread was that until they came, i.e. until it woke.
-        host_waits = isinstance(self.node.pin_source, HostPins)
+        host_pins = isinstance(self.node.pin_source, HostPins)
         while True:
-            idle = host_waits and not filled and not self._input_waiting()
+            idle = host_pins and not filled and not self._input_waiting()
             try:
                 # A receive that filled the buffer left bytes behind: read again at once.
                 data = await self._receive(wait_first=not filled)
