@@ -1098,3 +1098,56 @@ async def test_a_lookup_whose_frame_came_in_two_pieces_is_not_cut_short(
             nursery.cancel_scope.cancel()
     assert hits == [[True]] * 3
     assert host.answered == 3
+
+
+async def test_a_peer_flooding_lookups_at_a_stalled_host_spends_only_its_own_sessions_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that queues lookups of keys the host never answers (a flood, or a liar
+    probing for keys it does not expect) holds its own session's reader one
+    ``answer_within`` in all (the last of its lookups, with nothing behind it, then
+    waits its own) and gets misses. Another peer, looking up at the same time
+    a key the host answers at once, gets its hit from the host in ~10 ms: each session
+    has its own reader and its own bound, so the flood neither delays nor spends it."""
+    held = os.urandom(32)
+    pins = HostPins(N_BLOCKS, answer_within=2.0)
+    host = TaskHost(pins, {held: 3})
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with (
+            open_node(
+                config("src", num_blocks=N_BLOCKS),
+                region=host_region(),
+                pin_source=pins,
+                offload=VirtualOffload(),
+            ) as src,
+            open_node(config("flood", num_blocks=N_BLOCKS), offload=VirtualOffload()) as flood,
+            open_node(config("other", num_blocks=N_BLOCKS), offload=VirtualOffload()) as other,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(host.run)
+            flood_peer = await flood.connect(src.address)
+            other_peer = await other.connect(src.address)
+            start = trio.current_time()
+            flooded: list[tuple[list[bool], float]] = []
+            theirs: list[tuple[list[bool], float]] = []
+
+            async def flood_lookup() -> None:
+                hits = await flood.lookup(flood_peer, [os.urandom(32)])
+                flooded.append((hits, trio.current_time() - start))
+
+            async def other_lookup() -> None:
+                hits = await other.lookup(other_peer, [held])
+                theirs.append((hits, trio.current_time() - start))
+
+            async with trio.open_nursery() as lookups:
+                for _ in range(6):
+                    lookups.start_soon(flood_lookup)
+                await trio.testing.wait_all_tasks_blocked()  # the flood is queued
+                lookups.start_soon(other_lookup)
+            assert [hits for hits, _ in flooded] == [[False]] * 6
+            # Acted on within one wait; the last, with nothing behind it, waits its own.
+            times = sorted(at for _, at in flooded)
+            assert times[-2] < 2.0 + 0.5 and times[-1] < 2 * 2.0 + 0.5, flooded
+            [(hits, at)] = theirs
+            assert hits == [True] and at < 0.5, theirs
+            nursery.cancel_scope.cancel()
