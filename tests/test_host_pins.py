@@ -894,16 +894,15 @@ class TaskHost:
 
 
 @asynccontextmanager
-async def task_hosted_pair(
+async def task_hosted_source(
     blocks: dict[bytes, int],
     *,
     answer_within: float,
     region: np.ndarray | None = None,
     src_kw: dict[str, Any] | None = None,
-    dst_kw: dict[str, Any] | None = None,
-) -> AsyncIterator[tuple[Node, Peer]]:
-    """A consumer connected to a producer whose host (a :class:`TaskHost`) pins
-    ``blocks``, and its handle of the producer; for the autojump clock."""
+) -> AsyncIterator[tuple[Node, TaskHost]]:
+    """A producer whose host, a running :class:`TaskHost`, pins ``blocks``; for the
+    autojump clock."""
     pins = HostPins(N_BLOCKS, answer_within=answer_within)
     host = TaskHost(pins, blocks)
     async with (
@@ -913,14 +912,34 @@ async def task_hosted_pair(
             pin_source=pins,
             offload=VirtualOffload(),
         ) as src,
-        open_node(
-            config("dst", num_blocks=N_BLOCKS, **(dst_kw or {})), offload=VirtualOffload()
-        ) as dst,
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(host.run)
-        yield dst, await dst.connect(src.address)
+        yield src, host
         nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def task_hosted_pair(
+    blocks: dict[bytes, int],
+    *,
+    answer_within: float,
+    region: np.ndarray | None = None,
+    src_kw: dict[str, Any] | None = None,
+    dst_kw: dict[str, Any] | None = None,
+) -> AsyncIterator[tuple[Node, Peer]]:
+    """A consumer connected to a :func:`task_hosted_source`, and its handle of the
+    producer; for the autojump clock."""
+    async with (
+        task_hosted_source(blocks, answer_within=answer_within, region=region, src_kw=src_kw) as (
+            src,
+            _,
+        ),
+        open_node(
+            config("dst", num_blocks=N_BLOCKS, **(dst_kw or {})), offload=VirtualOffload()
+        ) as dst,
+    ):
+        yield dst, await dst.connect(src.address)
 
 
 async def lookups_behind_a_stalled_host_are_answered_within_one_host_wait(
@@ -1066,19 +1085,11 @@ async def test_a_lookup_whose_frame_came_in_two_pieces_is_not_cut_short(
     arrival, a second before, already spent with the third lookup behind it. A frame
     arrives when its last byte does (found by a review of the bound, 2026-12-07)."""
     keys = [os.urandom(32) for _ in range(3)]
-    pins = HostPins(N_BLOCKS, answer_within=0.5)
-    host = TaskHost(pins, {k: i for i, k in enumerate(keys)})
     with trio.fail_after(VIRTUAL_BOUND):
-        async with (
-            open_node(
-                config("src", num_blocks=N_BLOCKS),
-                region=host_region(),
-                pin_source=pins,
-                offload=VirtualOffload(),
-            ) as src,
-            trio.open_nursery() as nursery,
+        async with task_hosted_source({k: i for i, k in enumerate(keys)}, answer_within=0.5) as (
+            src,
+            host,
         ):
-            nursery.start_soon(host.run)
             raw = RawPeer()
             await raw.connect(src.address)
             await raw.handshake()
@@ -1095,7 +1106,6 @@ async def test_a_lookup_whose_frame_came_in_two_pieces_is_not_cut_short(
                 assert isinstance(ev, LookupAnswered), ev
                 hits.append(ev.hits)
             await raw.aclose()
-            nursery.cancel_scope.cancel()
     assert hits == [[True]] * 3
     assert host.answered == 3
 
@@ -1110,21 +1120,12 @@ async def test_a_peer_flooding_lookups_at_a_stalled_host_spends_only_its_own_ses
     a key the host answers at once, gets its hit from the host in ~10 ms: each session
     has its own reader and its own bound, so the flood neither delays nor spends it."""
     held = os.urandom(32)
-    pins = HostPins(N_BLOCKS, answer_within=2.0)
-    host = TaskHost(pins, {held: 3})
     with trio.fail_after(VIRTUAL_BOUND):
         async with (
-            open_node(
-                config("src", num_blocks=N_BLOCKS),
-                region=host_region(),
-                pin_source=pins,
-                offload=VirtualOffload(),
-            ) as src,
+            task_hosted_source({held: 3}, answer_within=2.0) as (src, _),
             open_node(config("flood", num_blocks=N_BLOCKS), offload=VirtualOffload()) as flood,
             open_node(config("other", num_blocks=N_BLOCKS), offload=VirtualOffload()) as other,
-            trio.open_nursery() as nursery,
         ):
-            nursery.start_soon(host.run)
             flood_peer = await flood.connect(src.address)
             other_peer = await other.connect(src.address)
             start = trio.current_time()
@@ -1150,4 +1151,3 @@ async def test_a_peer_flooding_lookups_at_a_stalled_host_spends_only_its_own_ses
             assert times[-2] < 2.0 + 0.5 and times[-1] < 2 * 2.0 + 0.5, flooded
             [(hits, at)] = theirs
             assert hits == [True] and at < 0.5, theirs
-            nursery.cancel_scope.cancel()
