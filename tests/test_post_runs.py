@@ -22,11 +22,13 @@ from p2pkv import FetchResult, NodeConfig, TransportError, open_node
 from p2pkv.node import Node
 from p2pkv.registrar import to_thread
 from p2pkv.session.producer import ProducerSide
-from p2pkv.session.protocol import AbortRequested
+from p2pkv.session.protocol import AbortAcknowledged, AbortRequested, TransferCompleted
 from p2pkv.store import BlockStore
 from p2pkv.transport.base import RemotePeer, TransferHandle
+from p2pkv.wire import Outcome
 
-from .helpers import FaultTransport, config, fetch_at_once, fill, until
+from .helpers import FaultTransport, RawPeer, config, fetch_at_once, fill, until
+from .test_handshake_trust import restart_on_same_connection
 
 T = TypeVar("T")
 BOUND = 20.0  # seconds: "this did not hang"
@@ -346,3 +348,88 @@ async def test_two_fetches_at_once_of_the_same_keys_while_chunks_are_posted() ->
             assert first.posts == 16 // CHUNK  # every chunk once
             assert src.data_wanted == 0
             assert dst.statistics().reserved_slots == 0
+
+
+class GatedRuns:
+    """The real offload (worker threads), except that while ``gated`` the next run of
+    posts waits in its worker thread, holding the data-plane limiter, for ``gate``
+    before it begins (``entered`` is set once it does): a thread already started when
+    the write is cut. A FAKE for the timing only: the run itself is the real one."""
+
+    def __init__(self) -> None:
+        self.gated = True
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(
+        self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter
+    ) -> Awaitable[T]:
+        if self.gated and getattr(fn, "__name__", "") == "_post_run":
+            self.gated = False
+
+            def held(*a: Any) -> T:
+                self.entered.set()
+                assert self.gate.wait(BOUND), "the run gate never opened"
+                return fn(*a)
+
+            return to_thread(held, *args, limiter=limiter)
+        return to_thread(fn, *args, limiter=limiter)
+
+
+@pytest.mark.parametrize("cut", ["abort", "host_cut", "close", "restart"])
+async def test_a_write_cut_before_its_run_of_posts_began_posts_nothing(cut: str) -> None:
+    """The fetch's run of posts is in its worker thread, not yet at its first chunk, when
+    the write is cut: the consumer aborts, the host cuts writes, the session closes, or
+    the consumer restarts on the connection (the round is dropped with its incarnation,
+    and the new one has no registration until the write has ended). The run posts
+    nothing: no byte reaches the consumer's region, and a restart is not logged as a
+    refused post. Before, the first chunk of a run went out unchecked (and, after a
+    restart, was refused for want of a registration, with a WARNING)."""
+    factory, runs = Factory(), GatedRuns()
+    with trio.fail_after(BOUND):
+        async with open_node(src_config(), transport=factory, offload=runs) as src:
+            first = factory.built[0]
+            first.gated = False
+            keys = fill(src.store, 16, BLOCK)
+            raw = RawPeer("r", num_blocks=64, block_len=BLOCK)
+            await raw.connect(src.address)
+            await raw.handshake()
+            req, hits = await raw.lookup(keys)
+            assert all(hits)
+            raw.proto.send_fetch(req, keys, list(range(16)))
+            await raw.flush()
+            assert await trio.to_thread.run_sync(runs.entered.wait, BOUND)
+            session = src._by_peer["r"]
+            write = session._writes[req]
+            async with trio.open_nursery() as nursery:
+                if cut == "abort":
+                    raw.proto.send_abort(req)
+                    await raw.flush()
+                elif cut == "host_cut":
+                    assert await src.release_unused_pins(cut_writes=True) == 0
+                elif cut == "close":
+                    session.close("closed by the test")
+                else:
+                    nursery.start_soon(restart_on_same_connection, raw, 99)
+                if cut != "close":  # a close stops the run by the session's close_reason
+                    await until(lambda: write.stopped)
+                runs.gate.set()
+            if cut == "abort":
+                while not isinstance(ev := await raw.next_event(), AbortAcknowledged):
+                    assert ev is not None, "the session ended before the abort_ack"
+            elif cut == "host_cut":
+                ev = await raw.next_event()
+                assert isinstance(ev, TransferCompleted) and ev.req_id == req, ev
+                assert Outcome.OK not in ev.outcomes  # no key reported loaded
+            elif cut == "close":
+                await raw.expect_close()
+            else:
+                _, again = await raw.lookup(keys)  # the new incarnation serves
+                assert all(again)
+            assert first.posts == 0
+            assert session.posts_refused == 0
+            assert not raw.array.any()  # not one byte written into the consumer's region
+            if cut != "restart":  # (the new incarnation's lookup holds its own pins)
+                await until(lambda: src.statistics().pinned_slots == 0)
+            assert src.data_wanted == 0
+            await raw.aclose()

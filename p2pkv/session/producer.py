@@ -377,6 +377,8 @@ class ProducerSide(SessionParts):
                         log.log(level, "posting writes to %s failed: %s", self.peer_id, exc)
                     if run.error is not None:
                         raise run.error
+                    if run.ended:
+                        break  # the rest stay failed: cut, aborted, dropped or closing
                     del parts[: run.tried]
                 for chunk, h, dp in posted:
                     # The poller answers a handle already done without a checkpoint: a
@@ -447,12 +449,14 @@ class ProducerSide(SessionParts):
         write: WriteScope,
     ) -> _PostRun:
         """Runs in the worker thread, holding the data-plane limiter: posts the chunks of
-        ``parts`` one after another, and stops early (the rest are for the next run) once
-        another task wants the data plane (``Node.data_wanted``), the write was cancelled
-        (``write.stopped``), the session is closing (a node's close closes each), or the
-        request is no longer being written (aborted, or dropped with a restarted peer).
-        It reads plain attributes and dict entries that the Trio thread sets: a cancel
-        scope's ``cancel_called`` may not be read from another thread.
+        ``parts`` one after another. It lets go after a chunk once another task wants the
+        data plane (``Node.data_wanted``; the rest are for the next run), and stops for
+        good (``ended``), before any chunk, once the write was cancelled
+        (``write.stopped``), the session is closing (a node's close closes each), the
+        request is no longer being written (aborted, or dropped with a restarted peer), or
+        the peer has no registration (it restarted). It reads plain attributes and dict
+        entries that the Trio thread sets: a cancel scope's ``cancel_called`` may not be
+        read from another thread.
 
         A chunk that went back to the Trio thread and out again would wait for the GIL
         twice, each time up to a switch interval with a busy host (docs/design.md, "A busy
@@ -461,16 +465,29 @@ class ProducerSide(SessionParts):
         run = _PostRun()
         node = self.node
         for part in parts:
-            if run.tried and (
-                node.data_wanted > 1
+            # Read *here*, in this thread, holding the data-plane limiter: a
+            # reconfiguration swaps both while it holds the same limiter, so a post can
+            # never pair the old registration (already stale) with either transport, nor
+            # land on a transport being retired.
+            dp, remote = node.transport, self.remote
+            if (
+                # No registration: the peer restarted on this connection since the fetch
+                # came. The round was dropped with its incarnation, whose teardown waits
+                # for this write to end before the new one is registered (_forget).
+                remote is None
                 or write.stopped
                 or self.close_reason is not None
                 or self.proto.in_state(req) is not InState.WRITING
             ):
+                # Checked before the first chunk too: a cut that came while this thread
+                # was being started posts nothing (the thread itself is never abandoned).
+                run.ended = True
                 break
+            if run.tried and node.data_wanted > 1:
+                break  # at least one chunk a run, so a fetch is never starved
             run.tried += 1
             try:
-                dp, h = self._post(src[part], dst[part])
+                h = dp.post_write(remote, src[part], dst[part])
             except TransportError as exc:
                 run.refused.append(exc)
             except Exception as exc:  # a bug: what was posted must still be settled
@@ -479,18 +496,6 @@ class ProducerSide(SessionParts):
             else:
                 run.posted.append((part, dp, h))
         return run
-
-    def _post(
-        self, local: list[int], remote_slots: list[int]
-    ) -> tuple[DataTransport, TransferHandle]:
-        """Runs in the worker thread, holding the data-plane limiter. The transport and the
-        peer's registration are read *here*: a reconfiguration swaps both while it holds
-        the same limiter, so a post can never pair the old registration (already stale)
-        with either transport, nor land on a transport being retired."""
-        dp, remote = self.node.transport, self.remote
-        if remote is None:  # pragma: no cover - the ack barrier guarantees it
-            raise TransportError("peer is not registered", peer=self.peer_id)
-        return dp, dp.post_write(remote, local, remote_slots)
 
     async def _settle(self, posted: list[Posted], settled: set[int], outcomes: list[int]) -> bool:
         """Wait (bounded) for unsettled handles, release all; True if everything is quiet.
@@ -551,6 +556,7 @@ class _PostRun:
     """What one run of posts did (:meth:`ProducerSide._post_run`)."""
 
     tried: int = 0  # chunks taken from the front of the list, posted or refused
+    ended: bool = False  # stopped for good (see _post_run): no run follows this one
     posted: list[tuple[slice, DataTransport, TransferHandle]] = attrs.Factory(list)
     refused: list[TransportError] = attrs.Factory(list)  # their keys stay failed
     error: Exception | None = None  # a bug: raised on the Trio thread once posted is kept
