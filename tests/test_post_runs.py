@@ -224,6 +224,7 @@ async def test_a_write_the_host_cuts_posts_no_more_chunks() -> None:
                 first.gate.set()
             assert first.posts == 1
             assert not got[0].loaded and set(got[0].failed) == set(keys)
+            assert set(got[0].failed.values()) == {"aborted"}  # posted or not
             await until(lambda: src.statistics().pinned_slots == 0)  # unpinned after the reply
             assert src.data_wanted == 0
 
@@ -360,10 +361,13 @@ class GatedRuns:
         self.gated = True
         self.gate = threading.Event()
         self.entered = threading.Event()
+        self.runs = 0  # runs of posts asked for
 
     def __call__(
         self, fn: Callable[..., T], *args: Any, limiter: trio.CapacityLimiter
     ) -> Awaitable[T]:
+        if getattr(fn, "__name__", "") == "_post_run":
+            self.runs += 1
         if self.gated and getattr(fn, "__name__", "") == "_post_run":
             self.gated = False
 
@@ -382,9 +386,11 @@ async def test_a_write_cut_before_its_run_of_posts_began_posts_nothing(cut: str)
     the write is cut: the consumer aborts, the host cuts writes, the session closes, or
     the consumer restarts on the connection (the round is dropped with its incarnation,
     and the new one has no registration until the write has ended). The run posts
-    nothing: no byte reaches the consumer's region, and a restart is not logged as a
-    refused post. Before, the first chunk of a run went out unchecked (and, after a
-    restart, was refused for want of a registration, with a WARNING)."""
+    nothing and no other run follows: no byte reaches the consumer's region, a host's cut
+    reports every key ``aborted``, and a restart is not logged as a refused post. Before,
+    the first chunk of a run went out unchecked (and, after a restart, was refused for
+    want of a registration, with a WARNING), and keys never posted were reported
+    ``transfer_failed``."""
     factory, runs = Factory(), GatedRuns()
     with trio.fail_after(BOUND):
         async with open_node(src_config(), transport=factory, offload=runs) as src:
@@ -420,13 +426,14 @@ async def test_a_write_cut_before_its_run_of_posts_began_posts_nothing(cut: str)
             elif cut == "host_cut":
                 ev = await raw.next_event()
                 assert isinstance(ev, TransferCompleted) and ev.req_id == req, ev
-                assert Outcome.OK not in ev.outcomes  # no key reported loaded
+                assert set(ev.outcomes) == {Outcome.ABORTED}  # as the cut promises
             elif cut == "close":
                 await raw.expect_close()
             else:
                 _, again = await raw.lookup(keys)  # the new incarnation serves
                 assert all(again)
             assert first.posts == 0
+            assert runs.runs == 1  # the run that saw the cut was the last
             assert session.posts_refused == 0
             assert not raw.array.any()  # not one byte written into the consumer's region
             if cut != "restart":  # (the new incarnation's lookup holds its own pins)

@@ -335,6 +335,7 @@ class ProducerSide(SessionParts):
         plan_src: list[int] = []
         plan_dst: list[int] = []
         posted: list[Posted] = []
+        parts: list[slice] = []  # of plan_idx: the chunks not yet posted (or refused)
         settled: set[int] = set()
         sums: list[int] | None = None
         try:
@@ -364,7 +365,7 @@ class ProducerSide(SessionParts):
                             plan_dst.append(ev.slots[i])
                             self.inflight_bytes += bl
                 per_chunk = max(1, cfg.transfer_chunk_bytes // bl)
-                parts = [slice(j, j + per_chunk) for j in range(0, len(plan_idx), per_chunk)]
+                parts += [slice(j, j + per_chunk) for j in range(0, len(plan_idx), per_chunk)]
                 while parts:
                     run = await node.offload_data(
                         self._post_run, plan_src, plan_dst, parts, req, write
@@ -377,9 +378,9 @@ class ProducerSide(SessionParts):
                         log.log(level, "posting writes to %s failed: %s", self.peer_id, exc)
                     if run.error is not None:
                         raise run.error
-                    if run.ended:
-                        break  # the rest stay failed: cut, aborted, dropped or closing
                     del parts[: run.tried]
+                    if run.ended:
+                        break  # nothing more of this write is posted (see _post_run)
                 for chunk, h, dp in posted:
                     # The poller answers a handle already done without a checkpoint: a
                     # cut that came while the posts ran (their thread is never abandoned)
@@ -407,6 +408,11 @@ class ProducerSide(SessionParts):
                     # this end runs all the same (the reply, the bytes in flight, the done
                     # event a restart of the peer waits for).
                     log.exception("settling the writes of round %d to %s failed", req, self.peer_id)
+                if write.stopped:
+                    # Cut (the peer's abort, the host's cut, a restart): the chunks never
+                    # posted are aborted too, as a cut promises, not failed.
+                    for part in parts:
+                        _set_all(outcomes, plan_idx[part], _ABORTED)
                 if cfg.verify_checksums and sums is None and _OK in outcomes:
                     # Cut (or failed) before its sums were made: a consumer that verifies
                     # would fail a landed key OK without its sum as suspect and quarantine
@@ -451,7 +457,7 @@ class ProducerSide(SessionParts):
         """Runs in the worker thread, holding the data-plane limiter: posts the chunks of
         ``parts`` one after another. It lets go after a chunk once another task wants the
         data plane (``Node.data_wanted``; the rest are for the next run), and stops for
-        good (``ended``), before any chunk, once the write was cancelled
+        good (``ended``), checking before each chunk, once the write was cancelled
         (``write.stopped``), the session is closing (a node's close closes each), the
         request is no longer being written (aborted, or dropped with a restarted peer), or
         the peer has no registration (it restarted). It reads plain attributes and dict
@@ -471,16 +477,16 @@ class ProducerSide(SessionParts):
             # land on a transport being retired.
             dp, remote = node.transport, self.remote
             if (
-                # No registration: the peer restarted on this connection since the fetch
-                # came. The round was dropped with its incarnation, whose teardown waits
-                # for this write to end before the new one is registered (_forget).
+                # A guard: never a post to no registration. A restart drops the round (its
+                # state, below) in the step that swaps in the new incarnation, which is
+                # registered only once this write has ended (_forget).
                 remote is None
                 or write.stopped
                 or self.close_reason is not None
                 or self.proto.in_state(req) is not InState.WRITING
             ):
-                # Checked before the first chunk too: a cut that came while this thread
-                # was being started posts nothing (the thread itself is never abandoned).
+                # Checked before each chunk, the first too: a cut that came before this
+                # thread reached it posts nothing (the thread itself is never abandoned).
                 run.ended = True
                 break
             if run.tried and node.data_wanted > 1:
