@@ -10,8 +10,9 @@ tier, behind vLLM's own lock and thread), the node is given a :class:`HostPins`
 * The engine's producer, answering a lookup, calls :meth:`HostPins.pin` (async): it posts
   a :class:`PinRequest` to the inbox and waits, at most ``answer_within`` seconds, for the
   host's answer. No answer in time: every key is a miss, and the request is *abandoned*.
-  The session may stop waiting sooner, so that lookups queued behind each other hold its
-  reader one ``answer_within`` in all, not one each (``PeerSession.host_wait_end``).
+  Each lookup waits in a task of its own session's, beside the others; the session's
+  reader never waits (``ProducerSide._ask_host``), and an abort of the lookup cuts the
+  wait (the request is then abandoned).
 * The host, on its own thread and under its own lock, takes requests
   (:meth:`HostPins.take`), pins what it holds and answers each with the source slot per key
   and a *token* for those pins (vLLM: the store job's id), or None if it pinned nothing

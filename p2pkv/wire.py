@@ -681,16 +681,6 @@ class FrameDecoder:
     def buffered(self) -> int:
         return len(self._buf)
 
-    @property
-    def holds_frame(self) -> bool:
-        """A whole frame is buffered (or a header :meth:`next_message` refuses): the
-        next call has a message or an error to give, not a wait for more bytes."""
-        buf = self._buf
-        if len(buf) < HEADER.size:
-            return False
-        (length,) = HEADER.unpack_from(buf)
-        return not 0 < length <= self.max_frame_size or len(buf) >= HEADER.size + length
-
     def discard(self) -> None:
         """Drop what is buffered (a session that ends reads no more frames)."""
         self._buf = bytearray()

@@ -30,7 +30,6 @@ import trio.testing
 
 from p2pkv import Node, open_node
 from p2pkv.errors import P2PKVError, P2PKVTimeout, PeerUnavailable, SessionClosed
-from p2pkv.pins import HostPins
 from p2pkv.session.protocol import (
     ByeReceived,
     HelloReceived,
@@ -183,20 +182,28 @@ async def test_pings_before_the_answer_go_to_the_reader_with_the_answer(
 async def test_a_waiter_whose_answer_comes_while_the_reader_is_mid_turn_gets_it_by_its_event(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The reader is inside a turn (answering the peer's lookup, waiting for the host to
-    pin) when our answer arrives: the lane's task must not read under it, so it leaves the
-    lane and waits on its event; the reader reads the answer once the host has answered."""
-    pins = HostPins(64, answer_within=30.0)  # config()'s region
+    """The reader is inside a turn (answering the peer's lookup, held there by the test:
+    FAKE, a handler that waits on an event) when our answer arrives: the lane's task must
+    not read under it, so it leaves the lane and waits on its event; the reader reads the
+    answer once it is through its turn."""
     with trio.fail_after(BOUND):
         async with (
-            open_node(config("n"), pin_source=pins) as node,
+            open_node(config("n")) as node,
             raw_peer_of(node) as (raw, session),
         ):
             spy = LaneSpy(session, monkeypatch)
+            entered, hold = trio.Event(), trio.Event()
+            answer_lookup = session._answer_lookup
+
+            async def held(ev: Any, turn: Any) -> None:
+                entered.set()
+                await hold.wait()
+                await answer_lookup(ev, turn)
+
+            monkeypatch.setattr(session, "_answer_lookup", held)
             their_req = raw.proto.send_lookup([os.urandom(32)])
             await raw.flush()
-            while not (taken := pins.take()):  # the reader waits for the host now
-                await trio.sleep(0.001)
+            await entered.wait()  # the reader is mid-turn now
             async with trio.open_nursery() as nursery:
                 got: list[list[bool]] = []
 
@@ -210,7 +217,7 @@ async def test_a_waiter_whose_answer_comes_while_the_reader_is_mid_turn_gets_it_
                 while session._lane_p is not None:  # it woke, saw the reader busy, left
                     await trio.sleep(0.001)
                 assert got == [] and spy.takes == 0
-                pins.answer(taken[0], [None], None)  # the host: a miss
+                hold.set()  # the reader goes on: their lookup (a miss), then our answer
             assert got == [[True]]
             assert spy.takes == 0  # the reader read our answer
             resp = await raw.next_event()

@@ -1,13 +1,16 @@
-"""KNOWN DEFECT (proven 2026-12-07, not fixed; see docs/design.md, "A host wait holds the
-producer's reader at most once per frame", and the open question under it).
+"""Frames still on their way to a host-pinning producer when the consumer gives up
+(proven a defect on 2026-12-07 and fixed the same day; see docs/design.md, "The
+producer's reader never waits for the host").
 
-The bound on a host-pinning producer's host waits counts from when a frame reaches the
-producer's socket; the consumer's quarantine counts from its give-up. Frames an honest
-consumer queued before it gave up, still in its outbox, its kernel or on the link, are
-not "unread" to the producer: its reader catches up between the bursts they arrive in,
-and each catch-up buys the next lookup a fresh ``answer_within`` from a stalled host. A
-fetch queued behind a few large lookups is acted on several waits after the give-up, past
-the quarantine, and its write lands in slots the consumer has reused.
+The producer's reader used to wait for the host's answer to each lookup, bounded from
+when a frame reached its socket; the consumer's quarantine counts from its give-up.
+Frames an honest consumer queued before it gave up, still in its outbox, its kernel or
+on the link, were not "unread" to the producer: its reader caught up between the bursts
+they arrived in, and each catch-up bought the next lookup a fresh ``answer_within`` from
+a stalled host. A fetch queued behind a few large lookups was acted on ~8.5 s after the
+give-up, past the 6 s quarantine, and its write landed in slots the consumer had reused.
+Now lookups wait on the host in tasks of their own and the reader acts on every frame
+as it arrives.
 
 Two real nodes over real loopback TCP, through a FAKE link (a network model: the
 consumer's bytes reach the producer a millisecond per 64 KiB hop; answers come back at
@@ -22,7 +25,6 @@ import os
 import socket
 from typing import Any
 
-import pytest
 import trio
 import trio.testing
 
@@ -73,20 +75,15 @@ async def link(listener: trio.SocketListener, upstream: tuple[str, int]) -> None
             nursery.start_soon(back)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: frames still upstream of the producer are not covered by the "
-    "host-wait bound (docs/design.md); remove this mark with the fix",
-)
 async def test_a_fetch_queued_behind_lookups_is_acted_on_within_the_quarantine(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """The consumer queues four large lookups (other callers'), then a fetch, then one
     more lookup, all at once; the fetch's caller cancels it at 0.5 s. The producer must
     act on the fetch (and its abort) early enough that its write cannot land after the
-    quarantine: by the give-up plus ``quarantine - abort - landing margin``. It acts on
-    it ~8 s after (and its write overwrites every block the consumer's host put in the
-    slots once their quarantine was over)."""
+    quarantine: by the give-up plus ``quarantine - abort - landing margin``. It acted on
+    it ~8.5 s after, and its write overwrote every block the consumer's host put in the
+    slots once their quarantine was over."""
     keys = [os.urandom(32) for _ in range(N_BLOCKS)]
     region = host_region()
     dst_kw: dict[str, Any] = {"max_landing_share": 1.0, "quarantine": QUARANTINE}

@@ -130,42 +130,6 @@ def feed_in_pieces(dec: FrameDecoder, buf: bytes, cuts: list[int]) -> list[Messa
 # --- round trips --------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
-@given(msgs=st.lists(messages, min_size=1, max_size=3), data=st.data())
-def test_holds_frame_says_whether_the_next_call_has_a_message(
-    msgs: list[Message], data: st.DataObject
-) -> None:
-    """``holds_frame`` (the producer's reader asks it before a host wait): True exactly
-    when :meth:`FrameDecoder.next_message` would return a message, whatever the pieces."""
-    buf = b"".join(encode(m) for m in msgs)
-    cuts = split_points(data, len(buf))
-    dec = FrameDecoder()
-    got = 0
-    for lo, hi in itertools.pairwise([0, *cuts, len(buf)]):
-        dec.feed(buf[lo:hi])
-        while True:
-            holds = dec.holds_frame
-            msg = dec.next_message()
-            assert holds == (msg is not None)
-            if msg is None:
-                break
-            got += 1
-    assert got == len(msgs) and not dec.holds_frame
-
-
-@pytest.mark.parametrize("header", [b"\x00\x00\x00\x00", b"\xff\xff\xff\xff"])
-def test_holds_frame_for_a_header_the_decoder_refuses(header: bytes) -> None:
-    """An empty or oversized frame's header is something to act on (an error), not a
-    wait for more bytes."""
-    dec = FrameDecoder()
-    dec.feed(header[:3])
-    assert not dec.holds_frame
-    dec.feed(header[3:])
-    assert dec.holds_frame
-    with pytest.raises(RemoteProtocolError):
-        dec.next_message()
-
-
 def test_strategies_cover_every_message_type() -> None:
     assert set(STRATEGIES) == set(MESSAGE_TYPES)
 

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..transport.base import RemotePeer
     from .consumer import _Pending
     from .protocol import SessionProtocol
+    from .session import Incarnation
 
 
 class SessionParts:
@@ -24,6 +25,7 @@ class SessionParts:
         proto: SessionProtocol
         token: object
         host_waits: int
+        incarnation: Incarnation | None
         close_reason: str | None
         _nursery: trio.Nursery | None
         _wake_lease: trio.Event
@@ -32,7 +34,6 @@ class SessionParts:
         def _rearm_lease_timer(self, deadline: float) -> None: ...
         def _wake_waiter(self, p: _Pending) -> None: ...
         def host_wait_over(self) -> None: ...
-        def host_wait_end(self, bound: float) -> float: ...
         async def _wait_in_lane(self, p: _Pending) -> bool: ...
 
         @property

@@ -34,14 +34,13 @@ import logging
 import zlib
 from collections.abc import Sequence
 from itertools import compress
-from math import inf
 from typing import TYPE_CHECKING, cast
 
 import attrs
 import trio
 
 from ..errors import TransportError
-from ..pins import HostPins
+from ..pins import HostPins, PinSource
 from ..transport.base import DataTransport, TransferHandle, TransferState
 from ..wire import Outcome
 from ._parts import SessionParts
@@ -146,43 +145,25 @@ class ProducerSide(SessionParts):
         posts_refused: int
         _pinned: dict[int, HeldRound]
         _writes: dict[int, WriteScope]
+        _host_asks: dict[int, HostAsk]
+        _host_room: int
         _write_done: dict[int, trio.Event]
 
     async def _answer_lookup(self, ev: LookupRequested, turn: Turn) -> None:
+        """The reader's part of a lookup. Where a pin source answers (the host), the lookup
+        is handed to a task of its own (:meth:`_ask_host`) and the reader reads on: it
+        never waits for the host, so a fetch or an abort behind the lookup is acted on as
+        it arrives, however many lookups wait on the host ahead of it (see docs/design.md,
+        "The producer's reader never waits for the host"). Otherwise the store pins, in
+        slices between which the other sessions run."""
         cfg, store, keys = self.cfg, self.node.store, ev.keys
-        held = self._pinned[ev.req_id] = HeldRound()
-        hits = [False] * len(keys)
         pins = self.node.pin_source
         if pins is not None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
-            # The host pins, on its own thread: one request, bounded by its answer deadline.
-            # This peer's part of the host's bound (another pin source bounds itself).
-            bound = pins.max_blocks if isinstance(pins, HostPins) else None
-            room = max(peer_pin_cap(cfg, bound) - self._pins_counted(), 0)
-            # The reader decodes nothing while the host works: bounded so that no frame
-            # waits past the host's own deadline, however many lookups are queued ahead
-            # of it (a fetch, or its abort: see host_wait_end). Cut short: all misses.
-            end = self.host_wait_end(pins.answer_within) if isinstance(pins, HostPins) else inf
-            got: list[int | None] = []
-            self.host_waits += 1  # a probe meanwhile waits for the wait's end
-            try:
-                if end > trio.current_time():
-                    with trio.move_on_at(end) as cut:
-                        got = await pins.pin(held.owner, keys[:room])
-                    if cut.cancelled_caught:  # an answer that came as it was cut included
-                        self.node.unpin(held.owner)
-            except BaseException:
-                self.node.unpin(held.owner)  # whatever the host pinned for nobody
-                raise
-            finally:
-                self.host_wait_over()
-            if self._pinned.get(ev.req_id) is not held:  # released meanwhile
-                self.node.unpin(held.owner)
-                got = []
-            for j, slot in enumerate(got):
-                if slot is not None:
-                    hits[j] = True
-                    held.add(keys[j], slot)
-        elif self.proto.keys_held() <= cfg.max_keys_held_per_peer:
+            self._ask_host(ev, pins)
+            return
+        held = self._pinned[ev.req_id] = HeldRound()
+        hits = [False] * len(keys)
+        if pins is None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
             # All peers together (a share of 1: no bound; pinned slots count once however
             # many rounds pin them, so below 1 a slot pinned again takes room too).
             share = cfg.max_pinned_share
@@ -232,10 +213,76 @@ class ProducerSide(SessionParts):
                         hits = [False] * len(keys)
                         break
                 # else the answer goes out first: the reader pauses after this event
-        if self.proto.in_state(ev.req_id) is InState.ANSWERING:
+        self._send_answer(ev.req_id, hits)
+
+    def _send_answer(self, req: int, hits: list[bool]) -> None:
+        if self.proto.in_state(req) is InState.ANSWERING:
             now = trio.current_time()
-            self.proto.send_lookup_resp(ev.req_id, hits, now, cfg.lease, checked=True)
-            self._rearm_lease_timer(now + cfg.lease)
+            self.proto.send_lookup_resp(req, hits, now, self.cfg.lease, checked=True)
+            self._rearm_lease_timer(now + self.cfg.lease)
+
+    def _ask_host(self, ev: LookupRequested, pins: PinSource) -> None:
+        """Hand a lookup to the host in a task of its own, under a cancel scope that the
+        peer's abort of the lookup, a restart of the peer or the session's end cancels.
+        Lookups waiting on the host are bounded by the keys they hold: each is an open
+        round counted in ``keys_held`` (``max_keys_held_per_peer``), past which the reader
+        answers misses at once."""
+        assert self._nursery is not None and self.incarnation is not None
+        held = self._pinned[ev.req_id] = HeldRound()
+        # This peer's part of the host's bound (another pin source bounds itself), less
+        # what the lookups already with the host may pin: their pins are counted only
+        # once they are answered.
+        bound = pins.max_blocks if isinstance(pins, HostPins) else None
+        cap = peer_pin_cap(self.cfg, bound)
+        room = max(cap - self._pins_counted() - self._host_room, 0)
+        ask = HostAsk(ev, held, self.incarnation, min(room, len(ev.keys)))
+        self._host_room += ask.room
+        self._host_asks[ev.req_id] = ask
+        self._nursery.start_soon(self._host_answer, ask, pins)
+
+    async def _host_answer(self, ask: HostAsk, pins: PinSource) -> None:
+        """One lookup's wait for the host (at most its ``answer_within``), then its answer:
+        every key the host pinned a hit, and all misses if the wait was cut (the round
+        aborted, the peer restarted) or the round released meanwhile. Only the
+        incarnation that asked is answered: a restarted peer may reuse the id."""
+        ev, held, req = ask.ev, ask.held, ask.ev.req_id
+        keys = ev.keys
+        got: list[int | None] = []
+        self.host_waits += 1  # a probe meanwhile waits for the wait's end
+        try:
+            with ask.scope:
+                got = await pins.pin(held.owner, keys[: ask.room])
+            if ask.scope.cancelled_caught:  # an answer that came as it was cut included
+                self.node.unpin(held.owner)
+                got = []
+        except BaseException:
+            self.node.unpin(held.owner)  # whatever the host pinned for nobody
+            raise
+        finally:
+            # From here to the answer no checkpoint: the room goes back as the answer's
+            # pins are counted (the protocol counts them when the answer is sent).
+            self._host_room -= ask.room
+            self.host_wait_over()
+            if self._host_asks.get(req) is ask:
+                del self._host_asks[req]
+        if self._pinned.get(req) is not held:  # released meanwhile
+            self.node.unpin(held.owner)
+            got = []
+        if self.incarnation is not ask.incarnation:
+            return  # the peer restarted: the round went with its incarnation
+        hits = [False] * len(keys)
+        for j, slot in enumerate(got):
+            if slot is not None:
+                hits[j] = True
+                held.add(keys[j], slot)
+        self._send_answer(req, hits)
+        await self._flush()
+
+    def _cut_host_asks(self) -> None:
+        """Every lookup still waiting on the host is answered no more (a restart)."""
+        for ask in self._host_asks.values():
+            ask.scope.cancel()
+        self._host_asks.clear()
 
     def _pins_counted(self) -> int:
         """The pins counted against this peer's ``max_pinned_blocks``: its open rounds'
@@ -277,6 +324,9 @@ class ProducerSide(SessionParts):
         self._release_round(ev.req_id)
 
     def _on_abort(self, ev: AbortRequested) -> None:
+        ask = self._host_asks.pop(ev.req_id, None)
+        if ask is not None:  # still with the host: its wait ends, unanswered
+            ask.scope.cancel()
         write = self._writes.get(ev.req_id)
         held = self._pinned.get(ev.req_id)
         if write is not None:
@@ -539,6 +589,17 @@ class ProducerSide(SessionParts):
             # into the agent are serialised by the transport itself.
             await node.offload(_release_all, unsettled, limiter=trio.CapacityLimiter(1))
         return quiet
+
+
+@attrs.define(eq=False)
+class HostAsk:
+    """A lookup waiting on the host (:meth:`ProducerSide._ask_host`)."""
+
+    ev: LookupRequested
+    held: HeldRound
+    incarnation: object  # the peer's incarnation that asked
+    room: int  # the most keys the host is asked to pin (the peer's cap, what is left)
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
 
 
 @attrs.define(eq=False)

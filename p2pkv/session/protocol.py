@@ -701,12 +701,6 @@ class SessionProtocol:
         self._decoder.feed(data)
 
     @property
-    def frame_waiting(self) -> bool:
-        """A whole frame fed in, decoded or not, that no event has come of yet (the
-        first bytes of one still on the way are not one)."""
-        return self._unread is not None or self._decoder.holds_frame
-
-    @property
     def unread(self) -> Message | None:
         """The frame a :meth:`next_event` with ``only`` stopped at: decoded, not acted on
         (the next call starts with it)."""

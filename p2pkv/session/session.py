@@ -40,7 +40,6 @@ import functools
 import logging
 import math
 import os
-import select
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +56,6 @@ from ..errors import (
     SessionClosed,
     printable,
 )
-from ..pins import HostPins
 from ..transport.base import RegionLayout, RemotePeer
 from ..wire import AbortAck, Bye, Hello, LookupResp, Pong, TransferDone
 from .consumer import (
@@ -70,7 +68,7 @@ from .consumer import (
     _Pending,
     _Round,
 )
-from .producer import HeldRound, ProducerSide, WriteScope
+from .producer import HeldRound, HostAsk, ProducerSide, WriteScope
 from .protocol import (
     AbortAcknowledged,
     AbortRequested,
@@ -145,11 +143,9 @@ class PeerSession(ProducerSide, ConsumerSide):
         self.handshaken = trio.Event()  # set once, when the first incarnation is ready
         self.finished = trio.Event()
         self._rx = trio.lowlevel.ParkingLot()  # woken on every complete frame received
-        # Lookups whose pins the reader waits for from the host (a pin source): it decodes
-        # nothing meanwhile, so a probe's time runs from the wait's end (see probe).
+        # Lookups waiting on the host (a pin source) for their pins: a probe's time runs
+        # from the last one's end (see probe).
         self.host_waits = 0
-        # The last time the reader had nothing of the peer's unread (host_wait_end).
-        self._caught_up_at = trio.current_time()
         self.close_reason: str | None = None
         self.error: BaseException | None = None
         self.inflight_bytes = 0
@@ -179,6 +175,8 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._claim_index: dict[bytes, _Claim] | None = None  # see ConsumerSide._claimed
         self._limits_cache: tuple[object, RequestLimits] | None = None  # (hello, limits)
         self._pinned: dict[int, HeldRound] = {}  # producer round -> what it holds
+        self._host_asks: dict[int, HostAsk] = {}  # producer round -> its wait on the host
+        self._host_room = 0  # pins the lookups waiting on the host may still take
         self._writes: dict[int, WriteScope] = {}
         self._write_done: dict[int, trio.Event] = {}
         self._last_rx = trio.current_time()
@@ -251,10 +249,11 @@ class PeerSession(ProducerSide, ConsumerSide):
         deadline = trio.current_time() + within
         while self.alive and self.proto.frames_received == before:
             if self.host_waits:
-                # The reader waits for the host's pins (bounded by the pin source): the
-                # answer may be in, undecoded. Without this an impostor could close a
-                # live session whose host took longer than probe_timeout to pin; the
-                # wait's end wakes us (host_wait_over).
+                # A lookup of the peer's waits for the host's pins (bounded by the pin
+                # source): the peer's quiet runs from the wait's end, as when the reader
+                # itself waited and an impostor could otherwise close a live session
+                # whose host took longer than probe_timeout to pin (conservative now:
+                # the reader decodes meanwhile). The wait's end wakes us (host_wait_over).
                 await self._rx.park()
                 deadline = trio.current_time() + within
                 continue
@@ -271,49 +270,6 @@ class PeerSession(ProducerSide, ConsumerSide):
         proto = self.proto
         busy = self._pinned or self._writes or self._claims
         return proto.activity == activity and proto.idle and not busy
-
-    def host_wait_end(self, bound: float) -> float:
-        """When a host wait for a lookup starting now must end (Trio's clock), so that
-        the reader acts on every frame within ``bound`` (the host's own deadline,
-        ``answer_within``) of its arrival: ``bound`` from the last time the reader had
-        nothing unread, found now or at an earlier wait. A wait that starts with more
-        of the peer's bytes waiting (other lookups, a fetch, its abort) gets only what is
-        left of that, and one that finds nothing left does not wait: chained waits of
-        ``bound`` each held a fetch unread for as many, past the consumer's quarantine,
-        and its write landed in slots the consumer had reused (review, 2026-12-07)."""
-        now = trio.current_time()
-        if not self._input_waiting():
-            self._caught_up_at = now
-        return self._caught_up_at + bound
-
-    def _input_waiting(self) -> bool:
-        """Whether the peer sent bytes the reader has not acted on: a whole frame past
-        the one being handled, or bytes in the socket (polled, not read; the end of the
-        stream counts, as does an error). The first bytes of a frame whose rest is still
-        on the way do not count: that frame arrives when its last byte does (a reader
-        that waited for it then was caught up until it woke). A stream of another kind:
-        False (cannot tell)."""
-        if self.proto.frame_waiting:
-            return True
-        stream: object = self.stream
-        if isinstance(stream, trio.SSLStream):
-            # What trio read and holds already, encrypted or not (its own attributes,
-            # read defensively: without them the socket alone decides).
-            ssl_object = getattr(stream, "_ssl_object", None)
-            incoming = getattr(stream, "_incoming", None)
-            if (ssl_object is not None and ssl_object.pending()) or (
-                incoming is not None and incoming.pending
-            ):
-                return True
-            stream = stream.transport_stream
-        if not isinstance(stream, trio.SocketStream):
-            return False
-        try:
-            poller = select.poll()
-            poller.register(stream.socket.fileno(), select.POLLIN)
-            return bool(poller.poll(0))
-        except (OSError, ValueError):  # closed meanwhile: the reader meets the end
-            return True
 
     def host_wait_over(self) -> None:
         """The reader's wait for the host's pins ended (see :meth:`probe`)."""
@@ -722,20 +678,13 @@ class PeerSession(ProducerSide, ConsumerSide):
         data: bytes | bytearray | None = None
         filled = False  # the last receive filled the buffer: bytes are likely left
         proto = self.proto
-        # Where the host pins, its waits are bounded from the last time nothing of the
-        # peer's was unread (host_wait_end): a reader that waited for bytes with nothing
-        # unread was that until they came, i.e. until it woke.
-        host_pins = isinstance(self.node.pin_source, HostPins)
         while True:
-            idle = host_pins and not filled and not self._input_waiting()
             try:
                 # A receive that filled the buffer left bytes behind: read again at once.
                 data = await self._receive(wait_first=not filled)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self._connection_lost(exc)
                 return
-            if idle:
-                self._caught_up_at = trio.current_time()
             filled = False
             if data is None:  # woken without bytes of our own to read
                 if not self._lane_left:
@@ -1061,6 +1010,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self.incarnation = inc
         if old is not None:
             old.scope.cancel()  # its registration wait and deadline end; teardown follows
+            self._cut_host_asks()  # its lookups still with the host are answered no more
             self._retiring.append(old)
         self._nursery.start_soon(self._incarnate, inc, old, ev)
 
