@@ -142,17 +142,18 @@ class HostPins:
 
         req = PinRequest(owner, list(keys), time.monotonic() + self.answer_within, wake)
         with self._lock:
-            # Requests the engine gave up on leave from the front (all wait as long, so
-            # they are the oldest): a stalled host holds at most answer_within's worth.
-            inbox = self._inbox
-            while inbox and inbox[0]._state is _State.ABANDONED:
-                inbox.popleft()
-            inbox.append(req)
+            self._inbox.append(req)  # it leaves when taken, or when we stop waiting
         try:
             with trio.move_on_after(self.answer_within):
                 await answered.wait()
         finally:
             with self._lock:
+                if req._state is _State.PENDING:
+                    # Never taken: out of the inbox now, keys and all, so a stalled host
+                    # holds only the requests the engine still waits for. (Abandoned ones
+                    # used to leave from the front only: a peer that looked up and
+                    # aborted piled them up behind one lookup that waited.)
+                    self._inbox.remove(req)
                 if req._state is not _State.ANSWERED:
                     req._state = _State.ABANDONED
                 if self.max_blocks is not None:  # from the keys asked to what is held

@@ -212,12 +212,13 @@ async def test_a_stalled_host_holds_only_the_requests_the_engine_still_waits_for
 ) -> None:
     """A host that stops taking requests (stuck in a long step): every peer lookup the
     engine gave up on stayed in the inbox, keys and all (up to 8 MiB each), until the host
-    came back. Abandoned requests now leave as new ones come."""
+    came back. Abandoned requests then left as new ones came; now each leaves as it is
+    abandoned."""
     pins = HostPins(8, answer_within=1.0)
     with trio.fail_after(VIRTUAL_BOUND):
         for i in range(100):
             assert await pins.pin(f"round-{i}", [bytes([i]) * 32]) == [None]
-    assert len(pins._inbox) == 1  # only the latest, abandoned after it was queued
+    assert len(pins._inbox) == 0
     assert pins.take() == []
 
 
@@ -1154,6 +1155,68 @@ async def test_lookups_waiting_on_the_host_together_never_pin_past_the_peers_cap
                 hits[ev.req_id] = ev.hits
             assert sum(sum(h) for h in hits.values()) == 8
             assert hits[reqs[0]] == [True] * 8
+
+
+@pytest.mark.parametrize("same_write", [True, False])
+async def test_an_aborted_host_ask_gives_its_pin_room_back_at_once(
+    autojump_clock: trio.testing.MockClock, same_write: bool
+) -> None:
+    """A lookup with the host holds the whole cap of 8 pins; the peer aborts it, and its
+    next lookup comes in the same write as the abort (another caller's), or after the
+    abort's ack. Either way the host is asked for all 8 keys of the second: the first's
+    room went back with the abort, not when its cut task next ran, after the reader had
+    acted on the second in the same turn and asked the host for none of it (found by a
+    review of the change, 2026-12-07)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
+            first = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            await raw.flush()
+            await taken_by_host(pins)
+            raw.proto.send_abort(first)
+            if not same_write:
+                await raw.flush()
+                ev = await raw.next_event()
+                assert isinstance(ev, AbortAcknowledged), ev
+            raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            await raw.flush()
+            [second] = await taken_by_host(pins)
+            assert len(second.keys) == 8
+            [session] = src._sessions
+            assert session._host_room == 8  # the second's, and no more
+
+
+async def test_lookups_aborted_while_with_a_stalled_host_leave_nothing_in_its_inbox(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lying peer leaves one lookup waiting on a stalled host (it takes nothing), then
+    sends forty lookups of 64 keys, each aborted once the host has been asked. Each
+    abort is acked at once and its round leaves the peer's ``max_keys_held_per_peer``
+    (65 here); its request leaves the host's inbox too. Abandoned requests used to leave
+    the inbox only from its front, where the waiting one sat: the peer piled 2,561 keys
+    there against its bound of 65 (found by a review of the change, 2026-12-07)."""
+    keys = 64
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(
+            answer_within=5.0, max_keys_held_per_peer=keys + 1, max_keys_per_request=keys
+        ) as (src, pins, raw):
+            raw.proto.send_lookup([os.urandom(32)])  # waits on the stalled host
+            await raw.flush()
+            start = trio.current_time()
+            for _ in range(40):
+                req = raw.proto.send_lookup([os.urandom(32) for _ in range(keys)])
+                await raw.flush()
+                while len(pins._inbox) < 2:  # the host is asked (it takes nothing)
+                    await trio.sleep(0.001)
+                raw.proto.send_abort(req)
+                await raw.flush()
+                ev = await raw.next_event()
+                assert isinstance(ev, AbortAcknowledged) and ev.req_id == req, ev
+            await trio.testing.wait_all_tasks_blocked()
+            assert trio.current_time() - start < 5.0  # within the first one's wait
+            assert src.statistics().peers == 1
+            inbox = list(pins._inbox)
+            assert sum(len(r.keys) for r in inbox) <= keys + 1, len(inbox)
+            assert not any(r.abandoned for r in inbox)
 
 
 async def test_a_lookup_whose_frame_came_in_two_pieces_is_not_cut_short(

@@ -260,8 +260,10 @@ class ProducerSide(SessionParts):
             raise
         finally:
             # From here to the answer no checkpoint: the room goes back as the answer's
-            # pins are counted (the protocol counts them when the answer is sent).
+            # pins are counted (the protocol counts them when the answer is sent). Once:
+            # a cut gave it back already (_end_ask).
             self._host_room -= ask.room
+            ask.room = 0
             self.host_wait_over()
             if self._host_asks.get(req) is ask:
                 del self._host_asks[req]
@@ -281,8 +283,16 @@ class ProducerSide(SessionParts):
     def _cut_host_asks(self) -> None:
         """Every lookup still waiting on the host is answered no more (a restart)."""
         for ask in self._host_asks.values():
-            ask.scope.cancel()
+            self._end_ask(ask)
         self._host_asks.clear()
+
+    def _end_ask(self, ask: HostAsk) -> None:
+        """Cut a lookup's wait on the host. Its room goes back now, not when its task next
+        runs: a lookup the reader acts on in the same turn may take it (its pins, if the
+        host answered meanwhile, are released with the round)."""
+        ask.scope.cancel()
+        self._host_room -= ask.room
+        ask.room = 0
 
     def _pins_counted(self) -> int:
         """The pins counted against this peer's ``max_pinned_blocks``: its open rounds'
@@ -326,7 +336,7 @@ class ProducerSide(SessionParts):
     def _on_abort(self, ev: AbortRequested) -> None:
         ask = self._host_asks.pop(ev.req_id, None)
         if ask is not None:  # still with the host: its wait ends, unanswered
-            ask.scope.cancel()
+            self._end_ask(ask)
         write = self._writes.get(ev.req_id)
         held = self._pinned.get(ev.req_id)
         if write is not None:
