@@ -346,10 +346,11 @@ def test_a_bad_configuration_is_refused_naming_the_key(
 
 def test_the_default_quarantine_outlasts_an_abort_a_busy_source_acts_on_late() -> None:
     """A source whose reader waits for its engine's answer to a lookup (the host pins, up
-    to serve_timeout_s) acts on an abort that much late, then may take abort_timeout_s to
-    cut the write and landing_margin_s more for the bytes to stop: the consumer's
-    quarantine must outlast all three. The default (5) covered only the last two, so a
-    cut write could land in a chunk vLLM had reused (found by a review, 2026-12-05)."""
+    to serve_timeout_s; p2pkv before 2026-12-07, so still possible in a fleet being
+    upgraded) acts on an abort that much late, then may take abort_timeout_s to cut the
+    write and landing_margin_s more for the bytes to stop: the consumer's quarantine must
+    outlast all three. The default (5) covered only the last two, so a cut write could
+    land in a chunk vLLM had reused (found by a review, 2026-12-05)."""
     s = vllm_tier.TierSettings.from_kwargs({})
     assert s.quarantine_s > s.abort_timeout_s + s.landing_margin_s + s.serve_timeout_s
     with pytest.raises(ValueError, match="serve_timeout_s"):

@@ -266,18 +266,20 @@ class TierSettings:
         if unknown:
             raise ValueError(f"p2pkv tier: unknown configuration keys {unknown}")
         settings = cls(**out)
-        # A consumer's slots stay quarantined until no write of a fetch it gave up can land:
-        # the source acts on the abort only once its reader is free, and a reader waiting
-        # for this engine's answer to a lookup (the host pins, serve_timeout_s) is not, so
-        # the source's abort deadline may start that much late (equal settings assumed, as
-        # a fleet's are). NodeConfig checks the rest (quarantine > abort + margin).
+        # A consumer's slots stay quarantined until no write of a fetch it gave up can land.
+        # A source's reader used to wait for this engine's answer to a lookup (the host
+        # pins, serve_timeout_s) and acted on an abort that much late. Since 2026-12-07 its
+        # lookups wait on the host in tasks of their own and the reader acts on aborts as
+        # they come; the rule stays, as margin and for sources of a fleet not yet upgraded
+        # (equal settings assumed, as a fleet's are). NodeConfig checks the rest
+        # (quarantine > abort + margin).
         s = settings
         if not s.quarantine_s > s.abort_timeout_s + s.landing_margin_s + s.serve_timeout_s:
             raise ValueError(
                 f"p2pkv tier: quarantine_s ({s.quarantine_s:g}) must exceed abort_timeout_s "
                 f"({s.abort_timeout_s:g}) + landing_margin_s ({s.landing_margin_s:g}) + "
-                f"serve_timeout_s ({s.serve_timeout_s:g}): a source busy answering a lookup "
-                "acts on an abort up to serve_timeout_s late"
+                f"serve_timeout_s ({s.serve_timeout_s:g}): a source of an earlier p2pkv, busy "
+                "answering a lookup, acts on an abort up to serve_timeout_s late"
             )
         return settings
 
