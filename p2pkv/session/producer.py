@@ -278,7 +278,10 @@ class ProducerSide(SessionParts):
                 hits[j] = True
                 held.add(keys[j], slot)
         self._send_answer(req, hits)
-        await self._flush()
+        # Never waits for the socket: a task held here past the outbox's cap would keep
+        # its lookup's keys alive (up to max_open_requests of them, for a peer that reads
+        # nothing). The answer is a bitmap, and the reader's own flush is the backpressure.
+        await self._flush(background=True)
 
     def _cut_host_asks(self) -> None:
         """Every lookup still waiting on the host is answered no more (a restart)."""
