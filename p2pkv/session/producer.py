@@ -158,12 +158,13 @@ class ProducerSide(SessionParts):
         slices between which the other sessions run."""
         cfg, store, keys = self.cfg, self.node.store, ev.keys
         pins = self.node.pin_source
-        if pins is not None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
+        within = self.proto.keys_held() <= cfg.max_keys_held_per_peer  # else: all misses
+        if pins is not None and within:
             self._ask_host(ev, pins)
             return
         held = self._pinned[ev.req_id] = HeldRound()
         hits = [False] * len(keys)
-        if pins is None and self.proto.keys_held() <= cfg.max_keys_held_per_peer:
+        if pins is None and within:
             # All peers together (a share of 1: no bound; pinned slots count once however
             # many rounds pin them, so below 1 a slot pinned again takes room too).
             share = cfg.max_pinned_share
