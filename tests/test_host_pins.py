@@ -13,7 +13,7 @@ import math
 import os
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from typing import Any
 
 import numpy as np
@@ -905,17 +905,24 @@ async def task_hosted_source(
     pins = HostPins(N_BLOCKS, answer_within=answer_within)
     host = TaskHost(pins, blocks)
     async with (
-        open_node(
-            config("src", num_blocks=N_BLOCKS, **(src_kw or {})),
-            region=host_region() if region is None else region,
-            pin_source=pins,
-            offload=VirtualOffload(),
-        ) as src,
+        host_pinned_node(pins, region, **(src_kw or {})) as src,
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(host.run)
         yield src, host
         nursery.cancel_scope.cancel()
+
+
+def host_pinned_node(
+    pins: HostPins, region: np.ndarray | None = None, **src_kw: Any
+) -> AbstractAsyncContextManager[Node]:
+    """The producer "src" whose pins come from ``pins``; for the autojump clock."""
+    return open_node(
+        config("src", num_blocks=N_BLOCKS, **src_kw),
+        region=host_region() if region is None else region,
+        pin_source=pins,
+        offload=VirtualOffload(),
+    )
 
 
 @asynccontextmanager
@@ -1053,12 +1060,7 @@ async def raw_peer_at_a_held_host(
     """A producer whose host is the test (it takes and answers requests by hand), and a
     hand-driven peer handshaken with it."""
     pins = HostPins(N_BLOCKS, answer_within=answer_within)
-    async with open_node(
-        config("src", num_blocks=N_BLOCKS, **src_kw),
-        region=host_region(),
-        pin_source=pins,
-        offload=VirtualOffload(),
-    ) as src:
+    async with host_pinned_node(pins, **src_kw) as src:
         raw = RawPeer()
         await raw.connect(src.address)
         await raw.handshake()
