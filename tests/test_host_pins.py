@@ -1148,7 +1148,8 @@ async def test_lookups_waiting_on_the_host_together_never_pin_past_the_peers_cap
             reqs = [raw.proto.send_lookup([os.urandom(32) for _ in range(8)]) for _ in range(4)]
             await raw.flush()
             taken = await taken_by_host(pins)
-            assert [len(r.keys) for r in taken] == [8]  # the rest: no room, all misses
+            # The rest wait for its answer, which leaves them no room: all misses.
+            assert [len(r.keys) for r in taken] == [8]
             pins.answer(taken[0], list(range(8)), "tok")
             hits: dict[int, list[bool]] = {}
             while len(hits) < len(reqs):
@@ -1157,6 +1158,72 @@ async def test_lookups_waiting_on_the_host_together_never_pin_past_the_peers_cap
                 hits[ev.req_id] = ev.hits
             assert sum(sum(h) for h in hits.values()) == 8
             assert hits[reqs[0]] == [True] * 8
+
+
+async def test_a_lookup_behind_one_the_host_misses_gets_the_room_that_answer_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two lookups of 8 keys arrive together against a cap of 8. The second waits for the
+    first's answer before the host is asked for it: the host holds none of the first's
+    keys, so the second is asked for all 8, and all hit. Until 2026-12-07 (found by the
+    vLLM tier's model test) the second was asked at once for what the first's keys left
+    of the cap, none: a peer's lookups arriving together missed keys that, one after
+    another, all hit."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
+            first = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            second = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            await raw.flush()
+            [asked] = await taken_by_host(pins)
+            assert len(asked.keys) == 8
+            pins.answer(asked, [None] * 8, None)
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.req_id == first, ev
+            assert ev.hits == [False] * 8
+            [asked] = await taken_by_host(pins)
+            assert len(asked.keys) == 8
+            pins.answer(asked, list(range(8)), "tok")
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.req_id == second, ev
+            assert ev.hits == [True] * 8
+            [session] = src._sessions
+            assert (session._host_room, session._host_queued) == (0, 0)
+
+
+async def test_lookups_take_the_pin_room_in_the_order_they_came_and_an_abort_skips_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Against a cap of 8, lookups of 6, 4 and 1 keys arrive together. The first is
+    asked at once; the second does not fit what its keys leave, so it waits for the
+    first's answer, and the third, which would fit, waits behind it (the room goes in the
+    order the lookups came). The peer aborts the second while it waits: the abort is
+    acked at once, and once the host pins all 6 of the first, the third is asked for its
+    one key, of the 2 left."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
+            first, second, third = (
+                raw.proto.send_lookup([os.urandom(32) for _ in range(n)]) for n in (6, 4, 1)
+            )
+            await raw.flush()
+            [asked] = await taken_by_host(pins)
+            assert len(asked.keys) == 6
+            await trio.testing.wait_all_tasks_blocked()
+            assert pins.take() == []  # the others wait for its answer
+            raw.proto.send_abort(second)
+            await raw.flush()
+            ev = await raw.next_event()
+            assert isinstance(ev, AbortAcknowledged) and ev.req_id == second, ev
+            pins.answer(asked, list(range(6)), "first")
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.req_id == first, ev
+            [asked] = await taken_by_host(pins)
+            assert len(asked.keys) == 1
+            pins.answer(asked, [7], "third")
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.req_id == third, ev
+            assert ev.hits == [True]
+            [session] = src._sessions
+            assert (session._host_room, session._host_queued) == (0, 0)
 
 
 @pytest.mark.parametrize("same_write", [True, False])

@@ -147,6 +147,7 @@ class ProducerSide(SessionParts):
         _writes: dict[int, WriteScope]
         _host_asks: dict[int, HostAsk]
         _host_room: int
+        _host_queued: int
         _write_done: dict[int, trio.Event]
 
     async def _answer_lookup(self, ev: LookupRequested, turn: Turn) -> None:
@@ -227,19 +228,43 @@ class ProducerSide(SessionParts):
         peer's abort of the lookup, a restart of the peer or the session's end cancels.
         Lookups waiting on the host are bounded by the keys they hold: each is an open
         round counted in ``keys_held`` (``max_keys_held_per_peer``), past which the reader
-        answers misses at once."""
+        answers misses at once.
+
+        Lookups with the host side by side may together pin no more than what is left of
+        the peer's cap, so each takes its keys' worth of room (``_host_room``) until the
+        host answers. One whose keys that room cannot hold whole, while others are with
+        the host, waits in its task for every lookup before it to be answered and then
+        takes what they left: most keys miss, so most of their room comes back. (Asked at
+        once, it was cut to what the others' keys left: a peer's lookups arriving
+        together then missed keys that, one after another, would all have hit.) Once one
+        waits, those after it wait too: the room goes in the order the lookups came."""
         assert self._nursery is not None and self.incarnation is not None
         held = self._pinned[ev.req_id] = HeldRound()
-        # This peer's part of the host's bound (another pin source bounds itself), less
-        # what the lookups already with the host may pin: their pins are counted only
-        # once they are answered.
-        bound = pins.max_blocks if isinstance(pins, HostPins) else None
-        cap = peer_pin_cap(self.cfg, bound)
-        room = max(cap - self._pins_counted() - self._host_room, 0)
-        ask = HostAsk(ev, held, self.incarnation, min(room, len(ev.keys)))
-        self._host_room += ask.room
+        ask = HostAsk(ev, held, self.incarnation, 0)
+        room = self._host_room_left(pins)
+        if self._host_asks and (self._host_queued or room < len(ev.keys)):
+            ask.ahead = list(self._host_asks.values())
+            ask.queued = True
+            self._host_queued += 1
+        else:
+            ask.room = min(room, len(ev.keys))
+            self._host_room += ask.room
         self._host_asks[ev.req_id] = ask
         self._nursery.start_soon(self._host_answer, ask, pins)
+
+    def _host_room_left(self, pins: PinSource) -> int:
+        """What is left of this peer's part of the host's bound (another pin source bounds
+        itself) for a lookup to ask the host for: less its answered rounds' pins and
+        those left in quarantine, and less the room of the lookups with the host now,
+        whose pins are counted only once they are answered."""
+        bound = pins.max_blocks if isinstance(pins, HostPins) else None
+        cap = peer_pin_cap(self.cfg, bound)
+        return max(cap - self._pins_counted() - self._host_room, 0)
+
+    def _unqueue(self, ask: HostAsk) -> None:
+        if ask.queued:
+            ask.queued = False
+            self._host_queued -= 1
 
     async def _host_answer(self, ask: HostAsk, pins: PinSource) -> None:
         """One lookup's wait for the host (at most its ``answer_within``), then its answer:
@@ -252,6 +277,15 @@ class ProducerSide(SessionParts):
         self.host_waits += 1  # a probe meanwhile waits for the wait's end
         try:
             with ask.scope:
+                if ask.queued:  # behind lookups that left too little room: their answers
+                    for before in ask.ahead:
+                        await before.done.wait()
+                    ask.ahead = []
+                    # Reckoned and taken with no checkpoint between: no other lookup's
+                    # reckoning comes between.
+                    self._unqueue(ask)
+                    ask.room = min(self._host_room_left(pins), len(keys))
+                    self._host_room += ask.room
                 got = await pins.pin(held.owner, keys[: ask.room])
             if ask.scope.cancelled_caught:  # an answer that came as it was cut included
                 self.node.unpin(held.owner)
@@ -265,9 +299,13 @@ class ProducerSide(SessionParts):
             # a cut gave it back already (_end_ask).
             self._host_room -= ask.room
             ask.room = 0
+            self._unqueue(ask)
             self.host_wait_over()
             if self._host_asks.get(req) is ask:
                 del self._host_asks[req]
+            # Those waiting behind it run at their next turn, after its answer is sent
+            # below (no checkpoint before it): its pins are counted by then.
+            ask.done.set()
         if self._pinned.get(req) is not held:  # released meanwhile
             self.node.unpin(held.owner)
             got = []
@@ -297,6 +335,7 @@ class ProducerSide(SessionParts):
         ask.scope.cancel()
         self._host_room -= ask.room
         ask.room = 0
+        self._unqueue(ask)
 
     def _pins_counted(self) -> int:
         """The pins counted against this peer's ``max_pinned_blocks``: its open rounds'
@@ -614,6 +653,9 @@ class HostAsk:
     incarnation: object  # the peer's incarnation that asked
     room: int  # the most keys the host is asked to pin (the peer's cap, what is left)
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    queued: bool = False  # waits for the lookups ahead before it takes its room
+    ahead: list[HostAsk] = attrs.Factory(list)  # those lookups
+    done: trio.Event = attrs.Factory(trio.Event)  # answered or cut: its room is settled
 
 
 @attrs.define(eq=False)

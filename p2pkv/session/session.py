@@ -177,6 +177,7 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._pinned: dict[int, HeldRound] = {}  # producer round -> what it holds
         self._host_asks: dict[int, HostAsk] = {}  # producer round -> its wait on the host
         self._host_room = 0  # pins the lookups waiting on the host may still take
+        self._host_queued = 0  # lookups waiting for those before them (see _ask_host)
         self._writes: dict[int, WriteScope] = {}
         self._write_done: dict[int, trio.Event] = {}
         self._last_rx = trio.current_time()
