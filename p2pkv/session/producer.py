@@ -243,7 +243,6 @@ class ProducerSide(SessionParts):
         ask = HostAsk(ev, held, self.incarnation, 0)
         room = self._host_room_left(pins)
         if self._host_asks and (self._host_queued or room < len(ev.keys)):
-            ask.ahead = list(self._host_asks.values())
             ask.queued = True
             self._host_queued += 1
         else:
@@ -278,9 +277,11 @@ class ProducerSide(SessionParts):
         try:
             with ask.scope:
                 if ask.queued:  # behind lookups that left too little room: their answers
-                    for before in ask.ahead:
-                        await before.done.wait()
-                    ask.ahead = []
+                    # Until it is the oldest lookup with the host (_host_asks keeps the
+                    # order they came in; a cut one leaves it at once, and this one, if
+                    # cut, is cancelled at the wait).
+                    while (first := next(iter(self._host_asks.values()))) is not ask:
+                        await first.done.wait()
                     # Reckoned and taken with no checkpoint between: no other lookup's
                     # reckoning comes between.
                     self._unqueue(ask)
@@ -653,8 +654,7 @@ class HostAsk:
     incarnation: object  # the peer's incarnation that asked
     room: int  # the most keys the host is asked to pin (the peer's cap, what is left)
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    queued: bool = False  # waits for the lookups ahead before it takes its room
-    ahead: list[HostAsk] = attrs.Factory(list)  # those lookups
+    queued: bool = False  # waits for the lookups before it, then takes its room
     done: trio.Event = attrs.Factory(trio.Event)  # answered or cut: its room is settled
 
 
