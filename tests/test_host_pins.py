@@ -1226,6 +1226,101 @@ async def test_lookups_take_the_pin_room_in_the_order_they_came_and_an_abort_ski
             assert (session._host_room, session._host_queued) == (0, 0)
 
 
+async def test_a_queued_lookup_is_asked_for_what_the_pins_before_it_left_of_the_cap(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Against a cap of 8, a lookup of 6 keys and one of 8. The host pins all 6 of the
+    first; the second, which waited for that answer, is asked for the 2 keys left of the
+    cap, not for all 8 (a queued lookup reckons its room once the pins before it are
+    counted)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (_, pins, raw):
+            first = raw.proto.send_lookup([os.urandom(32) for _ in range(6)])
+            second = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            await raw.flush()
+            [asked] = await taken_by_host(pins)
+            pins.answer(asked, list(range(6)), "first")
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.req_id == first, ev
+            [asked] = await taken_by_host(pins)
+            assert len(asked.keys) == 2
+            pins.answer(asked, [6, 7], "second")
+            ev = await raw.next_event()
+            assert isinstance(ev, LookupAnswered) and ev.req_id == second, ev
+            assert ev.hits == [True] * 2 + [False] * 6
+
+
+async def test_lookups_queued_behind_a_stalled_host_are_answered_within_one_host_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Four lookups of 8 keys against a cap of 8, and a host that never answers
+    (``answer_within`` 5 s): the first is with the host, the others queue behind it. All
+    four are answered, all misses, within 5 s of their arrival, and the session has no
+    host wait left (a probe of the peer waits for those). A review of the queue's first
+    version (2026-12-07) measured 5, 10, 15 and 20 s: each queued lookup waited the
+    whole of the host waits before it."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(answer_within=5.0, max_pinned_blocks=8) as (
+            src,
+            _,
+            raw,
+        ):
+            start = trio.current_time()
+            for _ in range(4):
+                raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            await raw.flush()
+            at: list[float] = []
+            while len(at) < 4:
+                ev = await raw.next_event()
+                assert isinstance(ev, LookupAnswered) and ev.hits == [False] * 8, ev
+                at.append(trio.current_time() - start)
+            assert max(at) < 5.0 + 0.5, at
+            [session] = src._sessions
+            await trio.testing.wait_all_tasks_blocked()
+            assert (session.host_waits, session._host_queued, session._host_room) == (0, 0, 0)
+
+
+async def test_aborts_of_a_queued_lookup_and_the_one_it_waits_for_leave_the_session_serving(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A lookup with the host and one queued behind it, both aborted, a few scheduler
+    turns apart, thirty-two times over on one session. Where the first one's end woke the
+    queued one's task before the reader cut it, the cut's cancel was not delivered at its
+    wait: the task read the asks with the host, now none, and raised StopIteration, and
+    the session crashed with everything in flight (found by a review, 2026-12-07; about
+    one try in seven). Each time, both aborts are acked and nothing is left queued."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
+            [session] = src._sessions
+            for turns in list(range(8)) * 4:
+                first = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+                second = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+                await raw.flush()
+                await taken_by_host(pins)
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._host_queued == 1
+                raw.proto.send_abort(first)
+                await raw.flush()
+                for _ in range(turns):
+                    await trio.lowlevel.checkpoint()
+                raw.proto.send_abort(second)
+                await raw.flush()
+                acked: set[int] = set()
+                while len(acked) < 2:
+                    ev = await raw.next_event()
+                    assert isinstance(ev, AbortAcknowledged), ev
+                    acked.add(ev.req_id)
+                assert acked == {first, second}
+                await trio.testing.wait_all_tasks_blocked()
+                assert session.alive, (session.close_reason, session.error)
+                assert (session._host_room, session._host_queued, session._host_asks) == (
+                    0,
+                    0,
+                    {},
+                )
+            assert src.statistics().peers == 1
+
+
 @pytest.mark.parametrize("same_write", [True, False])
 async def test_an_aborted_host_ask_gives_its_pin_room_back_at_once(
     autojump_clock: trio.testing.MockClock, same_write: bool

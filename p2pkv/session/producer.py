@@ -245,6 +245,12 @@ class ProducerSide(SessionParts):
         if self._host_asks and (self._host_queued or room < len(ev.keys)):
             ask.queued = True
             self._host_queued += 1
+            if isinstance(pins, HostPins):
+                # Queue and host together within one answer_within of its arrival, as
+                # any lookup: past it, all misses. (Else, behind a stalled host, the
+                # n-th queued lookup waited n of them, and so did a probe of the peer:
+                # a reconnect's admission, up to max_open_requests times 2 s.)
+                ask.scope.deadline = trio.current_time() + pins.answer_within
         else:
             ask.room = min(room, len(ev.keys))
             self._host_room += ask.room
@@ -266,7 +272,9 @@ class ProducerSide(SessionParts):
             self._host_queued -= 1
 
     async def _host_answer(self, ask: HostAsk, pins: PinSource) -> None:
-        """One lookup's wait for the host (at most its ``answer_within``), then its answer:
+        """One lookup's wait for the host (at most its ``answer_within``; a queued lookup's
+        for the lookups before it too, within one ``answer_within`` of its arrival, see
+        :meth:`_ask_host`), then its answer:
         every key the host pinned a hit, and all misses if the wait was cut (the round
         aborted, the peer restarted) or the round released meanwhile. Only the
         incarnation that asked is answered: a restarted peer may reuse the id."""
@@ -280,7 +288,12 @@ class ProducerSide(SessionParts):
                     # Until it is the oldest lookup with the host (_host_asks keeps the
                     # order they came in; a cut one leaves it at once, and this one, if
                     # cut, is cancelled at the wait).
-                    while (first := next(iter(self._host_asks.values()))) is not ask:
+                    while True:
+                        # A cut that came after the wait ahead woke this task (its
+                        # cancel is not delivered there) has taken it out of _host_asks.
+                        await trio.lowlevel.checkpoint_if_cancelled()
+                        if (first := next(iter(self._host_asks.values()))) is ask:
+                            break
                         await first.done.wait()
                     # Reckoned and taken with no checkpoint between: no other lookup's
                     # reckoning comes between.
