@@ -1187,18 +1187,18 @@ async def test_a_lookup_behind_one_the_host_misses_gets_the_room_that_answer_lef
             assert isinstance(ev, LookupAnswered) and ev.req_id == second, ev
             assert ev.hits == [True] * 8
             [session] = src._sessions
-            assert (session._host_room, session._host_queued) == (0, 0)
+            assert (session._host_room, len(session._host_queue)) == (0, 0)
 
 
 async def test_lookups_take_the_pin_room_in_the_order_they_came_and_an_abort_skips_one(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Against a cap of 8, lookups of 6, 4 and 1 keys arrive together. The first is
-    asked at once; the second does not fit what its keys leave, so it waits for the
-    first's answer, and the third, which would fit, waits behind it (the room goes in the
-    order the lookups came). The peer aborts the second while it waits: the abort is
-    acked at once, and once the host pins all 6 of the first, the third is asked for its
-    one key, of the 2 left."""
+    asked at once; the second does not fit what its keys leave, so it queues, and the
+    third, which would fit, queues behind it (the room goes in the order the lookups
+    came). The peer aborts the second while it queues: the abort is acked at once, and
+    the third, now at the queue's head, fits the 2 the first left: it is asked for its
+    one key at once, before the first's answer."""
     with trio.fail_after(VIRTUAL_BOUND):
         async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
             first, second, third = (
@@ -1213,17 +1213,17 @@ async def test_lookups_take_the_pin_room_in_the_order_they_came_and_an_abort_ski
             await raw.flush()
             ev = await raw.next_event()
             assert isinstance(ev, AbortAcknowledged) and ev.req_id == second, ev
+            [asked_third] = await taken_by_host(pins)
+            assert len(asked_third.keys) == 1
             pins.answer(asked, list(range(6)), "first")
             ev = await raw.next_event()
             assert isinstance(ev, LookupAnswered) and ev.req_id == first, ev
-            [asked] = await taken_by_host(pins)
-            assert len(asked.keys) == 1
-            pins.answer(asked, [7], "third")
+            pins.answer(asked_third, [7], "third")
             ev = await raw.next_event()
             assert isinstance(ev, LookupAnswered) and ev.req_id == third, ev
             assert ev.hits == [True]
             [session] = src._sessions
-            assert (session._host_room, session._host_queued) == (0, 0)
+            assert (session._host_room, len(session._host_queue)) == (0, 0)
 
 
 async def test_a_queued_lookup_is_asked_for_what_the_pins_before_it_left_of_the_cap(
@@ -1254,11 +1254,12 @@ async def test_lookups_queued_behind_a_stalled_host_are_answered_within_one_host
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Four lookups of 8 keys against a cap of 8, and a host that never answers
-    (``answer_within`` 5 s): the first is with the host, the others queue behind it. All
-    four are answered, all misses, within 5 s of their arrival, and the session has no
-    host wait left (a probe of the peer waits for those). A review of the queue's first
-    version (2026-12-07) measured 5, 10, 15 and 20 s: each queued lookup waited the
-    whole of the host waits before it."""
+    (``answer_within`` 5 s): the first is with the host, the others queue behind it, and
+    their time in the queue (5 s from arrival) runs out as the first one's host wait
+    does. All four are answered, all misses, at 5 s, and the session has no host wait
+    left (a probe of the peer waits for those). A review of the queue's first version
+    (2026-12-07) measured 5, 10, 15 and 20 s: each queued lookup waited the whole of the
+    host waits before it."""
     with trio.fail_after(VIRTUAL_BOUND):
         async with raw_peer_at_a_held_host(answer_within=5.0, max_pinned_blocks=8) as (
             src,
@@ -1277,7 +1278,7 @@ async def test_lookups_queued_behind_a_stalled_host_are_answered_within_one_host
             assert max(at) < 5.0 + 0.5, at
             [session] = src._sessions
             await trio.testing.wait_all_tasks_blocked()
-            assert (session.host_waits, session._host_queued, session._host_room) == (0, 0, 0)
+            assert (session.host_waits, len(session._host_queue), session._host_room) == (0, 0, 0)
 
 
 async def test_aborts_of_a_queued_lookup_and_the_one_it_waits_for_leave_the_session_serving(
@@ -1298,7 +1299,7 @@ async def test_aborts_of_a_queued_lookup_and_the_one_it_waits_for_leave_the_sess
                 await raw.flush()
                 await taken_by_host(pins)
                 await trio.testing.wait_all_tasks_blocked()
-                assert session._host_queued == 1
+                assert len(session._host_queue) == 1
                 raw.proto.send_abort(first)
                 await raw.flush()
                 for _ in range(turns):
@@ -1313,12 +1314,125 @@ async def test_aborts_of_a_queued_lookup_and_the_one_it_waits_for_leave_the_sess
                 assert acked == {first, second}
                 await trio.testing.wait_all_tasks_blocked()
                 assert session.alive, (session.close_reason, session.error)
-                assert (session._host_room, session._host_queued, session._host_asks) == (
+                assert (session._host_room, len(session._host_queue), session._host_asks) == (
                     0,
                     0,
                     {},
                 )
             assert src.statistics().peers == 1
+
+
+async def next_answer(raw: RawPeer) -> LookupAnswered:
+    ev = await raw.next_event()
+    assert isinstance(ev, LookupAnswered), ev
+    return ev
+
+
+async def test_a_queued_lookup_goes_once_the_room_holds_it_and_the_queue_keeps_its_order(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Against a cap of 8, lookups of 4, 4, 8 and 1 keys. The first two are with the
+    host; the third queues (4 left), and the fourth, which would fit, queues behind it.
+    The first one's misses leave 4, still short of 8; the second's leave 8: the third is
+    asked for all 8, and the fourth only once that answer is in (found untested by a
+    review, 2026-12-07)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
+            keys = [[os.urandom(32) for _ in range(n)] for n in (4, 4, 8, 1)]
+            reqs = [raw.proto.send_lookup(k) for k in keys]
+            await raw.flush()
+            [session] = src._sessions
+            await trio.testing.wait_all_tasks_blocked()
+            taken = pins.take()  # the two ask tasks may start in either order
+            assert sorted(r.keys for r in taken) == sorted(keys[:2])
+            assert len(session._host_queue) == 2
+            first = next(r for r in taken if r.keys == keys[0])
+            second = next(r for r in taken if r.keys == keys[1])
+            pins.answer(first, [None] * 4, None)
+            assert (await next_answer(raw)).req_id == reqs[0]
+            await trio.testing.wait_all_tasks_blocked()
+            assert pins.take() == []
+            pins.answer(second, [None] * 4, None)
+            assert (await next_answer(raw)).req_id == reqs[1]
+            [third] = await taken_by_host(pins)
+            assert third.keys == keys[2]
+            await trio.testing.wait_all_tasks_blocked()
+            assert pins.take() == []  # no room: the fourth waits for the third's answer
+            pins.answer(third, [None] * 8, None)
+            assert (await next_answer(raw)).req_id == reqs[2]
+            [fourth] = await taken_by_host(pins)
+            assert fourth.keys == keys[3]
+            pins.answer(fourth, [None], None)
+            assert (await next_answer(raw)).req_id == reqs[3]
+            assert (session._host_room, len(session._host_queue)) == (0, 0)
+
+
+async def test_queued_lookups_on_a_slow_host_in_time_are_hits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A cap of 8, ``answer_within`` 5 s, and a host that answers every request 2 s
+    after taking it. Lookups of 8, 8, 1 and 1 keys arrive together; the 8-key ones miss,
+    the others are held. The second goes at 2 s, the last two at 4 s (their time in the
+    queue runs to 5 s), together, and the host gets its whole ``answer_within`` for
+    them: both hit at 6 s. (A first version gave queue and host wait together one
+    ``answer_within`` from arrival and asked queued lookups one answer after another:
+    both missed, found by a review, 2026-12-07.)"""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(answer_within=5.0, max_pinned_blocks=8) as (
+            _,
+            pins,
+            raw,
+        ):
+            reqs = [raw.proto.send_lookup([os.urandom(32) for _ in range(n)]) for n in (8, 8, 1, 1)]
+            await raw.flush()
+            start = trio.current_time()
+
+            async def answer_later(req: PinRequest) -> None:
+                await trio.sleep(2)
+                held = len(req.keys) == 1
+                pins.answer(req, [0] if held else [None] * len(req.keys), req if held else None)
+
+            async def host() -> None:
+                while True:
+                    for req in await taken_by_host(pins):
+                        nursery.start_soon(answer_later, req)
+
+            got: dict[int, tuple[list[bool], float]] = {}
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(host)
+                while len(got) < 4:
+                    ev = await next_answer(raw)
+                    got[ev.req_id] = (ev.hits, trio.current_time() - start)
+                nursery.cancel_scope.cancel()
+            assert [got[r][0] for r in reqs] == [[False] * 8] * 2 + [[True]] * 2, got
+            at = [got[r][1] for r in reqs]  # the host takes requests every 1 ms
+            assert all(abs(a - b) < 0.1 for a, b in zip(at, [2, 4, 6, 6], strict=True)), at
+
+
+async def test_a_queued_lookup_whose_round_was_released_meanwhile_is_not_asked_of_the_host(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The host takes its pins back (``release_unused_pins``) while a lookup queues: once
+    its turn comes it is answered all misses without asking the host, which would pin
+    for nobody, and takes no room (found by a review, 2026-12-07)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
+            raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            queued = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            await raw.flush()
+            [first] = await taken_by_host(pins)
+            await trio.testing.wait_all_tasks_blocked()
+            assert await src.release_unused_pins() == 2
+            pins.answer(first, [None] * 8, None)
+            await trio.testing.wait_all_tasks_blocked()
+            assert pins.take() == []
+            [session] = src._sessions
+            assert (session._host_room, len(session._host_queue), session._host_asks) == (
+                0,
+                0,
+                {},
+            )
+            assert queued not in session._pinned
 
 
 @pytest.mark.parametrize("same_write", [True, False])

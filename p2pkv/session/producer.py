@@ -31,7 +31,9 @@ released at the quarantine's end even if the session is gone by then.
 from __future__ import annotations
 
 import logging
+import math
 import zlib
+from collections import deque
 from collections.abc import Sequence
 from itertools import compress
 from typing import TYPE_CHECKING, cast
@@ -147,7 +149,8 @@ class ProducerSide(SessionParts):
         _writes: dict[int, WriteScope]
         _host_asks: dict[int, HostAsk]
         _host_room: int
-        _host_queued: int
+        _host_queue: deque[HostAsk]
+        _host_moved: trio.Event
         _write_done: dict[int, trio.Event]
 
     async def _answer_lookup(self, ev: LookupRequested, turn: Turn) -> None:
@@ -233,23 +236,26 @@ class ProducerSide(SessionParts):
         Lookups with the host side by side may together pin no more than what is left of
         the peer's cap, so each takes its keys' worth of room (``_host_room``) until the
         host answers. One whose keys that room cannot hold whole, while others are with
-        the host, waits in its task for every lookup before it to be answered and then
-        takes what they left: most keys miss, so most of their room comes back. (Asked at
-        once, it was cut to what the others' keys left: a peer's lookups arriving
-        together then missed keys that, one after another, would all have hit.) Once one
-        waits, those after it wait too: the room goes in the order the lookups came."""
+        the host, queues (``_host_queue``): at the queue's head, it goes once the room
+        left holds its keys, or, with none left with the host, takes what is left. Most
+        keys miss, so most of the room comes back with each answer. (Asked at once, it
+        was cut to what the others' keys left: a peer's lookups arriving together then
+        missed keys that, one after another, would all have hit.) While one queues, those
+        after it queue too: the room goes in the order the lookups came. Its time in the
+        queue is bounded by the host's ``answer_within`` from its arrival (all misses
+        past it), its wait for the host by another: each lookup is answered within two
+        of them, and so is a probe of the peer, which waits for every host wait."""
         assert self._nursery is not None and self.incarnation is not None
         held = self._pinned[ev.req_id] = HeldRound()
         ask = HostAsk(ev, held, self.incarnation, 0)
         room = self._host_room_left(pins)
-        if self._host_asks and (self._host_queued or room < len(ev.keys)):
+        if self._host_asks and (self._host_queue or room < len(ev.keys)):
             ask.queued = True
-            self._host_queued += 1
+            self._host_queue.append(ask)
             if isinstance(pins, HostPins):
-                # Queue and host together within one answer_within of its arrival, as
-                # any lookup: past it, all misses. (Else, behind a stalled host, the
-                # n-th queued lookup waited n of them, and so did a probe of the peer:
-                # a reconnect's admission, up to max_open_requests times 2 s.)
+                # Unbounded, behind a stalled host the n-th queued lookup waited n host
+                # waits, and so did a probe of the peer: a reconnect's admission, up to
+                # max_open_requests of them (found by a review, 2026-12-07).
                 ask.scope.deadline = trio.current_time() + pins.answer_within
         else:
             ask.room = min(room, len(ev.keys))
@@ -269,12 +275,17 @@ class ProducerSide(SessionParts):
     def _unqueue(self, ask: HostAsk) -> None:
         if ask.queued:
             ask.queued = False
-            self._host_queued -= 1
+            self._host_queue.remove(ask)
+            self._host_moved_on()
+
+    def _host_moved_on(self) -> None:
+        """Room came back or the queue moved: the queue's head looks again."""
+        self._host_moved.set()
+        self._host_moved = trio.Event()
 
     async def _host_answer(self, ask: HostAsk, pins: PinSource) -> None:
         """One lookup's wait for the host (at most its ``answer_within``; a queued lookup's
-        for the lookups before it too, within one ``answer_within`` of its arrival, see
-        :meth:`_ask_host`), then its answer:
+        in the queue first, at most another, see :meth:`_ask_host`), then its answer:
         every key the host pinned a hit, and all misses if the wait was cut (the round
         aborted, the peer restarted) or the round released meanwhile. Only the
         incarnation that asked is answered: a restarted peer may reuse the id."""
@@ -284,22 +295,25 @@ class ProducerSide(SessionParts):
         self.host_waits += 1  # a probe meanwhile waits for the wait's end
         try:
             with ask.scope:
-                if ask.queued:  # behind lookups that left too little room: their answers
-                    # Until it is the oldest lookup with the host (_host_asks keeps the
-                    # order they came in; a cut one leaves it at once, and this one, if
-                    # cut, is cancelled at the wait).
+                if ask.queued:  # too little room was left: its turn first
                     while True:
-                        # A cut that came after the wait ahead woke this task (its
-                        # cancel is not delivered there) has taken it out of _host_asks.
+                        # A cut that came after this task was woken (its cancel is not
+                        # delivered at the wait) has taken it out of the queue.
                         await trio.lowlevel.checkpoint_if_cancelled()
-                        if (first := next(iter(self._host_asks.values()))) is ask:
+                        if self._host_queue[0] is ask and (
+                            self._host_room_left(pins) >= len(keys)
+                            # none with the host: no more room comes back to wait for
+                            or len(self._host_asks) == len(self._host_queue)
+                        ):
                             break
-                        await first.done.wait()
+                        await self._host_moved.wait()
                     # Reckoned and taken with no checkpoint between: no other lookup's
-                    # reckoning comes between.
+                    # reckoning comes between. The host gets its whole answer_within.
                     self._unqueue(ask)
-                    ask.room = min(self._host_room_left(pins), len(keys))
-                    self._host_room += ask.room
+                    ask.scope.deadline = math.inf
+                    if self._pinned.get(req) is held:  # else released meanwhile: no pins
+                        ask.room = min(self._host_room_left(pins), len(keys))
+                        self._host_room += ask.room
                 got = await pins.pin(held.owner, keys[: ask.room])
             if ask.scope.cancelled_caught:  # an answer that came as it was cut included
                 self.node.unpin(held.owner)
@@ -317,9 +331,9 @@ class ProducerSide(SessionParts):
             self.host_wait_over()
             if self._host_asks.get(req) is ask:
                 del self._host_asks[req]
-            # Those waiting behind it run at their next turn, after its answer is sent
-            # below (no checkpoint before it): its pins are counted by then.
-            ask.done.set()
+            # The queue's head looks at its next turn, after this answer is sent below
+            # (no checkpoint before it): its pins are counted by then.
+            self._host_moved_on()
         if self._pinned.get(req) is not held:  # released meanwhile
             self.node.unpin(held.owner)
             got = []
@@ -350,6 +364,7 @@ class ProducerSide(SessionParts):
         self._host_room -= ask.room
         ask.room = 0
         self._unqueue(ask)
+        self._host_moved_on()
 
     def _pins_counted(self) -> int:
         """The pins counted against this peer's ``max_pinned_blocks``: its open rounds'
@@ -667,8 +682,7 @@ class HostAsk:
     incarnation: object  # the peer's incarnation that asked
     room: int  # the most keys the host is asked to pin (the peer's cap, what is left)
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
-    queued: bool = False  # waits for the lookups before it, then takes its room
-    done: trio.Event = attrs.Factory(trio.Event)  # answered or cut: its room is settled
+    queued: bool = False  # in the session's _host_queue: its room not taken yet
 
 
 @attrs.define(eq=False)
