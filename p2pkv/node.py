@@ -507,6 +507,14 @@ class Node:
         pid = session.peer_id
         return pid is not None and self._by_peer.get(pid) is session
 
+    def pins_back(self, peer_id: str) -> None:
+        """Pins counted against ``peer_id``'s cap came back (a quarantine's end, maybe of
+        an earlier session's round): its session's lookups queued for the host's pins
+        look again."""
+        session = self._by_peer.get(peer_id)
+        if session is not None:
+            session.wake_host_queue()
+
     def session_ready(self, session: PeerSession) -> None:
         self._peers_changed.unpark_all()
 

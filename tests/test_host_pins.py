@@ -30,7 +30,7 @@ from p2pkv import (
     start_node,
 )
 from p2pkv.pins import HostPins, PinRequest
-from p2pkv.session.protocol import AbortAcknowledged, LookupAnswered
+from p2pkv.session.protocol import AbortAcknowledged, LookupAnswered, TransferCompleted
 from p2pkv.transport.base import RemotePeer, TransferHandle, TransferState
 
 from .helpers import FaultFactory, RawPeer, VirtualOffload, config, fill, until
@@ -1412,27 +1412,83 @@ async def test_queued_lookups_on_a_slow_host_in_time_are_hits(
 async def test_a_queued_lookup_whose_round_was_released_meanwhile_is_not_asked_of_the_host(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The host takes its pins back (``release_unused_pins``) while a lookup queues: once
-    its turn comes it is answered all misses without asking the host, which would pin
-    for nobody, and takes no room (found by a review, 2026-12-07)."""
+    """The host takes its pins back (``release_unused_pins``) while two lookups queue
+    behind one it holds: both are answered all misses at once, without asking the host,
+    which would pin for nobody, and without waiting for room they no longer need (found
+    by two reviews, 2026-12-07: the host was asked; then the head waited for room for
+    all its keys, and the lookup behind it with it)."""
     with trio.fail_after(VIRTUAL_BOUND):
         async with raw_peer_at_a_held_host(max_pinned_blocks=8) as (src, pins, raw):
             raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
-            queued = raw.proto.send_lookup([os.urandom(32) for _ in range(8)])
+            queued = [raw.proto.send_lookup([os.urandom(32) for _ in range(n)]) for n in (8, 1)]
             await raw.flush()
             [first] = await taken_by_host(pins)
             await trio.testing.wait_all_tasks_blocked()
-            assert await src.release_unused_pins() == 2
-            pins.answer(first, [None] * 8, None)
+            start = trio.current_time()
+            assert await src.release_unused_pins() == 3
+            for req in queued:
+                ev = await next_answer(raw)
+                assert ev.req_id == req and not any(ev.hits), ev
+            assert trio.current_time() - start < 0.5  # not at the first one's host wait
             await trio.testing.wait_all_tasks_blocked()
             assert pins.take() == []
+            pins.answer(first, [None] * 8, None)
+            await next_answer(raw)
             [session] = src._sessions
             assert (session._host_room, len(session._host_queue), session._host_asks) == (
                 0,
                 0,
                 {},
             )
-            assert queued not in session._pinned
+            assert not set(queued) & set(session._pinned)
+
+
+@pytest.mark.parametrize("how", ["close", "fetch"])
+async def test_pins_given_back_by_a_round_wake_the_queued_lookup_they_make_room_for(
+    autojump_clock: trio.testing.MockClock, how: str
+) -> None:
+    """A cap of 8. A round holds 6 pins; a lookup of 2 is with the host, one of 2 and
+    one of 4 queue behind it. The host answers the first all misses, so the second goes,
+    and the host keeps it. Then the peer closes (or fetches) the round of 6: room for
+    the third, which is asked at once. It slept until the second's host wait ended, its
+    own time in the queue running out first: all misses at 5 s, never asked (found by a
+    review, 2026-12-07: only answers and cuts woke the queue)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with raw_peer_at_a_held_host(answer_within=5.0, max_pinned_blocks=8) as (
+            src,
+            pins,
+            raw,
+        ):
+            held_keys = [os.urandom(32) for _ in range(6)]
+            held = raw.proto.send_lookup(held_keys)
+            await raw.flush()
+            [asked] = await taken_by_host(pins)
+            pins.answer(asked, list(range(6)), "held")
+            assert (await next_answer(raw)).hits == [True] * 6
+            first, _, third = (
+                raw.proto.send_lookup([os.urandom(32) for _ in range(n)]) for n in (2, 2, 4)
+            )
+            await raw.flush()
+            [asked] = await taken_by_host(pins)
+            [session] = src._sessions
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(session._host_queue) == 2
+            pins.answer(asked, [None, None], None)
+            assert (await next_answer(raw)).req_id == first
+            await taken_by_host(pins)  # the second: the host keeps it
+            start = trio.current_time()
+            if how == "close":
+                raw.proto.send_fetch(held, [], [])
+                await raw.flush()
+            else:
+                raw.proto.send_fetch(held, held_keys, list(range(6)))
+                await raw.flush()
+                assert isinstance(await raw.next_event(), TransferCompleted)
+            [asked] = await taken_by_host(pins)
+            assert len(asked.keys) == 4 and trio.current_time() - start < 0.5
+            pins.answer(asked, [8, 9, 10, 11], "third")
+            ev = await next_answer(raw)
+            assert ev.req_id == third and ev.hits == [True] * 4, ev
 
 
 @pytest.mark.parametrize("same_write", [True, False])

@@ -150,7 +150,6 @@ class ProducerSide(SessionParts):
         _host_asks: dict[int, HostAsk]
         _host_room: int
         _host_queue: deque[HostAsk]
-        _host_moved: trio.Event
         _write_done: dict[int, trio.Event]
 
     async def _answer_lookup(self, ev: LookupRequested, turn: Turn) -> None:
@@ -276,12 +275,13 @@ class ProducerSide(SessionParts):
         if ask.queued:
             ask.queued = False
             self._host_queue.remove(ask)
-            self._host_moved_on()
+            self.wake_host_queue()
 
-    def _host_moved_on(self) -> None:
-        """Room came back or the queue moved: the queue's head looks again."""
-        self._host_moved.set()
-        self._host_moved = trio.Event()
+    def wake_host_queue(self) -> None:
+        """Room may have come back (an answer, a cut, a round's pins released) or the
+        queue moved: its head, alone, looks again (one wake, however long the queue)."""
+        if self._host_queue:
+            self._host_queue[0].turn.set()
 
     async def _host_answer(self, ask: HostAsk, pins: PinSource) -> None:
         """One lookup's wait for the host (at most its ``answer_within``; a queued lookup's
@@ -304,9 +304,11 @@ class ProducerSide(SessionParts):
                             self._host_room_left(pins) >= len(keys)
                             # none with the host: no more room comes back to wait for
                             or len(self._host_asks) == len(self._host_queue)
+                            or self._pinned.get(req) is not held  # released: no room
                         ):
                             break
-                        await self._host_moved.wait()
+                        ask.turn = trio.Event()  # no checkpoint since the look: no wake lost
+                        await ask.turn.wait()
                     # Reckoned and taken with no checkpoint between: no other lookup's
                     # reckoning comes between. The host gets its whole answer_within.
                     self._unqueue(ask)
@@ -333,7 +335,7 @@ class ProducerSide(SessionParts):
                 del self._host_asks[req]
             # The queue's head looks at its next turn, after this answer is sent below
             # (no checkpoint before it): its pins are counted by then.
-            self._host_moved_on()
+            self.wake_host_queue()
         if self._pinned.get(req) is not held:  # released meanwhile
             self.node.unpin(held.owner)
             got = []
@@ -364,7 +366,7 @@ class ProducerSide(SessionParts):
         self._host_room -= ask.room
         ask.room = 0
         self._unqueue(ask)
-        self._host_moved_on()
+        self.wake_host_queue()
 
     def _pins_counted(self) -> int:
         """The pins counted against this peer's ``max_pinned_blocks``: its open rounds'
@@ -377,6 +379,7 @@ class ProducerSide(SessionParts):
         held = self._pinned.pop(req, None)
         if held is None:
             return
+        self.wake_host_queue()  # its pins leave the peer's count (the protocol's, or below)
         if not held.quarantined:
             self.node.unpin(held.owner)
         elif not held.orphaned and self.peer_id is not None:
@@ -432,6 +435,7 @@ class ProducerSide(SessionParts):
     def _reply(self, req: int, outcomes: list[int], sums: list[int] | None) -> None:
         """No write of the round can land any more: send its terminal reply."""
         state = self.proto.in_state(req)
+        self.wake_host_queue()  # the reply ends the round: its pins leave the peer's count
         if state is InState.ABORTING:
             self.proto.send_abort_ack(req)
         elif state is InState.WRITING:
@@ -449,6 +453,7 @@ class ProducerSide(SessionParts):
             ledger[self.peer_id] -= held.quarantined_pins
             if ledger[self.peer_id] <= 0:
                 del ledger[self.peer_id]
+            self.node.pins_back(self.peer_id)  # to its session now, maybe not this one
         if self._pinned.get(req) is not held:
             return  # the round is gone with its session or the peer's old incarnation
         del self._pinned[req]
@@ -683,6 +688,7 @@ class HostAsk:
     room: int  # the most keys the host is asked to pin (the peer's cap, what is left)
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     queued: bool = False  # in the session's _host_queue: its room not taken yet
+    turn: trio.Event = attrs.Factory(trio.Event)  # set: at the queue's head, look again
 
 
 @attrs.define(eq=False)

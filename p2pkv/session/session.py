@@ -179,7 +179,6 @@ class PeerSession(ProducerSide, ConsumerSide):
         self._host_asks: dict[int, HostAsk] = {}  # producer round -> its wait on the host
         self._host_room = 0  # pins the lookups waiting on the host may still take
         self._host_queue: deque[HostAsk] = deque()  # lookups waiting for room (_ask_host)
-        self._host_moved = trio.Event()  # set when room comes back or the queue moves
         self._writes: dict[int, WriteScope] = {}
         self._write_done: dict[int, trio.Event] = {}
         self._last_rx = trio.current_time()
