@@ -914,13 +914,17 @@ async def task_hosted_source(
 
 
 def host_pinned_node(
-    pins: HostPins, region: np.ndarray | None = None, **src_kw: Any
+    pins: HostPins,
+    region: np.ndarray | None = None,
+    transport: FaultFactory | None = None,
+    **src_kw: Any,
 ) -> AbstractAsyncContextManager[Node]:
     """The producer "src" whose pins come from ``pins``; for the autojump clock."""
     return open_node(
         config("src", num_blocks=N_BLOCKS, **src_kw),
         region=host_region() if region is None else region,
         pin_source=pins,
+        transport=transport,
         offload=VirtualOffload(),
     )
 
@@ -1055,12 +1059,12 @@ async def test_a_fetch_behind_lookups_waiting_on_a_stalled_host_is_served_at_onc
 
 @asynccontextmanager
 async def raw_peer_at_a_held_host(
-    answer_within: float = 5.0, **src_kw: Any
+    answer_within: float = 5.0, transport: FaultFactory | None = None, **src_kw: Any
 ) -> AsyncIterator[tuple[Node, HostPins, RawPeer]]:
     """A producer whose host is the test (it takes and answers requests by hand), and a
     hand-driven peer handshaken with it."""
     pins = HostPins(N_BLOCKS, answer_within=answer_within)
-    async with host_pinned_node(pins, **src_kw) as src:
+    async with host_pinned_node(pins, transport=transport, **src_kw) as src:
         raw = RawPeer()
         await raw.connect(src.address)
         await raw.handshake()
@@ -1489,6 +1493,63 @@ async def test_pins_given_back_by_a_round_wake_the_queued_lookup_they_make_room_
             pins.answer(asked, [8, 9, 10, 11], "third")
             ev = await next_answer(raw)
             assert ev.req_id == third and ev.hits == [True] * 4, ev
+
+
+async def test_an_old_incarnations_quarantine_ending_wakes_the_queued_lookup(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A cap of 8. A write of 6 keys that never settles is cut by the peer's restart: its
+    round waits out a 20 s quarantine, and its 6 pins count against the peer's cap
+    (``orphan_pins``) until then. The new incarnation's lookup of 2 is with the host, one
+    of 4 queues behind it (2 left). The quarantine's end gives the 6 back: the queued
+    lookup is asked at once (``Node.pins_back``), not left asleep until the host answers
+    the first or its time in the queue (30 s) runs out into all misses. The old round is
+    gone from the session by then, so this wake is the only one (review 2026-12-07)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        hanging = FaultFactory(lambda t: setattr(t, "hang", True))  # writes never settle
+        async with raw_peer_at_a_held_host(
+            answer_within=30.0,
+            transport=hanging,
+            max_pinned_blocks=8,
+            abort_timeout=1.0,
+            quarantine=20.0,
+        ) as (src, pins, raw):
+            held_keys = [os.urandom(32) for _ in range(6)]
+            held = raw.proto.send_lookup(held_keys)
+            await raw.flush()
+            [asked] = await taken_by_host(pins)
+            pins.answer(asked, list(range(6)), "held")
+            assert (await next_answer(raw)).hits == [True] * 6
+            raw.proto.send_fetch(held, held_keys, list(range(6)))
+            await raw.flush()
+            await trio.sleep(0.5)  # virtual: the write is posted, and hangs
+            cut = trio.current_time()
+            await restart_on_same_connection(raw, epoch=99)  # cuts the write
+            await trio.sleep(2.0)  # past abort_timeout: the round is quarantined
+            assert src.orphan_pins == {raw.peer_id: 6}
+            first = raw.proto.send_lookup([os.urandom(32) for _ in range(2)])
+            raw.proto.send_lookup([os.urandom(32) for _ in range(4)])
+            await raw.flush()
+            [asked_first] = await taken_by_host(pins)
+            assert len(asked_first.keys) == 2  # what the quarantine leaves of the cap
+            [session] = src._sessions
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(session._host_queue) == 1 and pins.take() == []
+            await until(lambda: src.orphan_pins == {})  # the quarantine is over
+            over = trio.current_time()
+            assert cut + 20.0 <= over <= cut + 22.0, (cut, over)
+            assert pins.released() == ["held"]  # the old round's pins, back to the host
+            taken: list[PinRequest] = []
+            with trio.move_on_after(0.5):
+                taken = await taken_by_host(pins)
+            assert [len(r.keys) for r in taken] == [4], "not asked within 0.5 s"
+            [asked_second] = taken
+            pins.answer(asked_second, [8, 9, 10, 11], "second")
+            ev = await next_answer(raw)
+            assert ev.hits == [True] * 4, ev
+            pins.answer(asked_first, [None, None], None)
+            assert (await next_answer(raw)).req_id == first
+            assert (session._host_room, len(session._host_queue)) == (0, 0)
 
 
 @pytest.mark.parametrize("same_write", [True, False])
