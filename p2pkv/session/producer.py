@@ -272,10 +272,10 @@ class ProducerSide(SessionParts):
         return max(cap - self._pins_counted() - self._host_room, 0)
 
     def _unqueue(self, ask: HostAsk) -> None:
+        """Take ``ask`` out of the queue if it is in it; the caller wakes the new head."""
         if ask.queued:
             ask.queued = False
             self._host_queue.remove(ask)
-            self.wake_host_queue()
 
     def wake_host_queue(self) -> None:
         """Room may have come back (an answer, a cut, a round's pins released) or the
@@ -296,26 +296,7 @@ class ProducerSide(SessionParts):
         try:
             with ask.scope:
                 if ask.queued:  # too little room was left: its turn first
-                    while True:
-                        # A cut that came after this task was woken (its cancel is not
-                        # delivered at the wait) has taken it out of the queue.
-                        await trio.lowlevel.checkpoint_if_cancelled()
-                        if self._host_queue[0] is ask and (
-                            self._host_room_left(pins) >= len(keys)
-                            # none with the host: no more room comes back to wait for
-                            or len(self._host_asks) == len(self._host_queue)
-                            or self._pinned.get(req) is not held  # released: no room
-                        ):
-                            break
-                        ask.turn = trio.Event()  # no checkpoint since the look: no wake lost
-                        await ask.turn.wait()
-                    # Reckoned and taken with no checkpoint between: no other lookup's
-                    # reckoning comes between. The host gets its whole answer_within.
-                    self._unqueue(ask)
-                    ask.scope.deadline = math.inf
-                    if self._pinned.get(req) is held:  # else released meanwhile: no pins
-                        ask.room = min(self._host_room_left(pins), len(keys))
-                        self._host_room += ask.room
+                    await self._queue_turn(ask, pins)
                 got = await pins.pin(held.owner, keys[: ask.room])
             if ask.scope.cancelled_caught:  # an answer that came as it was cut included
                 self.node.unpin(held.owner)
@@ -351,6 +332,33 @@ class ProducerSide(SessionParts):
         # its lookup's keys alive (up to max_open_requests of them, for a peer that reads
         # nothing). The answer is a bitmap, and the reader's own flush is the backpressure.
         await self._flush(background=True)
+
+    async def _queue_turn(self, ask: HostAsk, pins: PinSource) -> None:
+        """A queued lookup's wait for its turn (:meth:`_ask_host`), inside its scope: at
+        the queue's head, once the room left holds its keys, none is left with the host
+        (no more room comes back to wait for) or its round was released (it needs no
+        room). It then leaves the queue and takes its room, reckoned and taken with no
+        checkpoint between, so no other lookup's reckoning comes between; the host gets
+        its whole ``answer_within``; and the next head looks at what is left."""
+        req, held, n = ask.ev.req_id, ask.held, len(ask.ev.keys)
+        while True:
+            # A cut that came after this task was woken (its cancel is not delivered at
+            # the wait) has taken it out of the queue: it must not read the head.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if self._host_queue[0] is ask and (
+                self._host_room_left(pins) >= n
+                or len(self._host_asks) == len(self._host_queue)
+                or self._pinned.get(req) is not held
+            ):
+                break
+            ask.turn = trio.Event()  # no checkpoint since the look: no wake lost
+            await ask.turn.wait()
+        self._unqueue(ask)
+        ask.scope.deadline = math.inf
+        if self._pinned.get(req) is held:  # else released meanwhile: no pins
+            ask.room = min(self._host_room_left(pins), n)
+            self._host_room += ask.room
+        self.wake_host_queue()
 
     def _cut_host_asks(self) -> None:
         """Every lookup still waiting on the host is answered no more (a restart)."""
