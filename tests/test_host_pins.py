@@ -919,7 +919,8 @@ def host_pinned_node(
     transport: FaultFactory | None = None,
     **src_kw: Any,
 ) -> AbstractAsyncContextManager[Node]:
-    """The producer "src" whose pins come from ``pins``; for the autojump clock."""
+    """The producer "src" whose pins come from ``pins``, over ``transport`` (a fault
+    injecting one) if given; for the autojump clock."""
     return open_node(
         config("src", num_blocks=N_BLOCKS, **src_kw),
         region=host_region() if region is None else region,
@@ -1061,8 +1062,8 @@ async def test_a_fetch_behind_lookups_waiting_on_a_stalled_host_is_served_at_onc
 async def raw_peer_at_a_held_host(
     answer_within: float = 5.0, transport: FaultFactory | None = None, **src_kw: Any
 ) -> AsyncIterator[tuple[Node, HostPins, RawPeer]]:
-    """A producer whose host is the test (it takes and answers requests by hand), and a
-    hand-driven peer handshaken with it."""
+    """A producer whose host is the test (it takes and answers requests by hand), over
+    ``transport`` if given, and a hand-driven peer handshaken with it."""
     pins = HostPins(N_BLOCKS, answer_within=answer_within)
     async with host_pinned_node(pins, transport=transport, **src_kw) as src:
         raw = RawPeer()
@@ -1500,8 +1501,9 @@ async def test_an_old_incarnations_quarantine_ending_wakes_the_queued_lookup(
 ) -> None:
     """A cap of 8. A write of 6 keys that never settles is cut by the peer's restart: its
     round waits out a 20 s quarantine, and its 6 pins count against the peer's cap
-    (``orphan_pins``) until then. The new incarnation's lookup of 2 is with the host, one
-    of 4 queues behind it (2 left). The quarantine's end gives the 6 back: the queued
+    (``orphan_pins``) until then. The new incarnation's lookup of 2 takes the 2 that
+    leaves and is with the host; one of 4 queues behind it. The quarantine's end gives
+    the 6 back: the queued
     lookup is asked at once (``Node.pins_back``), not left asleep until the host answers
     the first or its time in the queue (30 s) runs out into all misses. The old round is
     gone from the session by then, so this wake is the only one (review 2026-12-07)."""

@@ -240,10 +240,12 @@ class ProducerSide(SessionParts):
         keys miss, so most of the room comes back with each answer. (Asked at once, it
         was cut to what the others' keys left: a peer's lookups arriving together then
         missed keys that, one after another, would all have hit.) While one queues, those
-        after it queue too: the room goes in the order the lookups came. Its time in the
-        queue is bounded by the host's ``answer_within`` from its arrival (all misses
-        past it), its wait for the host by another: each lookup is answered within two
-        of them, and so is a probe of the peer, which waits for every host wait."""
+        after it queue too: the room goes in the order the lookups came. With
+        :class:`HostPins`, its time in the queue is bounded by the host's
+        ``answer_within`` from its arrival (all misses past it), its wait for the host by
+        another: each lookup is answered within two of them, and so is a probe of the
+        peer, which waits for every host wait. Another pin source bounds its own waits,
+        and its queue has no deadline here."""
         assert self._nursery is not None and self.incarnation is not None
         held = self._pinned[ev.req_id] = HeldRound()
         ask = HostAsk(ev, held, self.incarnation, 0)
@@ -374,6 +376,8 @@ class ProducerSide(SessionParts):
         self._host_room -= ask.room
         ask.room = 0
         self._unqueue(ask)
+        # A guard: each caller also releases the round, or cuts every ask, and so wakes
+        # the head itself (a review found no test that fails without this one).
         self.wake_host_queue()
 
     def _pins_counted(self) -> int:
