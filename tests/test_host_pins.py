@@ -1333,6 +1333,18 @@ async def next_answer(raw: RawPeer) -> LookupAnswered:
     return ev
 
 
+async def a_round_the_host_holds(raw: RawPeer, pins: HostPins, n: int) -> tuple[int, list[bytes]]:
+    """A lookup of ``n`` keys that the host pins all of (slots 0 to n-1, token "held"):
+    its request id and keys, once its answer (all hits) is in."""
+    keys = [os.urandom(32) for _ in range(n)]
+    req = raw.proto.send_lookup(keys)
+    await raw.flush()
+    [asked] = await taken_by_host(pins)
+    pins.answer(asked, list(range(n)), "held")
+    assert (await next_answer(raw)).hits == [True] * n
+    return req, keys
+
+
 async def test_a_queued_lookup_goes_once_the_room_holds_it_and_the_queue_keeps_its_order(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -1464,12 +1476,7 @@ async def test_pins_given_back_by_a_round_wake_the_queued_lookup_they_make_room_
             pins,
             raw,
         ):
-            held_keys = [os.urandom(32) for _ in range(6)]
-            held = raw.proto.send_lookup(held_keys)
-            await raw.flush()
-            [asked] = await taken_by_host(pins)
-            pins.answer(asked, list(range(6)), "held")
-            assert (await next_answer(raw)).hits == [True] * 6
+            held, held_keys = await a_round_the_host_holds(raw, pins, 6)
             first, _, third = (
                 raw.proto.send_lookup([os.urandom(32) for _ in range(n)]) for n in (2, 2, 4)
             )
@@ -1516,12 +1523,7 @@ async def test_an_old_incarnations_quarantine_ending_wakes_the_queued_lookup(
             abort_timeout=1.0,
             quarantine=20.0,
         ) as (src, pins, raw):
-            held_keys = [os.urandom(32) for _ in range(6)]
-            held = raw.proto.send_lookup(held_keys)
-            await raw.flush()
-            [asked] = await taken_by_host(pins)
-            pins.answer(asked, list(range(6)), "held")
-            assert (await next_answer(raw)).hits == [True] * 6
+            held, held_keys = await a_round_the_host_holds(raw, pins, 6)
             raw.proto.send_fetch(held, held_keys, list(range(6)))
             await raw.flush()
             await trio.sleep(0.5)  # virtual: the write is posted, and hangs
