@@ -179,7 +179,9 @@ class NodeConfig:
     abort_timeout: float = attrs.field(default=2.0, validator=_positive)
     idle_timeout: float = attrs.field(default=30.0, validator=_positive)
     heartbeat_interval: float = attrs.field(default=5.0, validator=_positive)
-    lease: float = attrs.field(default=10.0, validator=_positive)  # pins held for a lookup
+    # Pins held for a lookup; no write of the round is posted after it (a fetch that
+    # waited for the data plane past it gets LEASE_EXPIRED for the keys not posted).
+    lease: float = attrs.field(default=10.0, validator=_positive)
     # Slots of an unsettled write stay unusable this long; must exceed abort_timeout plus
     # landing_margin (checked below).
     quarantine: float = attrs.field(default=5.0, validator=_positive)

@@ -73,7 +73,9 @@ class Outcome(enum.IntEnum):
 
     OK = 0
     NOT_PINNED = 1  # the key was not a hit of this request's lookup
-    LEASE_EXPIRED = 2  # the producer's pin lease ran out before the fetch arrived
+    # The producer's pin lease ran out before the fetch arrived, or before this key's
+    # write was posted (nothing written; a fetch's other keys may be OK).
+    LEASE_EXPIRED = 2
     TRANSFER_FAILED = 3  # the data plane reported an error for this block
     ABORTED = 4  # the producer cancelled the write (shutdown or abort)
     OVER_CAP = 5  # the request would exceed the producer's per-peer caps

@@ -11,6 +11,7 @@ import gc
 import os
 import threading
 import tracemalloc
+from collections.abc import Sequence
 from typing import Any, cast
 
 import attrs
@@ -18,6 +19,7 @@ import pytest
 import trio
 import trio.testing
 
+import p2pkv.session.producer as producer_module
 import p2pkv.session.session as session_module
 from p2pkv import Node, StoreFull, open_node
 from p2pkv.errors import TransportError
@@ -783,6 +785,87 @@ async def test_a_write_the_data_plane_reports_failed_is_never_reported_loaded(
             assert isinstance(done, TransferCompleted) and done.req_id == req
             assert done.outcomes == [TRANSFER_FAILED] * 4
             assert session.alive and src.statistics().pinned_slots == 0
+            await raw.aclose()
+
+
+@pytest.mark.parametrize(
+    ("post_after", "expired"), [(4.0, False), (6.0, True)], ids=["in_time", "past_the_lease"]
+)
+async def test_no_write_starts_after_its_rounds_lease_however_late_it_reaches_the_data_plane(
+    autojump_clock: trio.testing.MockClock, post_after: float, expired: bool
+) -> None:
+    """A fetch read in time whose posts reach the data plane ``post_after`` seconds later
+    (FAKE delay of the posting call; a data plane busy with others' writes, or a loop that
+    stalled and read the fetch before the lease timer ran, come to the same) posts
+    nothing once its round's 5 s lease has ended: every key LEASE_EXPIRED (the consumer
+    may look them up again), nothing written, the round's pins released, the session
+    serving. A consumer's bound on late writes counts on it (docs/design.md)."""
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with node("src", lease=5.0, factory=factory, delays={"_post_run": post_after}) as src:
+            keys = fill(src.store, 4, 4096)
+            raw, session = await connected(src)
+            req, hits = await raw.lookup(keys)
+            assert all(hits)
+            raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.req_id == req
+            if expired:
+                assert done.outcomes == [LEASE_EXPIRED] * 4
+                assert factory.transport.posts == 0 and not raw.array.any()
+            else:
+                assert done.outcomes == [OK] * 4
+                assert factory.transport.posts == 1 and raw.array.any()
+            assert session.alive and src.statistics().pinned_slots == 0
+            req, hits = await raw.lookup(keys[:1])  # still serving
+            assert hits == [True]
+            await raw.aclose()
+
+
+async def test_each_chunk_of_a_write_is_posted_only_within_its_rounds_lease(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two fetches of two one-key chunks each; each run of posts reaches the data plane
+    3 s late (FAKE delay), and the other fetch wants the data plane, so a run posts one
+    chunk and lets go: the first chunk goes at 3 s, inside the 5 s lease, and every
+    later one comes past it. The chunk posted is OK, the rest LEASE_EXPIRED (which
+    fetch went first is the scheduler's), only the posted key is checksummed, and
+    nothing of either round is left held."""
+    summed_slots: list[int] = []
+    real_summed = producer_module.summed
+
+    async def counting(n: Node, slots: Sequence[int]) -> list[int]:  # a probe, not a fake
+        summed_slots.extend(slots)
+        return await real_summed(n, slots)
+
+    monkeypatch.setattr(producer_module, "summed", counting)
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory()
+        async with node(
+            "src",
+            lease=5.0,
+            factory=factory,
+            transfer_chunk_bytes=4096,
+            verify_checksums=True,
+            delays={"_post_run": 3.0},
+        ) as src:
+            keys = fill(src.store, 4, 4096)
+            raw, session = await connected(src)
+            ra, _ = await raw.lookup(keys[:2])
+            rb, _ = await raw.lookup(keys[2:])
+            raw.proto.send_fetch(ra, keys[:2], [0, 1])
+            raw.proto.send_fetch(rb, keys[2:], [2, 3])
+            await raw.flush()
+            got: dict[int, list[int]] = {}
+            while len(got) < 2:
+                ev = await raw.next_event()
+                assert isinstance(ev, TransferCompleted), ev
+                got[ev.req_id] = list(ev.outcomes)
+            assert sorted(got.values()) == [[OK, LEASE_EXPIRED], [LEASE_EXPIRED] * 2]
+            assert factory.transport.posts == 1 and len(summed_slots) == 1
+            assert session.inflight_bytes == 0 and src.statistics().pinned_slots == 0
+            assert session._pinned == {} and session._writes == {} and session.alive
             await raw.aclose()
 
 

@@ -68,6 +68,7 @@ _OK = int(Outcome.OK)
 _ABORTED = int(Outcome.ABORTED)
 _NOT_PINNED = int(Outcome.NOT_PINNED)
 _OVER_CAP = int(Outcome.OVER_CAP)
+_LEASE_EXPIRED = int(Outcome.LEASE_EXPIRED)
 
 
 def checksums(view: memoryview, block_len: int, slots: Sequence[int]) -> list[int]:
@@ -487,6 +488,10 @@ class ProducerSide(SessionParts):
         parts: list[slice] = []  # of plan_idx: the chunks not yet posted (or refused)
         settled: set[int] = set()
         sums: list[int] | None = None
+        expired = False  # the round's lease ended before every chunk was posted
+        # Fixed once the round was answered; read here, on the Trio thread.
+        lease_end = self.proto.lease_end(req)
+        clock = trio.lowlevel.current_clock()
         try:
             with write.scope:
                 per_turn = cfg.max_keys_per_turn
@@ -517,7 +522,7 @@ class ProducerSide(SessionParts):
                 parts += [slice(j, j + per_chunk) for j in range(0, len(plan_idx), per_chunk)]
                 while parts:
                     run = await node.offload_data(
-                        self._post_run, plan_src, plan_dst, parts, req, write
+                        self._post_run, plan_src, plan_dst, parts, req, write, lease_end, clock
                     )
                     for part, dp, h in run.posted:
                         posted.append((plan_idx[part], h, dp))
@@ -529,6 +534,7 @@ class ProducerSide(SessionParts):
                         raise run.error
                     del parts[: run.tried]
                     if run.ended:
+                        expired = run.expired
                         break  # nothing more of this write is posted (see _post_run)
                 for chunk, h, dp in posted:
                     # The poller answers a handle already done without a checkpoint: a
@@ -542,9 +548,12 @@ class ProducerSide(SessionParts):
                     if state is TransferState.DONE:
                         _set_all(outcomes, chunk, _OK)
                 if cfg.verify_checksums:  # sources are still pinned: bytes as sent
-                    got = await summed(node, plan_src)
+                    # Of the chunks tried only (those never posted, past the lease, are
+                    # no one's OK): ``parts`` is what is left of the plan, from its end.
+                    upto = parts[0].start if parts else len(plan_idx)
+                    got = await summed(node, plan_src[:upto])
                     sums = [0] * n  # only once every sum is made (a cut one has none)
-                    for i, crc in zip(plan_idx, got, strict=True):
+                    for i, crc in zip(plan_idx[:upto], got, strict=True):
                         sums[i] = crc
         finally:
             quiet = False
@@ -562,6 +571,10 @@ class ProducerSide(SessionParts):
                     # posted are aborted too, as a cut promises, not failed.
                     for part in parts:
                         _set_all(outcomes, plan_idx[part], _ABORTED)
+                elif expired:
+                    # Never posted: the consumer may look them up again (a new round).
+                    for part in parts:
+                        _set_all(outcomes, plan_idx[part], _LEASE_EXPIRED)
                 if cfg.verify_checksums and sums is None and _OK in outcomes:
                     # Cut (or failed) before its sums were made: a consumer that verifies
                     # would fail a landed key OK without its sum as suspect and quarantine
@@ -602,14 +615,19 @@ class ProducerSide(SessionParts):
         parts: list[slice],
         req: int,
         write: WriteScope,
+        lease_end: float,
+        clock: trio.abc.Clock,
     ) -> _PostRun:
         """Runs in the worker thread, holding the data-plane limiter: posts the chunks of
         ``parts`` one after another. It lets go after a chunk once another task wants the
         data plane (``Node.data_wanted``; the rest are for the next run), and stops for
         good (``ended``), checking before each chunk, once the write was cancelled
         (``write.stopped``), the session is closing (a node's close closes each), the
-        request is no longer being written (aborted, or dropped with a restarted peer), or
-        the peer has no registration (it restarted). It reads plain attributes and dict
+        request is no longer being written (aborted, or dropped with a restarted peer), the
+        peer has no registration (it restarted), or the round's lease has ended
+        (``expired``: no write starts past ``lease_end``, on the Trio clock's time, which
+        a consumer's bound on late writes counts on; see docs/design.md, "The producer's
+        reader never waits for the host"). It reads plain attributes and dict
         entries that the Trio thread sets: a cancel scope's ``cancel_called`` may not be
         read from another thread.
 
@@ -637,6 +655,11 @@ class ProducerSide(SessionParts):
                 # Checked before each chunk, the first too: a cut that came before this
                 # thread reached it posts nothing (the thread itself is never abandoned).
                 run.ended = True
+                break
+            if clock.current_time() >= lease_end:
+                # However late the write got here (a stalled loop read the fetch after
+                # the lease timer should have run, the data plane was busy), no post.
+                run.ended = run.expired = True
                 break
             if run.tried and node.data_wanted > 1:
                 break  # at least one chunk a run, so a fetch is never starved
@@ -725,6 +748,7 @@ class _PostRun:
 
     tried: int = 0  # chunks taken from the front of the list, posted or refused
     ended: bool = False  # stopped for good (see _post_run): no run follows this one
+    expired: bool = False  # ended because the round's lease had ended
     posted: list[tuple[slice, DataTransport, TransferHandle]] = attrs.Factory(list)
     refused: list[TransportError] = attrs.Factory(list)  # their keys stay failed
     error: Exception | None = None  # a bug: raised on the Trio thread once posted is kept

@@ -40,9 +40,11 @@ What a peer can make us hold
     most ``max_open_requests`` rounds are open. A round whose lease ran out is no longer
     open: it leaves a tombstone (its id), and a fetch for it is answered here, every key
     (or slot) ``LEASE_EXPIRED``, with no event for the driver; an abort or an empty fetch just drops
-    the tombstone. At most ``max_open_requests`` tombstones are kept, oldest dropped
-    first; a round whose tombstone was dropped (its id at or below the highest dropped
-    one) is treated the same way, so a slow consumer never turns into a protocol error.
+    the tombstone. (A round fetched in time keeps its deadline, :meth:`lease_end`: the
+    driver posts no write past it and answers the keys it did not post ``LEASE_EXPIRED``.)
+    At most ``max_open_requests`` tombstones are kept, oldest dropped first; a round whose
+    tombstone was dropped (its id at or below the highest dropped one) is treated the same
+    way, so a slow consumer never turns into a protocol error.
     :meth:`SessionProtocol.keys_held` counts what the driver holds for the peer: a lookup's
     keys until it is answered, then its pins, plus a fetch's keys while it is written.
 
@@ -59,6 +61,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
+import math
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -402,6 +405,12 @@ class SessionProtocol:
         if r is None:
             return InState.EXPIRED if req_id in self._expired else None
         return r.state
+
+    def lease_end(self, req_id: int) -> float:
+        """When the lease of the round ``req_id`` (ours to serve) ends; -inf for none. A
+        fetch keeps its round's deadline: the driver posts no write past it."""
+        r = self._in.get(req_id)
+        return -math.inf if r is None else r.deadline
 
     def next_deadline(self) -> float | None:
         """Earliest lease deadline of a pinned round (for the driver's timer)."""
