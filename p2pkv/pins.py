@@ -200,11 +200,24 @@ class HostPins:
         """Answer a taken request: the slot per key (None: not held) and the token of the
         pins taken for it (None: nothing pinned). If the engine stopped waiting, the token
         is released at once. ValueError for a malformed answer (the request is then
-        answered all misses and the token released)."""
+        answered all misses and the token released): not one slot (0..num_blocks-1) or
+        None per key, or one slot for two different keys (the peer would be sent one
+        block's bytes as another's; a key the lookup names twice may have its slot twice)."""
         answer = list(slots)
-        bad = len(answer) != len(req.keys) or any(
+        why = None
+        if len(answer) != len(req.keys) or any(
             s is not None and not (type(s) is int and 0 <= s < self.num_blocks) for s in answer
-        )
+        ):
+            why = f"answer must hold one slot (0..{self.num_blocks - 1}) or None per key"
+        else:
+            given = [s for s in answer if s is not None]
+            if len(set(given)) != len(given):  # rare: only then is each key looked at
+                first: dict[int, bytes] = {}
+                for key, s in zip(req.keys, answer, strict=True):
+                    if s is not None and first.setdefault(s, key) != key:
+                        why = f"one slot ({s}) answered for two different keys"
+                        break
+        bad = why is not None
         with self._lock:
             if req._state is not _State.TAKEN and req._state is not _State.ABANDONED:
                 raise ValueError(f"request is {req._state.value}, not taken")
@@ -231,10 +244,8 @@ class HostPins:
                 wake = req._wake
         if wake is not None:
             wake()
-        if bad:
-            raise ValueError(
-                f"answer must hold one slot (0..{self.num_blocks - 1}) or None per key"
-            )
+        if why is not None:
+            raise ValueError(why)
 
     def any_waiting(self) -> bool:
         """Cheap hint, without the lock: requests may be waiting for :meth:`take`."""

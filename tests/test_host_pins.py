@@ -224,8 +224,8 @@ async def test_a_stalled_host_holds_only_the_requests_the_engine_still_waits_for
 
 @pytest.mark.parametrize(
     "slots",
-    [[1], [1, 2, 3], [1, 8], [-1, 2], [1.0, 2], [True, 2], ["1", 2]],
-    ids=["short", "long", "past_the_region", "negative", "float", "bool", "str"],
+    [[1], [1, 2, 3], [1, 8], [-1, 2], [1.0, 2], [True, 2], ["1", 2], [3, 3]],
+    ids=["short", "long", "past_the_region", "negative", "float", "bool", "str", "one_for_two"],
 )
 async def test_a_malformed_answer_raises_releases_its_token_and_answers_all_misses(
     autojump_clock: trio.testing.MockClock, slots: list[Any]
@@ -246,6 +246,25 @@ async def test_a_malformed_answer_raises_releases_its_token_and_answers_all_miss
         assert pins.released() == []
         with pytest.raises(ValueError, match="not taken"):  # answered already
             pins.answer(req, [1, 2], None)
+
+
+async def test_a_key_the_lookup_names_twice_may_be_answered_its_slot_twice(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only two *different* keys in one slot are refused (``one_for_two`` above): the
+    same key twice holds the same block twice."""
+    pins = HostPins(8, answer_within=5.0)
+    a, b = b"a" * 32, b"b" * 32
+    with trio.fail_after(VIRTUAL_BOUND):
+        async with trio.open_nursery() as nursery:
+            # Equal, not the same object, as keys decoded from the wire are.
+            got = await pinning(nursery, pins, "round-1", [a, b, bytes(bytearray(a))])
+            [req] = pins.take()
+            pins.answer(req, [3, 5, 3], "tok")
+        assert got == [[3, 5, 3]]
+        assert pins.held() == 1 and pins.released() == []
+        pins.unpin("round-1")
+        assert pins.released() == ["tok"]
 
 
 async def test_release_all_hands_back_every_held_token_once_and_abandons_waiting_requests(
