@@ -869,6 +869,38 @@ async def test_each_chunk_of_a_write_is_posted_only_within_its_rounds_lease(
             await raw.aclose()
 
 
+async def test_a_lease_ending_within_one_run_of_posts_stops_it_before_the_next_chunk(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One run of posts, nobody else wanting the data plane: a data plane that copies
+    inside the post call (FAKE: each post takes 6 s of the 5 s lease) gets the first
+    chunk, and the second is checked before its post, not only the run's first."""
+
+    class CopiesInline(FaultTransport):
+        """FAKE data plane: a post returns only once its copy took 6 s."""
+
+        def post_write(self, *args: Any) -> TransferHandle:
+            h = super().post_write(*args)
+            autojump_clock.jump(6.0)
+            return h
+
+    with trio.fail_after(VIRTUAL_BOUND):
+        factory = FaultFactory(kind=CopiesInline)
+        async with node("src", lease=5.0, factory=factory, transfer_chunk_bytes=4096) as src:
+            keys = fill(src.store, 2, 4096)
+            raw, session = await connected(src)
+            req, hits = await raw.lookup(keys)
+            assert all(hits)
+            raw.proto.send_fetch(req, keys, [0, 1])
+            await raw.flush()
+            done = await raw.next_event()
+            assert isinstance(done, TransferCompleted) and done.req_id == req
+            assert done.outcomes == [OK, LEASE_EXPIRED]
+            assert factory.transport.posts == 1
+            assert session.inflight_bytes == 0 and src.statistics().pinned_slots == 0
+            await raw.aclose()
+
+
 # --- item 12: fairness between peers ------------------------------------------------------
 
 

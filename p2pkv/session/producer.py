@@ -625,7 +625,7 @@ class ProducerSide(SessionParts):
         (``write.stopped``), the session is closing (a node's close closes each), the
         request is no longer being written (aborted, or dropped with a restarted peer), the
         peer has no registration (it restarted), or the round's lease has ended
-        (``expired``: no write starts past ``lease_end``, on the Trio clock's time, which
+        (``expired``: no post is called past ``lease_end``, on the Trio clock's time, which
         a consumer's bound on late writes counts on; see docs/design.md, "The producer's
         reader never waits for the host"). It reads plain attributes and dict
         entries that the Trio thread sets: a cancel scope's ``cancel_called`` may not be
