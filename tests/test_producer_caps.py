@@ -69,6 +69,22 @@ async def connected(n: Node, **info: Any) -> tuple[RawPeer, PeerSession]:
     return raw, n._by_peer[raw.peer_id]
 
 
+async def one_fetch(
+    src: Node, n: int
+) -> tuple[RawPeer, PeerSession, list[bytes], TransferCompleted]:
+    """A raw peer looks ``n`` fresh blocks of ``src`` up (all hits) and fetches them into
+    its slots 0..n-1: the peer, its session, the keys and the fetch's reply."""
+    keys = fill(src.store, n, 4096)
+    raw, session = await connected(src)
+    req, hits = await raw.lookup(keys)
+    assert all(hits)
+    raw.proto.send_fetch(req, keys, list(range(n)))
+    await raw.flush()
+    done = await raw.next_event()
+    assert isinstance(done, TransferCompleted) and done.req_id == req
+    return raw, session, keys, done
+
+
 # --- item 4: abort_ack means "no write of this round can land any more" -------------------
 
 
@@ -775,14 +791,7 @@ async def test_a_write_the_data_plane_reports_failed_is_never_reported_loaded(
                 return TransferState.ERR if state is TransferState.DONE else state
 
         async with node("src", factory=FaultFactory(kind=ErringWrites)) as src:
-            keys = fill(src.store, 4, 4096)
-            raw, session = await connected(src)
-            req, hits = await raw.lookup(keys)
-            assert all(hits)
-            raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
-            await raw.flush()
-            done = await raw.next_event()
-            assert isinstance(done, TransferCompleted) and done.req_id == req
+            raw, session, _, done = await one_fetch(src, 4)
             assert done.outcomes == [TRANSFER_FAILED] * 4
             assert session.alive and src.statistics().pinned_slots == 0
             await raw.aclose()
@@ -803,14 +812,7 @@ async def test_no_write_starts_after_its_rounds_lease_however_late_it_reaches_th
     with trio.fail_after(VIRTUAL_BOUND):
         factory = FaultFactory()
         async with node("src", lease=5.0, factory=factory, delays={"_post_run": post_after}) as src:
-            keys = fill(src.store, 4, 4096)
-            raw, session = await connected(src)
-            req, hits = await raw.lookup(keys)
-            assert all(hits)
-            raw.proto.send_fetch(req, keys, [0, 1, 2, 3])
-            await raw.flush()
-            done = await raw.next_event()
-            assert isinstance(done, TransferCompleted) and done.req_id == req
+            raw, session, keys, done = await one_fetch(src, 4)
             if expired:
                 assert done.outcomes == [LEASE_EXPIRED] * 4
                 assert factory.transport.posts == 0 and not raw.array.any()
@@ -818,7 +820,7 @@ async def test_no_write_starts_after_its_rounds_lease_however_late_it_reaches_th
                 assert done.outcomes == [OK] * 4
                 assert factory.transport.posts == 1 and raw.array.any()
             assert session.alive and src.statistics().pinned_slots == 0
-            req, hits = await raw.lookup(keys[:1])  # still serving
+            _, hits = await raw.lookup(keys[:1])  # still serving
             assert hits == [True]
             await raw.aclose()
 
@@ -887,14 +889,7 @@ async def test_a_lease_ending_within_one_run_of_posts_stops_it_before_the_next_c
     with trio.fail_after(VIRTUAL_BOUND):
         factory = FaultFactory(kind=CopiesInline)
         async with node("src", lease=5.0, factory=factory, transfer_chunk_bytes=4096) as src:
-            keys = fill(src.store, 2, 4096)
-            raw, session = await connected(src)
-            req, hits = await raw.lookup(keys)
-            assert all(hits)
-            raw.proto.send_fetch(req, keys, [0, 1])
-            await raw.flush()
-            done = await raw.next_event()
-            assert isinstance(done, TransferCompleted) and done.req_id == req
+            raw, session, _, done = await one_fetch(src, 2)
             assert done.outcomes == [OK, LEASE_EXPIRED]
             assert factory.transport.posts == 1
             assert session.inflight_bytes == 0 and src.statistics().pinned_slots == 0
